@@ -1,0 +1,35 @@
+"""torchdebug: where the first NaN/Inf was born, gradient health, memory and time for PyTorch training.
+
+The only public surface; everything else is private or reached through these names.
+"""
+
+from ._errors import (
+    ConfigError,
+    InstrumentError,
+    NonFiniteError,
+    RunStoreError,
+    SchemaVersionError,
+    TorchDebugError,
+    TorchDebugWarning,
+)
+from ._version import __version__
+from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
+from .stats import TensorStats, analyze_tensor
+
+__all__ = [
+    "Anomaly",
+    "ConfigError",
+    "InstrumentError",
+    "ModuleFrame",
+    "NonFiniteError",
+    "Phase",
+    "RuleEvent",
+    "RunStoreError",
+    "SchemaVersionError",
+    "StepRecord",
+    "TensorStats",
+    "TorchDebugError",
+    "TorchDebugWarning",
+    "__version__",
+    "analyze_tensor",
+]

@@ -1,0 +1,241 @@
+"""Plain-data records that instruments produce: anomalies, rule events, step records (no live tensors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .stats import TensorStats
+
+
+class Phase(str, enum.Enum):
+    """Where in a training step something happened."""
+
+    INPUT = "input"
+    PARAMETER = "parameter"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _plain(value: Any) -> Any:
+    """Turn dataclasses, enums, tuples and TensorStats into JSON-ready values."""
+    if hasattr(value, "to_dict") and callable(value.to_dict):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and value != value:  # NaN is not JSON
+        return "nan"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def module_label(name: str, type_name: str | None = None) -> str:
+    """Render a qualified module name; the root ``""`` is shown as its class name."""
+    if name:
+        return f"{name} ({type_name})" if type_name else name
+    return type_name or "<root>"
+
+
+@dataclass(frozen=True)
+class ModuleFrame:
+    """One module call seen before an anomaly, with the magnitude range of what went in and out."""
+
+    module: str
+    module_type: str
+    phase: str  # "forward" | "backward"
+    input_abs_min: float | None = None
+    input_abs_max: float | None = None
+    output_abs_min: float | None = None
+    output_abs_max: float | None = None
+    output_nonfinite: bool = False
+
+    def __str__(self) -> str:
+        def rng(lo: float | None, hi: float | None) -> str:
+            if lo is None or hi is None:
+                return "-"
+            return f"[{lo:.3g}, {hi:.3g}]"
+
+        bad = "  <- non-finite" if self.output_nonfinite else ""
+        return (
+            f"{self.phase:<8} {module_label(self.module, self.module_type):<40} "
+            f"|in|∈{rng(self.input_abs_min, self.input_abs_max):<22} "
+            f"|out|∈{rng(self.output_abs_min, self.output_abs_max)}{bad}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """Where the first non-finite value was born.
+
+    ``phase`` is one of ``Phase``; ``module`` the qualified name as in ``model.named_modules()``
+    (``""`` for the root or for code outside any module); ``op`` the aten op (forward) or the autograd
+    node (backward); ``location`` the user's ``path/file.py:LINE`` that ran the op (for backward, the
+    forward line that created the node); ``kind`` ``"nan" | "inf" | "-inf"``; ``step`` the count of
+    completed ``mon.step()`` calls (``None`` for ``locate_nonfinite``).
+    """
+
+    phase: str
+    module: str
+    op: str | None
+    location: str | None
+    kind: str
+    step: int | None = None
+    rank: int = 0
+    tensor: TensorStats | None = None
+    inputs: tuple[TensorStats, ...] = ()
+    frames: tuple[ModuleFrame, ...] = ()
+    related: Anomaly | None = None
+    hint: str = ""
+    module_type: str = ""
+    micro_step: int | None = None
+    symptom: str = ""  # where the sentinel noticed it, e.g. "gradient of fc.weight"
+    detected_by: str = "locate"  # "locate" | "sentinel" | "sentinel (no replay)"
+    stack: tuple[str, ...] = ()  # user frames, innermost last, capped
+    parameter: str | None = None  # for phase "parameter"/"optimizer": the parameter's qualified name
+
+    @property
+    def where(self) -> str:
+        return module_label(self.module, self.module_type)
+
+    def summary(self) -> str:
+        """One line: ``nan born in forward of blocks.1.attn (Attention): aten.log at model.py:41``."""
+        what = f"{self.kind} born in {self.phase}"
+        where = self.parameter if self.parameter else self.where
+        s = f"{what} of {where}"
+        if self.op:
+            s += f": {self.op}"
+        if self.location:
+            s += f" at {self.location}"
+        if self.step is not None:
+            s += f" (step {self.step})"
+        return s
+
+    def __str__(self) -> str:
+        lines = [f"torchdebug: {self.summary()}"]
+        lines.append(f"  phase     {self.phase}")
+        lines.append(f"  module    {self.where}")
+        if self.parameter:
+            lines.append(f"  parameter {self.parameter}")
+        if self.op:
+            lines.append(f"  op        {self.op}")
+        if self.location:
+            lines.append(f"  line      {self.location}")
+        if self.step is not None:
+            micro = f" (micro-step {self.micro_step})" if self.micro_step else ""
+            lines.append(f"  step      {self.step}{micro}")
+        if self.rank:
+            lines.append(f"  rank      {self.rank}")
+        if self.symptom:
+            lines.append(f"  noticed   {self.symptom}")
+        if self.hint:
+            lines.append(f"  hint      {self.hint}")
+        if self.tensor is not None:
+            lines.append(f"  output    {self.tensor}")
+        for i, t in enumerate(self.inputs):
+            lines.append(f"  input[{i}]  {t}")
+        if self.related is not None:
+            lines.append(f"  related   {self.related.summary()}")
+        if self.frames:
+            lines.append("  last module calls before it:")
+            lines.extend(f"    {f}" for f in self.frames)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d["summary"] = self.summary()
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+SEVERITIES = ("info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class RuleEvent:
+    """A rule that fired: exploding gradients, loss spike, leak, input-bound step ...
+
+    ``kind`` is a short snake_case name; ``modules`` the layers it concerns; ``evidence`` plain numbers.
+    """
+
+    kind: str
+    step: int | None
+    message: str
+    severity: str = "warning"
+    modules: tuple[str, ...] = ()
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+    def __str__(self) -> str:
+        where = f" [{', '.join(self.modules)}]" if self.modules else ""
+        at = f"step {self.step}: " if self.step is not None else ""
+        return f"{self.severity}: {at}{self.kind}{where}: {self.message}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+@dataclass
+class StepRecord:
+    """What ``mon.step()`` returns: the step's numbers after its single host transfer."""
+
+    step: int
+    micro_steps: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    skipped: bool = False
+    skip_reason: str = ""
+    scale: float | None = None
+    lr: tuple[float, ...] = ()
+    time_s: float | None = None
+    values: dict[str, float] = field(default_factory=dict)
+    anomaly: Anomaly | None = None
+    events: list[RuleEvent] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step}"]
+        if self.loss is not None:
+            parts.append(f"loss={self.loss:.4g}")
+        if self.grad_norm is not None:
+            parts.append(f"|g|={self.grad_norm:.4g}")
+        if self.lr:
+            parts.append("lr=" + ",".join(f"{x:.3g}" for x in self.lr))
+        if self.skipped:
+            parts.append(f"SKIPPED ({self.skip_reason})")
+        if self.anomaly is not None:
+            parts.append(f"ANOMALY: {self.anomaly.summary()}")
+        parts.extend(str(e) for e in self.events)
+        return "  ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def plain(value: Any) -> Any:
+    """Public alias of the JSON-ready converter used by every record's ``to_dict``."""
+    return _plain(value)
+
+
+__all__: Sequence[str] = ["Anomaly", "ModuleFrame", "Phase", "RuleEvent", "StepRecord", "module_label", "plain"]
