@@ -1,0 +1,157 @@
+"""The ``torchdebug`` command line: argument parsing, subcommand discovery, exit codes and error lines.
+
+Exit codes: 0 ok, 1 failure, 2 usage error. A failure prints ONE line to stderr,
+``torchdebug: error: <what went wrong and what to do>``; ``--debug`` shows the traceback instead.
+
+Adding a subcommand (no edit of this file needed): create a module named in ``_COMMAND_MODULES``
+that exposes ``register(subparsers) -> None``. ``register`` adds its parsers with
+``subparsers.add_parser(name, help=...)`` and sets ``parser.set_defaults(func=run)`` where
+``run(args) -> int`` returns the exit code. Rules:
+
+- ``register`` must be cheap: import heavy dependencies (fastapi, matplotlib ...) inside ``run``,
+  not at module level, so ``torchdebug --help`` stays fast and works without optional extras.
+- Report expected failures by raising ``torchdebug.RunStoreError``/``ConfigError`` (or ``ValueError``,
+  ``OSError``) with a message naming the fix; ``main`` turns them into the one-line error and exit 1.
+- A missing optional extra: raise ``ImportError`` with ``name`` set, or ``ModuleNotFoundError``; the user
+  sees ``... install it with: pip install 'torchdebug[<extra>]'`` when the message says so.
+- A module listed here that does not exist (yet) is skipped silently; any other import error in it is
+  raised, so a broken command is noticed rather than hidden.
+
+Example::
+
+    # torchdebug/report/_cli.py
+    def register(subparsers):
+        p = subparsers.add_parser("report", help="write a report of a run")
+        p.add_argument("run")
+        p.set_defaults(func=_run)
+
+    def _run(args) -> int:
+        from .html import write_html   # heavy imports here
+        ...
+        return 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from ._version import __version__
+
+PROG = "torchdebug"
+
+#: Modules that add subcommands through ``register(subparsers)``, in ``--help`` order.
+_COMMAND_MODULES = [
+    "torchdebug.store._cli",
+    "torchdebug.demo",
+    "torchdebug.report._cli",
+    "torchdebug.server._cli",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (plus the hint) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _missing_module(err: ModuleNotFoundError, module: str) -> bool:
+    """True when ``err`` is about ``module`` itself (or a parent package of it), not something it imports."""
+    if not err.name:
+        return False
+    return module == err.name or (module.startswith(err.name + ".") and err.name != "torchdebug")
+
+
+def build_parser(modules: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser: global options plus every subcommand found in ``modules``.
+
+    Raises whatever a command module raises on import, except a ModuleNotFoundError for that very module.
+    """
+    parser = _Parser(
+        prog=PROG,
+        description="torchdebug: explain PyTorch training failures from a run folder.",
+        epilog=f"Run '{PROG} <command> --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+    for module in _COMMAND_MODULES if modules is None else modules:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if _missing_module(e, module):
+                continue
+            raise
+        mod.register(subparsers)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) if str(exc) else type(exc).__name__
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        text = exc.args[0]  # str(KeyError) adds quotes
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error).
+
+    Example: ``main(["runs", "runs/"])``; the console script ``torchdebug`` calls ``sys.exit(main())``.
+    """
+    from ._errors import TorchDebugError
+
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    # --debug is global but accepted anywhere (``torchdebug show RUN --debug``): take it out before
+    # parsing so subcommands need not declare it; a literal "--debug" after "--" is left alone.
+    end = args_list.index("--") if "--" in args_list else len(args_list)
+    debug = "--debug" in args_list[:end]
+    args_list = [a for a in args_list[:end] if a != "--debug"] + args_list[end:]
+    try:
+        parser = build_parser()
+        args = parser.parse_args(args_list)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    func = getattr(args, "func", None)
+    if func is None:
+        commands = ", ".join(sorted(_subcommands(parser)))
+        print(f"{PROG}: error: choose a command: {commands} (see '{PROG} --help')", file=sys.stderr)
+        return 2
+    try:
+        code = func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `torchdebug runs | head`
+        return 0
+    except (TorchDebugError, OSError, ValueError, KeyError, ImportError) as e:
+        if debug:
+            raise
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if debug:
+            raise
+        print(
+            f"{PROG}: error: internal error {type(e).__name__}: {_one_line(e)} "
+            f"(rerun with --debug for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
+    return int(code or 0)
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The ``torchdebug runs`` and ``torchdebug show`` subcommands (registered by torchdebug.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .._errors import RunStoreError
+
+_MAX_METRICS = 20
+_MAX_ANOMALIES = 20
+# Shown first by `show`, in this order, when present; the rest follow alphabetically.
+_MAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "scale", "step_time")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``runs`` and ``show`` to the torchdebug command line."""
+    p = subparsers.add_parser("runs", help="list the runs in a folder (default ./runs)")
+    p.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_runs)
+
+    p = subparsers.add_parser("show", help="summarize one run: status, steps, metrics, anomalies, events")
+    p.add_argument("run", metavar="RUN", help="run folder, or a run name looked up under --root")
+    p.add_argument("--root", default="runs", help="where to look RUN up by name (default ./runs)")
+    p.add_argument("--rank", type=int, default=None, help="which rank's database (default 0)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_show)
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from .reader import list_runs
+
+    root = Path(args.dir)
+    if not root.exists():
+        raise RunStoreError(
+            f"{root} does not exist; runs are written under ./runs by default, pass their folder: torchdebug runs DIR"
+        )
+    infos = list_runs(root)
+    if args.json:
+        print(json.dumps([i.to_dict() for i in infos], indent=2))
+        return 0
+    if not infos:
+        print(f"no runs in {root}")
+        return 0
+    rows = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
+    for i in infos:
+        created = (i.created or "-").replace("T", " ")[:19]
+        rows.append((i.name, i.status, str(i.steps), str(i.anomalies), created, str(i.path)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    numeric = {2, 3}
+    for r in rows:
+        cells = [r[c].rjust(widths[c]) if c in numeric else r[c].ljust(widths[c]) for c in range(len(r))]
+        print("  ".join(cells).rstrip())
+    for i in infos:
+        if i.error:
+            print(f"  {i.path}: {i.error}")
+    return 0
+
+
+def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
+    """A run folder from a path, or from a name under ``root`` (the newest ``<name>-<timestamp>``).
+
+    Raises:
+        RunStoreError: nothing matches (the message says where it looked).
+    """
+    p = Path(run)
+    if p.exists():
+        return p
+    base = Path(root)
+    if base.is_dir() and os.sep not in run:
+        if (base / run).exists():
+            return base / run
+        # Folder names end in -yyyymmdd-hhmmss, so the lexically last match is the newest run.
+        matches = sorted(
+            c for c in base.iterdir() if c.name.startswith(run + "-") and (c / "meta.json").is_file()
+        )
+        if matches:
+            return matches[-1]
+    raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _anomaly_line(a: dict[str, Any]) -> str:
+    text = a.get("summary")
+    if isinstance(text, str) and text:  # events.Anomaly.summary(): already names the step
+        return text
+    where = a.get("parameter") or a.get("module") or "?"
+    text = f"{a.get('kind', 'anomaly')} in {a.get('phase', '?')} of {where}"
+    if a.get("op"):
+        text += f": {a['op']}"
+    at = f"step {a['step']}: " if a.get("step") is not None else ""
+    return at + text
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .reader import open_run
+
+    path = resolve_run(args.run, args.root)
+    with open_run(path, rank=args.rank) as run:
+        summary = run.summary()
+        last = run.last_values()
+        anomalies = run.anomalies()
+        if args.json:
+            summary["meta"] = run.meta
+            summary["last_values"] = {k: {"step": s, "value": v} for k, (s, v) in last.items()}
+            summary["anomaly_list"] = anomalies
+            from ..events import plain
+
+            print(json.dumps(plain(summary), indent=2, default=str))
+            return 0
+        meta = run.meta
+        out = [
+            f"run        {run.name}  (id {run.run_id})",
+            f"path       {path}",
+            f"status     {summary['status']}",
+            f"created    {meta.get('created')}" + (f"   ended {meta['ended']}" if meta.get("ended") else ""),
+            f"host       {meta.get('host')}  pid {meta.get('pid')}",
+            f"versions   torch {meta.get('torch')}  python {meta.get('python')}  "
+            f"torchdebug {meta.get('torchdebug', '?')}  schema {summary['schema_version']}",
+            f"ranks      {', '.join(map(str, summary['ranks']))} (world size {meta.get('world_size', 1)}), "
+            f"showing rank {run.rank}",
+            f"steps      {summary['steps']}"
+            + (f" (last step {summary['last_step']})" if summary["last_step"] is not None else ""),
+        ]
+        if summary["dropped"]:
+            out.append(f"dropped    {summary['dropped']} low-priority samples (writer queue was full)")
+        config = meta.get("config") or {}
+        if config:
+            out.append("config     " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(config.items())))
+        order = [m for m in _MAIN_METRICS if m in last] + sorted(m for m in last if m not in _MAIN_METRICS)
+        out.append("")
+        out.append(f"metrics ({len(last)}), last value")
+        if order:
+            width = max(len(m) for m in order[:_MAX_METRICS])
+            for m in order[:_MAX_METRICS]:
+                step, value = last[m]
+                out.append(f"  {m.ljust(width)}  {_fmt(value):>12}  at step {step}")
+            if len(order) > _MAX_METRICS:
+                out.append(f"  ... and {len(order) - _MAX_METRICS} more (torchdebug show --json)")
+        else:
+            out.append("  none")
+        out.append("")
+        out.append(f"anomalies ({len(anomalies)})")
+        out.extend(f"  {_anomaly_line(a)}" for a in anomalies[:_MAX_ANOMALIES])
+        if len(anomalies) > _MAX_ANOMALIES:
+            out.append(f"  ... and {len(anomalies) - _MAX_ANOMALIES} more")
+        if not anomalies:
+            out.append("  none")
+        out.append("")
+        events = summary["events"]
+        out.append(f"events ({sum(events.values())})")
+        out.extend(f"  {kind}  {n}" for kind, n in sorted(events.items(), key=lambda kv: (-kv[1], kv[0])))
+        if not events:
+            out.append("  none")
+        if summary["segments"]:
+            out.append("")
+            out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
+    print("\n".join(out))
+    return 0

@@ -1,0 +1,504 @@
+"""The run reader: open a run folder read-only and query its metrics, anomalies, events and samples."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import socket
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._errors import RunStoreError, SchemaVersionError
+from ._schema import SCHEMA_VERSION, open_for_reading
+
+_RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
+_NOT_A_RUN_HINT = "pass a run folder such as runs/demo-20250101-120000 (list them with: torchdebug runs)"
+
+
+def _nan(v: Any) -> Any:
+    # SQLite stores a bound NaN as NULL; the writer never stores None, so NULL reads back as NaN.
+    return float("nan") if v is None else v
+
+
+@dataclass
+class Series:
+    """One metric over steps. ``downsampled`` is True when buckets were reduced to their min and max."""
+
+    name: str
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    wall_times: list[float] = field(default_factory=list)
+    downsampled: bool = False
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __str__(self) -> str:
+        if not self.steps:
+            return f"{self.name}: no points"
+        tail = " (min/max downsampled)" if self.downsampled else ""
+        return (
+            f"{self.name}: {len(self)} points, steps {self.steps[0]}..{self.steps[-1]}, "
+            f"last {self.values[-1]:.6g}{tail}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; NaN/Inf values are rendered as the strings "nan", "inf", "-inf"."""
+        from ..events import plain
+
+        return plain(asdict(self))
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One line of ``list_runs``: where a run is and how far it got."""
+
+    path: Path
+    name: str
+    status: str  # running | finished | failed | crashed | unreadable
+    created: str | None
+    steps: int
+    anomalies: int
+    run_id: str | None = None
+    error: str | None = None  # why an "unreadable" run could not be read
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        return d
+
+
+def _pid_alive(pid: int, created: str | None) -> bool:
+    """Is ``pid`` a live process that started no later than the run (guards against pid reuse)?"""
+    try:
+        import psutil
+    except ImportError:  # psutil is a core dependency; this keeps a broken install readable
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if created:
+            started = _dt.datetime.fromisoformat(created).timestamp()
+            if proc.create_time() > started + 2.0:  # 2 s slack: run created after its process started
+                return False
+        return True
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise RunStoreError(f"{path} does not exist; {_NOT_A_RUN_HINT}")
+    if not path.is_dir():
+        raise RunStoreError(f"{path} is not a torchdebug run (not a folder); {_NOT_A_RUN_HINT}")
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise RunStoreError(f"{path} is not a torchdebug run (no meta.json); {_NOT_A_RUN_HINT}")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunStoreError(f"{meta_file} is corrupt ({e}); the run cannot be read") from e
+    if not isinstance(meta, dict):
+        raise RunStoreError(f"{meta_file} is corrupt (not a JSON object); the run cannot be read")
+    version = meta.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{path} has schema version {version} but this torchdebug reads up to {SCHEMA_VERSION}; "
+            "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
+        )
+    return meta
+
+
+def _ranks(path: Path) -> list[int]:
+    found = (_RANK_FILE.match(p.name) for p in path.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+class Run:
+    """A run opened read-only; one rank's database at a time (``run.rank``, ``run.open_rank(k)``).
+
+    Safe while the writer is still writing (SQLite WAL: every query sees a consistent snapshot).
+    Use as a context manager or call ``close()`` to release the file.
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any], rank: int) -> None:
+        self.path = path
+        self.meta = meta
+        self.rank = rank
+        self.db_path = path / f"rank{rank}.sqlite"
+        self._conn, self.schema_version = open_for_reading(self.db_path)
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        return self.meta.get("run_id")
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name") or self.path.name)
+
+    @property
+    def created(self) -> str | None:
+        return self.meta.get("created")
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks with a database in the run folder."""
+        return _ranks(self.path)
+
+    @property
+    def status(self) -> str:
+        """running | finished | failed | crashed: "crashed" is a "running" run whose process is gone.
+
+        Re-reads meta.json, so a live run's status is current. A run written on another host is
+        reported as meta.json says (its process cannot be checked from here).
+        """
+        meta = self.meta
+        try:
+            fresh = json.loads((self.path / "meta.json").read_text(encoding="utf-8"))
+            if isinstance(fresh, dict):
+                meta = self.meta = fresh
+        except (OSError, ValueError):
+            pass
+        status = str(meta.get("status", "unknown"))
+        if status == "running" and meta.get("host") == socket.gethostname():
+            pid = meta.get("pid")
+            if isinstance(pid, int) and not _pid_alive(pid, meta.get("created")):
+                return "crashed"
+        return status
+
+    def open_rank(self, rank: int) -> Run:
+        """Open another rank's database of this run.
+
+        Raises:
+            RunStoreError: no database for that rank (the message lists the ranks present).
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        if rank not in self.ranks:
+            raise RunStoreError(f"{self.path} has no rank {rank} (ranks present: {self.ranks})")
+        return Run(self.path, self.meta, rank)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, rank={self.rank})"
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def _rows(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self._conn.execute(sql, params).fetchall()
+        except sqlite3.ProgrammingError as e:
+            raise RunStoreError(f"{self.db_path}: {e} (was the run closed?)") from e
+        except sqlite3.DatabaseError as e:
+            raise RunStoreError(
+                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it or delete it"
+            ) from e
+
+    def _db_meta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in self._rows("SELECT key, value FROM meta"):
+            try:
+                out[k] = json.loads(v)
+            except ValueError:
+                out[k] = v
+        return out
+
+    def metric_names(self) -> list[str]:
+        """Names of all logged metrics, sorted."""
+        return [r[0] for r in self._rows("SELECT name FROM metrics ORDER BY name")]
+
+    def _metric_id(self, name: str) -> int:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        row = self._rows("SELECT id FROM metrics WHERE name = ?", (name,))
+        if not row:
+            known = ", ".join(self.metric_names()[:20]) or "none"
+            raise KeyError(f"no metric {name!r} in {self.path} (known: {known})")
+        return int(row[0][0])
+
+    def series(self, name: str, since_step: int | None = None, max_points: int | None = None) -> Series:
+        """One metric over steps, ordered by step.
+
+        Args:
+            name: metric name (see ``metric_names()``).
+            since_step: only steps >= this.
+            max_points: at most this many points: steps are cut into ``max_points // 2`` equal buckets
+                and each keeps its lowest and highest point, so spikes survive (a NaN counts as a
+                bucket's lowest, so it survives too). Done in SQL.
+
+        Raises:
+            KeyError: unknown metric (the message lists known ones). ValueError: max_points < 2.
+
+        Example: ``run.series("loss", max_points=500).values``.
+        Cost: one indexed range scan; downsampling adds a window sort per bucket.
+        """
+        mid = self._metric_id(name)
+        since = -1 if since_step is None else int(since_step)
+        if max_points is not None and (isinstance(max_points, bool) or not isinstance(max_points, int)):
+            raise TypeError(f"max_points must be an int, got {type(max_points).__name__}")
+        if max_points is not None and max_points < 2:
+            raise ValueError(f"max_points must be >= 2 (a min and a max per bucket), got {max_points}")
+        params: dict[str, Any] = {"mid": mid, "since": since}
+        downsampled = False
+        if max_points is not None:
+            n, lo, hi = self._rows(
+                "SELECT count(*), min(step), max(step) FROM scalars WHERE metric_id = :mid AND step >= :since",
+                params,
+            )[0]
+            downsampled = n > max_points
+        if downsampled and max_points is not None:
+            params.update(lo=lo, nb=max_points // 2, span=hi - lo + 1)
+            # Integer bucket index in [0, nb). ORDER BY value puts NULL (NaN) first, so the "low" pick
+            # of a bucket holding a NaN is that NaN; DESC puts it last, so the "high" pick is a number.
+            sql = """
+                WITH r AS (
+                    SELECT step, value, wall_time, rowid AS rid,
+                        row_number() OVER (PARTITION BY b ORDER BY value ASC, step, rowid) AS low,
+                        row_number() OVER (PARTITION BY b ORDER BY value DESC, step, rowid) AS high
+                    FROM (SELECT rowid, step, value, wall_time, ((step - :lo) * :nb) / :span AS b
+                          FROM scalars WHERE metric_id = :mid AND step >= :since)
+                )
+                SELECT step, value, wall_time FROM r WHERE low = 1 OR high = 1 ORDER BY step, rid
+            """
+        else:
+            sql = (
+                "SELECT step, value, wall_time FROM scalars WHERE metric_id = :mid AND step >= :since "
+                "ORDER BY step, rowid"
+            )
+        rows = self._rows(sql, params)
+        return Series(
+            name=name,
+            steps=[r[0] for r in rows],
+            values=[_nan(r[1]) for r in rows],
+            wall_times=[r[2] for r in rows],
+            downsampled=downsampled,
+        )
+
+    def last_values(self) -> dict[str, tuple[int, float]]:
+        """``{metric: (step, value)}`` of each metric's latest step. Cost: one index probe per metric."""
+        rows = self._rows(
+            """SELECT m.name, s.step, s.value FROM metrics m JOIN scalars s ON s.rowid = (
+                   SELECT rowid FROM scalars WHERE metric_id = m.id ORDER BY step DESC, rowid DESC LIMIT 1)
+               ORDER BY m.name"""
+        )
+        return {name: (step, _nan(value)) for name, step, value in rows}
+
+    def _anomaly_rows(self, where: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
+        out = []
+        for rid, step, wall, data in self._rows(
+            f"SELECT id, step, wall_time, data FROM anomalies {where} ORDER BY id", params
+        ):
+            doc = json.loads(data)
+            doc.update(id=rid, step=step, wall_time=wall)
+            out.append(doc)
+        return out
+
+    def anomalies(self) -> list[dict[str, Any]]:
+        """Every anomaly document, in the order logged, with ``id``, ``step`` and ``wall_time`` added."""
+        return self._anomaly_rows("", ())
+
+    def _event_rows(self, where: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
+        cols = ("id", "step", "wall_time", "kind", "severity", "message", "data")
+        out = []
+        for row in self._rows(f"SELECT {', '.join(cols)} FROM events {where} ORDER BY id", params):
+            d = dict(zip(cols, row))
+            d["data"] = None if d["data"] is None else json.loads(d["data"])
+            out.append(d)
+        return out
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Events and log messages in the order logged, optionally only one ``kind``."""
+        if kind is None:
+            return self._event_rows("", ())
+        return self._event_rows("WHERE kind = ?", (kind,))
+
+    def tensor_stats(self, step: int | None = None, name: str | None = None) -> list[dict[str, Any]]:
+        """Tensor statistics as ``{"step", "name", "wall_time", "stats": {...}}``, filtered by step/name."""
+        clauses: list[str] = []
+        params: list[Any] = []
+        if step is not None:
+            clauses.append("step = ?")
+            params.append(int(step))
+        if name is not None:
+            clauses.append("name = ?")
+            params.append(name)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        return [
+            {"step": s, "name": n, "wall_time": w, "stats": json.loads(d)}
+            for s, n, w, d in self._rows(
+                f"SELECT step, name, wall_time, data FROM tensor_stats {where} ORDER BY step, id",
+                tuple(params),
+            )
+        ]
+
+    def _samples(
+        self, table: str, key: str, value: str, where: str, params: tuple[Any, ...]
+    ) -> Iterator[dict]:
+        """Pivot long rows back into one dict per logged sample: ``{"step", "wall_time", key: value...}``."""
+        current: dict[str, Any] | None = None
+        for step, wall, k, v in self._rows(
+            f"SELECT step, wall_time, {key}, {value} FROM {table} {where} ORDER BY step, id", params
+        ):
+            if current is None or current["step"] != step or current["wall_time"] != wall:
+                if current is not None:
+                    yield current
+                current = {"step": step, "wall_time": wall}
+            current[k] = _nan(v)
+        if current is not None:
+            yield current
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Memory samples ``{"step", "wall_time", "rss": bytes, ...}`` by step (bytes are ints)."""
+        return list(self._samples("memory", "key", "value", "", ()))
+
+    def timings(self) -> list[dict[str, Any]]:
+        """Timing samples ``{"step", "wall_time", "forward": s, ...}`` by step (seconds, float)."""
+        return list(self._samples("timings", "phase", "seconds", "", ()))
+
+    def segments(self) -> list[dict[str, Any]]:
+        """History segments (dashboard "clear"s): ``{"id", "start_step", "wall_time", "label"}``."""
+        cols = ("id", "start_step", "wall_time", "label")
+        return [dict(zip(cols, r)) for r in self._rows(f"SELECT {', '.join(cols)} FROM segments ORDER BY id")]
+
+    def at_step(self, step: int) -> dict[str, Any]:
+        """Everything recorded at one step: scalars, anomalies, events, tensor stats, memory, timings.
+
+        Example: ``run.at_step(7)["scalars"]["loss"]``. Cost: one indexed lookup per table.
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        scalars = {
+            n: _nan(v)
+            for n, v in self._rows(
+                "SELECT m.name, s.value FROM scalars s JOIN metrics m ON m.id = s.metric_id "
+                "WHERE s.step = ? ORDER BY s.rowid",
+                (step,),
+            )
+        }
+        mem = list(self._samples("memory", "key", "value", "WHERE step = ?", (step,)))
+        tim = list(self._samples("timings", "phase", "seconds", "WHERE step = ?", (step,)))
+        return {
+            "step": step,
+            "scalars": scalars,
+            "anomalies": self._anomaly_rows("WHERE step = ?", (step,)),
+            "events": self._event_rows("WHERE step = ?", (step,)),
+            "tensor_stats": self.tensor_stats(step=step),
+            "memory": mem[-1] if mem else None,
+            "timings": tim[-1] if tim else None,
+        }
+
+    def steps(self) -> int:
+        """Number of distinct steps with at least one metric. Cost: one index scan."""
+        return int(self._rows("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)")[0][0])
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for a quick look: steps, last step, metrics, anomalies, events by kind, status, dropped."""
+        last = self._rows(
+            "SELECT max(s) FROM (SELECT max(step) AS s FROM scalars UNION ALL SELECT max(step) FROM anomalies "
+            "UNION ALL SELECT max(step) FROM events)"
+        )[0][0]
+        db_meta = self._db_meta()
+        return {
+            "run_id": self.run_id,
+            "name": self.name,
+            "path": str(self.path),
+            "rank": self.rank,
+            "ranks": self.ranks,
+            "status": self.status,
+            "created": self.meta.get("created"),
+            "ended": self.meta.get("ended"),
+            "steps": self.steps(),
+            "last_step": last,
+            "metrics": int(self._rows("SELECT count(*) FROM metrics")[0][0]),
+            "anomalies": int(self._rows("SELECT count(*) FROM anomalies")[0][0]),
+            "events": dict(self._rows("SELECT kind, count(*) FROM events GROUP BY kind ORDER BY kind")),
+            "segments": int(self._rows("SELECT count(*) FROM segments")[0][0]),
+            "dropped": int(db_meta.get("dropped", 0)),
+            "schema_version": self.schema_version,
+        }
+
+
+def open_run(path: str | os.PathLike[str], rank: int | None = None) -> Run:
+    """Open a run folder read-only.
+
+    Args:
+        path: the run folder (holds meta.json and rank<k>.sqlite).
+        rank: which rank's database to query (default: meta.json's rank, i.e. 0, or the lowest present).
+
+    Returns:
+        A ``Run``; close it (or use ``with``) when done.
+
+    Raises:
+        RunStoreError: missing path, not a run folder, unknown rank, corrupt or truncated database.
+        SchemaVersionError: written by a newer torchdebug.
+
+    Never writes the folder: SQLite is opened with ``mode=ro``.
+
+    Example::
+
+        with open_run("runs/demo-20250101-120000") as run:
+            print(run.summary(), run.series("loss").values[-1])
+    """
+    p = Path(path)
+    meta = _read_meta(p)
+    ranks = _ranks(p)
+    if not ranks:
+        raise RunStoreError(f"{p} has no rank database (rank<k>.sqlite); the run folder is incomplete")
+    if rank is None:
+        rank = meta.get("rank", 0) if meta.get("rank", 0) in ranks else ranks[0]
+    elif isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    elif rank not in ranks:
+        raise RunStoreError(f"{p} has no rank {rank} (ranks present: {ranks})")
+    return Run(p, meta, rank)
+
+
+def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
+    """Every run directly under ``root``, oldest first; unreadable runs are listed with their error.
+
+    Raises:
+        RunStoreError: ``root`` does not exist or is not a folder.
+
+    Example: ``[r.name for r in list_runs("runs")]``. Cost: opens each run's rank-0 database.
+    """
+    base = Path(root)
+    if not base.is_dir():
+        raise RunStoreError(f"{base} is not a folder of runs (it does not exist or is a file)")
+    infos: list[RunInfo] = []
+    for p in sorted(base.iterdir()):
+        if not (p / "meta.json").is_file():
+            continue
+        try:
+            with open_run(p) as run:
+                s = run.summary()
+                infos.append(
+                    RunInfo(p, run.name, s["status"], run.created, s["steps"], s["anomalies"], run.run_id)
+                )
+        except RunStoreError as e:
+            infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, str(e)))
+    infos.sort(key=lambda i: (i.created or "", str(i.path)))
+    return infos

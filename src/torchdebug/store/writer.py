@@ -1,0 +1,722 @@
+"""The run writer: a run folder, its meta.json, and batched SQLite writes from a background thread."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime as _dt
+import json
+import math
+import numbers
+import os
+import platform
+import re
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import RunStoreError
+from .._version import __version__
+from ..events import SEVERITIES, RuleEvent, plain
+from ._schema import SCHEMA_VERSION, open_for_writing
+
+STATUSES = ("running", "finished", "failed")
+_CLOSE_STATUSES = ("finished", "failed")
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _torch_version() -> str | None:
+    """torch's version without importing torch (the store and CLI must not pay for that import)."""
+    mod = sys.modules.get("torch")
+    if mod is not None:
+        return str(getattr(mod, "__version__", None))
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:
+        return None
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON so readers see the old or the new file, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _bad_type(arg: str, want: str, value: Any) -> TypeError:
+    hint = ""
+    if type(value).__module__.startswith("torch"):
+        hint = " (a tensor: convert once per step with .item() or .tolist(), not per value)"
+    return TypeError(f"{arg} must be {want}, got {type(value).__name__}{hint}")
+
+
+def _check_step(step: Any, arg: str = "step") -> int:
+    if type(step) is int:
+        if step < 0:
+            raise ValueError(f"{arg} must be >= 0, got {step}")
+        return step
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise _bad_type(arg, "an int (the optimizer step)", step)
+    return _check_step(int(step), arg)
+
+
+def _check_optional_step(step: Any) -> int | None:
+    return None if step is None else _check_step(step)
+
+
+def _check_value(value: Any, arg: str = "value") -> float:
+    if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
+        return float(value)
+    raise _bad_type(arg, "a real number", value)
+
+
+def _check_name(name: Any, arg: str = "name") -> str:
+    if not isinstance(name, str):
+        raise _bad_type(arg, "a str", name)
+    if not name:
+        raise ValueError(f"{arg} must be a non-empty str")
+    return name
+
+
+def _as_dict(obj: Any, arg: str) -> dict[str, Any]:
+    """A shallow snapshot of a mapping or of ``obj.to_dict()`` (events.Anomaly, stats.TensorStats)."""
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        d = to_dict()
+        if isinstance(d, Mapping):
+            return dict(d)
+    raise _bad_type(arg, "a dict (or an object with .to_dict())", obj)
+
+
+def _numbers_dict(values: Any, arg: str, *, ints: bool) -> list[tuple[str, int | float]]:
+    """Validate ``{name: number}``; ints stay ints when ``ints`` (bytes are stored as int)."""
+    if not isinstance(values, Mapping):
+        raise _bad_type(arg, "a dict of {name: number}", values)
+    out: list[tuple[str, int | float]] = []
+    for k, v in values.items():
+        if not isinstance(k, str):
+            raise _bad_type(f"{arg} key", "a str", k)
+        if ints and isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            out.append((k, int(v)))
+        else:
+            out.append((k, _check_value(v, f"{arg}[{k!r}]")))
+    return out
+
+
+def _json(obj: Any) -> str:
+    # plain() turns NaN/Inf into strings so the document is strict JSON that any reader parses.
+    return json.dumps(plain(obj), sort_keys=True, default=str, allow_nan=False)
+
+
+class _Core:
+    """State shared by a ``RunWriter`` and its background thread; it never references the writer,
+    so a writer that is garbage collected can still be finalized."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        db_path: Path,
+        meta_path: Path | None,
+        meta: dict[str, Any],
+        max_queue: int,
+        batch_size: int,
+        flush_interval: float,
+    ) -> None:
+        self.conn = conn
+        self.db_path = db_path
+        self.meta_path = meta_path  # None for ranks > 0: rank 0 owns meta.json
+        self.meta = meta
+        self.max_queue = max_queue
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+        self.lock = threading.Lock()
+        self.flushed = threading.Condition(self.lock)
+        self.low: deque[tuple[Any, ...]] = deque()  # metrics, tensor stats, memory, timings
+        self.high: deque[tuple[Any, ...]] = deque()  # anomalies, events, segments: never dropped
+        self.dropped = 0
+        self.closed = False
+        self.stopping = False
+        self.flush_requested = 0
+        self.flush_done = 0
+        self.error: BaseException | None = None
+        self.wake = threading.Event()
+        self.pid = os.getpid()
+        self.metric_ids: dict[str, int] = dict(conn.execute("SELECT name, id FROM metrics"))
+        self.next_segment = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
+        self.persisted_dropped = -1
+        self.thread = threading.Thread(
+            target=self._run, name=f"torchdebug-store-rank{meta['rank']}", daemon=True
+        )
+        self.thread.start()
+
+    # -- background thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait(self.flush_interval)
+            self.wake.clear()
+            with self.lock:
+                target = self.flush_requested
+                low, self.low = self.low, deque()
+                high, self.high = self.high, deque()
+                dropped = self.dropped
+                stopping = self.stopping
+            try:
+                self._write(low, high, dropped)
+            except BaseException as e:  # keep the thread alive: training must not die with the store
+                with self.lock:
+                    self.error = e
+            with self.lock:
+                self.flush_done = target
+                self.flushed.notify_all()
+            if stopping:
+                return
+
+    def _write(self, low: deque[tuple[Any, ...]], high: deque[tuple[Any, ...]], dropped: int) -> None:
+        if not low and not high and dropped == self.persisted_dropped:
+            return
+        scalars: list[tuple[Any, ...]] = []
+        stats: list[tuple[Any, ...]] = []
+        memory: list[tuple[Any, ...]] = []
+        timings: list[tuple[Any, ...]] = []
+        for rec in low:
+            tag = rec[0]
+            if tag == "s":
+                scalars.append(rec)
+            elif tag == "t":
+                stats.append((rec[1], rec[4], rec[2], _json(rec[3])))
+            elif tag == "m":
+                memory.extend((rec[1], rec[3], k, v) for k, v in rec[2])
+            else:
+                timings.extend((rec[1], rec[3], k, v) for k, v in rec[2])
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if scalars:
+                ids = self.metric_ids
+                for rec in scalars:
+                    if rec[1] not in ids:
+                        cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (rec[1],))
+                        ids[rec[1]] = int(cur.lastrowid or 0)
+                conn.executemany(
+                    "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)",
+                    [(ids[n], s, v, w) for _, n, s, v, w in scalars],
+                )
+            if stats:
+                conn.executemany(
+                    "INSERT INTO tensor_stats(step, wall_time, name, data) VALUES (?, ?, ?, ?)", stats
+                )
+            if memory:
+                conn.executemany(
+                    "INSERT INTO memory(step, wall_time, key, value) VALUES (?, ?, ?, ?)", memory
+                )
+            if timings:
+                conn.executemany(
+                    "INSERT INTO timings(step, wall_time, phase, seconds) VALUES (?, ?, ?, ?)", timings
+                )
+            for rec in high:
+                tag = rec[0]
+                if tag == "a":
+                    conn.execute(
+                        "INSERT INTO anomalies(step, wall_time, phase, module, kind, data) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        rec[1:],
+                    )
+                elif tag == "e":
+                    conn.execute(
+                        "INSERT INTO events(step, wall_time, kind, severity, message, data) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        rec[1:],
+                    )
+                else:
+                    conn.execute(
+                        "INSERT INTO segments(id, start_step, wall_time, label) VALUES (?, ?, ?, ?)", rec[1:]
+                    )
+            if dropped != self.persisted_dropped:
+                conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('dropped', ?)", (str(dropped),))
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        self.persisted_dropped = dropped
+
+    # -- called from the training thread -----------------------------------------------------------
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.flush_requested += 1
+            target = self.flush_requested
+            self.wake.set()
+            while self.flush_done < target and self.thread.is_alive():
+                self.flushed.wait(1.0)
+            error, self.error = self.error, None
+        if error is not None:
+            raise RunStoreError(f"writing {self.db_path} failed: {error}") from error
+
+    def close(self, status: str) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.stopping = True
+            self.flush_requested += 1
+            self.wake.set()
+        _LIVE.discard(self)
+        if os.getpid() != self.pid:  # a forked child inherited us; the parent owns the files
+            return
+        self.thread.join()
+        ended = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                [
+                    (k, json.dumps(v))
+                    for k, v in (("status", status), ("ended", ended), ("dropped", self.dropped))
+                ],
+            )
+            conn.execute("COMMIT")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            # A finished run is left in rollback-journal mode: a read-only reader of a WAL file with no
+            # -wal/-shm beside it would have to create them, and readers must never write the folder.
+            # While another connection is open this fails fast and the run simply stays in WAL mode.
+            conn.execute("PRAGMA busy_timeout = 200")
+            with contextlib.suppress(sqlite3.OperationalError):
+                conn.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            conn.close()
+        if self.meta_path is not None:
+            self.meta.update(status=status, ended=ended, dropped=self.dropped)
+            write_json_atomic(self.meta_path, self.meta)
+        if self.error is not None:
+            raise RunStoreError(f"writing {self.db_path} failed: {self.error}") from self.error
+
+
+# Writers not yet closed. At interpreter exit each is closed: "failed" when an uncaught exception
+# is ending the process (the interpreter sets sys.last_value / sys.last_exc before atexit runs).
+_LIVE: set[_Core] = set()
+
+
+@atexit.register
+def _close_live_writers() -> None:
+    failed = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    for core in list(_LIVE):
+        with contextlib.suppress(Exception):
+            core.close("failed" if failed else "finished")
+
+
+class RunWriter:
+    """Writes one rank of a run; every ``log_*`` only queues a tuple (about 1 µs), a daemon thread commits.
+
+    Build it with ``create_run``. Low-priority records (metrics, tensor stats, memory, timings) sit in a
+    bounded queue: when it is full the oldest is dropped and counted in ``dropped``. Anomalies, events
+    and segments are never dropped. The thread commits every ``flush_interval`` seconds (default 0.5),
+    when ``batch_size`` low-priority records wait, on ``flush()`` and on ``close()``; so a killed process
+    loses at most the last ~0.5 s.
+
+    Known limitations: one writer per rank database (SQLite allows one writer at a time); a forked
+    child must create its own writer.
+    """
+
+    def __init__(self, core: _Core, path: Path) -> None:
+        self._core = core
+        self.path = path
+        self.db_path = core.db_path
+        self.run_id: str = core.meta["run_id"]
+        self.name: str = core.meta["name"]
+        self.rank: int = core.meta["rank"]
+        self._last_step = -1
+        # Closes the run if the writer is garbage collected without close(); exit is handled by atexit.
+        self._finalizer = weakref.finalize(self, core.close, "finished")
+        self._finalizer.atexit = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._core.closed else "open"
+        return f"RunWriter({str(self.path)!r}, rank={self.rank}, {state}, dropped={self._core.dropped})"
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """A copy of the run's meta data (what meta.json holds)."""
+        return dict(self._core.meta)
+
+    @property
+    def dropped(self) -> int:
+        """Low-priority records dropped because the queue was full."""
+        return self._core.dropped
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def _put_low(self, rec: tuple[Any, ...]) -> None:
+        core = self._core
+        with core.lock:
+            if core.closed:
+                raise RunStoreError(f"the run writer for {self.path} is closed")
+            low = core.low
+            if len(low) >= core.max_queue:
+                low.popleft()  # the oldest sample goes: recent values matter most when debugging
+                core.dropped += 1
+            low.append(rec)
+            n = len(low)
+        if n == core.batch_size:
+            core.wake.set()
+
+    def _put_high(self, rec: tuple[Any, ...]) -> None:
+        core = self._core
+        with core.lock:
+            if core.closed:
+                raise RunStoreError(f"the run writer for {self.path} is closed")
+            core.high.append(rec)
+
+    def log_scalar(self, name: str, step: int, value: float) -> None:
+        """Queue one metric value (low priority).
+
+        Args:
+            name: metric name, e.g. ``"loss"`` or ``"grad_norm/fc.weight"``.
+            step: optimizer step (int >= 0).
+            value: a real number; NaN and +-Inf are kept as such.
+
+        Raises:
+            TypeError: name not a str, step not an int, value not a real number (e.g. a tensor).
+            RunStoreError: the writer is closed.
+
+        Example: ``w.log_scalar("loss", 3, 0.25)``. Cost: about 1 µs, no I/O.
+        """
+        if type(name) is not str or not name:
+            name = _check_name(name)
+        if type(step) is not int or step < 0:
+            step = _check_step(step)
+        if type(value) is not float:
+            value = _check_value(value)
+        if step > self._last_step:
+            self._last_step = step
+        self._put_low(("s", name, step, value, time.time()))
+
+    def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Queue several metrics of one step: ``w.log_scalars(3, {"loss": 0.25, "lr": 1e-3})``.
+
+        Raises TypeError naming the bad key or value. Cost: about 1 µs per value.
+        """
+        if type(step) is not int or step < 0:
+            step = _check_step(step)
+        if not isinstance(values, Mapping):
+            raise _bad_type("values", "a dict of {name: number}", values)
+        wall = time.time()
+        recs = []
+        for name, value in values.items():
+            if type(name) is not str or not name:
+                name = _check_name(name, "values key")
+            if type(value) is not float:
+                value = _check_value(value, f"values[{name!r}]")
+            recs.append(("s", name, step, value, wall))
+        if step > self._last_step:
+            self._last_step = step
+        for rec in recs:
+            self._put_low(rec)
+
+    def log_anomaly(self, step: int | None, anomaly: Mapping[str, Any] | Any) -> None:
+        """Record an anomaly (never dropped): a dict or an ``events.Anomaly``.
+
+        Its ``phase``, ``module`` and ``kind`` keys become queryable columns; the whole document is
+        stored as JSON. ``step=None`` takes the document's own ``step``. Cost: one JSON encoding.
+
+        Example: ``w.log_anomaly(7, {"phase": "forward", "module": "fc", "kind": "nan"})``.
+        """
+        doc = _as_dict(anomaly, "anomaly")
+        if step is None and doc.get("step") is not None:
+            step = doc["step"]
+        step = _check_optional_step(step)
+        doc["step"] = step
+        cols = [doc.get(k) if isinstance(doc.get(k), str) else None for k in ("phase", "module", "kind")]
+        self._note_step(step)
+        self._put_high(("a", step, time.time(), *cols, _json(doc)))
+
+    def log_event(
+        self,
+        step: int | None,
+        kind: str,
+        severity: str,
+        message: str,
+        data: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record an event or log message (never dropped).
+
+        Args:
+            step: optimizer step or None (outside any step).
+            kind: short snake_case name, e.g. ``"exploding_gradients"``.
+            severity: ``"info" | "warning" | "error"``.
+            message: one human line.
+            data: optional JSON-ready evidence.
+
+        Raises: TypeError for wrong types; ValueError for an unknown severity.
+        Example: ``w.log_event(5, "loss_spike", "warning", "loss x12 over its mean", {"ratio": 12.0})``.
+        """
+        step = _check_optional_step(step)
+        kind = _check_name(kind, "kind")
+        if not isinstance(severity, str):
+            raise _bad_type("severity", "a str", severity)
+        if severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
+        if not isinstance(message, str):
+            raise _bad_type("message", "a str", message)
+        payload = None if data is None else _json(_as_dict(data, "data"))
+        self._note_step(step)
+        self._put_high(("e", step, time.time(), kind, severity, message, payload))
+
+    def log_rule_event(self, event: RuleEvent) -> None:
+        """Record an ``events.RuleEvent`` as an event (its modules and evidence go into ``data``)."""
+        if not isinstance(event, RuleEvent):
+            raise _bad_type("event", "a torchdebug RuleEvent", event)
+        data = {"modules": list(event.modules), "evidence": dict(event.evidence)}
+        self.log_event(event.step, event.kind, event.severity, event.message, data)
+
+    def log_tensor_stats(self, step: int, name: str, stats: Mapping[str, Any] | Any) -> None:
+        """Queue statistics of one tensor (low priority): a dict or a ``TensorStats``.
+
+        Example: ``w.log_tensor_stats(3, "fc.weight.grad", analyze_tensor(p.grad))``.
+        Cost: a shallow copy; the JSON encoding happens on the writer thread.
+        """
+        step = _check_step(step)
+        name = _check_name(name)
+        doc = _as_dict(stats, "stats")
+        self._note_step(step)
+        self._put_low(("t", step, name, doc, time.time()))
+
+    def log_memory(self, step: int, sample: Mapping[str, int | float]) -> None:
+        """Queue one memory sample (low priority): ``{"rss": bytes, "cuda_allocated": bytes, ...}``.
+
+        Integers stay integers (bytes). Raises TypeError for a non-number value.
+        """
+        step = _check_step(step)
+        items = _numbers_dict(sample, "sample", ints=True)
+        self._note_step(step)
+        self._put_low(("m", step, items, time.time()))
+
+    def log_timing(self, step: int, seconds: Mapping[str, float]) -> None:
+        """Queue one step's timing breakdown in seconds (low priority).
+
+        Example: ``w.log_timing(3, {"data": 0.01, "forward": 0.02, "backward": 0.04, "step": 0.08})``.
+        """
+        step = _check_step(step)
+        items = _numbers_dict(seconds, "seconds", ints=False)
+        self._note_step(step)
+        self._put_low(("T", step, items, time.time()))
+
+    def start_segment(self, label: str = "", step: int | None = None) -> int:
+        """Start a new history segment (a dashboard "clear"); nothing is deleted. Returns its id.
+
+        ``step`` defaults to one past the highest step logged so far by this writer.
+        """
+        if not isinstance(label, str):
+            raise _bad_type("label", "a str", label)
+        start = self._last_step + 1 if step is None else _check_step(step)
+        core = self._core
+        with core.lock:
+            seg_id = core.next_segment
+            core.next_segment += 1
+        self._put_high(("g", seg_id, start, time.time(), label))
+        return seg_id
+
+    def _note_step(self, step: int | None) -> None:
+        if step is not None and step > self._last_step:
+            self._last_step = step
+
+    def flush(self) -> None:
+        """Block until everything queued before this call is committed.
+
+        Raises:
+            RunStoreError: a background write failed since the last flush (the message says why).
+        """
+        self._core.flush()
+
+    def close(self, status: str = "finished") -> None:
+        """Commit what is queued, record ``status`` ("finished" | "failed") and end time; idempotent.
+
+        Also runs at interpreter exit ("failed" if an uncaught exception ends the process) and when
+        the writer is garbage collected.
+        """
+        if status not in _CLOSE_STATUSES:
+            raise ValueError(f"status must be one of {_CLOSE_STATUSES}, got {status!r}")
+        self._finalizer.detach()
+        self._core.close(status)
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close("failed" if exc_type is not None else "finished")
+
+
+def _folder_name(name: str) -> str:
+    safe = _NAME_UNSAFE.sub("_", name).strip("._") or "run"
+    return safe[:80]
+
+
+def _make_run_dir(root: Path, name: str, when: _dt.datetime) -> Path:
+    """Create ``root/<name>-<yyyymmdd-hhmmss>`` atomically, adding ``-2``, ``-3`` ... if it exists."""
+    root.mkdir(parents=True, exist_ok=True)
+    base = f"{_folder_name(name)}-{when.strftime('%Y%m%d-%H%M%S')}"
+    for i in range(1, 10_000):
+        path = root / (base if i == 1 else f"{base}-{i}")
+        try:
+            path.mkdir()  # atomic: two processes starting in the same second get different folders
+        except FileExistsError:
+            continue
+        return path
+    raise RunStoreError(f"cannot find a free run folder name for {base!r} under {root}")
+
+
+def create_run(
+    root: str | os.PathLike[str] = "runs",
+    name: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    max_queue: int = 100_000,
+    batch_size: int = 10_000,
+    flush_interval: float = 0.5,
+) -> RunWriter:
+    """Create a run folder (rank 0) or join one (rank > 0) and return its ``RunWriter``.
+
+    Args:
+        root: parent folder of runs; created if missing.
+        name: run name (default ``"run"``); the folder is ``<root>/<name>-<yyyymmdd-hhmmss>``,
+            with ``-2``, ``-3`` ... appended when that folder already exists.
+        config: JSON-ready settings stored in meta.json.
+        rank, world_size: this process's rank; each rank writes ``rank<k>.sqlite``.
+        path: an existing run folder to write into (required for rank > 0: rank 0's ``writer.path``,
+            e.g. shared with ``torch.distributed.broadcast_object_list``).
+        max_queue: low-priority records kept in memory before the oldest are dropped.
+        batch_size: low-priority records that wake the writer thread before its timer.
+        flush_interval: seconds between commits.
+
+    Returns:
+        The writer; ``writer.path`` is the run folder.
+
+    Raises:
+        TypeError / ValueError: bad arguments. RunStoreError: the folder or database cannot be written.
+        SchemaVersionError: ``path`` holds a database from a newer torchdebug.
+
+    Example::
+
+        w = create_run(root="runs", name="mnist", config={"lr": 1e-3})
+        w.log_scalar("loss", 0, 2.3)
+        w.close()
+
+    Cost: creates a folder, a SQLite file and one daemon thread (a few ms).
+    """
+    if name is None:
+        name = "run"
+    name = _check_name(name)
+    if config is None:
+        config = {}
+    if not isinstance(config, Mapping):
+        raise _bad_type("config", "a dict", config)
+    for arg, v in (("rank", rank), ("world_size", world_size), ("max_queue", max_queue)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _bad_type(arg, "an int", v)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if (
+        not isinstance(flush_interval, (int, float))
+        or not math.isfinite(flush_interval)
+        or flush_interval <= 0
+    ):
+        raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
+
+    now = _dt.datetime.now().astimezone()
+    meta_path: Path | None
+    if path is None:
+        if rank != 0:
+            raise ValueError(
+                f"rank {rank} must join rank 0's run: pass path=<rank 0's writer.path> "
+                "(e.g. shared with torch.distributed.broadcast_object_list)"
+            )
+        run_dir = _make_run_dir(Path(root), name, now)
+        meta = {
+            "run_id": uuid.uuid4().hex,
+            "name": name,
+            "created": now.isoformat(timespec="seconds"),
+            "status": "running",
+            "ended": None,
+            "torch": _torch_version(),
+            "python": platform.python_version(),
+            "torchdebug": __version__,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "config": plain(dict(config)),
+            "rank": rank,
+            "world_size": world_size,
+            "schema_version": SCHEMA_VERSION,
+        }
+        meta_path = run_dir / "meta.json"
+        write_json_atomic(meta_path, meta)
+    else:
+        run_dir = Path(path)
+        meta_file = run_dir / "meta.json"
+        try:
+            shared = json.loads(meta_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise RunStoreError(
+                f"{run_dir} is not a torchdebug run (no meta.json); let rank 0 create it first"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise RunStoreError(f"cannot read {meta_file}: {e}") from e
+        if shared.get("world_size", world_size) != world_size:
+            raise ValueError(f"world_size {world_size} differs from the run's {shared.get('world_size')}")
+        meta = dict(
+            shared,
+            rank=rank,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            status="running",
+            created=now.isoformat(timespec="seconds"),
+        )
+        # Rank 0 owns meta.json; a rank 0 writer re-opening its own run (a resume) takes it back.
+        meta_path = meta_file if rank == 0 else None
+        if meta_path is not None:
+            meta.update(ended=None)
+            write_json_atomic(meta_path, meta)
+
+    db_path = run_dir / f"rank{rank}.sqlite"
+    conn = open_for_writing(db_path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+            [
+                (k, json.dumps(meta[k]))
+                for k in ("run_id", "name", "created", "status", "host", "pid", "rank", "world_size")
+            ],
+        )
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        conn.close()
+        raise RunStoreError(f"cannot write {db_path}: {e}") from e
+    core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval))
+    _LIVE.add(core)
+    return RunWriter(core, run_dir)
