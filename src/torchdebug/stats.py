@@ -1,33 +1,85 @@
-"""Pure tensor maths, no hooks and no state: TensorStats / analyze_tensor and fused reductions."""
+"""Pure tensor maths, no hooks and no state: TensorStats / analyze_tensor and fused reductions.
+
+A leaf module: it imports only torch and the standard library, so every other part of torchdebug
+(instruments, reports, the seed-era facades) can use it.
+
+Known limitations:
+
+- Integer statistics go through float64, so integers beyond 2**53 in magnitude are rounded.
+- Devices without float64 (MPS) transfer the numbers as float32: counts above 2**24 are rounded.
+- Sparse tensors are densified by ``analyze_tensor`` (cost: a dense copy) and coalesced by
+  ``foreach_norms`` (a host sync on CUDA); other layouts (nested, quantized) are not supported.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+__all__ = ["TensorStats", "analyze_tensor", "foreach_norms", "nonfinite_count", "total_norm"]
+
+# dtype name (as stored in TensorStats.dtype) -> the short spelling used by str(stats)
 _DTYPE_SHORT = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "bool",
-    torch.complex64: "c64",
-    torch.complex128: "c128",
+    "float64": "f64",
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "f8e4m3",
+    "float8_e4m3fnuz": "f8e4m3uz",
+    "float8_e5m2": "f8e5m2",
+    "float8_e5m2fnuz": "f8e5m2uz",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint64": "u64",
+    "uint32": "u32",
+    "uint16": "u16",
+    "uint8": "u8",
+    "bool": "bool",
+    "complex32": "c32",
+    "complex64": "c64",
+    "complex128": "c128",
 }
+
+# Device types whose tensors go through torch._foreach_norm; others take the per-tensor loop.
+_FOREACH_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu"})
+
+
+def _num(value: float) -> str:
+    """Compact number: integers as written, floats with 3 significant digits (``0.012``, ``-3.1e+04``)."""
+    if isinstance(value, int):
+        return str(value) if abs(value) < 100_000 else f"{value:.3g}"
+    text = f"{value:.3g}"
+    return "0" if text == "-0" else text
 
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Statistics of one tensor; the float fields are over its finite values only."""
+    """Statistics of one tensor; the float fields are over its finite values only.
+
+    Attributes:
+        name: the label given to ``analyze_tensor`` (or None).
+        shape, dtype, device, numel, bytes: metadata; ``dtype`` is the torch name without the
+            ``torch.`` prefix (``"bfloat16"``), ``device`` as ``str(tensor.device)`` (``"cuda:0"``).
+        nan_count, posinf_count, neginf_count: non-finite elements (always 0 for integer and bool
+            tensors; for complex tensors an element with a NaN real or imaginary part counts as NaN,
+            one with an infinite part otherwise counts as +Inf).
+        min, max, mean, std: over the finite values (complex: over their magnitudes). ``std`` is the
+            sample standard deviation (Bessel-corrected, like ``torch.std``) and None below two
+            finite values. All are None when there is no finite value or no value at all.
+        abs_max: largest finite magnitude; abs_min: smallest NONZERO finite magnitude (None if every
+            finite value is zero); zero_fraction: zeros / finite values.
+        requires_grad, grad_fn: autograd state of the analysed tensor (``grad_fn`` is its class name).
+
+    For integer and bool tensors, ``min``, ``max``, ``abs_max`` and ``abs_min`` are ints.
+    ``str(stats)`` is one line; ``stats.to_dict()`` is JSON-ready.
+    """
 
     name: str | None
     shape: tuple[int, ...]
@@ -50,72 +102,349 @@ class TensorStats:
 
     @property
     def has_nan(self) -> bool:
+        """True when at least one element is NaN."""
         return self.nan_count > 0
 
     @property
     def has_inf(self) -> bool:
+        """True when at least one element is +Inf or -Inf."""
         return (self.posinf_count + self.neginf_count) > 0
 
     @property
     def nonfinite_count(self) -> int:
+        """Number of NaN, +Inf and -Inf elements."""
         return self.nan_count + self.posinf_count + self.neginf_count
 
     def __str__(self) -> str:
-        dt = _DTYPE_SHORT.get(getattr(torch, self.dtype.replace("torch.", ""), None), self.dtype)  # type: ignore[arg-type]
-        s = f"tensor{list(self.shape)} {dt} {self.device}"
+        """One line in the spirit of lovely-tensors.
+
+        Example: ``tensor[32, 128] bf16 cuda:0 x∈[-3.1e+04, 6.2e+04] μ=0.012 σ=1.21 NaN!×3 +Inf!×1``.
+        A single finite value reads ``x=1.5``, complex tensors ``|x|∈[...]`` (magnitudes); ``empty``
+        marks a tensor without elements, ``all zeros`` one whose every element is zero, and meta
+        tensors (shape only) show their device ``meta`` and nothing else.
+        """
+        text = f"tensor{list(self.shape)} {_DTYPE_SHORT.get(self.dtype, self.dtype)} {self.device}"
         if self.name:
-            s = f"{self.name}: {s}"
-        if self.min is not None and self.max is not None:
-            s += f" x∈[{self.min:.3g}, {self.max:.3g}]"
-        if self.mean is not None:
-            s += f" μ={self.mean:.3g}"
-        if self.std is not None and not math.isnan(self.std):
-            s += f" σ={self.std:.3g}"
+            text = f"{self.name}: {text}"
+        parts = [text]
+        x = "|x|" if self.dtype.startswith("complex") else "x"
+        if self.numel == 0:
+            parts.append("empty")
+        elif self.zero_fraction == 1.0 and self.nonfinite_count == 0:
+            parts.append("all zeros")
+        elif self.min is not None and self.max is not None:
+            if self.numel == 1:
+                parts.append(f"{x}={_num(self.min)}")
+            else:
+                parts.append(f"{x}∈[{_num(self.min)}, {_num(self.max)}]")
+                if self.mean is not None:
+                    parts.append(f"μ={_num(self.mean)}")
+                if self.std is not None:
+                    parts.append(f"σ={_num(self.std)}")
         if self.nan_count:
-            s += f" NaN!×{self.nan_count}"
+            parts.append(f"NaN!×{self.nan_count}")
         if self.posinf_count:
-            s += f" +Inf!×{self.posinf_count}"
+            parts.append(f"+Inf!×{self.posinf_count}")
         if self.neginf_count:
-            s += f" -Inf!×{self.neginf_count}"
+            parts.append(f"-Inf!×{self.neginf_count}")
         if self.grad_fn:
-            s += f" grad_fn={self.grad_fn}"
-        return s
+            parts.append(f"grad_fn={self.grad_fn}")
+        elif self.requires_grad:
+            parts.append("requires_grad")
+        return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {}
+        """JSON-ready dict of every field plus ``has_nan``/``has_inf``.
+
+        Shapes become lists. Every float is finite or None: ``analyze_tensor`` only reports
+        statistics of finite values, and a non-finite float put in by hand is mapped to None, so
+        ``json.dumps(stats.to_dict(), allow_nan=False)`` always works.
+        """
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            d[f.name] = list(v) if isinstance(v, tuple) else v
-        d["has_nan"] = self.has_nan
-        d["has_inf"] = self.has_inf
-        return d
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, float) and not math.isfinite(value):
+                value = None
+            out[f.name] = value
+        out["has_nan"] = self.has_nan
+        out["has_inf"] = self.has_inf
+        return out
+
+
+def _reductions(f: torch.Tensor, finite: torch.Tensor | None) -> list[torch.Tensor]:
+    """0-dim device tensors ``[n_finite, zeros, min, max, abs_max, abs_min, mean_s, std_s, scale]``.
+
+    ``f`` is floating (float32 or float64); ``finite`` its finiteness mask, or None when every
+    element is known finite (integer input). The mean and standard deviation are computed on
+    ``f / scale`` where ``scale`` is the power of two just below ``abs_max``: the division is exact,
+    and the squares cannot overflow even for float32 values near 3e38 (the exploding tensors this
+    library exists to explain). The host multiplies ``mean_s`` and ``std_s`` back by ``scale``.
+    """
+    inf = torch.tensor(math.inf, dtype=f.dtype, device=f.device)
+    if finite is None:
+        n_finite = torch.tensor(f.numel(), dtype=torch.int64, device=f.device)
+        values = f
+        lo, hi = f.amin(), f.amax()
+    else:
+        n_finite = finite.sum()
+        values = torch.where(finite, f, 0)  # non-finite -> 0: neutral for sums and |x| maxima
+        lo = torch.where(finite, f, inf).amin()
+        hi = torch.where(finite, f, -inf).amax()
+    zeros = (f == 0).sum()  # NaN/Inf compare unequal to 0
+    magnitude = values.abs()
+    abs_max = magnitude.amax()
+    abs_min = torch.where(magnitude > 0, magnitude, inf).amin()  # inf when no nonzero value
+    # abs_max = m * 2**e with m in [0.5, 1); scale = 2**(e-1) keeps |values / scale| < 2 and is
+    # representable for every finite abs_max (2**127 at most); frexp(0) gives scale 2**-1.
+    scale = torch.ldexp(torch.ones_like(abs_max), torch.frexp(abs_max).exponent - 1)
+    scaled = values / scale
+    count = n_finite.to(f.dtype)
+    mean_s = scaled.sum() / count.clamp_min(1)
+    centered = scaled - mean_s
+    if finite is not None:
+        centered = torch.where(finite, centered, 0)
+    std_s = ((centered * centered).sum() / (count - 1).clamp_min(1)).sqrt()
+    return [n_finite, zeros, lo, hi, abs_max, abs_min, mean_s, std_s, scale]
 
 
 def analyze_tensor(t: torch.Tensor, name: str | None = None) -> TensorStats:
-    """Statistics of ``t`` computed on its device with one host transfer (placeholder: refined in stats work)."""
-    x = t.detach()
-    base = dict(
-        name=name,
-        shape=tuple(x.shape),
-        dtype=str(x.dtype).replace("torch.", ""),
-        device=str(x.device),
-        numel=x.numel(),
-        bytes=x.numel() * x.element_size(),
-        requires_grad=bool(t.requires_grad),
-        grad_fn=type(t.grad_fn).__name__ if t.grad_fn is not None else None,
-    )
-    if x.device.type == "meta" or x.numel() == 0 or not x.is_floating_point():
-        return TensorStats(**base)  # type: ignore[arg-type]
-    f = x.float()
-    fin = torch.isfinite(f)
-    vals = torch.stack(
-        [
-            torch.isnan(f).sum().float(),
-            torch.isposinf(f).sum().float(),
-            torch.isneginf(f).sum().float(),
-            torch.where(fin, f, torch.inf).min(),
-            torch.where(fin, f, -torch.inf).max(),
-        ]
-    ).tolist()  # one host transfer
-    return TensorStats(**base, nan_count=int(vals[0]), posinf_count=int(vals[1]), neginf_count=int(vals[2]),  # type: ignore[arg-type]
-                       min=vals[3], max=vals[4])
+    """Statistics of ``t`` (NaN/Inf counts, range, mean, std over finite values) in one host transfer.
+
+    Args:
+        t: any strided or sparse tensor: float (incl. float16/bfloat16/float8), integer, bool,
+            complex (statistics over the magnitudes ``|z|``), 0-dim, empty, non-contiguous, meta
+            (shape only), on any device. A tensor that requires grad is read without building a
+            graph.
+        name: optional label shown in ``str(stats)`` and kept in ``stats.name``.
+
+    Returns:
+        A frozen ``TensorStats``; see its docstring for the exact meaning of each field.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
+
+    Example:
+        >>> s = analyze_tensor(torch.tensor([1.0, float("nan"), 3.0]), "x")
+        >>> str(s)
+        'x: tensor[3] f32 cpu x∈[1, 3] μ=2 σ=1.41 NaN!×1'
+
+    Cost: a handful of elementwise passes with temporaries the size of ``t`` in float32 (float64
+    for float64, integer and complex128 input), then ONE device-to-host transfer for all numbers
+    (a host sync on accelerators). Not meant for every parameter on every step: for hot paths use
+    ``foreach_norms`` / ``nonfinite_count``, which never sync.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"analyze_tensor expects a torch.Tensor, got {type(t).__name__}")
+    base: dict[str, Any] = {
+        "name": name,
+        "shape": tuple(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "device": str(t.device),
+        "numel": t.numel(),
+        "bytes": t.numel() * t.element_size(),
+        "requires_grad": bool(t.requires_grad),
+        "grad_fn": type(t.grad_fn).__name__ if t.grad_fn is not None else None,
+    }
+    if t.device.type == "meta" or t.numel() == 0:
+        return TensorStats(**base)
+    # float64 keeps integers (< 2**53) and counts exact; MPS has no float64.
+    wide = torch.float64 if t.device.type != "mps" else torch.float32
+    with torch.no_grad():
+        x = t.detach()
+        if x.layout != torch.strided:
+            x = x.to_dense()
+        if x.is_complex():
+            nan_mask = torch.isnan(x)  # NaN real or imaginary part
+            acc = torch.float64 if x.dtype == torch.complex128 else torch.float32
+            f = torch.where(nan_mask, math.nan, x.abs().to(acc))  # |inf + nan·j| would be inf
+        elif x.is_floating_point():
+            # low precision (f16/bf16/f8) accumulates in float32; float64 stays float64
+            f = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        else:
+            f = x.to(wide)  # integer / bool: exact below 2**53
+        if x.is_floating_point() or x.is_complex():
+            counts = [torch.isnan(f).sum(), torch.isposinf(f).sum(), torch.isneginf(f).sum()]
+            finite: torch.Tensor | None = torch.isfinite(f)
+        else:
+            zero = torch.zeros((), dtype=torch.int64, device=f.device)
+            counts, finite = [zero, zero, zero], None
+        numbers = torch.stack([v.to(wide) for v in counts + _reductions(f, finite)])
+        # The one host sync of analyze_tensor: every number crosses to the host together.
+        (nan, posinf, neginf, n_finite, zeros, lo, hi, abs_max, abs_min, mean_s, std_s, scale) = (
+            numbers.tolist()
+        )
+    n = int(n_finite)
+    stats: dict[str, Any] = {
+        "nan_count": int(nan),
+        "posinf_count": int(posinf),
+        "neginf_count": int(neginf),
+    }
+    if n > 0:
+        exact = int if finite is None else float  # integer and bool tensors report exact ints
+        stats.update(
+            min=exact(lo),
+            max=exact(hi),
+            mean=mean_s * scale,
+            std=std_s * scale if n > 1 else None,
+            abs_max=exact(abs_max),
+            abs_min=exact(abs_min) if math.isfinite(abs_min) else None,
+            zero_fraction=zeros / n,
+        )
+    return TensorStats(**base, **stats)
+
+
+def _norm_order(norm_type: float | str) -> float:
+    """``norm_type`` as a float (``"inf"`` accepted like clip_grad_norm_); ValueError otherwise."""
+    if isinstance(norm_type, bool):
+        raise ValueError(f"norm_type must be a number or 'inf', got {norm_type!r}")
+    try:
+        order = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"norm_type must be a number or 'inf'/'-inf', got {norm_type!r}") from None
+    if math.isnan(order):
+        raise ValueError("norm_type must not be NaN; use 2.0 (Euclidean) or 'inf' (max)")
+    return order
+
+
+def _fallback_norm(t: torch.Tensor, order: float) -> torch.Tensor:
+    """One tensor's norm in float32 (float64 inputs computed in float64) through vector_norm."""
+    if t.is_sparse:
+        # coalesce merges duplicate indices (an uncoalesced sparse grad repeats rows); zeros left
+        # out of the values do not change a p-norm for p > 0. Cost: a host sync on CUDA.
+        t = t.coalesce().values() if order > 0 else t.to_dense()
+    elif t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = t.abs()
+    if t.dtype != torch.float64:
+        t = t.to(torch.float32)  # integers, bool and low precision accumulate in float32
+    return torch.linalg.vector_norm(t, order).to(torch.float32)
+
+
+def foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float | str = 2.0) -> torch.Tensor:
+    """The p-norm of each tensor, fused: a float32 tensor of shape ``[len(tensors)]``, no host sync.
+
+    Args:
+        tensors: a sequence of tensors (typically ``[p.grad for p in params if p.grad is not None]``).
+            Dense floating tensors on CPU/CUDA/XPU go through ``torch._foreach_norm``, one call per
+            (device, dtype) group; anything else (integer, complex, sparse, other devices) through
+            ``torch.linalg.vector_norm`` one by one. float16/bfloat16 accumulate in float32,
+            float64 in float64.
+        norm_type: the p of the norm, as in ``torch.nn.utils.clip_grad_norm_``: any float, or
+            ``"inf"`` (max |x|) / ``"-inf"``. An empty tensor has norm 0 for every p (torch raises
+            on empty tensors for ±inf).
+
+    Returns:
+        float32 tensor ``[N]`` on the first tensor's device (CPU when ``tensors`` is empty);
+        NaN/Inf elements propagate into their tensor's norm, as in torch.
+
+    Raises:
+        TypeError: an element is not a tensor.
+        ValueError: ``norm_type`` is not a number or ``"inf"``.
+
+    Example:
+        >>> foreach_norms([torch.tensor([3.0, 4.0]), torch.ones(4)])
+        tensor([5., 2.])
+
+    Cost: one fused kernel per group on CUDA. Tensors on other devices than the first are copied
+    there (a device-to-device copy; a host sync when that crosses CPU and an accelerator).
+    """
+    order = _norm_order(norm_type)
+    items = list(tensors)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"foreach_norms expects tensors; item {i} is a {type(t).__name__}")
+    if not items:
+        return torch.zeros(0, dtype=torch.float32)
+    out_device = items[0].device
+    norms: list[torch.Tensor | None] = [None] * len(items)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(items):
+        if t.numel() == 0:
+            norms[i] = torch.zeros((), dtype=torch.float32, device=out_device)
+        elif (
+            t.layout == torch.strided
+            and t.is_floating_point()
+            and t.device.type in _FOREACH_DEVICE_TYPES
+            and hasattr(torch, "_foreach_norm")
+        ):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        else:
+            norms[i] = _fallback_norm(t, order)
+    with torch.no_grad():
+        for (_, dtype), idx in groups.items():
+            group = [items[i].detach() for i in idx]
+            try:
+                if dtype == torch.float64:
+                    result = [n.to(torch.float32) for n in torch._foreach_norm(group, order)]
+                else:
+                    result = list(torch._foreach_norm(group, order, dtype=torch.float32))
+            except (RuntimeError, NotImplementedError):
+                # a dtype/device without a foreach kernel in this torch build: take the slow path
+                result = [_fallback_norm(t, order) for t in group]
+            for i, n in zip(idx, result):
+                norms[i] = n
+        return torch.stack([n.to(out_device) for n in norms if n is not None])
+
+
+def total_norm(norms: torch.Tensor | Sequence[torch.Tensor], norm_type: float | str = 2.0) -> torch.Tensor:
+    """Combine per-tensor norms into the total norm that ``clip_grad_norm_`` computes; no host sync.
+
+    The total p-norm of several tensors equals the p-norm of the vector of their p-norms; for
+    ``"inf"`` that is the maximum (NaN propagates).
+
+    Args:
+        norms: the ``[N]`` output of ``foreach_norms`` (or a sequence of 0-dim tensors, stacked
+            on the first one's device).
+        norm_type: the same p used for ``norms``.
+
+    Returns:
+        0-dim tensor on the norms' device, float32 for ``foreach_norms`` output; 0 when ``norms`` is
+        empty (as ``clip_grad_norm_`` returns for no gradients).
+
+    Raises:
+        ValueError: ``norm_type`` is not a number or ``"inf"``; ``norms`` is not 1-D.
+
+    Example:
+        >>> total_norm(torch.tensor([3.0, 4.0]))
+        tensor(5.)
+    """
+    order = _norm_order(norm_type)
+    if not isinstance(norms, torch.Tensor):
+        parts = list(norms)
+        if not parts:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch.stack([p.reshape(()).to(parts[0].device) for p in parts])
+    if norms.dim() != 1:
+        raise ValueError(f"norms must be 1-D (one norm per tensor), got shape {list(norms.shape)}")
+    if norms.numel() == 0:
+        return torch.zeros((), dtype=norms.dtype, device=norms.device)
+    return torch.linalg.vector_norm(norms, order)
+
+
+def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
+    """Number of NaN/+Inf/-Inf elements of ``t`` as a 0-dim int64 device tensor; no host sync.
+
+    Integer and bool tensors give 0 without reading the data; complex elements count when either
+    part is non-finite; sparse tensors count their stored values.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
+
+    Example:
+        >>> nonfinite_count(torch.tensor([1.0, float("nan"), float("inf")]))
+        tensor(2)
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"nonfinite_count expects a torch.Tensor, got {type(t).__name__}")
+    if not (t.is_floating_point() or t.is_complex()):
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    with torch.no_grad():
+        x = t.detach()
+        if x.is_sparse:
+            x = x._values()  # stored values; implicit zeros are finite
+        elif x.layout != torch.strided:
+            x = x.to_dense()
+        return torch.isfinite(x).logical_not_().sum()
