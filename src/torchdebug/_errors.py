@@ -1,13 +1,13 @@
 """The exception and warning tree of torchdebug.
 
-    TorchDebugError (Exception)
-    ├── NonFiniteError (also RuntimeError)   .anomaly: the Anomaly that tripped the sentinel
-    ├── RunStoreError                        a run folder or database cannot be read or written
-    │   └── SchemaVersionError               the database was written by a newer torchdebug
-    ├── ConfigError (also ValueError)        an unknown option, wrong type or unknown option string
-    └── InstrumentError                      an instrument failed (it is switched off, training goes on)
+TorchDebugError (Exception)
+├── NonFiniteError (also RuntimeError)   .anomaly: the Anomaly that tripped the sentinel
+├── RunStoreError                        a run folder or database cannot be read or written
+│   └── SchemaVersionError               the database was written by a newer torchdebug
+├── ConfigError (also ValueError)        an unknown option, wrong type or unknown option string
+└── InstrumentError                      an instrument failed (it is switched off, training goes on)
 
-    TorchDebugWarning (UserWarning)          warnings torchdebug emits (instrument off, rule events)
+TorchDebugWarning (UserWarning)          warnings torchdebug emits (instrument off, rule events)
 """
 
 from __future__ import annotations

@@ -238,4 +238,12 @@ def plain(value: Any) -> Any:
     return _plain(value)
 
 
-__all__: Sequence[str] = ["Anomaly", "ModuleFrame", "Phase", "RuleEvent", "StepRecord", "module_label", "plain"]
+__all__: Sequence[str] = [
+    "Anomaly",
+    "ModuleFrame",
+    "Phase",
+    "RuleEvent",
+    "StepRecord",
+    "module_label",
+    "plain",
+]

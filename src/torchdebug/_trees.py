@@ -1,0 +1,58 @@
+"""Walk and rebuild nested outputs (tuples, lists, dicts, dataclasses, namedtuples) to reach their tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+_MAX_DEPTH = 8  # outputs nest a few levels at most; the bound keeps cyclic objects safe
+
+
+def tensor_leaves(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor inside ``obj``, in a deterministic order (dict insertion order, field order)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if _depth >= _MAX_DEPTH:
+        return []
+    out: list[torch.Tensor] = []
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            out.extend(tensor_leaves(v, _depth + 1))
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            out.extend(tensor_leaves(v, _depth + 1))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            out.extend(tensor_leaves(getattr(obj, f.name, None), _depth + 1))
+    return out
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], _depth: int = 0) -> Any:
+    """Rebuild ``obj`` with ``fn`` applied to each tensor (containers are copied, not mutated)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if _depth >= _MAX_DEPTH:
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(v, fn, _depth + 1) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn, _depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        new = dict.fromkeys(obj)
+        for k, v in obj.items():
+            new[k] = map_tensors(v, fn, _depth + 1)
+        try:
+            return type(obj)(new)
+        except Exception:
+            return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {
+            f.name: map_tensors(getattr(obj, f.name), fn, _depth + 1)
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
+        return dataclasses.replace(obj, **changes)
+    return obj

@@ -1,0 +1,979 @@
+"""Exact op-level localisation of the first NaN/Inf: the tracer, ``locate_nonfinite`` and step replay.
+
+The tracer stacks three instruments for the duration of one step:
+
+* module forward hooks on every module of the model: which module is running, and a bounded ring
+  of module frames (input/output magnitude ranges);
+* a ``TorchFunctionMode``: the user's source line of each torch call, and which autograd nodes that
+  call created (so a backward op can be traced to the forward line that made its node);
+* a ``TorchDispatchMode``: every aten op's outputs are checked; an op that makes a non-finite value
+  its inputs did not hold is an event. Non-finite storages are tainted with the event that produced
+  them, so a symptom found later (a NaN, an Inf in the loss or a gradient) is traced back to its
+  origin. Writing an explicit +-inf constant (masked_fill, where, full with inf) is not an origin.
+
+Cost: every op's outputs are reduced and read on the host, so a traced step runs 2-4x a plain step
+on CPU (more on GPU where each read is a sync). It runs only in ``locate_nonfinite`` and in the
+sentinel's replay of a failing step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._trees import map_tensors, tensor_leaves
+from .events import Anomaly, ModuleFrame, Phase
+from .stats import TensorStats, analyze_tensor
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STACK_DEPTH = 8
+
+# Ops that never introduce values (views, copies of metadata): skipping them saves a reduction each.
+_PASS_THROUGH = {
+    "aten::detach",
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::t",
+    "aten::transpose",
+    "aten::permute",
+    "aten::expand",
+    "aten::alias",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::reshape",
+    "aten::slice",
+    "aten::select",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::chunk",
+    "aten::unbind",
+    "aten::as_strided",
+    "aten::lift_fresh",
+    "aten::_to_copy",
+    "aten::clone",
+    "aten::copy_",
+    "aten::contiguous",
+    "aten::empty_like",
+    "aten::empty",
+    "aten::zeros_like",
+    "aten::ones_like",
+    "aten::new_empty_strided",
+    "aten::empty_strided",
+}
+
+
+def _skip_frame(filename: str) -> bool:
+    return (
+        filename.startswith((_TORCH_DIR, _OWN_DIR))
+        or filename.startswith("<")
+        or "/contextlib.py" in filename
+    )
+
+
+def format_location(filename: str, lineno: int) -> str:
+    """``path/file.py:LINE``, relative to the working directory when the file lies under it."""
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            filename = rel
+    except ValueError:  # other drive on Windows
+        pass
+    return f"{filename}:{lineno}"
+
+
+def user_stack(start: Any = None, depth: int = _STACK_DEPTH) -> tuple[str | None, tuple[str, ...]]:
+    """The innermost user frame (not torch, not torchdebug) as ``file:line``, and up to ``depth`` user frames."""
+    f = start if start is not None else sys._getframe(1)
+    first: str | None = None
+    frames: list[str] = []
+    while f is not None and len(frames) < depth:
+        code = f.f_code
+        if not _skip_frame(code.co_filename):
+            loc = format_location(code.co_filename, f.f_lineno)
+            if first is None:
+                first = loc
+            frames.append(f"{loc} in {code.co_name}")
+        f = f.f_back
+    frames.reverse()  # innermost last
+    return first, tuple(frames)
+
+
+@dataclass
+class _Flags:
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.nan or self.posinf or self.neginf)
+
+    @property
+    def inf(self) -> bool:
+        return bool(self.posinf or self.neginf)
+
+    @property
+    def kind(self) -> str:
+        if self.nan:
+            return "nan"
+        return "inf" if self.posinf else "-inf"
+
+
+def _checkable(t: Any) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and (t.is_floating_point() or t.is_complex())
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and t.numel() > 0
+    )
+
+
+def _flags(t: torch.Tensor) -> _Flags:
+    """Counts of NaN/+Inf/-Inf; a single reduction when the tensor is finite (the common case)."""
+    with torch._C.DisableTorchFunction():
+        x = t.detach()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        if bool(torch.isfinite(x).all()):  # host read: replay only
+            return _Flags()
+        return _Flags(int(torch.isnan(x).sum()), int(torch.isposinf(x).sum()), int(torch.isneginf(x).sum()))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:
+        return id(t)
+
+
+def _has_inf_scalar(args: Iterable[Any]) -> bool:
+    for a in args:
+        if isinstance(a, float) and math.isinf(a):
+            return True
+        if isinstance(a, (list, tuple)) and _has_inf_scalar(a):
+            return True
+    return False
+
+
+@dataclass
+class _Event:
+    """A place where a non-finite value was born (internal; turned into an Anomaly at the end)."""
+
+    seq: int
+    phase: str
+    module: str
+    module_type: str
+    op: str
+    location: str | None
+    stack: tuple[str, ...]
+    kind: str
+    tensor: TensorStats | None
+    inputs: tuple[TensorStats, ...]
+    explicit: bool = False  # an explicit +-inf constant written on purpose (masks): never an origin
+    related: _Event | None = None
+    frames: tuple[ModuleFrame, ...] = ()
+    parameter: str | None = None
+    hint: str = ""
+
+
+@dataclass
+class _NodeInfo:
+    module: str
+    module_type: str
+    location: str | None
+    stack: tuple[str, ...]
+
+
+class _FunctionLayer(TorchFunctionMode):
+    """Source lines of torch calls, and which autograd nodes each call created."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tr = self.tracer
+        if func in (torch.Tensor.backward, torch.autograd.backward):
+            # The engine's own ops are backward ops: do not count them as inside a torch call.
+            tr.on_backward_call(args[0] if args else kwargs.get("tensors"))
+            saved, tr.fn_depth = tr.fn_depth, 0
+            try:
+                return func(*args, **kwargs)
+            finally:
+                tr.fn_depth = saved
+        if tr.fn_depth == 0:
+            if tr.location_override is not None:
+                tr.call_location, tr.call_stack = tr.location_override
+            else:
+                tr.call_location, tr.call_stack = user_stack(sys._getframe(1))
+        tr.fn_depth += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            tr.fn_depth -= 1
+        if tr.fn_depth == 0 and torch.is_grad_enabled():
+            tr.map_new_nodes(out)
+        return out
+
+
+class _DispatchLayer(TorchDispatchMode):
+    """Checks every aten op's outputs; taints non-finite storages with their origin."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tr = self.tracer
+        if tr.symptom is not None or func._schema.name in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        ins = [t for t in tensor_leaves((args, kwargs)) if _checkable(t)]
+        pre = [_flags(t) for t in ins] if func._schema.is_mutable else None
+        out = func(*args, **kwargs)
+        try:
+            tr.check_op(func, args, kwargs, ins, pre, out)
+        except Exception as exc:  # the tracer must never break the traced step
+            tr.internal_errors.append(repr(exc))
+        return out
+
+
+class Tracer:
+    """Op-level tracing of one step of ``model``; the first symptom and its origin land in ``.symptom``.
+
+    Not re-entrant. Use as a context manager; every hook and mode is removed on exit, also on exceptions.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        *,
+        frames: int = 16,
+        optimizer: torch.optim.Optimizer | None = None,
+        names: dict[nn.Module, str] | None = None,
+        loss_ids: Iterable[int] = (),
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.names = (
+            names if names is not None else ({m: n for n, m in model.named_modules()} if model else {})
+        )
+        self.frames: collections.deque[ModuleFrame] = collections.deque(maxlen=max(1, frames))
+        self.module_stack: list[tuple[str, str]] = []
+        self.fn_depth = 0
+        self.call_location: str | None = None
+        self.call_stack: tuple[str, ...] = ()
+        self.location_override: tuple[str | None, tuple[str, ...]] | None = None
+        self.nodes: dict[int, _NodeInfo] = {}
+        self._node_refs: list[Any] = []  # keep nodes alive so their ids stay unique
+        self.taint: dict[int, _Event] = {}
+        self.events: list[_Event] = []
+        self.symptom: _Event | None = None
+        self.symptom_text = ""
+        self.phase_override: str | None = None
+        self.internal_errors: list[str] = []
+        self._param_names: dict[int, str] = {}
+        if model is not None:
+            for n, p in model.named_parameters(remove_duplicate=False):
+                self._param_names.setdefault(_storage_key(p), n)
+        self._handles: list[Any] = []
+        self._stack = contextlib.ExitStack()
+
+    # -- setup -------------------------------------------------------------------------------------
+    def __enter__(self) -> Tracer:
+        try:
+            if self.model is not None:
+                for mod, name in self.names.items():
+                    self._handles.append(mod.register_forward_pre_hook(self._pre_hook))
+                    self._handles.append(mod.register_forward_hook(self._post_hook))
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+
+            self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+            self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+            self._stack.enter_context(_FunctionLayer(self))
+            self._stack.enter_context(_DispatchLayer(self))
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._stack.close()
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self.module_stack.clear()
+
+    # -- module tracking ---------------------------------------------------------------------------
+    def _pre_hook(self, mod: nn.Module, args: Any) -> None:
+        self.module_stack.append((self.names.get(mod, ""), type(mod).__name__))
+
+    def _post_hook(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        if self.symptom is None:
+            try:
+                self.frames.append(self._frame(mod, args, out))
+            except Exception as exc:
+                self.internal_errors.append(repr(exc))
+
+    def _frame(self, mod: nn.Module, args: Any, out: Any) -> ModuleFrame:
+        def rng(obj: Any) -> tuple[float | None, float | None, bool]:
+            ts = [t for t in tensor_leaves(obj) if _checkable(t)][:4]
+            if not ts:
+                return None, None, False
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                vals = []
+                bad = False
+                for t in ts:
+                    a = t.detach().abs().float()
+                    fin = torch.isfinite(a)
+                    bad = bad or not bool(fin.all())
+                    vals.append(torch.where(fin, a, 0).max())
+                    vals.append(torch.where(fin & (a > 0), a, math.inf).min())
+                v = torch.stack(vals).tolist()
+            hi = max(v[0::2])
+            lo = min(v[1::2])
+            return (None if math.isinf(lo) else lo), hi, bad
+
+        ilo, ihi, _ = rng(args)
+        olo, ohi, obad = rng(out)
+        return ModuleFrame(self.names.get(mod, ""), type(mod).__name__, "forward", ilo, ihi, olo, ohi, obad)
+
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.phase_override = Phase.OPTIMIZER.value
+        if self.symptom is None:
+            self._check_params("before the optimizer step")
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.phase_override = None
+
+    # -- autograd node map -------------------------------------------------------------------------
+    def current_module(self) -> tuple[str, str]:
+        if self.module_stack:
+            return self.module_stack[-1]
+        root = type(self.model).__name__ if self.model is not None else ""
+        return "", root
+
+    def map_new_nodes(self, out: Any) -> None:
+        module, mtype = self.current_module()
+        info = _NodeInfo(module, mtype, self.call_location, self.call_stack)
+        todo = [t.grad_fn for t in tensor_leaves(out) if t.grad_fn is not None]
+        seen = 0
+        while todo and seen < 10_000:
+            node = todo.pop()
+            if node is None or id(node) in self.nodes:
+                continue
+            seen += 1
+            self.nodes[id(node)] = info
+            self._node_refs.append(node)
+            todo.extend(nf for nf, _ in node.next_functions if nf is not None)
+
+    # -- the check -------------------------------------------------------------------------------
+    def _where(self) -> tuple[str, str, str, str | None, tuple[str, ...], Any]:
+        """(phase, module, module_type, location, stack, autograd node) of the op now running."""
+        node = torch._C._current_autograd_node()
+        recompute = False
+        if node is not None and self.fn_depth > 0:
+            # An op inside a torch call while a node runs: forward recompute (checkpoint), unless the
+            # node is a custom autograd.Function's Python backward.
+            is_py_fn = isinstance(node, torch.autograd.function.BackwardCFunction)
+            recompute = (not is_py_fn) or "Checkpoint" in type(node).__name__
+        if node is not None and not recompute:
+            info = self.nodes.get(id(node))
+            if info is not None:
+                return Phase.BACKWARD.value, info.module, info.module_type, info.location, info.stack, node
+            root = type(self.model).__name__ if self.model is not None else ""
+            return Phase.BACKWARD.value, "", root, None, (), node
+        phase = self.phase_override or Phase.FORWARD.value
+        module, mtype = self.current_module()
+        if self.fn_depth > 0:
+            return phase, module, mtype, self.call_location, self.call_stack, None
+        loc, stack = self.location_override or user_stack(sys._getframe(3))
+        return phase, module, mtype, loc, stack, None
+
+    def check_op(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        ins: list[torch.Tensor],
+        pre: list[_Flags] | None,
+        out: Any,
+    ) -> None:
+        outs = [t for t in tensor_leaves(out) if _checkable(t)]
+        if not outs:
+            return
+        out_flags = [_flags(t) for t in outs]
+        if not any(f.bad for f in out_flags):
+            for t in outs:  # an in-place op may have repaired a tainted storage (nan_to_num_)
+                self.taint.pop(_storage_key(t), None)
+            return
+        in_flags = pre if pre is not None else [_flags(t) for t in ins]
+        in_nan = any(f.nan for f in in_flags)
+        in_inf = any(f.inf for f in in_flags)
+        in_root = next(
+            (
+                self.taint[_storage_key(t)]
+                for t, f in zip(ins, in_flags)
+                if f.bad and _storage_key(t) in self.taint
+            ),
+            None,
+        )
+        phase, module, mtype, loc, stack, node = self._where()
+        op = type(node).__name__ if node is not None else f"aten.{func._schema.name.split('::')[-1]}"
+        explicit = not ins or _has_inf_scalar(args) or _has_inf_scalar(kwargs.values())
+        is_grad = phase == Phase.BACKWARD.value
+        for idx, (t, f) in enumerate(zip(outs, out_flags)):
+            if not f.bad:
+                continue
+            key = _storage_key(t)
+            if f.nan and not in_nan:
+                ev = self._event(
+                    phase,
+                    module,
+                    mtype,
+                    op,
+                    loc,
+                    stack,
+                    "nan",
+                    t,
+                    ins,
+                    related=in_root,
+                    func=func,
+                    args=args,
+                    out_idx=idx,
+                )
+                self.taint[key] = ev
+                self._set_symptom(ev, f"first NaN, made by {op}")
+                return
+            if f.nan:  # NaN propagated from a NaN input: the first NaN was already the symptom
+                continue
+            if not (in_nan or in_inf):
+                ev = self._event(
+                    phase,
+                    module,
+                    mtype,
+                    op,
+                    loc,
+                    stack,
+                    f.kind,
+                    t,
+                    ins,
+                    explicit=explicit and not is_grad,
+                    func=func,
+                    args=args,
+                    out_idx=idx,
+                )
+                self.taint[key] = ev
+            else:
+                ev = in_root or self._event(
+                    phase, module, mtype, op, loc, stack, f.kind, t, ins, func=func, args=args, out_idx=idx
+                )
+                self.taint[key] = ev
+            if is_grad or phase == Phase.OPTIMIZER.value:
+                origin = (
+                    ev
+                    if not ev.explicit
+                    else self._event(
+                        phase,
+                        module,
+                        mtype,
+                        op,
+                        loc,
+                        stack,
+                        f.kind,
+                        t,
+                        ins,
+                        func=func,
+                        args=args,
+                        out_idx=idx,
+                    )
+                )
+                where = "a gradient" if is_grad else "the optimizer update"
+                self._set_symptom(origin, f"{f.kind} in {where}, made by {op}")
+                return
+
+    def _event(
+        self,
+        phase: str,
+        module: str,
+        mtype: str,
+        op: str,
+        loc: str | None,
+        stack: tuple[str, ...],
+        kind: str,
+        t: torch.Tensor,
+        ins: list[torch.Tensor],
+        *,
+        explicit: bool = False,
+        related: _Event | None = None,
+        func: Any = None,
+        args: tuple = (),
+        out_idx: int = 0,
+    ) -> _Event:
+        with torch._C.DisableTorchFunction():
+            tstats = analyze_tensor(t)
+            istats = tuple(analyze_tensor(x) for x in ins[:4])
+        param = None
+        if phase == Phase.OPTIMIZER.value:
+            param = self._param_for(t, func, args, out_idx)
+        ev = _Event(
+            seq=len(self.events),
+            phase=phase,
+            module=module,
+            module_type=mtype,
+            op=op,
+            location=loc,
+            stack=stack,
+            kind=kind,
+            tensor=tstats,
+            inputs=istats,
+            explicit=explicit,
+            related=related if related is not None and not related.explicit else related,
+            frames=tuple(self.frames),
+            parameter=param,
+        )
+        ev.hint = make_hint(ev)
+        self.events.append(ev)
+        return ev
+
+    def _param_for(self, t: torch.Tensor, func: Any, args: tuple, out_idx: int) -> str | None:
+        name = self._param_names.get(_storage_key(t))
+        if name is not None or self.optimizer is None:
+            return name
+        # foreach ops work on the list of parameters that have gradients, in param-group order
+        with_grad = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if out_idx < len(with_grad):
+            return self._param_names.get(_storage_key(with_grad[out_idx]))
+        return None
+
+    def _set_symptom(self, ev: _Event, text: str) -> None:
+        if self.symptom is None:
+            self.symptom = ev
+            self.symptom_text = text
+
+    # -- symptoms outside ops ----------------------------------------------------------------------
+    def on_backward_call(self, loss: Any) -> None:
+        """``loss.backward()`` is about to run: an Inf in the loss is a symptom."""
+        if self.symptom is not None:
+            return
+        for t in tensor_leaves(loss):
+            if not _checkable(t):
+                continue
+            f = _flags(t)
+            if f.bad:
+                root = self.taint.get(_storage_key(t))
+                if root is None or root.explicit:
+                    loc, stack = user_stack(sys._getframe(2))
+                    root = self._event(Phase.FORWARD.value, "", "", "loss", loc, stack, f.kind, t, [])
+                self._set_symptom(root, f"{f.kind} in the loss")
+                return
+
+    def check_inputs(self, args: Any, kwargs: Any) -> None:
+        for i, t in enumerate(tensor_leaves((args, kwargs))):
+            if self.symptom is not None:
+                return
+            if _checkable(t):
+                f = _flags(t)
+                if f.bad:
+                    ev = self._event(Phase.INPUT.value, "", "", "", None, (), f.kind, t, [])
+                    ev.op = ""
+                    ev.hint = f"the batch already holds {f.kind.upper() if f.kind == 'nan' else f.kind}: input #{i} ({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf); check the data pipeline"
+                    self._set_symptom(ev, f"{f.kind} in input #{i}")
+
+    def _check_params(self, when: str) -> None:
+        if self.model is None:
+            return
+        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            if self.symptom is not None:
+                return
+            if not _checkable(t):
+                continue
+            f = _flags(t)
+            if f.bad:
+                owner = name.rpartition(".")[0]
+                mod = self.model.get_submodule(owner) if owner else self.model
+                ev = self._event(
+                    Phase.PARAMETER.value, owner, type(mod).__name__, "", None, (), f.kind, t, []
+                )
+                ev.parameter = name
+                ev.hint = (
+                    f"{name} already holds {f.nan} NaN / {f.posinf + f.neginf} Inf {when}: "
+                    "loaded from a bad checkpoint or written by code outside the step"
+                )
+                self._set_symptom(ev, f"{f.kind} in {name} {when}")
+
+    def check_parameters(self) -> None:
+        self._check_params("before the step")
+
+    # -- result ------------------------------------------------------------------------------------
+    def anomaly(
+        self,
+        *,
+        step: int | None = None,
+        rank: int = 0,
+        micro_step: int | None = None,
+        detected_by: str = "locate",
+    ) -> Anomaly | None:
+        ev = self.symptom
+        if ev is None:
+            return None
+        return _to_anomaly(
+            ev, self.symptom_text, step=step, rank=rank, micro_step=micro_step, detected_by=detected_by
+        )
+
+
+def _to_anomaly(
+    ev: _Event,
+    symptom: str,
+    *,
+    step: int | None,
+    rank: int,
+    micro_step: int | None,
+    detected_by: str,
+    depth: int = 0,
+) -> Anomaly:
+    related = None
+    if ev.related is not None and depth < 3:
+        related = _to_anomaly(
+            ev.related,
+            "",
+            step=step,
+            rank=rank,
+            micro_step=micro_step,
+            detected_by=detected_by,
+            depth=depth + 1,
+        )
+    return Anomaly(
+        phase=ev.phase,
+        module=ev.module,
+        op=ev.op or None,
+        location=ev.location,
+        kind=ev.kind,
+        step=step,
+        rank=rank,
+        tensor=ev.tensor,
+        inputs=ev.inputs,
+        frames=ev.frames if depth == 0 else (),
+        related=related,
+        hint=ev.hint,
+        module_type=ev.module_type,
+        micro_step=micro_step,
+        symptom=symptom,
+        detected_by=detected_by,
+        stack=ev.stack,
+        parameter=ev.parameter,
+    )
+
+
+# -- hints ---------------------------------------------------------------------------------------
+_F16_MAX = {"float16": 65504.0, "bfloat16": 3.39e38, "float32": 3.40e38}
+
+
+def make_hint(ev: _Event) -> str:
+    """Plain words for the likely cause of an event, from its op and input statistics."""
+    op = ev.op.removeprefix("aten.")
+    ins = ev.inputs
+    mins = [s.min for s in ins if s.min is not None]
+    maxs = [s.max for s in ins if s.max is not None]
+    lo = min(mins) if mins else None
+    hi = max(maxs) if maxs else None
+    zero_in = any((s.zero_fraction or 0) > 0 or (s.abs_min is None and s.numel) for s in ins)
+    out_dtype = ev.tensor.dtype if ev.tensor is not None else ""
+    related_inf = ev.related is not None and ev.related.kind != "nan"
+    if ev.phase == Phase.BACKWARD.value:
+        node = ev.op
+        if node.startswith("Sqrt"):
+            return "sqrt at 0 in backward: add eps inside the sqrt (sqrt(x + eps))"
+        if node.startswith(("Norm", "LinalgVectorNorm")):
+            return "norm of an all-zero vector in backward: add eps (sqrt(sum(x**2) + eps))"
+        if node.startswith("Pow"):
+            return "pow with a fractional exponent at 0 in backward: add eps to the base"
+        if node.startswith("Log"):
+            return "log at 0 in backward (the gradient is 1/x): clamp the input or add eps"
+        if node.startswith("Div"):
+            return "division by (near) zero in backward: add eps to the denominator"
+        if node.startswith(("Acos", "Asin")):
+            return f"{node[:4].lower()} at +-1 in backward: clamp the input to (-1+eps, 1-eps)"
+        if ev.kind == "nan" and related_inf:
+            return f"{node} turned an Inf into NaN (inf*0 or inf-inf); the Inf was born earlier (see related)"
+        return f"{node} produced {ev.kind} from finite gradients"
+    if op in ("log", "log2", "log10") and lo is not None:
+        if lo < 0:
+            return f"log of negative input (min {lo:.3g})"
+        return "log of 0 gives -inf: add eps (log(x + eps)) or clamp the input"
+    if op == "log1p" and lo is not None and lo <= -1:
+        return f"log1p of input <= -1 (min {lo:.3g})"
+    if op in ("sqrt", "rsqrt") and lo is not None and lo < 0:
+        return f"{op} of negative input (min {lo:.3g})"
+    if op in ("div", "div_", "reciprocal"):
+        if ev.kind == "nan":
+            return "0/0: numerator and denominator are both zero somewhere; add eps to the denominator"
+        return "division by zero: add eps to the denominator"
+    if op in ("acos", "asin"):
+        return (
+            f"{op} of input outside [-1, 1] (range [{lo:.3g}, {hi:.3g}])"
+            if lo is not None and hi is not None
+            else f"{op} outside [-1, 1]"
+        )
+    if op in ("pow",) and lo is not None and lo < 0:
+        return f"pow of negative base with a fractional exponent (min {lo:.3g})"
+    if op in ("_softmax", "_log_softmax", "softmax", "log_softmax") and ev.kind == "nan":
+        return "softmax over a row whose entries are all -inf (a fully masked row)"
+    if op == "exp" and ev.kind == "inf" and hi is not None:
+        limit = {"float16": 11.09, "bfloat16": 88.7, "float32": 88.7, "float64": 709.8}.get(out_dtype, 88.7)
+        return (
+            f"exp overflow: max input {hi:.3g} > {limit} for {out_dtype}; subtract the max first (logsumexp)"
+        )
+    if ev.kind in ("inf", "-inf") and out_dtype == "float16":
+        return "float16 overflow: max 65504; use bfloat16 or scale down"
+    if ev.kind == "nan" and related_inf:
+        return f"{op} made NaN from an Inf input (inf-inf, inf*0 or inf/inf); the Inf was born earlier (see related)"
+    if ev.kind == "nan":
+        return f"{op} produced NaN from finite inputs" + (" (a zero input is involved)" if zero_in else "")
+    return f"{op} produced {ev.kind} from finite inputs"
+
+
+# -- public entry ----------------------------------------------------------------------------------
+def locate_nonfinite(
+    fn: Callable[..., Any],
+    *args: Any,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    frames: int = 16,
+    **kwargs: Any,
+) -> Anomaly | None:
+    """Run ``fn(*args, **kwargs)`` once under op-level tracing; return the origin of the first NaN/Inf.
+
+    Typically ``fn`` does forward + loss + backward (+ ``optimizer.step()``). Inputs (the tensors in
+    ``args``/``kwargs``) and the model's parameters and buffers are checked first (phases "input" and
+    "parameter"). A symptom is the first NaN anywhere, or a +-Inf in the loss (the tensor ``backward``
+    is called on, or ``fn``'s returned tensors), in a gradient, or made by the optimizer update.
+
+    Args:
+        fn: the step to run.
+        model: the model, to name modules as in ``model.named_modules()`` (``""`` for the root).
+        optimizer: to name the parameter an optimizer update made non-finite.
+        frames: how many module frames before the origin to keep.
+
+    Returns:
+        The :class:`Anomaly`, or ``None`` when nothing went wrong.
+
+    Raises:
+        Whatever ``fn`` raises, unless a non-finite origin was found before the error (then the anomaly
+        is returned: the NaN is the likelier cause).
+
+    Cost: every op's outputs are reduced and read on the host: 2-4x one plain step on CPU.
+
+    Example::
+
+        a = td.locate_nonfinite(train_step, batch, model=model)
+        if a is not None:
+            print(a)   # nan born in forward of head (Linear): aten.log at train.py:41
+    """
+    if not callable(fn):
+        raise TypeError(f"locate_nonfinite(fn, ...): fn must be callable, got {type(fn).__name__}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    tracer = Tracer(model, frames=frames, optimizer=optimizer)
+    tracer.check_inputs(args, kwargs)
+    tracer.check_parameters()
+    if tracer.symptom is not None:
+        return tracer.anomaly()
+    try:
+        with tracer:
+            result = fn(*args, **kwargs)
+            if tracer.symptom is None:
+                tracer.on_backward_call(result)
+    except Exception:
+        if tracer.symptom is None:
+            raise
+    return tracer.anomaly()
+
+
+# -- replay of a captured step (used by watch) -------------------------------------------------------
+@dataclass
+class StepCapture:
+    """What the sentinel keeps of one micro-step so it can be replayed exactly (references, no copies)."""
+
+    args: tuple
+    kwargs: dict
+    rng_cpu: torch.Tensor
+    rng_cuda: list[torch.Tensor] | None
+    autocast: dict[str, tuple[bool, torch.dtype]]
+    grad_enabled: bool
+    outputs: Any = None
+    out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    tape: list[tuple[Any, Any, tuple, dict, str | None, tuple[str, ...], Any]] = field(default_factory=list)
+    tape_complete: bool = False
+    loss: torch.Tensor | None = None
+    loss_grad: torch.Tensor | None = None
+
+    @staticmethod
+    def take(args: tuple, kwargs: dict, uses_cuda: bool) -> StepCapture:
+        autocast = {}
+        for dev in ("cpu", "cuda"):
+            try:
+                autocast[dev] = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+            except Exception:  # older torch or no such backend
+                continue
+        rng_cuda = None
+        if uses_cuda and torch.cuda.is_available():
+            rng_cuda = torch.cuda.get_rng_state_all()
+        return StepCapture(args, kwargs, torch.get_rng_state(), rng_cuda, autocast, torch.is_grad_enabled())
+
+
+@contextlib.contextmanager
+def _autocast(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for dev, (enabled, dtype) in state.items():
+            if enabled:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+        yield
+
+
+@contextlib.contextmanager
+def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
+    """Leave the user's grads, buffers and RNG exactly as they were after the replay."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if uses_cuda and torch.cuda.is_available() else None
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state_all(rng_cuda)
+
+
+def replay_capture(
+    model: nn.Module,
+    cap: StepCapture,
+    *,
+    names: dict[nn.Module, str],
+    frames: int = 16,
+    uses_cuda: bool = False,
+) -> Tracer:
+    """Re-run a captured micro-step (forward, loss, backward) under the tracer; returns the tracer.
+
+    The user's parameters are untouched (the sentinel replays before the optimizer update); grads,
+    buffers and RNG are restored afterwards. The loss is recomputed from the recorded tape of torch
+    calls made between the model's forward and ``backward`` when complete, else the gradient that
+    flowed into the model's outputs in the real step is fed back.
+    """
+    tracer = Tracer(model, frames=frames, names=names)
+    tracer.check_inputs(cap.args, cap.kwargs)
+    tracer.check_parameters()
+    if tracer.symptom is not None:
+        return tracer
+    with _preserved_state(model, uses_cuda):
+        torch.set_rng_state(cap.rng_cpu)
+        if cap.rng_cuda is not None:
+            torch.cuda.set_rng_state_all(cap.rng_cuda)
+        with tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+            out = model(*cap.args, **cap.kwargs)
+            if tracer.symptom is not None:
+                return tracer
+            loss = _rerun_tape(cap, out, tracer) if cap.tape_complete else None
+            if loss is not None:
+                loss.backward(gradient=cap.loss_grad)
+                return tracer
+            old = tensor_leaves(cap.outputs)
+            new = tensor_leaves(out)
+            pairs = [
+                (n, cap.out_grads[i])
+                for i, (o, n) in enumerate(zip(old, new))
+                if i in cap.out_grads and n.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    return tracer
+
+
+def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | None:
+    if cap.loss is None:
+        return None
+    mapping: dict[int, torch.Tensor] = {}
+    for o, n in zip(tensor_leaves(cap.outputs), tensor_leaves(out)):
+        mapping[id(o)] = n
+    sub = lambda t: mapping.get(id(t), t)  # noqa: E731
+    try:
+        for func, _types, args, kwargs, loc, stack, res in cap.tape:
+            tracer.location_override = (loc, stack)
+            try:
+                new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+            finally:
+                tracer.location_override = None
+            for o, n in zip(tensor_leaves(res), tensor_leaves(new)):
+                mapping[id(o)] = n
+            if tracer.symptom is not None:
+                break
+    except Exception as exc:
+        tracer.internal_errors.append(f"loss tape replay failed: {exc!r}")
+        return None
+    loss = mapping.get(id(cap.loss))
+    if loss is None and id(cap.loss) not in mapping and cap.loss in tensor_leaves(cap.outputs):
+        return None
+    return loss
+
+
+class LossTape(TorchFunctionMode):
+    """Records the torch calls made between the model's forward and ``backward`` (the loss code).
+
+    Bounded: at most ``limit`` calls; beyond that the tape is marked incomplete and replay falls back
+    to the gradient captured at the model's outputs. Cost: one stack walk per recorded call.
+    """
+
+    def __init__(self, cap: StepCapture, limit: int = 64) -> None:
+        super().__init__()
+        self.cap = weakref.ref(cap)
+        self.limit = limit
+        self.recording = True
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        res = func(*args, **kwargs)
+        if self.recording and func not in (torch.Tensor.backward, torch.autograd.backward):
+            cap = self.cap()
+            if cap is None:
+                self.recording = False
+            elif len(cap.tape) >= self.limit:
+                cap.tape_complete = False
+                self.recording = False
+            else:
+                loc, stack = user_stack(sys._getframe(1), depth=4)
+                cap.tape.append((func, types, args, kwargs, loc, stack, res))
+        return res

@@ -1,0 +1,967 @@
+"""watch(): the always-on session. Installs the sentinel and instruments, counts steps, removes all on exit.
+
+The sentinel's hot path, per micro-step: a reference to the batch and the RNG state at the model's
+first forward; a foreach norm of the gradients after each backward (device only); and, once per step,
+ONE host transfer of every number the step produced (at the optimizer's step pre-hook, so corrupted
+gradients never reach the weights; else at ``mon.step()``). Parameters are checked after each
+optimizer update on the device; that flag travels with the next step's transfer. When the transfer
+shows a NaN/Inf, the failing micro-step is replayed under op-level tracing (``locate.replay_capture``)
+to name the phase, module, op and source line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import math
+import os
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._config import DebugConfig, DebugLevel, coerce_config
+from ._errors import NonFiniteError, TorchDebugWarning
+from ._trees import tensor_leaves
+from .events import Anomaly, Phase, RuleEvent, StepRecord
+from .locate import LossTape, StepCapture, replay_capture
+
+POLICIES = ("raise", "warn", "skip")
+_MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
+_MAX_OUT_HOOKS = 16
+_MAX_ANOMALIES = 1000
+_MAX_EVENTS = 10_000
+
+# instrument name -> (module, class); each class is constructed with no arguments
+_INSTRUMENTS: dict[str, tuple[str, str]] = {
+    "gradients": ("torchdebug.instruments.health", "GradientHealth"),
+    "memory": ("torchdebug.instruments.memory", "MemoryInstrument"),
+    "module_memory": ("torchdebug.instruments.memory", "ModuleMemoryInstrument"),
+    "timing": ("torchdebug.instruments.timing", "TimingInstrument"),
+    "module_time": ("torchdebug.instruments.timing", "ModuleTimeInstrument"),
+    "flops": ("torchdebug.instruments.flops", "FlopsInstrument"),
+    "tensorboard": ("torchdebug.tensorboard", "TensorBoardInstrument"),
+}
+
+_ACTIVE: list[Monitor] = []
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms as one float32 device tensor; no host sync."""
+    try:
+        from .stats import foreach_norms
+
+        return foreach_norms(tensors)
+    except ImportError:
+        return torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors])
+
+
+# -- global patches, installed while at least one monitor is active -----------------------------------
+def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mons = [m for m in _ACTIVE if m._accepts_backward()]
+        if not mons:
+            return orig(*args, **kwargs)
+        loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
+        gradient = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
+        for m in mons:
+            m._on_backward_start(loss, gradient)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            for m in mons:
+                m._on_backward_end()
+
+    wrapper.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        mons = [m for m in _ACTIVE if m._owns_optimizer(optimizer)]
+        for m in mons:
+            m._scaler_step_begin(self)
+        try:
+            return orig(self, optimizer, *args, **kwargs)
+        finally:
+            for m in mons:
+                m._scaler_step_end(self)
+
+    step.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return step
+
+
+def _install_patches() -> None:
+    if _ORIGINALS:
+        return
+    _ORIGINALS["Tensor.backward"] = torch.Tensor.backward
+    _ORIGINALS["autograd.backward"] = torch.autograd.backward
+    torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
+    torch.autograd.backward = _backward_wrapper(torch.autograd.backward, False)  # type: ignore[assignment]
+    try:
+        from torch.amp.grad_scaler import GradScaler
+
+        _ORIGINALS["GradScaler.step"] = GradScaler.step
+        GradScaler.step = _scaler_step_wrapper(GradScaler.step)  # type: ignore[method-assign]
+    except ImportError:  # torch without torch.amp.grad_scaler
+        pass
+
+
+def _remove_patches() -> None:
+    if not _ORIGINALS:
+        return
+    if getattr(torch.Tensor.backward, "__torchdebug_wrapper__", False):
+        torch.Tensor.backward = _ORIGINALS["Tensor.backward"]  # type: ignore[method-assign]
+    if getattr(torch.autograd.backward, "__torchdebug_wrapper__", False):
+        torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
+    if "GradScaler.step" in _ORIGINALS:
+        from torch.amp.grad_scaler import GradScaler
+
+        if getattr(GradScaler.step, "__torchdebug_wrapper__", False):
+            GradScaler.step = _ORIGINALS["GradScaler.step"]  # type: ignore[method-assign]
+    _ORIGINALS.clear()
+
+
+def _detect_rank(config: DebugConfig) -> int:
+    if config.rank is not None:
+        return int(config.rank)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+class Monitor:
+    """A watch session over one model. Create it with :func:`watch`; see there."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        policy: str | None = None,
+        scaler: Any = None,
+        run: Any = None,
+        config: Any = None,
+        early_stopping: Any = None,
+        tensorboard: bool | str | None = None,
+        clip_on_spike: float | None = None,
+        on_oom: str | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"watch(..., optimizer=): expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        cfg = coerce_config(config)
+        changes: dict[str, Any] = {}
+        if policy is not None:
+            if not isinstance(policy, str) or policy.lower() not in POLICIES:
+                raise ValueError(
+                    f"watch(..., policy={policy!r}): policy must be one of {', '.join(POLICIES)}"
+                )
+            changes["policy"] = policy.lower()
+        if tensorboard is not None:
+            changes["tensorboard"] = tensorboard
+        if clip_on_spike is not None:
+            changes["clip_on_spike"] = clip_on_spike
+        if on_oom is not None:
+            changes["on_oom"] = on_oom
+        self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
+        if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "step", "update")):
+            raise TypeError(
+                f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.early_stopping = early_stopping
+        self._run_arg = run
+        self.names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.param_names: list[str] = [n for n, _ in named]
+        self.params: list[torch.Tensor] = [p for _, p in named]
+        self._param_ids = {id(p) for p in model.parameters()}
+        self.rank = _detect_rank(self.config)
+        self.step: _StepCounter = _StepCounter(0, self)
+        self.micro_step = 0
+        self.writer: Any = None
+        self.run_dir: Path | None = None
+        self.instruments: list[Any] = []
+        self.anomalies: list[Anomaly] = []
+        self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
+        self.records: deque[StepRecord] = deque(maxlen=1000)
+        self.counters: dict[str, int] = {"anomaly_steps": 0, "skipped_steps": 0, "replays": 0}
+        self.grad_norm_host: float | None = None
+        self.grad_norms_host: list[float] | None = None
+        self.level_overrides: list[str] = []
+        self._enabled = self.config.instruments()
+        self._sentinel = "nonfinite" in self._enabled
+        self._entered = False
+        self._closed = False
+        self._replaying = False
+        self._handles: list[Any] = []
+        self._warned: set[str] = set()
+        self._uses_cuda = any(p.is_cuda for p in self.params)
+        self._reset_step_state()
+        self._deferred: dict[str, torch.Tensor] = {}
+        self._deferred_step: int | None = None
+        self._tape: LossTape | None = None
+        self._last_step_end = time.perf_counter()
+        self._adopted: set[int] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> Monitor:
+        if self._entered:
+            raise RuntimeError(
+                "this watch() session is already active: it is not re-entrant; create a new one"
+            )
+        self._entered = True
+        try:
+            self._open_store()
+            self._install()
+        except BaseException:
+            self._teardown(None)
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not isinstance(exc, NonFiniteError):
+            for inst in list(self.instruments):
+                self._call(inst, "on_exception", exc)
+        if exc is None and self._sentinel:
+            with contextlib.suppress(Exception):
+                self._final_check()
+        for inst in list(self.instruments):
+            self._call(inst, "on_exit")
+        self._teardown(exc)
+
+    def _install(self) -> None:
+        _ACTIVE.append(self)
+        _install_patches()
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post))
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        for name in sorted(self._enabled | ({"tensorboard"} if self.config.tensorboard else set())):
+            spec = _INSTRUMENTS.get(name)
+            if spec is None:
+                continue
+            try:
+                cls = getattr(importlib.import_module(spec[0]), spec[1])
+            except (ImportError, AttributeError):
+                continue  # instrument not available in this build / missing extra
+            if any(type(i) is cls for i in self.instruments):
+                continue
+            try:
+                inst = cls()
+                self.instruments.append(inst)
+                self._call(inst, "install")
+            except Exception as exc:
+                self._disable(inst if "inst" in locals() else cls, exc)
+
+    def _teardown(self, exc: BaseException | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pop_tape()
+        for h in self._handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._handles.clear()
+        for inst in list(self.instruments):
+            with contextlib.suppress(Exception):
+                if hasattr(inst, "remove"):
+                    inst.remove(self)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _remove_patches()
+        self._reset_step_state()
+        if self.writer is not None and self._owns_writer:
+            status = "finished" if exc is None else "failed"
+            with contextlib.suppress(Exception):
+                self.writer.close(status=status)
+
+    def _open_store(self) -> None:
+        run = self._run_arg
+        self._owns_writer = False
+        if run is False or (run is None and not self.config.store):
+            return
+        if run is not None and hasattr(run, "log_scalars"):
+            self.writer = run
+        else:
+            try:
+                from .store import create_run
+            except ImportError:
+                return
+            root = os.fspath(run) if run is not None else self.config.run_dir
+            name = self.config.run_name or type(self.model).__name__.lower()
+            cfg = self.config.to_dict()
+            self.writer = create_run(root=root, name=name, config=cfg, rank=self.rank)
+            self._owns_writer = True
+        self.run_dir = Path(self.writer.path) if getattr(self.writer, "path", None) is not None else None
+
+    # -- instrument plumbing ---------------------------------------------------------------------
+    def _call(self, inst: Any, method: str, *args: Any) -> Any:
+        fn = getattr(inst, method, None)
+        if fn is None:
+            return None
+        try:
+            return fn(self, *args)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._disable(inst, exc)
+            return None
+
+    def _disable(self, inst: Any, exc: BaseException) -> None:
+        name = getattr(inst, "name", type(inst).__name__)
+        warnings.warn(
+            TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}"),
+            stacklevel=3,
+        )
+        if inst in self.instruments:
+            self.instruments.remove(inst)
+            with contextlib.suppress(Exception):
+                if hasattr(inst, "remove"):
+                    inst.remove(self)
+
+    def _each(self, method: str, *args: Any) -> None:
+        for inst in list(self.instruments):
+            if hasattr(inst, method):
+                self._call(inst, method, *args)
+
+    def due(self, every: int | None) -> bool:
+        """True on steps 0, every, 2*every ... (the detailed schedule)."""
+        return bool(every) and every > 0 and self.step % every == 0  # type: ignore[operator]
+
+    def emit(self, event: RuleEvent) -> None:
+        """Record a rule event (store + memory) and warn once per kind."""
+        self.events.append(event)
+        self._step_events.append(event)
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.log_event(event.step, event.kind, event.severity, event.message, event.to_dict())
+        if event.severity != "info" and event.kind not in self._warned:
+            self._warned.add(event.kind)
+            warnings.warn(TorchDebugWarning(f"torchdebug: {event}"), stacklevel=3)
+
+    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
+        if self.writer is not None:
+            self.writer.log_scalars(int(self.step) if step is None else step, dict(values))
+
+    def observe(self, name: str, value: float) -> None:
+        """Record a monitored value (validation loss, early-stopping metric) at the current step."""
+        if not isinstance(name, str) or not name:
+            raise TypeError("observe(name, value): name must be a non-empty string")
+        value = float(value)
+        self.log_scalars({f"observe/{name}": value})
+        self._each("on_observe", name, value)
+
+    # -- live control (dashboard) ----------------------------------------------------------------
+    def set_level(self, level: str | DebugLevel) -> DebugLevel:
+        """Switch the debug level of the live session; instruments follow from the next step."""
+        lv = DebugLevel(level) if not isinstance(level, DebugLevel) else level
+        self.config = self.config.replace(level=lv)
+        self.level_overrides.append(lv.value)
+        if self.writer is not None:
+            self.writer.log_event(
+                int(self.step), "level_change", "info", f"debug level set to {lv.value}", {"level": lv.value}
+            )
+        return lv
+
+    def clear(self) -> None:
+        """Start a new history segment (the dashboard's "clear"); nothing stored is deleted."""
+        self.events.clear()
+        self.records.clear()
+        self.counters = dict.fromkeys(self.counters, 0)
+        for inst in self.instruments:
+            c = getattr(inst, "counters", None)
+            if isinstance(c, dict):
+                for k in c:
+                    c[k] = 0
+        if self.writer is not None and hasattr(self.writer, "start_segment"):
+            self.writer.start_segment(f"cleared at step {self.step}")
+        self._segment_start = int(self.step)
+
+    def training_summary(self) -> dict[str, Any]:
+        """The seed-era training summary (counts and rates since the last ``clear()``)."""
+        start = getattr(self, "_segment_start", 0)
+        total = max(self.step - start, 0)
+        kinds = [e.kind for e in self.events]
+        c = {
+            "total_steps": total,
+            "anomaly_steps": self.counters["anomaly_steps"],
+            "gradient_explosions": kinds.count("gradient_explosion"),
+            "gradient_vanishing": kinds.count("vanishing_gradient"),
+            "loss_anomalies": kinds.count("loss_spike") + kinds.count("loss_plateau"),
+        }
+        d = max(total, 1)
+        c["anomaly_rate"] = c["anomaly_steps"] / d
+        c["loss_anomaly_rate"] = c["loss_anomalies"] / d
+        c["gradient_explosion_rate"] = c["gradient_explosions"] / d
+        c["gradient_vanishing_rate"] = c["gradient_vanishing"] / d
+        return c
+
+    # -- hot path: forward -----------------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        self._captures: list[StepCapture] = []
+        self._cap: StepCapture | None = None
+        self._loss_vals: list[torch.Tensor] = []
+        self._micro_bad: list[torch.Tensor] = []
+        self._norms: torch.Tensor | None = None
+        self._norm_index: list[int] = []
+        self._synced = False
+        self._values: dict[str, float] = {}
+        self._opt_ran = False
+        self._scaler_ran = False
+        self._scaler_skipped = False
+        self._step_events: list[RuleEvent] = []
+        self._step_anomaly: Anomaly | None = None
+        self._skipped = False
+        self._skip_reason = ""
+        self._in_forward = False
+        self._need_new_capture = True
+
+    def _accepts_backward(self) -> bool:
+        return not self._replaying and not self._closed
+
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying or not torch.is_grad_enabled():
+            return
+        self._pop_tape()
+        if self._need_new_capture:
+            self._need_new_capture = False
+            if self._sentinel and self.config.replay and len(self._captures) < _MAX_CAPTURES:
+                self._cap = StepCapture.take(args, kwargs, self._uses_cuda)
+                self._captures.append(self._cap)
+            else:
+                self._cap = None
+            self._each("on_forward_start", module, args, kwargs)
+
+    def _root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._replaying or not torch.is_grad_enabled():
+            return
+        cap = self._cap
+        if cap is not None:
+            cap.outputs = output
+            n = 0
+            for i, t in enumerate(tensor_leaves(output)):
+                if t.requires_grad and n < _MAX_OUT_HOOKS:
+                    n += 1
+                    t.register_hook(functools.partial(_store_grad, weakref.ref(cap), i))
+            if self.config.trace_loss:
+                cap.tape_complete = True
+                self._tape = LossTape(cap)
+                self._tape.__enter__()
+        self._each("on_forward_end", module, output)
+
+    def _pop_tape(self) -> None:
+        tape = self._tape
+        if tape is None:
+            return
+        tape.recording = False
+        from torch.overrides import _get_current_function_mode
+
+        if _get_current_function_mode() is tape:
+            tape.__exit__(None, None, None)
+            self._tape = None
+        # else: another mode sits on top; the tape stays as a pass-through until it can be popped
+
+    # -- hot path: backward ----------------------------------------------------------------------
+    def _on_backward_start(self, loss: Any, gradient: Any) -> None:
+        self._pop_tape()
+        cap = self._cap
+        if cap is not None and isinstance(loss, torch.Tensor):
+            cap.loss = loss
+            cap.loss_grad = gradient if isinstance(gradient, torch.Tensor) else None
+        if isinstance(loss, torch.Tensor) and loss.is_floating_point() and self._sentinel:
+            self._loss_vals.append(loss.detach().float().mean())
+        self._each("on_backward_start", loss)
+
+    def _on_backward_end(self) -> None:
+        self.micro_step += 1
+        self._need_new_capture = True
+        if self._sentinel or "gradients" in self._enabled:
+            idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if idx:
+                norms = _foreach_norms([self.params[i].grad for i in idx])  # type: ignore[misc]
+                self._norms, self._norm_index = norms, idx
+                self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+        self._each("on_backward_end")
+
+    # -- hot path: optimizer ---------------------------------------------------------------------
+    def _owns_optimizer(self, opt: Any) -> bool:
+        if self.optimizer is not None:
+            return opt is self.optimizer
+        if id(opt) in self._adopted:
+            return True
+        for g in getattr(opt, "param_groups", []):
+            for p in g["params"]:
+                if id(p) in self._param_ids:
+                    self._adopted.add(id(opt))
+                    return True
+                break
+        return False
+
+    def _scaler_step_begin(self, scaler: Any) -> None:
+        if self.scaler is None:
+            self.scaler = scaler  # detected: GradScaler.step was called with our optimizer
+        self._scaler_ran = True
+        self._opt_ran_in_scaler = False
+
+    def _scaler_step_end(self, scaler: Any) -> None:
+        if not getattr(self, "_opt_ran_in_scaler", False):
+            self._scaler_skipped = True
+
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self._replaying or not self._owns_optimizer(opt):
+            return
+        self._opt_ran = True
+        self._opt_ran_in_scaler = True
+        if self._sentinel:
+            self._sync()
+            self._check_gradients(at_optimizer=True, opt=opt)
+        self._each("before_optimizer_step")
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self._replaying or not self._owns_optimizer(opt):
+            return
+        if self._sentinel and not self._skipped:
+            params = [p for p in self.params if p.grad is not None] or self.params
+            # checked on the device now, read with the next transfer (no extra sync)
+            self._deferred["param_norms"] = _foreach_norms([p.detach() for p in self.params])
+            self._deferred_step = int(self.step)
+            del params
+        self._each("after_optimizer_step")
+
+    # -- the one transfer --------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Stack every pending device number and read them with ONE host transfer."""
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+
+        def add(name: str, t: torch.Tensor) -> None:
+            t = t.detach().reshape(-1).float()
+            names.append(name) if t.numel() == 1 else names.extend(f"{name}#{i}" for i in range(t.numel()))
+            tensors.append(t)
+
+        for i, lv in enumerate(self._loss_vals):
+            add(f"_loss#{i}", lv)
+        if self._norms is not None:
+            add("_gnorm", self._norms)
+        for i, b in enumerate(self._micro_bad):
+            add(f"_mbad#{i}", b)
+        if self._deferred:
+            for k, v in self._deferred.items():
+                add(f"_def_{k}", v)
+        scale_t = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        if isinstance(scale_t, torch.Tensor):
+            add("_scale", scale_t)
+        for inst in list(self.instruments):
+            got = self._call(inst, "collect")
+            if got:
+                for k, v in got.items():
+                    if isinstance(v, torch.Tensor):
+                        add(k, v)
+                    else:
+                        self._values[k] = float(v)
+        self._synced = True
+        if not tensors:
+            return
+        dev = tensors[0].device
+        flat = torch.cat([t.to(dev) for t in tensors]).tolist()  # the step's host sync
+        self._values.update(zip(names, flat))
+        self._post_sync()
+
+    def _post_sync(self) -> None:
+        v = self._values
+        losses = [v[k] for k in list(v) if k.startswith("_loss#")]
+        if losses:
+            v["loss"] = sum(losses) / len(losses)
+            scale = v.get("_scale")
+            if scale and self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)():
+                v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
+        if self._norms is not None:
+            gn = [
+                v[f"_gnorm#{i}"] if f"_gnorm#{i}" in v else v.get("_gnorm", 0.0)
+                for i in range(len(self._norm_index))
+            ]
+            per = [0.0] * len(self.params)
+            for j, i in enumerate(self._norm_index):
+                per[i] = gn[j]
+            self.grad_norms_host = per
+            total = (
+                math.sqrt(sum(x * x for x in gn))
+                if all(math.isfinite(x) for x in gn)
+                else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
+            )
+            v["grad_norm"] = total
+            v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
+            self.grad_norm_host = total
+        if "_scale" in v:
+            v["amp_scale"] = v["_scale"]
+        pn = [v[k] for k in sorted((k for k in v if k.startswith("_def_param_norms")), key=_suffix)]
+        if pn:
+            bad = [
+                self.param_names[i]
+                for i, x in enumerate(pn)
+                if not math.isfinite(x) and i < len(self.param_names)
+            ]
+            step = self._deferred_step
+            self._deferred.clear()
+            for k in [k for k in v if k.startswith("_def_")]:
+                del v[k]
+            if bad:
+                self._optimizer_anomaly(bad, step)
+
+    def _final_check(self) -> None:
+        if self._deferred:
+            self._values = {}
+            self._sync()
+
+    # -- detection ---------------------------------------------------------------------------------
+    def _grads_bad(self) -> bool:
+        v = self._values
+        loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
+        mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#"))
+        return loss_bad or mbad
+
+    def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
+        if not self._grads_bad() or self._step_anomaly is not None:
+            return
+        if not at_optimizer:
+            if self._scaler_ran and self._scaler_skipped:
+                self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
+                return
+            if self.optimizer is not None or self._adopted:
+                self._mark_skipped("non-finite gradients and the optimizer step was not called")
+                return
+        anomaly = self._build_anomaly()
+        self._record_anomaly(anomaly)
+        policy = self.config.policy
+        if policy == "skip":
+            if at_optimizer and opt is not None:
+                for g in opt.param_groups:
+                    for p in g["params"]:
+                        p.grad = (
+                            None  # the optimizer skips parameters without grads: no update, no state change
+                        )
+                self._mark_skipped(f"skipped by policy: {anomaly.summary()}")
+            else:
+                self._warn_once(
+                    "skip-needs-opt", "policy='skip' needs the optimizer's step to skip it; recorded only"
+                )
+            return
+        if policy == "warn":
+            self._warn_once("anomaly", f"torchdebug: {anomaly.summary()} (policy='warn': training goes on)")
+            return
+        self._flush_store()
+        raise NonFiniteError(anomaly)
+
+    def _optimizer_anomaly(self, bad: list[str], step: int | None) -> None:
+        first = bad[0]
+        owner = first.rpartition(".")[0]
+        mod = self.model.get_submodule(owner) if owner else self.model
+        stats = None
+        with contextlib.suppress(Exception):
+            from .stats import analyze_tensor
+
+            stats = analyze_tensor(dict(self.model.named_parameters())[first], first)
+        kind = (
+            "nan"
+            if stats is not None and stats.has_nan
+            else ("inf" if stats is None or stats.posinf_count else "-inf")
+        )
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])})" if len(bad) > 1 else ""
+        anomaly = Anomaly(
+            phase=Phase.OPTIMIZER.value,
+            module=owner,
+            op=type(self.optimizer).__name__ + ".step" if self.optimizer is not None else "optimizer.step",
+            location=None,
+            kind=kind,
+            step=step,
+            rank=self.rank,
+            tensor=stats,
+            module_type=type(mod).__name__,
+            hint=f"the optimizer update made {first} non-finite{more}: check lr, eps, weight decay and the update formula",
+            symptom=f"{kind} in parameter {first} after the optimizer step",
+            detected_by="sentinel",
+            parameter=first,
+        )
+        self._record_anomaly(anomaly)
+        if self.config.policy == "raise":
+            self._flush_store()
+            raise NonFiniteError(anomaly)
+        self._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
+
+    def _build_anomaly(self) -> Anomaly:
+        v = self._values
+        bad_micro = next((i for i in range(len(self._micro_bad)) if v.get(f"_mbad#{i}", 0) > 0), None)
+        losses_bad = [i for i in range(len(self._loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
+        idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
+        micro = idx if len(self._micro_bad) > 1 else None
+        first_replay = self.counters["replays"] == 0
+        if self.config.replay and first_replay and idx < len(self._captures):
+            self.counters["replays"] += 1
+            self._replaying = True
+            try:
+                tracer = replay_capture(
+                    self.model,
+                    self._captures[idx],
+                    names=self.names,
+                    frames=self.config.frames,
+                    uses_cuda=self._uses_cuda,
+                )
+                a = tracer.anomaly(
+                    step=int(self.step), rank=self.rank, micro_step=micro, detected_by="sentinel"
+                )
+                if a is not None:
+                    return a
+            except Exception as exc:
+                self._warn_once(
+                    "replay",
+                    f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only",
+                )
+            finally:
+                self._replaying = False
+        return self._symptom_anomaly(micro, losses_bad)
+
+    def _symptom_anomaly(self, micro: int | None, losses_bad: list[int]) -> Anomaly:
+        per = self.grad_norms_host or []
+        bad = [self.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
+        loss_bad = bool(losses_bad)
+        first = bad[0] if bad else None
+        owner = first.rpartition(".")[0] if first else ""
+        mod = self.model.get_submodule(owner) if owner else self.model
+        symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"
+        why = (
+            "only the first anomaly is replayed"
+            if self.counters["replays"]
+            else "the replay did not reproduce it"
+        )
+        if not self.config.replay:
+            why = "replay is off (config.replay=False)"
+        return Anomaly(
+            phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
+            module=owner if not loss_bad else "",
+            op=None,
+            location=None,
+            kind="nan" if any(math.isnan(x) for x in per) else "inf",
+            step=int(self.step),
+            rank=self.rank,
+            module_type=type(mod).__name__,
+            micro_step=micro,
+            symptom=symptom + (f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""),
+            detected_by="sentinel (no replay)",
+            hint=f"origin not traced: {why}; use td.locate_nonfinite(step_fn) for the exact op",
+            parameter=first,
+        )
+
+    def _record_anomaly(self, anomaly: Anomaly) -> None:
+        self._step_anomaly = anomaly
+        self.counters["anomaly_steps"] += 1
+        if len(self.anomalies) < _MAX_ANOMALIES:
+            self.anomalies.append(anomaly)
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.log_anomaly(anomaly.step, anomaly.to_dict())
+
+    def _mark_skipped(self, reason: str, scaler: bool = False) -> None:
+        self._skipped = True
+        self._skip_reason = reason
+        self.counters["skipped_steps"] += 1
+        if not scaler:
+            self.emit(RuleEvent("skipped_step", int(self.step), reason, "warning"))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(TorchDebugWarning(message), stacklevel=4)
+
+    def _flush_store(self) -> None:
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.flush()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _do_step(self) -> StepRecord:
+        if self._closed or not self._entered:
+            raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        if self._sentinel and not self._synced:
+            if not self._opt_ran and self.optimizer is None and not self._adopted:
+                # no optimizer hook: the user's update already ran, check the parameters in this same transfer
+                self._deferred["param_norms"] = _foreach_norms([p.detach() for p in self.params])
+                self._deferred_step = int(self.step)
+            self._sync()
+            self._check_gradients(at_optimizer=False)
+        elif self._synced:
+            extra = {}
+            for inst in list(self.instruments):
+                got = self._call(inst, "collect")
+                if got:
+                    extra.update(got)
+            if extra:
+                ks = [k for k, t in extra.items() if isinstance(t, torch.Tensor)]
+                if ks:
+                    vals = torch.stack(
+                        [extra[k].detach().float().reshape(()).cpu() for k in ks]
+                    ).tolist()  # detail steps only
+                    self._values.update(zip(ks, vals))
+                self._values.update(
+                    {k: float(t) for k, t in extra.items() if not isinstance(t, torch.Tensor)}
+                )
+        elif not self._sentinel:
+            self._sync()
+        if self._scaler_ran and self._scaler_skipped and not self._skipped:
+            self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
+        now = time.perf_counter()
+        v = {k: x for k, x in self._values.items() if not k.startswith("_")}
+        lr = (
+            tuple(float(g.get("lr", math.nan)) for g in self.optimizer.param_groups)
+            if self.optimizer is not None
+            else ()
+        )
+        record = StepRecord(
+            step=int(self.step),
+            micro_steps=len(self._micro_bad) or len(self._captures),
+            loss=v.get("loss"),
+            grad_norm=v.get("grad_norm"),
+            skipped=self._skipped,
+            skip_reason=self._skip_reason,
+            scale=v.get("amp_scale"),
+            lr=lr,
+            time_s=now - self._last_step_end,
+            values=v,
+            anomaly=self._step_anomaly,
+            events=self._step_events,
+        )
+        scalars = {k: x for k, x in v.items() if k in ("loss", "grad_norm", "grad_nonfinite", "amp_scale")}
+        scalars["skipped"] = 1.0 if self._skipped else 0.0
+        for i, x in enumerate(lr):
+            scalars[f"lr/{i}"] = x
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.log_scalars(int(self.step), scalars)
+        self._each("on_step_end", record, v)
+        self.records.append(record)
+        self.step = _StepCounter(int(self.step) + 1, self)
+        self._reset_step_state()
+        self._last_step_end = time.perf_counter()
+        return record
+
+
+def _suffix(key: str) -> int:
+    try:
+        return int(key.rsplit("#", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _store_grad(cap_ref: Any, i: int, grad: torch.Tensor) -> None:
+    cap = cap_ref()
+    if cap is not None:
+        cap.out_grads[i] = grad
+
+
+class _StepCounter(int):
+    """``mon.step`` is the number of completed steps (an int); calling it, ``mon.step()``, completes one."""
+
+    _mon: Any
+
+    def __new__(cls, value: int, mon: Monitor) -> _StepCounter:
+        obj = super().__new__(cls, value)
+        obj._mon = weakref.ref(mon)
+        return obj
+
+    def __call__(self) -> StepRecord:
+        mon = self._mon()
+        if mon is None:
+            raise RuntimeError("mon.step(): the watch session is gone")
+        return mon._do_step()
+
+    def __reduce__(self) -> Any:
+        return (int, (int(self),))
+
+
+def watch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    policy: str | None = None,
+    scaler: Any = None,
+    run: Any = None,
+    config: Any = None,
+    early_stopping: Any = None,
+    tensorboard: bool | str | None = None,
+    clip_on_spike: float | None = None,
+    on_oom: str | None = None,
+) -> Monitor:
+    """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
+
+    Call ``mon.step()`` once per training step (after ``optimizer.step()``). Returns the step's
+    :class:`StepRecord`.
+
+    Args:
+        model: the model; modules are named as in ``model.named_modules()``.
+        optimizer: the optimizer. With it, the check runs in its step pre-hook so corrupted gradients
+            never reach the weights, and ``policy="skip"`` can skip the update. Without it, the first
+            optimizer stepping this model's parameters is adopted.
+        policy: ``"raise"`` (default: raise :class:`NonFiniteError`), ``"warn"`` (warn, record, go on)
+            or ``"skip"`` (skip the optimizer update: parameters and optimizer state unchanged).
+        scaler: the ``torch.amp.GradScaler``, if any (detected when ``scaler.step`` is called). Its
+            overflow steps are recorded as skipped steps, never raised.
+        run: where to record: ``None`` (a new run folder under ``config.run_dir``), a folder path
+            (the runs root), an open run writer, or ``False`` (no store).
+        config: a :class:`DebugConfig`, a dict, or a YAML/TOML path (``None`` honours ``TORCHDEBUG_*``).
+        early_stopping: an early-stopping object whose patience/counter/best are recorded.
+        tensorboard: ``True`` or a log dir to mirror the scalars to TensorBoard.
+        clip_on_spike: clip gradients to this norm on detected spikes only.
+        on_oom: ``"raise"`` or ``"retry_half"`` (with ``mon.run_step``).
+
+    Raises:
+        NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
+            naming phase, module, op and source line (the failing step is replayed under tracing).
+        TypeError / ValueError: bad arguments, naming the fix.
+
+    Cost: one foreach norm of the gradients per backward, one of the parameters per optimizer step,
+    and one host transfer per step. The replay (2-4x a step) runs only when something went wrong.
+
+    Example::
+
+        with td.watch(model, optimizer) as mon:
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad(); loss.backward(); optimizer.step()
+                mon.step()
+    """
+    return Monitor(
+        model,
+        optimizer,
+        policy=policy,
+        scaler=scaler,
+        run=run,
+        config=config,
+        early_stopping=early_stopping,
+        tensorboard=tensorboard,
+        clip_on_spike=clip_on_spike,
+        on_oom=on_oom,
+    )
