@@ -299,7 +299,7 @@ class Tracer:
     def __enter__(self) -> Tracer:
         try:
             if self.model is not None:
-                for mod, name in self.names.items():
+                for mod in self.names:
                     self._handles.append(mod.register_forward_pre_hook(self._pre_hook))
                     self._handles.append(mod.register_forward_hook(self._post_hook))
             from torch.optim.optimizer import (
@@ -551,7 +551,7 @@ class Tracer:
             tensor=tstats,
             inputs=istats,
             explicit=explicit,
-            related=related if related is not None and not related.explicit else related,
+            related=related,
             frames=tuple(self.frames),
             parameter=param,
         )

@@ -182,9 +182,10 @@ def _reductions(f: torch.Tensor, finite: torch.Tensor | None) -> list[torch.Tens
     and the squares cannot overflow even for float32 values near 3e38 (the exploding tensors this
     library exists to explain). The host multiplies ``mean_s`` and ``std_s`` back by ``scale``.
     """
-    inf = torch.tensor(math.inf, dtype=f.dtype, device=f.device)
+    # torch.full is a device fill; torch.tensor(...) would be a host-to-device copy
+    inf = torch.full((), math.inf, dtype=f.dtype, device=f.device)
     if finite is None:
-        n_finite = torch.tensor(f.numel(), dtype=torch.int64, device=f.device)
+        n_finite = torch.full((), f.numel(), dtype=torch.int64, device=f.device)
         values = f
         lo, hi = f.amin(), f.amax()
     else:
