@@ -397,9 +397,17 @@ class DebugConfig:
                 object.__setattr__(self, name, value)
                 return
             raise ConfigError(_unknown_message(name))
-        object.__setattr__(self, name, spec.check(value, name))
-        if self.__dict__.get("_ready"):
+        value = spec.check(value, name)
+        if not self.__dict__.get("_ready"):
+            object.__setattr__(self, name, value)  # inside __init__: __post_init__ checks relations
+            return
+        previous = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
             self._check_relations()
+        except ConfigError:
+            object.__setattr__(self, name, previous)  # a failed assignment leaves the config as it was
+            raise
 
     def __post_init__(self) -> None:
         self._check_relations()
