@@ -391,3 +391,13 @@ def test_fused_helpers_do_not_sync_on_cuda():
     ref = torch.stack([torch.linalg.vector_norm(t.double()) for t in ts]).float()
     torch.testing.assert_close(norms.cpu(), ref.cpu(), rtol=1e-5, atol=0)
     assert total.device.type == "cuda" and count.item() == 0
+
+
+def test_norms_of_parameters_build_no_graph():
+    params = [
+        torch.ones(3, requires_grad=True),  # foreach path
+        torch.ones(2, dtype=torch.complex64, requires_grad=True),  # fallback path
+    ]
+    norms = foreach_norms(params)
+    assert not norms.requires_grad and norms.grad_fn is None
+    torch.testing.assert_close(norms, torch.tensor([math.sqrt(3), math.sqrt(2)]))

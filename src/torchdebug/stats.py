@@ -362,19 +362,19 @@ def foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float | str = 2.0)
     out_device = items[0].device
     norms: list[torch.Tensor | None] = [None] * len(items)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(items):
-        if t.numel() == 0:
-            norms[i] = torch.zeros((), dtype=torch.float32, device=out_device)
-        elif (
-            t.layout == torch.strided
-            and t.is_floating_point()
-            and t.device.type in _FOREACH_DEVICE_TYPES
-            and hasattr(torch, "_foreach_norm")
-        ):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        else:
-            norms[i] = _fallback_norm(t, order)
-    with torch.no_grad():
+    with torch.no_grad():  # parameters require grad; a norm must not build a graph
+        for i, t in enumerate(items):
+            if t.numel() == 0:
+                norms[i] = torch.zeros((), dtype=torch.float32, device=out_device)
+            elif (
+                t.layout == torch.strided
+                and t.is_floating_point()
+                and t.device.type in _FOREACH_DEVICE_TYPES
+                and hasattr(torch, "_foreach_norm")
+            ):
+                groups.setdefault((t.device, t.dtype), []).append(i)
+            else:
+                norms[i] = _fallback_norm(t.detach(), order)
         for (_, dtype), idx in groups.items():
             group = [items[i].detach() for i in idx]
             try:
