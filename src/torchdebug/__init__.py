@@ -12,15 +12,22 @@ from ._errors import (
     TorchDebugError,
     TorchDebugWarning,
 )
+from ._config import DebugConfig, DebugLevel, DebugMode
 from ._version import __version__
 from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
+from .locate import locate_nonfinite
+from .monitor import Monitor, watch
 from .stats import TensorStats, analyze_tensor
 
 __all__ = [
     "Anomaly",
     "ConfigError",
+    "DebugConfig",
+    "DebugLevel",
+    "DebugMode",
     "InstrumentError",
     "ModuleFrame",
+    "Monitor",
     "NonFiniteError",
     "Phase",
     "RuleEvent",
@@ -32,4 +39,6 @@ __all__ = [
     "TorchDebugWarning",
     "__version__",
     "analyze_tensor",
+    "locate_nonfinite",
+    "watch",
 ]

@@ -228,8 +228,30 @@ class _FunctionLayer(TorchFunctionMode):
         finally:
             tr.fn_depth -= 1
         if tr.fn_depth == 0 and torch.is_grad_enabled():
-            tr.map_new_nodes(out)
+            tr.map_new_nodes(out, tr.call_location, tr.call_stack)
         return out
+
+
+@contextlib.contextmanager
+def _traced_function_apply(tracer: Tracer) -> Iterator[None]:
+    """Custom ``autograd.Function.apply`` bypasses torch-function modes: wrap it to map its node."""
+    fn_cls = torch.autograd.function.Function
+    orig = fn_cls.__dict__["apply"]
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if tracer.fn_depth > 0:
+            return orig.__func__(cls, *args, **kwargs)
+        loc, stack = tracer.location_override or user_stack(sys._getframe(1))
+        out = orig.__func__(cls, *args, **kwargs)
+        if torch.is_grad_enabled():
+            tracer.map_new_nodes(out, loc, stack)
+        return out
+
+    fn_cls.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        fn_cls.apply = orig  # type: ignore[method-assign]
 
 
 class _DispatchLayer(TorchDispatchMode):
@@ -242,11 +264,19 @@ class _DispatchLayer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         tr = self.tracer
-        if tr.symptom is not None or func._schema.name in _PASS_THROUGH:
+        if tr.symptom is not None:
             return func(*args, **kwargs)
+        if func._schema.name in _PASS_THROUGH:
+            out = func(*args, **kwargs)
+            if tr.taint:  # copies and views carry the taint of their input, no reduction needed
+                tr.propagate(args, out)
+            return out
+        tr.resolve_pending()
         ins = [t for t in tensor_leaves((args, kwargs)) if _checkable(t)]
         pre = [_flags(t) for t in ins] if func._schema.is_mutable else None
         out = func(*args, **kwargs)
+        if tr.fn_depth == 0 and torch.is_grad_enabled():
+            tr.note_recompute(out)
         try:
             tr.check_op(func, args, kwargs, ins, pre, out)
         except Exception as exc:  # the tracer must never break the traced step
@@ -282,6 +312,7 @@ class Tracer:
         self.location_override: tuple[str | None, tuple[str, ...]] | None = None
         self.nodes: dict[int, _NodeInfo] = {}
         self._node_refs: list[Any] = []  # keep nodes alive so their ids stay unique
+        self._pending: list[tuple[torch.Tensor, _NodeInfo]] = []
         self.taint: dict[int, _Event] = {}
         self.events: list[_Event] = []
         self.symptom: _Event | None = None
@@ -309,6 +340,7 @@ class Tracer:
 
             self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
             self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+            self._stack.enter_context(_traced_function_apply(self))
             self._stack.enter_context(_FunctionLayer(self))
             self._stack.enter_context(_DispatchLayer(self))
         except BaseException:
@@ -376,9 +408,9 @@ class Tracer:
         root = type(self.model).__name__ if self.model is not None else ""
         return "", root
 
-    def map_new_nodes(self, out: Any) -> None:
+    def map_new_nodes(self, out: Any, loc: str | None, stack: tuple[str, ...]) -> None:
         module, mtype = self.current_module()
-        info = _NodeInfo(module, mtype, self.call_location, self.call_stack)
+        info = _NodeInfo(module, mtype, loc, stack)
         todo = [t.grad_fn for t in tensor_leaves(out) if t.grad_fn is not None]
         seen = 0
         while todo and seen < 10_000:
@@ -390,16 +422,41 @@ class Tracer:
             self._node_refs.append(node)
             todo.extend(nf for nf, _ in node.next_functions if nf is not None)
 
+    def note_recompute(self, out: Any) -> None:
+        """Ops replayed by a reentrant checkpoint run outside torch-function modes: the autograd layer
+        attaches their nodes after this dispatch returns, so map them lazily at the next op."""
+        node = torch._C._current_autograd_node()
+        if node is None or "Checkpoint" not in type(node).__name__:
+            return
+        module, mtype = self.current_module()
+        loc, stack = user_stack(sys._getframe(2))
+        info = _NodeInfo(module, mtype, loc, stack)
+        self._pending.extend((t, info) for t in tensor_leaves(out))
+
+    def resolve_pending(self) -> None:
+        if not self._pending:
+            return
+        for t, info in self._pending:
+            fn = t.grad_fn
+            if fn is not None and id(fn) not in self.nodes:
+                self.nodes[id(fn)] = info
+                self._node_refs.append(fn)
+        self._pending.clear()
+
     # -- the check -------------------------------------------------------------------------------
     def _where(self) -> tuple[str, str, str, str | None, tuple[str, ...], Any]:
         """(phase, module, module_type, location, stack, autograd node) of the op now running."""
+        self.resolve_pending()
         node = torch._C._current_autograd_node()
         recompute = False
-        if node is not None and self.fn_depth > 0:
-            # An op inside a torch call while a node runs: forward recompute (checkpoint), unless the
-            # node is a custom autograd.Function's Python backward.
-            is_py_fn = isinstance(node, torch.autograd.function.BackwardCFunction)
-            recompute = (not is_py_fn) or "Checkpoint" in type(node).__name__
+        if node is not None:
+            # Forward recompute of a checkpointed region runs while a node executes: inside the
+            # reentrant CheckpointFunction's backward, or (non-reentrant) inside a torch call made by
+            # an unpack hook. A custom autograd.Function's Python backward is a real backward op.
+            if "Checkpoint" in type(node).__name__:
+                recompute = True
+            elif self.fn_depth > 0:
+                recompute = not isinstance(node, torch.autograd.function.BackwardCFunction)
         if node is not None and not recompute:
             info = self.nodes.get(id(node))
             if info is not None:
@@ -539,6 +596,9 @@ class Tracer:
         param = None
         if phase == Phase.OPTIMIZER.value:
             param = self._param_for(t, func, args, out_idx)
+            if param is not None and self.model is not None:
+                module = param.rpartition(".")[0]
+                mtype = type(self.model.get_submodule(module) if module else self.model).__name__
         ev = _Event(
             seq=len(self.events),
             phase=phase,
@@ -568,6 +628,14 @@ class Tracer:
         if out_idx < len(with_grad):
             return self._param_names.get(_storage_key(with_grad[out_idx]))
         return None
+
+    def propagate(self, args: Any, out: Any) -> None:
+        root = next(
+            (self.taint[k] for k in (_storage_key(t) for t in tensor_leaves(args)) if k in self.taint), None
+        )
+        if root is not None:
+            for t in tensor_leaves(out):
+                self.taint.setdefault(_storage_key(t), root)
 
     def _set_symptom(self, ev: _Event, text: str) -> None:
         if self.symptom is None:
