@@ -283,7 +283,7 @@ def test_healthy_step_returns_none_and_leaves_no_modes() -> None:
 def test_locate_rejects_bad_arguments() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         td.locate_nonfinite(3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="model= must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model= must be a torch\.nn\.Module"):
         td.locate_nonfinite(lambda: None, model="m")  # type: ignore[arg-type]
 
 
