@@ -12,10 +12,11 @@ that exposes ``register(subparsers) -> None``. ``register`` adds its parsers wit
   not at module level, so ``torchdebug --help`` stays fast and works without optional extras.
 - Report expected failures by raising ``torchdebug.RunStoreError``/``ConfigError`` (or ``ValueError``,
   ``OSError``) with a message naming the fix; ``main`` turns them into the one-line error and exit 1.
-- A missing optional extra: raise ``ImportError`` with ``name`` set, or ``ModuleNotFoundError``; the user
-  sees ``... install it with: pip install 'torchdebug[<extra>]'`` when the message says so.
-- A module listed here that does not exist (yet) is skipped silently; any other import error in it is
-  raised, so a broken command is noticed rather than hidden.
+- A missing optional extra: inside ``run``, raise ``ImportError("torchdebug serve needs fastapi:
+  pip install 'torchdebug[dashboard]'")``; it becomes the one-line error, exit 1.
+- A module listed here that does not exist (yet) is skipped silently. A module that fails to import or
+  register for any other reason is skipped with a one-line warning on stderr (the other commands keep
+  working); with ``--debug`` its traceback is shown instead.
 
 Example::
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from ._version import __version__
@@ -66,10 +67,19 @@ def _missing_module(err: ModuleNotFoundError, module: str) -> bool:
     return module == err.name or (module.startswith(err.name + ".") and err.name != "torchdebug")
 
 
-def build_parser(modules: Sequence[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    modules: Sequence[str] | None = None,
+    *,
+    on_error: Callable[[str, BaseException], None] | None = None,
+) -> argparse.ArgumentParser:
     """The full parser: global options plus every subcommand found in ``modules``.
 
-    Raises whatever a command module raises on import, except a ModuleNotFoundError for that very module.
+    Args:
+        modules: command modules (default ``_COMMAND_MODULES``).
+        on_error: called with (module, exception) when a command module fails to import or register;
+            the other commands stay available. Without it the exception propagates.
+
+    A ModuleNotFoundError for the command module itself (not yet written) is always skipped silently.
     """
     parser = _Parser(
         prog=PROG,
@@ -85,9 +95,29 @@ def build_parser(modules: Sequence[str] | None = None) -> argparse.ArgumentParse
         except ModuleNotFoundError as e:
             if _missing_module(e, module):
                 continue
-            raise
-        mod.register(subparsers)
+            if on_error is None:
+                raise
+            on_error(module, e)
+            continue
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(module, e)
+            continue
+        try:
+            mod.register(subparsers)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(module, e)
     return parser
+
+
+def _warn_broken(module: str, exc: BaseException) -> None:
+    print(
+        f"{PROG}: warning: commands from {module} are unavailable ({_one_line(exc)}); rerun with --debug",
+        file=sys.stderr,
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -97,8 +127,12 @@ def _one_line(exc: BaseException) -> str:
     return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, modules: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error).
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+        modules: command modules to load instead of ``_COMMAND_MODULES`` (for embedding and tests).
 
     Example: ``main(["runs", "runs/"])``; the console script ``torchdebug`` calls ``sys.exit(main())``.
     """
@@ -111,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in args_list[:end]
     args_list = [a for a in args_list[:end] if a != "--debug"] + args_list[end:]
     try:
-        parser = build_parser()
+        parser = build_parser(modules, on_error=None if debug else _warn_broken)
         args = parser.parse_args(args_list)
     except SystemExit as e:  # --help, --version, usage errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
