@@ -46,6 +46,21 @@ def test_float_with_nan_and_inf_counts_and_stats_over_finite_values():
     assert str(s) == "x: tensor[6] f32 cpu x∈[0, 3] μ=1.33 σ=1.53 NaN!×1 +Inf!×1 -Inf!×1"
 
 
+@pytest.mark.parametrize(
+    ("values", "lo", "hi"),
+    [
+        ([2.0, NAN, 5.0], 2.0, 5.0),  # all finite > 0: the 0 put in for NaN must not be the min
+        ([-2.0, INF, -5.0], -5.0, -2.0),  # all finite < 0: nor the max
+        ([0.0, NAN, 5.0], 0.0, 5.0),  # a real zero is the min
+        ([-3.0, -INF, 0.0], -3.0, 0.0),
+    ],
+    ids=["positive", "negative", "real-zero-min", "real-zero-max"],
+)
+def test_range_ignores_the_zeros_put_in_for_nonfinite_values(values, lo, hi):
+    s = analyze_tensor(torch.tensor(values))
+    assert (s.min, s.max) == (lo, hi)
+
+
 def test_matches_torch_reference_on_random_data():
     g = torch.Generator().manual_seed(0)
     t = torch.randn(64, 33, generator=g) * 3 + 1
