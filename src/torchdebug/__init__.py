@@ -18,6 +18,7 @@ from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
 from .locate import locate_nonfinite
 from .monitor import Monitor, watch
 from .stats import TensorStats, analyze_tensor
+from .store import open_run
 
 __all__ = [
     "Anomaly",
@@ -40,5 +41,6 @@ __all__ = [
     "__version__",
     "analyze_tensor",
     "locate_nonfinite",
+    "open_run",
     "watch",
 ]

@@ -1012,10 +1012,7 @@ def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | No
     except Exception as exc:
         tracer.internal_errors.append(f"loss tape replay failed: {exc!r}")
         return None
-    loss = mapping.get(id(cap.loss))
-    if loss is None and id(cap.loss) not in mapping and cap.loss in tensor_leaves(cap.outputs):
-        return None
-    return loss
+    return mapping.get(id(cap.loss))  # None: the loss was not made by recorded calls
 
 
 class LossTape(TorchFunctionMode):

@@ -16,6 +16,7 @@ import functools
 import importlib
 import math
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -51,6 +52,7 @@ _INSTRUMENTS: dict[str, tuple[str, str]] = {
 }
 
 _ACTIVE: list[Monitor] = []
+_TLS = threading.local()
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -68,9 +70,13 @@ def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[..., Any]:
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        mons = [m for m in _ACTIVE if m._accepts_backward()]
+        # Tensor.backward calls torch.autograd.backward: only the outermost call counts
+        mons = (
+            [m for m in _ACTIVE if m._accepts_backward()] if not getattr(_TLS, "in_backward", False) else []
+        )
         if not mons:
             return orig(*args, **kwargs)
+        _TLS.in_backward = True
         loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
         gradient = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
         for m in mons:
@@ -78,6 +84,7 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
         try:
             return orig(*args, **kwargs)
         finally:
+            _TLS.in_backward = False
             for m in mons:
                 m._on_backward_end()
 
@@ -434,6 +441,7 @@ class Monitor:
         self._opt_ran = False
         self._scaler_ran = False
         self._scaler_skipped = False
+        self._scale_used: torch.Tensor | None = None
         self._step_events: list[RuleEvent] = []
         self._step_anomaly: Anomaly | None = None
         self._skipped = False
@@ -525,6 +533,11 @@ class Monitor:
     def _scaler_step_begin(self, scaler: Any) -> None:
         if self.scaler is None:
             self.scaler = scaler  # detected: GradScaler.step was called with our optimizer
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            self._scale_used = (
+                scale.detach().clone()
+            )  # the scale this step's backward saw (update() comes later)
         self._scaler_ran = True
         self._opt_ran_in_scaler = False
 
@@ -545,12 +558,11 @@ class Monitor:
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._replaying or not self._owns_optimizer(opt):
             return
-        if self._sentinel and not self._skipped:
-            params = [p for p in self.params if p.grad is not None] or self.params
-            # checked on the device now, read with the next transfer (no extra sync)
+        if self._sentinel and not self._skipped and self._step_anomaly is None:
+            # checked on the device now, read with the next transfer (no extra sync). Skipped when this
+            # step's gradients were already flagged: non-finite weights are then their consequence.
             self._deferred["param_norms"] = _foreach_norms([p.detach() for p in self.params])
             self._deferred_step = int(self.step)
-            del params
         self._each("after_optimizer_step")
 
     # -- the one transfer --------------------------------------------------------------------------
@@ -573,7 +585,9 @@ class Monitor:
         if self._deferred:
             for k, v in self._deferred.items():
                 add(f"_def_{k}", v)
-        scale_t = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        scale_t = self._scale_used
+        if scale_t is None and self.scaler is not None:
+            scale_t = getattr(self.scaler, "_scale", None)
         if isinstance(scale_t, torch.Tensor):
             add("_scale", scale_t)
         for inst in list(self.instruments):
@@ -665,7 +679,7 @@ class Monitor:
                         p.grad = (
                             None  # the optimizer skips parameters without grads: no update, no state change
                         )
-                self._mark_skipped(f"skipped by policy: {anomaly.summary()}")
+                self._mark_skipped(f"skipped by policy: {anomaly.summary()}", severity="info")
             else:
                 self._warn_once(
                     "skip-needs-opt", "policy='skip' needs the optimizer's step to skip it; recorded only"
@@ -785,12 +799,12 @@ class Monitor:
             with contextlib.suppress(Exception):
                 self.writer.log_anomaly(anomaly.step, anomaly.to_dict())
 
-    def _mark_skipped(self, reason: str, scaler: bool = False) -> None:
+    def _mark_skipped(self, reason: str, scaler: bool = False, severity: str = "warning") -> None:
         self._skipped = True
         self._skip_reason = reason
         self.counters["skipped_steps"] += 1
         if not scaler:
-            self.emit(RuleEvent("skipped_step", int(self.step), reason, "warning"))
+            self.emit(RuleEvent("skipped_step", int(self.step), reason, severity))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -1,0 +1,347 @@
+"""watch(): the always-on sentinel trips at the right step, replays, applies policies and cleans up."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import torchdebug as td
+from tests.fixtures import models as fx
+from tests.fixtures.models import origin_line
+
+SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")  # isolate the sentinel from health rules
+
+
+@pytest.fixture(autouse=True)
+def _assert_global_state_restored() -> Iterator[None]:
+    from torch.amp.grad_scaler import GradScaler
+    from torch.optim import optimizer as optim_mod
+
+    before = (
+        torch.Tensor.backward,
+        torch.autograd.backward,
+        GradScaler.step,
+        torch.autograd.function.Function.__dict__["apply"],
+    )
+    yield
+    after = (
+        torch.Tensor.backward,
+        torch.autograd.backward,
+        GradScaler.step,
+        torch.autograd.function.Function.__dict__["apply"],
+    )
+    assert after == before, "a global patch was left behind"
+    assert not optim_mod._global_optimizer_pre_hooks and not optim_mod._global_optimizer_post_hooks
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def _no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def _train(
+    model: nn.Module,
+    batches: Callable[[int], tuple],
+    *,
+    steps: int,
+    before: Callable[[int], None] = lambda i: None,
+    loss_fn: Callable = lambda out: out.float().pow(2).mean(),
+    **watch_kw: object,
+) -> td.Monitor:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch_kw.setdefault("config", SENTINEL_ONLY)
+    with td.watch(model, opt, run=False, **watch_kw) as mon:  # type: ignore[arg-type]
+        for i in range(steps):
+            before(i)
+            out = model(*batches(i))
+            loss = loss_fn(out)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    return mon
+
+
+def test_forward_nan_at_known_step_names_module_op_and_line() -> None:
+    torch.manual_seed(0)
+    model = fx.DeepLogNet()
+
+    def before(i: int) -> None:
+        if i == 3:
+            model.blocks[1].act.shift = -5.0
+
+    with pytest.raises(td.NonFiniteError) as ei:
+        _train(model, lambda i: (torch.randn(6, 8),), steps=6, before=before)
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.module, a.op, a.location) == (
+        3,
+        "forward",
+        "blocks.1.act",
+        "aten.log",
+        origin_line("log"),
+    )
+    assert a.detected_by == "sentinel" and a.hint.startswith("log of negative input")
+    assert isinstance(ei.value, RuntimeError)
+    assert _no_hooks(model)
+    # raised in the optimizer's pre-hook: the corrupted gradients never reached the weights
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("build", "phase", "module", "op", "tag"),
+    [
+        pytest.param(fx.SqrtNet, "backward", "norm", "SqrtBackward0", "sqrt", id="backward-sqrt"),
+        pytest.param(fx.SharedNet, "forward", "proj", "aten.sqrt", "shared", id="shared-module"),
+        pytest.param(fx.InplaceNet, "forward", "", "aten.log_", "inplace", id="inplace"),
+        pytest.param(fx.CustomFnNet, "backward", "", "BadGradBackward", "customfn", id="custom-function"),
+        pytest.param(
+            lambda: fx.CheckpointNet(False), "backward", "inner", "SqrtBackward0", "sqrt", id="checkpoint"
+        ),
+        pytest.param(
+            lambda: fx.CheckpointLogNet(True),
+            "forward",
+            "inner",
+            "aten.log",
+            "cklog",
+            id="checkpoint-reentrant",
+        ),
+    ],
+)
+def test_sentinel_replays_to_the_exact_origin(
+    build: Callable[[], nn.Module], phase: str, module: str, op: str, tag: str
+) -> None:
+    torch.manual_seed(0)
+    model = build()
+    with pytest.raises(td.NonFiniteError) as ei:
+        _train(model, lambda i: (torch.randn(3, 4),), steps=3)
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.module, a.op, a.location) == (0, phase, module, op, origin_line(tag))
+
+
+def test_handwritten_loss_outside_module_is_traced_through_the_loss_tape() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    with pytest.raises(td.NonFiniteError) as ei:
+        _train(model, lambda i: (torch.randn(4, 8),), steps=2, loss_fn=fx.handwritten_loss)
+    a = ei.value.anomaly
+    assert (a.phase, a.module, a.op, a.location) == ("forward", "", "aten.log", origin_line("loss"))
+
+
+def test_loss_backward_outside_module_without_tape_uses_output_gradient() -> None:
+    torch.manual_seed(0)
+    model = fx.SqrtNet()
+    cfg = SENTINEL_ONLY.replace(trace_loss=False)
+    with pytest.raises(td.NonFiniteError) as ei:
+        _train(model, lambda i: (torch.randn(3, 4),), steps=1, config=cfg)
+    assert (ei.value.anomaly.phase, ei.value.anomaly.op) == ("backward", "SqrtBackward0")
+
+
+def test_bad_batch_is_phase_input_and_bad_weight_is_phase_parameter() -> None:
+    torch.manual_seed(0)
+
+    def batches(i: int) -> tuple:
+        x = torch.randn(2, 8)
+        if i == 2:
+            x[1, 3] = float("inf")
+        return (x,)
+
+    with pytest.raises(td.NonFiniteError) as ei:
+        _train(fx.MLP(), batches, steps=4)
+    assert (ei.value.anomaly.step, ei.value.anomaly.phase, ei.value.anomaly.kind) == (2, "input", "inf")
+
+    model = fx.MLP()
+
+    def corrupt(i: int) -> None:
+        if i == 1:
+            with torch.no_grad():
+                model.fc1.bias[2] = float("nan")
+
+    with pytest.raises(td.NonFiniteError) as ei:
+        _train(model, lambda i: (torch.randn(2, 8),), steps=3, before=corrupt)
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.module, a.parameter) == (1, "parameter", "fc1", "fc1.bias")
+
+
+def test_gradient_accumulation_names_the_micro_step() -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for step in range(3):
+            for micro in range(4):
+                x = torch.zeros(2, 4) if (step, micro) == (1, 2) else torch.randn(2, 4)
+                (model(x).pow(2).mean() / 4).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.micro_step, a.op, a.location) == (1, 2, "aten.div", origin_line("div"))
+
+
+def test_optimizer_update_that_makes_nan_is_phase_optimizer() -> None:
+    model = fx.MLP()
+    with torch.no_grad():
+        model.fc1.weight.zero_()
+    model.fc1.weight.register_hook(lambda g: torch.zeros_like(g))  # Adam with eps=0: 0/(sqrt(0)+0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, eps=0.0)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.parameter, a.module) == (0, "optimizer", "fc1.weight", "fc1")
+
+
+def test_policy_warn_records_and_continues() -> None:
+    torch.manual_seed(0)
+    model = fx.DeepLogNet()
+    model.blocks[0].act.shift = -5.0
+    with pytest.warns(td.TorchDebugWarning, match="nan born in forward of blocks.0.act"):
+        mon = _train(model, lambda i: (torch.randn(6, 8),), steps=4, policy="warn")
+    assert int(mon.step) == 4
+    assert mon.counters["anomaly_steps"] == 4
+    assert mon.anomalies[0].op == "aten.log" and mon.anomalies[0].detected_by == "sentinel"
+    assert mon.anomalies[1].detected_by == "sentinel (no replay)"  # only the first is replayed
+
+
+def test_policy_skip_leaves_parameters_and_optimizer_state_unchanged() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    records = []
+    with td.watch(model, opt, run=False, policy="skip", config=SENTINEL_ONLY) as mon:
+        for i in range(5):
+            x = torch.randn(4, 8)
+            if i == 2:
+                x[0, 0] = float("nan")
+                snap = [p.detach().clone() for p in model.parameters()]
+                state = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+                steps_before = [int(opt.state[p]["step"]) for p in model.parameters()]
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if i == 2:
+                assert all(torch.equal(a, b) for a, b in zip(snap, model.parameters()))
+                assert all(torch.equal(a, opt.state[p]["exp_avg"]) for a, p in zip(state, model.parameters()))
+                assert [int(opt.state[p]["step"]) for p in model.parameters()] == steps_before
+            records.append(mon.step())
+    assert [r.skipped for r in records] == [False, False, True, False, False]
+    assert records[2].anomaly is not None and records[2].anomaly.phase == "input"
+    assert mon.counters["skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gradscaler_overflow_is_a_skipped_step_not_an_anomaly() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=2.0**30
+    )  # the fp16 backward overflows until the scale has halved enough
+    records = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:  # scaler detected via scaler.step
+            for _ in range(20):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 8)).float().pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                records.append(mon.step())
+    assert mon.scaler is scaler
+    assert not mon.anomalies
+    assert records[0].skipped and "GradScaler" in records[0].skip_reason
+    assert records[0].scale == 2.0**30 and records[1].scale == 2.0**29  # backoff factor 0.5
+    assert not records[-1].skipped
+    assert records[-1].loss is not None and abs(records[-1].loss) < 10  # unscaled loss
+
+
+def test_healthy_runs_raise_nothing() -> None:
+    torch.manual_seed(0)
+    model = fx.TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with td.watch(model, opt, run=False) as mon:
+            for i in range(4):
+                idx = torch.randint(0, 16, (2, 6))
+                ctx = (
+                    torch.autocast("cpu", dtype=torch.bfloat16)
+                    if i % 2
+                    else torch.autocast("cpu", enabled=False)
+                )
+                with ctx:
+                    logits = model(idx)
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec = mon.step()
+    assert not mon.anomalies and rec.loss is not None and rec.grad_norm is not None and rec.grad_norm > 0
+    assert _no_hooks(model)
+
+
+def test_hooks_and_patches_removed_on_user_exception() -> None:
+    model = fx.MLP()
+    with pytest.raises(KeyError), td.watch(model, run=False):
+        model(torch.randn(2, 8)).sum().backward()
+        raise KeyError("user bug")
+    assert _no_hooks(model)
+
+
+def test_anomaly_is_recorded_in_the_run_store(tmp_path: object) -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(td.NonFiniteError), td.watch(model, opt, run=tmp_path) as mon:
+        for i in range(3):
+            x = torch.zeros(2, 4) if i == 1 else torch.randn(2, 4)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    run = td.open_run(mon.run_dir)
+    (a,) = run.anomalies()
+    assert (a["step"], a["op"], a["location"]) == (1, "aten.div", origin_line("div"))
+    assert run.status == "failed"
+    assert [s for s in run.series("loss").steps] == [0]
+
+
+def test_bad_arguments_are_rejected_with_the_fix() -> None:
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        td.watch("model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="raise, warn, skip"):
+        td.watch(fx.MLP(), policy="explode")
+    with pytest.raises(TypeError, match="optimizer"):
+        td.watch(fx.MLP(), optimizer=[1])  # type: ignore[arg-type]
+    mon = td.watch(fx.MLP(), run=False)
+    with pytest.raises(RuntimeError, match="outside its"):
+        mon.step()
+
+
+def test_failing_instrument_is_switched_off_with_a_warning() -> None:
+    class Broken:
+        name = "broken"
+
+        def on_backward_end(self, mon: td.Monitor) -> None:
+            raise ZeroDivisionError("oops")
+
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = td.watch(model, opt, run=False, config=SENTINEL_ONLY)
+    mon.instruments.append(Broken())
+    with pytest.warns(td.TorchDebugWarning, match="instrument 'broken' failed and was switched off"), mon:
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    assert int(mon.step) == 3 and not any(isinstance(i, Broken) for i in mon.instruments)
