@@ -316,7 +316,7 @@ def test_anomaly_is_recorded_in_the_run_store(tmp_path: object) -> None:
 
 
 def test_bad_arguments_are_rejected_with_the_fix() -> None:
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         td.watch("model")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="raise, warn, skip"):
         td.watch(fx.MLP(), policy="explode")
