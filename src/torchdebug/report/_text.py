@@ -1,0 +1,102 @@
+"""Plain-text report: summary, anomaly cards, rule events and a metric last/min/max table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..events import module_label
+from ._format import fmt_bytes, fmt_num, fmt_seconds, natural_key
+
+_RULE = "-" * 78
+
+
+def _anomaly_card(a: Mapping[str, Any]) -> list[str]:
+    lines = [f"* {a.get('summary') or a.get('kind')}"]
+    rows = [
+        ("phase", a.get("phase")),
+        ("module", module_label(str(a.get("module") or ""), str(a.get("module_type") or "") or None)),
+        ("parameter", a.get("parameter")),
+        ("op", a.get("op")),
+        ("line", a.get("location")),
+        ("step", a.get("step")),
+        ("noticed", a.get("symptom")),
+        ("hint", a.get("hint")),
+    ]
+    lines += [f"    {k:<10}{v}" for k, v in rows if v not in (None, "")]
+    frames = a.get("frames") or []
+    if frames:
+        lines.append("    last module calls before it:")
+        for f in frames:
+            bad = "  <- non-finite" if f.get("output_nonfinite") else ""
+            where = module_label(str(f.get("module") or ""), f.get("module_type") or None)
+            lines.append(
+                f"      {f.get('phase', ''):<8} {where:<32} |out| in "
+                f"[{fmt_num(f.get('output_abs_min'))}, {fmt_num(f.get('output_abs_max'))}]{bad}"
+            )
+    return lines
+
+
+def render_text(report: Mapping[str, Any]) -> str:
+    """The text report from ``build_report``'s dict (deterministic: same run, same text).
+
+    Example: ``print(render_text(build_report(run)))``.
+    """
+    run, s = report["run"], report["summary"]
+    perf, mem, grad = report["performance_analysis"], report["memory_analysis"], report["gradient_analysis"]
+    out = [
+        f"torchdebug report: {run.get('name')}",
+        f"run id   {run.get('run_id')}",
+        f"status   {run.get('status')}",
+        f"created  {run.get('created')}   ended {run.get('ended') or '-'}",
+        f"mode     {s.get('debug_mode') or '-'}   level {s.get('debug_level') or '-'}",
+        _RULE,
+        "Summary",
+        f"  steps                {s['total_debug_operations']}",
+        f"  anomalies            {s['anomalies_detected']}",
+        f"  gradient events      {grad['gradient_anomalies']}",
+        f"  memory events        {s['memory_leaks_detected']}",
+        f"  performance events   {s['performance_issues_detected']}",
+        f"  step time            mean {fmt_seconds(perf['average_execution_time'])}, "
+        f"min {fmt_seconds(perf['min_execution_time'])}, max {fmt_seconds(perf['max_execution_time'])}",
+        f"  RSS                  mean {fmt_bytes(mem['average_memory_usage'])}, max {fmt_bytes(mem['max_memory_usage'])}",
+        f"  CUDA allocated       mean {fmt_bytes(mem['average_gpu_memory'])}, max {fmt_bytes(mem['max_gpu_memory'])}",
+        f"  grad norm            mean {fmt_num(grad['average_gradient_norm'])}, max {fmt_num(grad['max_gradient_norm'])}, "
+        f"non-finite steps {grad['nonfinite_gradient_steps']}",
+    ]
+    tbp = report["operation_breakdown"]["time_by_phase"]
+    if tbp:
+        total = sum(tbp.values()) or 1.0
+        out.append("  time by phase        " + ", ".join(f"{k} {v / total:.0%}" for k, v in tbp.items()))
+    out += [_RULE, f"Anomalies ({len(report['anomalies'])})"]
+    if not report["anomalies"]:
+        out.append("  none: no NaN/Inf was born in this run")
+    for a in report["anomalies"]:
+        out += ["  " + line for line in _anomaly_card(a)]
+    out += [_RULE, f"Rule events ({len(report['events'])})"]
+    if not report["events"]:
+        out.append("  none")
+    for e in report["events"]:
+        data = e.get("data") or {}
+        mods = data.get("modules") if isinstance(data, Mapping) else None
+        where = f" [{', '.join(map(str, mods))}]" if mods else ""
+        out.append(
+            f"  step {fmt_num(e.get('step')):>6}  {e.get('severity', ''):<7} {e.get('kind')}{where}: {e.get('message')}"
+        )
+    if report.get("segments"):
+        out += [_RULE, "History segments"]
+        out += [f"  #{g['id']} from step {g['start_step']}: {g['label'] or '-'}" for g in report["segments"]]
+    metrics = report.get("metrics")
+    if metrics is not None:
+        out += [_RULE, "Metrics"]
+        width = max([len(n) for n in metrics] + [6])
+        out.append(
+            f"  {'metric':<{width}}  {'points':>6}  {'last':>10}  {'min':>10}  {'max':>10}  {'NaN/Inf':>7}"
+        )
+        for name in sorted(metrics, key=natural_key):
+            m = metrics[name]
+            out.append(
+                f"  {name:<{width}}  {m['points']:>6}  {fmt_num(m['last']):>10}  {fmt_num(m['min']):>10}  "
+                f"{fmt_num(m['max']):>10}  {m['nonfinite']:>7}"
+            )
+    return "\n".join(out) + "\n"
