@@ -522,6 +522,12 @@ def test_env_errors_name_the_variable(env, message):
         DebugConfig.from_env(env)
 
 
+def test_env_mapping_given_by_hand_may_hold_typed_values():
+    assert DebugConfig.from_env({"TORCHDEBUG_FRAMES": 4, "TORCHDEBUG_REPLAY": False}).frames == 4
+    with pytest.raises(ConfigError, match=r"TORCHDEBUG_FRAMES=4.0 \(float\) is not valid"):
+        DebugConfig.from_env({"TORCHDEBUG_FRAMES": 4.0})
+
+
 def test_from_env_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("TORCHDEBUG_MEMORY_EVERY", "9")
     assert DebugConfig.from_env().memory_every == 9

@@ -145,6 +145,22 @@ def test_huge_float_values_do_not_overflow_the_standard_deviation():
     assert math.isfinite(s.std)
 
 
+def test_float8_is_read_through_float32():
+    t = torch.tensor([1.0, -2.0, INF, NAN]).to(torch.float8_e5m2)  # e5m2 holds Inf and NaN
+    s = analyze_tensor(t)
+    # finite 1 and -2: mean -0.5, deviations +-1.5 -> std sqrt(4.5 / 1) = 2.121
+    assert (s.min, s.max, s.mean, s.nan_count, s.posinf_count, s.bytes) == (-2.0, 1.0, -0.5, 1, 1, 4)
+    assert str(s) == "tensor[4] f8e5m2 cpu x∈[-2, 1] μ=-0.5 σ=2.12 NaN!×1 +Inf!×1"
+    assert nonfinite_count(t).item() == 2
+    assert foreach_norms([torch.tensor([3.0, 4.0]).to(torch.float8_e4m3fn)]).tolist() == [5.0]
+
+
+def test_uint8():
+    s = analyze_tensor(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert (s.min, s.max, s.mean, s.std, s.bytes) == (1, 2 + 1, 2.0, 1.0, 3)  # std: sqrt((1 + 0 + 1) / 2)
+    assert str(s) == "tensor[3] u8 cpu x∈[1, 3] μ=2 σ=1"
+
+
 def test_float64_keeps_float64_precision():
     t = torch.tensor([1.0, 1.0 + 2**-40], dtype=torch.float64)
     s = analyze_tensor(t)

@@ -722,7 +722,9 @@ def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
         spec = _SPECS.get(name)
         if spec is None:
             raise ConfigError(_unknown_message(var, env=True))
-        options[name] = spec.check(spec.parse(environ[var], var), var)
+        text = environ[var]
+        # a mapping given by hand may hold typed values; os.environ only holds text
+        options[name] = spec.check(spec.parse(text, var) if isinstance(text, str) else text, var)
     return options
 
 

@@ -458,4 +458,6 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
             x = x._values()  # stored values; implicit zeros are finite
         elif x.layout != torch.strided:
             x = x.to_dense()
+        if x.is_floating_point() and x.element_size() == 1:
+            x = x.float()  # float8 has no isfinite kernel
         return torch.isfinite(x).logical_not_().sum()
