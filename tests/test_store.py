@@ -275,6 +275,58 @@ def test_full_queue_drops_oldest_low_priority_and_keeps_anomalies(tmp_path: Path
     assert json.loads((w.path / "meta.json").read_text())["dropped"] == 15
 
 
+def test_log_scalars_drops_oldest_values_when_the_queue_overflows(tmp_path: Path) -> None:
+    w = create_run(root=tmp_path, name="q2", max_queue=10, batch_size=1000, flush_interval=3600)
+    for step in range(5):
+        w.log_scalars(step, {"a": step, "b": step, "c": step, "d": step})
+    # 20 values into a queue of 10: the 10 oldest go (steps 0 and 1, and a, b of step 2).
+    assert w.dropped == 10
+    w.flush()
+    with open_run(w.path) as run:
+        assert {m: run.series(m).steps for m in "abcd"} == {
+            "a": [3, 4],
+            "b": [3, 4],
+            "c": [2, 3, 4],
+            "d": [2, 3, 4],
+        }
+    w.close()
+
+
+def test_a_failed_background_write_is_reported_by_flush_and_the_writer_recovers(tmp_path: Path) -> None:
+    w = create_run(root=tmp_path, name="busy", flush_interval=3600, batch_size=1000)
+    w._core.conn.execute("PRAGMA busy_timeout = 50")  # fail fast instead of waiting 30 s for the lock
+    blocker = _rw(w.db_path)
+    blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+    w.log_scalar("loss", 0, 1.0)
+    with pytest.raises(RunStoreError, match=r"writing .*rank0\.sqlite failed: database is locked"):
+        w.flush()
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    w.log_scalar("loss", 1, 2.0)
+    w.flush()  # the error was reported once; the writer goes on
+    w.close()
+    with open_run(w.path) as run:
+        assert run.series("loss").steps == [1]  # step 0 went with the failed batch
+
+
+def test_a_rolled_back_batch_does_not_leave_stale_metric_ids(tmp_path: Path) -> None:
+    w = create_run(root=tmp_path, name="rollback", flush_interval=3600, batch_size=1000)
+    other = _rw(w.db_path)  # a second writer (not supported) takes segment id 1 behind our back
+    other.execute("INSERT INTO segments(id, start_step, wall_time, label) VALUES (1, 0, 0.0, 'other')")
+    other.close()
+    w.log_scalar("new_metric", 0, 1.0)  # inserted into `metrics` inside the batch that fails below
+    w.start_segment("mine")  # id 1 again: the batch's transaction fails after the metric row
+    with pytest.raises(RunStoreError, match=r"UNIQUE constraint failed: segments\.id"):
+        w.flush()
+    w.log_scalar("new_metric", 1, 2.0)
+    w.close()
+    with open_run(w.path) as run:
+        # The metric's name row was rolled back with its batch; the writer must register it again
+        # rather than reuse the id it had assigned inside that transaction.
+        assert run.metric_names() == ["new_metric"]
+        assert run.series("new_metric").steps == [1]
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import sqlite3
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,6 +142,8 @@ class Run:
         self.rank = rank
         self.db_path = path / f"rank{rank}.sqlite"
         self._conn, self.schema_version = open_for_reading(self.db_path)
+        # One query at a time on the shared connection: a dashboard may call from several threads.
+        self._lock = threading.Lock()
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -210,7 +213,8 @@ class Run:
 
     def _rows(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[tuple[Any, ...]]:
         try:
-            return self._conn.execute(sql, params).fetchall()
+            with self._lock:
+                return self._conn.execute(sql, params).fetchall()
         except sqlite3.ProgrammingError as e:
             raise RunStoreError(f"{self.db_path}: {e} (was the run closed?)") from e
         except sqlite3.DatabaseError as e:

@@ -178,6 +178,9 @@ class _Core:
             except BaseException as e:  # keep the thread alive: training must not die with the store
                 with self.lock:
                     self.error = e
+                # The rolled-back batch may have named new metrics: forget ids that were not kept.
+                with contextlib.suppress(sqlite3.Error):
+                    self.metric_ids = dict(self.conn.execute("SELECT name, id FROM metrics"))
             with self.lock:
                 self.flush_done = target
                 self.flushed.notify_all()
@@ -377,6 +380,23 @@ class RunWriter:
         if n == core.batch_size:
             core.wake.set()
 
+    def _put_low_many(self, recs: list[tuple[Any, ...]]) -> None:
+        core = self._core
+        with core.lock:  # one lock round trip for a whole step's metrics
+            if core.closed:
+                raise RunStoreError(f"the run writer for {self.path} is closed")
+            low = core.low
+            before = len(low)
+            low.extend(recs)
+            excess = len(low) - core.max_queue
+            for _ in range(max(excess, 0)):
+                low.popleft()
+            if excess > 0:
+                core.dropped += excess
+            n = len(low)
+        if before < core.batch_size <= n:
+            core.wake.set()
+
     def _put_high(self, rec: tuple[Any, ...]) -> None:
         core = self._core
         with core.lock:
@@ -427,8 +447,7 @@ class RunWriter:
             recs.append(("s", name, step, value, wall))
         if step > self._last_step:
             self._last_step = step
-        for rec in recs:
-            self._put_low(rec)
+        self._put_low_many(recs)
 
     def log_anomaly(self, step: int | None, anomaly: Mapping[str, Any] | Any) -> None:
         """Record an anomaly (never dropped): a dict or an ``events.Anomaly``.
@@ -688,14 +707,7 @@ def create_run(
             raise RunStoreError(f"cannot read {meta_file}: {e}") from e
         if shared.get("world_size", world_size) != world_size:
             raise ValueError(f"world_size {world_size} differs from the run's {shared.get('world_size')}")
-        meta = dict(
-            shared,
-            rank=rank,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            status="running",
-            created=now.isoformat(timespec="seconds"),
-        )
+        meta = dict(shared, rank=rank, pid=os.getpid(), host=socket.gethostname(), status="running")
         # Rank 0 owns meta.json; a rank 0 writer re-opening its own run (a resume) takes it back.
         meta_path = meta_file if rank == 0 else None
         if meta_path is not None:
