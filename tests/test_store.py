@@ -218,11 +218,10 @@ def test_anomalies_events_stats_memory_timings_segments_round_trip(writer: RunWr
         mem = run.memory()
         assert len(mem) == 1 and mem[0]["rss"] == 3 * 2**30 and type(mem[0]["rss"]) is int
         tim = run.timings()
-        assert {k: tim[0][k] for k in ("forward", "backward", "step")} == {
-            "forward": 0.25,
-            "backward": 0.5,
-            "step": 1.0,
-        }
+        # "step" is the sample's step index; the step's duration, logged as "step", reads as "total".
+        assert tim == [
+            {"step": 4, "wall_time": tim[0]["wall_time"], "forward": 0.25, "backward": 0.5, "total": 1.0}
+        ]
         assert (seg1, seg2) == (1, 2)
         assert [(g["id"], g["start_step"], g["label"]) for g in run.segments()] == [
             (1, 10, "cleared"),
@@ -239,6 +238,22 @@ def test_anomalies_events_stats_memory_timings_segments_round_trip(writer: RunWr
         assert summ["events"] == {"exploding_gradients": 1, "loss_spike": 1, "note": 1}
         assert (summ["steps"], summ["last_step"], summ["dropped"]) == (1, 9, 0)
         assert summ["status"] == "running"
+
+
+def test_timing_samples_over_steps_keep_their_step_index(writer: RunWriter) -> None:
+    # The timing instrument logs the contract's keys, "step" included, every step.
+    for step in range(3):
+        writer.log_timing(step, {"forward": 0.125, "backward": 0.25, "step": 0.5 + step})
+        writer.log_memory(step, {"rss": 1000 + step})
+    writer.flush()
+    with open_run(writer.path) as run:
+        assert [(t["step"], t["total"], t["forward"]) for t in run.timings()] == [
+            (0, 0.5, 0.125),
+            (1, 1.5, 0.125),
+            (2, 2.5, 0.125),
+        ]
+        assert [(m["step"], m["rss"]) for m in run.memory()] == [(0, 1000), (1, 1001), (2, 1002)]
+        assert run.at_step(1)["timings"]["total"] == 1.5
 
 
 def test_background_thread_commits_without_flush(tmp_path: Path) -> None:
@@ -357,6 +372,9 @@ def test_a_rolled_back_batch_does_not_leave_stale_metric_ids(tmp_path: Path) -> 
         (lambda w: w.log_memory(0, 5), TypeError, "sample must be a dict"),
         (lambda w: w.log_timing(0.5, {}), TypeError, "step must be an int"),
         (lambda w: w.log_timing(0, {"fwd": []}), TypeError, r"seconds\['fwd'\] must be a real number"),
+        (lambda w: w.log_memory(0, {"step": 1}), ValueError, "sample may not have a key 'step'"),
+        (lambda w: w.log_timing(0, {"wall_time": 1.0}), ValueError, "seconds may not have a key 'wall_time'"),
+        (lambda w: w.log_timing(0, {"step": 1.0, "total": 1.0}), ValueError, "may not have a key 'total'"),
         (lambda w: w.log_rule_event({"kind": "x"}), TypeError, "event must be a torchdebug RuleEvent"),
         (lambda w: w.start_segment(3), TypeError, "label must be a str"),
         (lambda w: w.close("done"), ValueError, "status must be one of"),

@@ -18,6 +18,8 @@ from .._errors import RunStoreError, SchemaVersionError
 from ._schema import SCHEMA_VERSION, open_for_reading
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
+# A timing sample's "step" key is its index; the step's duration, logged as "step", reads as "total".
+_TIMING_RENAME = {"step": "total"}
 _NOT_A_RUN_HINT = "pass a run folder such as runs/demo-20250101-120000 (list them with: torchdebug runs)"
 
 
@@ -367,18 +369,31 @@ class Run:
         ]
 
     def _samples(
-        self, table: str, key: str, value: str, where: str, params: tuple[Any, ...]
-    ) -> Iterator[dict]:
-        """Pivot long rows back into one dict per logged sample: ``{"step", "wall_time", key: value...}``."""
+        self,
+        table: str,
+        key: str,
+        value: str,
+        where: str,
+        params: tuple[Any, ...],
+        rename: dict[str, str] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Pivot long rows back into one dict per logged sample: ``{"step", "wall_time", key: value...}``.
+
+        Rows of one sample share (step, wall_time): one ``log_*`` call stamps them with one time.
+        """
+        rename = rename or {}
         current: dict[str, Any] | None = None
+        last: tuple[int, float] | None = None
         for step, wall, k, v in self._rows(
             f"SELECT step, wall_time, {key}, {value} FROM {table} {where} ORDER BY step, id", params
         ):
-            if current is None or current["step"] != step or current["wall_time"] != wall:
+            if (step, wall) != last:
                 if current is not None:
                     yield current
                 current = {"step": step, "wall_time": wall}
-            current[k] = _nan(v)
+                last = (step, wall)
+            assert current is not None
+            current[rename.get(k, k)] = _nan(v)
         if current is not None:
             yield current
 
@@ -387,8 +402,11 @@ class Run:
         return list(self._samples("memory", "key", "value", "", ()))
 
     def timings(self) -> list[dict[str, Any]]:
-        """Timing samples ``{"step", "wall_time", "forward": s, ...}`` by step (seconds, float)."""
-        return list(self._samples("timings", "phase", "seconds", "", ()))
+        """Timing samples ``{"step", "wall_time", "forward": s, ..., "total": s}`` by step (seconds).
+
+        ``"step"`` is the step index; the whole step's seconds, logged under ``"step"``, is ``"total"``.
+        """
+        return list(self._samples("timings", "phase", "seconds", "", (), _TIMING_RENAME))
 
     def segments(self) -> list[dict[str, Any]]:
         """History segments (dashboard "clear"s): ``{"id", "start_step", "wall_time", "label"}``."""
@@ -411,7 +429,7 @@ class Run:
             )
         }
         mem = list(self._samples("memory", "key", "value", "WHERE step = ?", (step,)))
-        tim = list(self._samples("timings", "phase", "seconds", "WHERE step = ?", (step,)))
+        tim = list(self._samples("timings", "phase", "seconds", "WHERE step = ?", (step,), _TIMING_RENAME))
         return {
             "step": step,
             "scalars": scalars,

@@ -100,14 +100,24 @@ def _as_dict(obj: Any, arg: str) -> dict[str, Any]:
     raise _bad_type(arg, "a dict (or an object with .to_dict())", obj)
 
 
-def _numbers_dict(values: Any, arg: str, *, ints: bool) -> list[tuple[str, int | float]]:
-    """Validate ``{name: number}``; ints stay ints when ``ints`` (bytes are stored as int)."""
+def _numbers_dict(
+    values: Any, arg: str, *, ints: bool, reserved: tuple[str, ...]
+) -> list[tuple[str, int | float]]:
+    """Validate ``{name: number}``; ints stay ints when ``ints`` (bytes are stored as int).
+
+    ``reserved`` keys are refused: the reader returns each sample as one flat dict whose ``step`` and
+    ``wall_time`` keys are the sample's own, so a value may not take those names.
+    """
     if not isinstance(values, Mapping):
         raise _bad_type(arg, "a dict of {name: number}", values)
     out: list[tuple[str, int | float]] = []
     for k, v in values.items():
         if not isinstance(k, str):
             raise _bad_type(f"{arg} key", "a str", k)
+        if k in reserved:
+            raise ValueError(
+                f"{arg} may not have a key {k!r}: the reader returns {reserved} as the sample's own fields"
+            )
         if ints and isinstance(v, numbers.Integral) and not isinstance(v, bool):
             out.append((k, int(v)))
         else:
@@ -520,20 +530,27 @@ class RunWriter:
     def log_memory(self, step: int, sample: Mapping[str, int | float]) -> None:
         """Queue one memory sample (low priority): ``{"rss": bytes, "cuda_allocated": bytes, ...}``.
 
-        Integers stay integers (bytes). Raises TypeError for a non-number value.
+        Integers stay integers (bytes). Raises TypeError for a non-number value, ValueError for the
+        keys ``"step"`` and ``"wall_time"`` (the sample's own fields when read back).
         """
         step = _check_step(step)
-        items = _numbers_dict(sample, "sample", ints=True)
+        items = _numbers_dict(sample, "sample", ints=True, reserved=("step", "wall_time"))
         self._note_step(step)
         self._put_low(("m", step, items, time.time()))
 
     def log_timing(self, step: int, seconds: Mapping[str, float]) -> None:
         """Queue one step's timing breakdown in seconds (low priority).
 
+        The key ``"step"`` (the whole step's seconds) is read back as ``"total"`` by ``Run.timings()``,
+        whose ``"step"`` is the step index; so ``"total"`` may not be logged alongside it.
+
         Example: ``w.log_timing(3, {"data": 0.01, "forward": 0.02, "backward": 0.04, "step": 0.08})``.
+        Raises TypeError for a non-number, ValueError for the key ``"wall_time"``.
         """
         step = _check_step(step)
-        items = _numbers_dict(seconds, "seconds", ints=False)
+        # "step" (the whole step's seconds) is allowed and read back as "total"; so "total" is not.
+        reserved = ("wall_time", "total") if "step" in seconds else ("wall_time",)
+        items = _numbers_dict(seconds, "seconds", ints=False, reserved=reserved)
         self._note_step(step)
         self._put_low(("T", step, items, time.time()))
 
