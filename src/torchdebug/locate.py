@@ -75,7 +75,12 @@ _PASS_THROUGH = {
 }
 
 
+_USER_CODE_IN_PACKAGE = (os.path.join(_OWN_DIR, "demo.py"),)  # the demo's model is user code
+
+
 def _skip_frame(filename: str) -> bool:
+    if filename in _USER_CODE_IN_PACKAGE:
+        return False
     return (
         filename.startswith((_TORCH_DIR, _OWN_DIR))
         or filename.startswith("<")
