@@ -1,0 +1,157 @@
+"""The local dashboard and REST API (extra ``[dashboard]``): ``serve`` and ``create_app``.
+
+Known limitations:
+- Read-only on the store; the only writes are the seed POST endpoints acting on a live monitor
+  (``set_level``, ``clear``), called from the server thread while training runs.
+- The live page polls every 2 s; a run's page shows at most 2000 points per series (min/max envelopes).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .._errors import TorchDebugWarning
+
+DASHBOARD_EXTRA = "pip install 'torchdebug[dashboard]'"
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse a non-loopback bind without a token; warn when one is used with a token.
+
+    Raises:
+        ValueError: ``host`` is not loopback and ``token`` is None.
+    """
+    if is_loopback(host):
+        return
+    if not token:
+        raise ValueError(
+            f"binding {host} exposes your runs to the network: pass a token (--token T / token=T) "
+            "or bind 127.0.0.1"
+        )
+    warnings.warn(
+        f"torchdebug dashboard listening on {host}: anyone who can reach it and knows the token can read "
+        "your runs; prefer 127.0.0.1 with an SSH tunnel",
+        TorchDebugWarning,
+        stacklevel=3,
+    )
+
+
+def _import_deps() -> Any:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise ImportError(f"the dashboard needs fastapi and uvicorn: {DASHBOARD_EXTRA}") from e
+    return uvicorn
+
+
+class ServerHandle:
+    """A dashboard running in a background thread: ``.url``, ``.port``, ``.stop()``; a context manager."""
+
+    def __init__(self, server: Any, thread: threading.Thread, host: str, port: int) -> None:
+        self._server = server
+        self._thread = thread
+        self.host = host
+        self.port = port
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{port}"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the server to exit and wait for its thread (idempotent)."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerHandle({self.url!r})"
+
+
+def serve(
+    monitor_or_path: Any = "runs",
+    host: str = "127.0.0.1",
+    port: int = 6007,
+    token: str | None = None,
+    *,
+    startup_timeout: float = 15.0,
+) -> ServerHandle:
+    """Start the dashboard in a background thread and return once it accepts connections.
+
+    Args:
+        monitor_or_path: a live ``Monitor`` (its run is shown and the seed POST endpoints act on it),
+            a run folder, or a folder of runs.
+        host: bind address; anything but loopback requires ``token``.
+        port: TCP port; 0 picks a free one (see ``handle.port``).
+        token: bearer token required on every request (``Authorization: Bearer <token>``; pages
+            also accept ``?token=``).
+
+    Returns:
+        A ``ServerHandle`` with ``.url`` and ``.stop()``.
+
+    Raises:
+        ImportError: fastapi/uvicorn missing (names ``pip install 'torchdebug[dashboard]'``).
+        ValueError: non-loopback host without a token.
+        RuntimeError: the server did not start (port in use ...).
+
+    Example::
+
+        with td.watch(model, opt) as mon:
+            handle = td.serve(mon)          # open handle.url in a browser
+            ...
+        handle.stop()
+
+    Cost: one thread running an asyncio loop; requests read the store read-only.
+    """
+    uvicorn = _import_deps()
+    check_bind(host, token)
+    from ._app import create_app
+
+    if isinstance(monitor_or_path, (str, os.PathLike)):
+        app = create_app(Path(monitor_or_path), token=token)
+    else:
+        app = create_app(None, monitor=monitor_or_path, token=token)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="torchdebug-dashboard", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the dashboard could not start on {host}:{port} (is the port in use?)")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the dashboard did not start on {host}:{port} within {startup_timeout} s")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return ServerHandle(server, thread, host, int(bound))
+
+
+def create_app(*args: Any, **kwargs: Any) -> Any:
+    """Build the FastAPI app (see ``torchdebug.server._app.create_app``); for your own ASGI server."""
+    _import_deps()
+    from ._app import create_app as _create
+
+    return _create(*args, **kwargs)
+
+
+__all__ = ["DASHBOARD_EXTRA", "ServerHandle", "create_app", "is_loopback", "serve"]

@@ -1,0 +1,452 @@
+"""The FastAPI app: run list and live run pages, the JSON API, the seed-era endpoints, auth and errors."""
+
+from __future__ import annotations
+
+import hmac
+import html
+import json
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .._errors import RunStoreError
+from .._version import __version__
+from ..report import build_report, collect_views, fragments, plotly_js, render_page
+from ..report._format import json_safe
+from ._cache import CachedRun, SeriesCache, ViewsCache
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_PUBLIC = {"/static/plotly.min.js"}  # library code, no run data: loadable by <script> without a header
+DEFAULT_MAX_POINTS = 2000
+
+
+class ApiError(Exception):
+    """An expected failure answered as ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.extra = extra
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    # json.dumps directly: FastAPI's encoder walks every list element in Python (slow for 100k points)
+    # and Starlette's JSONResponse refuses NaN; payloads here are already JSON-safe.
+    body = json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def _safe_values(values: list[float]) -> list[Any]:
+    """NaN/Inf as strings, so JSON stays strict and no point is dropped."""
+    return [v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf")) for v in values]
+
+
+class Catalog:
+    """The runs a server may show: one run folder, or the run folders directly under a folder.
+
+    Run ids are folder names. ``path(id)`` accepts only a name that is a run folder directly inside
+    the served folder (no separators, no ``..``, no symlink leading outside).
+    """
+
+    def __init__(self, target: Path | None) -> None:
+        self.target = None if target is None else target.resolve()
+        self.single = self.target is not None and (self.target / "meta.json").is_file()
+        self.base = None if self.target is None else (self.target.parent if self.single else self.target)
+
+    def infos(self) -> list[Any]:
+        from ..store import list_runs
+
+        if self.target is None:
+            return []
+        infos = list_runs(self.base)
+        if self.single:
+            infos = [i for i in infos if Path(i.path).name == self.target.name]
+        return infos
+
+    def path(self, run_id: str) -> Path:
+        if not _ID.match(run_id) or ".." in run_id:
+            raise ApiError(404, f"no run {run_id!r}: run ids are folder names from /api/runs")
+        if self.base is None or (self.single and run_id != self.target.name):  # type: ignore[union-attr]
+            raise ApiError(404, f"no run {run_id!r} in this server (see /api/runs)")
+        p = self.base / run_id
+        if not (p / "meta.json").is_file() or p.resolve().parent != self.base:
+            raise ApiError(404, f"no run {run_id!r} in this server (see /api/runs)")
+        return p
+
+    def default_id(self) -> str:
+        """The run the seed endpoints talk about: the single run, else the newest one."""
+        infos = self.infos()
+        if not infos:
+            raise ApiError(404, "no run to summarize: this server has no runs yet")
+        return Path(infos[-1].path).name
+
+
+def _levels() -> list[str]:
+    from .._config import DebugLevel
+
+    return [lv.value for lv in DebugLevel]
+
+
+def training_summary_from_run(run: Any) -> dict[str, Any]:
+    """The seed's training summary computed from a stored run, since its last history segment.
+
+    ``total_steps``: steps recorded since the segment started; ``anomaly_steps``: distinct steps
+    with an anomaly; ``gradient_explosions`` / ``gradient_vanishing`` / ``loss_anomalies``: rule
+    events whose kind mentions "explod" / "vanish" / starts with "loss"; rates divide by total_steps.
+    """
+    segments = run.segments()
+    start = segments[-1]["start_step"] if segments else 0
+    s = run.summary()
+    if start == 0:
+        total = s["steps"]
+    else:
+        total = max(0, (s["last_step"] if s["last_step"] is not None else start - 1) + 1 - start)
+    anomaly_steps = len(
+        {a["step"] for a in run.anomalies() if a.get("step") is not None and a["step"] >= start}
+    )
+    kinds = [e["kind"] for e in run.events() if e.get("step") is None or e["step"] >= start]
+    c: dict[str, Any] = {
+        "total_steps": total,
+        "anomaly_steps": anomaly_steps,
+        "gradient_explosions": sum("explod" in k for k in kinds),
+        "gradient_vanishing": sum("vanish" in k for k in kinds),
+        "loss_anomalies": sum(k.startswith("loss") for k in kinds),
+    }
+    d = max(total, 1)
+    c["anomaly_rate"] = c["anomaly_steps"] / d
+    c["loss_anomaly_rate"] = c["loss_anomalies"] / d
+    c["gradient_explosion_rate"] = c["gradient_explosions"] / d
+    c["gradient_vanishing_rate"] = c["gradient_vanishing"] / d
+    return c
+
+
+def _runs_page(infos: list[Any], token_q: str) -> str:
+    rows = "".join(
+        f'<tr><td><a href="/runs/{html.escape(Path(i.path).name)}{token_q}">{html.escape(i.name)}</a></td>'
+        f'<td><span class="badge {html.escape(i.status)}">{html.escape(i.status)}</span></td>'
+        f"<td class=num>{i.steps}</td><td class=num>{i.anomalies}</td><td>{html.escape(i.created or '-')}</td>"
+        f"<td><code>{html.escape(Path(i.path).name)}</code></td></tr>"
+        for i in reversed(infos)
+    )
+    from ..report._html import _CSS
+
+    return (
+        "<!doctype html><html lang=en><head><meta charset=utf-8><title>torchdebug runs</title>"
+        f"<meta http-equiv=refresh content=5><style>{_CSS}</style></head><body><header><h1>torchdebug runs</h1>"
+        f"<small>torchdebug {html.escape(__version__)}</small></header><main><table><tr><th>run</th><th>status</th>"
+        f"<th>steps</th><th>anomalies</th><th>created</th><th>folder</th></tr>{rows}</table>"
+        f"{'' if infos else '<p class=empty>No runs yet.</p>'}</main></body></html>"
+    )
+
+
+def create_app(target: str | Path | None, *, monitor: Any = None, token: str | None = None) -> FastAPI:
+    """Build the dashboard app serving a run folder or a folder of runs (read-only).
+
+    Args:
+        target: a run folder or a folder of runs; None with ``monitor`` serves the monitor's run.
+        monitor: a live ``Monitor`` that the seed POST endpoints (level, clear) act on.
+        token: when set, every request needs ``Authorization: Bearer <token>`` (or ``?token=``).
+
+    Returns:
+        The FastAPI app; its OpenAPI schema is at ``/openapi.json``, docs at ``/docs``.
+
+    Example: ``uvicorn.run(create_app("runs"), port=6007)``.
+    """
+    if target is None and monitor is not None and getattr(monitor, "run_dir", None) is not None:
+        target = monitor.run_dir
+    catalog = Catalog(None if target is None else Path(target))
+    series_cache = SeriesCache()
+    views_cache = ViewsCache()
+    state: dict[str, Any] = {}
+
+    app = FastAPI(
+        title="torchdebug dashboard",
+        version=__version__,
+        description=(
+            "Read-only JSON API over torchdebug run folders. Run ids are folder names (see /api/runs). "
+            'Metric values are numbers, or the strings "nan", "inf", "-inf" for non-finite points '
+            '(never dropped). Errors answer {"error": message}.'
+        ),
+    )
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if token is not None and request.url.path not in _PUBLIC:
+            header = request.headers.get("authorization", "")
+            given = (
+                header[7:] if header.lower().startswith("bearer ") else request.query_params.get("token", "")
+            )
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return _json(
+                    {"error": "unauthorized: send Authorization: Bearer <token> (or ?token=<token>)"}, 401
+                )
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return _json({"error": str(exc), **exc.extra}, exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _json({"error": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        details = [
+            {"where": ".".join(str(x) for x in e.get("loc", ())), "problem": str(e.get("msg", ""))}
+            for e in exc.errors()
+        ]
+        return _json({"error": "invalid parameters", "details": details}, 422)
+
+    @app.exception_handler(RunStoreError)
+    async def _store_error(request: Request, exc: RunStoreError) -> Response:
+        return _json({"error": f"the run cannot be read: {exc}"}, 422)
+
+    @app.exception_handler(KeyError)
+    async def _key_error(request: Request, exc: KeyError) -> Response:
+        return _json({"error": str(exc.args[0]) if exc.args else "not found"}, 404)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError) -> Response:
+        return _json({"error": str(exc)}, 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        return _json({"error": f"internal error {type(exc).__name__}: {exc}"}, 500)
+
+    @contextmanager
+    def opened(run_id: str) -> Iterator[Any]:
+        from ..store import open_run
+
+        run = open_run(catalog.path(run_id))
+        try:
+            yield CachedRun(run, series_cache)
+        finally:
+            run.close()
+
+    def info_dict(i: Any) -> dict[str, Any]:
+        d = i.to_dict()
+        d["id"] = Path(i.path).name
+        del d["path"]  # absolute, machine-bound: the id is what the API takes
+        return d
+
+    # -- pages -------------------------------------------------------------------------------------
+
+    def token_query(request: Request) -> str:
+        t = request.query_params.get("token")
+        return f"?token={html.escape(t)}" if t else ""
+
+    @app.get("/", include_in_schema=False)
+    def index(request: Request) -> Response:
+        if catalog.single:
+            return RedirectResponse(f"/runs/{catalog.target.name}{token_query(request)}")  # type: ignore[union-attr]
+        return HTMLResponse(_runs_page(catalog.infos(), token_query(request)))
+
+    @app.get("/runs/{run_id}", include_in_schema=False)
+    def run_page(run_id: str, request: Request) -> Response:
+        with opened(run_id) as run:
+            views = views_cache.get(
+                run.path, f"views:{DEFAULT_MAX_POINTS}", lambda: _views(run, DEFAULT_MAX_POINTS)
+            )
+        back = "" if catalog.single else f'<a href="/{token_query(request)}">all runs</a>'
+        page = render_page(
+            views, plotly_src="/static/plotly.min.js", live_url=f"/api/runs/{run_id}/views", nav=back
+        )
+        return HTMLResponse(page)
+
+    @app.get("/static/plotly.min.js", include_in_schema=False)
+    def plotly_bundle() -> Response:
+        if "plotly" not in state:
+            state["plotly"] = plotly_js().encode()
+        return Response(
+            state["plotly"], media_type="application/javascript", headers={"Cache-Control": "max-age=86400"}
+        )
+
+    def _views(run: Any, max_points: int) -> dict[str, Any]:
+        v = collect_views(run, max_points=max_points)
+        return json_safe(v)
+
+    # -- JSON API ----------------------------------------------------------------------------------
+
+    @app.get("/api/runs", summary="List runs", tags=["runs"])
+    def api_runs() -> Response:
+        """Every run served, oldest first: id, name, status, created, steps, anomalies."""
+        return _json({"runs": [info_dict(i) for i in catalog.infos()]})
+
+    @app.get("/api/runs/{run_id}", summary="One run: meta, summary, metric names, segments", tags=["runs"])
+    def api_run(run_id: str) -> Response:
+        """meta.json, the store's summary counts, metric names and history segments of one run."""
+        with opened(run_id) as run:
+            summary = run.summary()
+            summary.pop("path", None)
+            payload = {
+                "id": run_id,
+                "meta": run.meta,
+                "status": summary["status"],
+                "summary": summary,
+                "metrics": run.metric_names(),
+                "segments": run.segments(),
+            }
+        return _json(json_safe(payload))
+
+    @app.get("/api/runs/{run_id}/metrics", summary="Metric series (downsampled)", tags=["runs"])
+    def api_metrics(
+        run_id: str,
+        names: str | None = Query(
+            None, description="comma-separated metric names; default all", max_length=100_000
+        ),
+        since_step: int | None = Query(None, ge=0, description="only steps >= this"),
+        max_points: int = Query(
+            DEFAULT_MAX_POINTS, ge=2, le=1_000_000, description="points per series (min/max envelopes)"
+        ),
+        wall_times: bool = Query(False, description="include each point's wall-clock time"),
+    ) -> Response:
+        """``{"metrics": {name: {"steps", "values", "downsampled"}}}``; NaN/Inf values as strings.
+
+        Downsampling keeps each bucket's lowest and highest point, so spikes and NaN survive.
+        An unknown name answers 404 listing known ones.
+        """
+        with opened(run_id) as run:
+            known = run.metric_names()
+            wanted = known if not names else [n.strip() for n in names.split(",") if n.strip()]
+            missing = [n for n in wanted if n not in known]
+            if missing:
+                raise ApiError(404, f"unknown metric(s) {missing}; known: {known[:50]}")
+            out = {}
+            for n in wanted:
+                s = run.series(n, since_step=since_step, max_points=max_points)
+                d: dict[str, Any] = {
+                    "steps": s.steps,
+                    "values": _safe_values(s.values),
+                    "downsampled": s.downsampled,
+                }
+                if wall_times:
+                    d["wall_times"] = s.wall_times
+                out[n] = d
+        return _json({"run": run_id, "max_points": max_points, "since_step": since_step, "metrics": out})
+
+    @app.get("/api/runs/{run_id}/anomalies", summary="Anomaly documents", tags=["runs"])
+    def api_anomalies(run_id: str) -> Response:
+        """Every anomaly (where the first NaN/Inf was born: phase, module, op, line, frames, hint)."""
+        with opened(run_id) as run:
+            return _json({"anomalies": json_safe(run.anomalies())})
+
+    @app.get("/api/runs/{run_id}/events", summary="Rule events", tags=["runs"])
+    def api_events(
+        run_id: str, kind: str | None = Query(None, max_length=200, description="only this kind")
+    ) -> Response:
+        """Rule events and log messages in the order logged: step, kind, severity, message, data."""
+        with opened(run_id) as run:
+            return _json({"events": json_safe(run.events(kind))})
+
+    @app.get("/api/runs/{run_id}/report.json", summary="The JSON report", tags=["runs"])
+    def api_report(run_id: str) -> Response:
+        """``torchdebug report --format json``: summary, analyses, anomalies, events, metric table."""
+        with opened(run_id) as run:
+            rep = views_cache.get(run.path, "report", lambda: json_safe(build_report(run)))
+        return _json(rep)
+
+    @app.get(
+        "/api/runs/{run_id}/views",
+        summary="Dashboard payload (charts and page fragments)",
+        tags=["dashboard"],
+    )
+    def api_views(run_id: str, max_points: int = Query(DEFAULT_MAX_POINTS, ge=2, le=100_000)) -> Response:
+        """What the live page redraws every 2 s: plotly figures and server-rendered HTML fragments."""
+        with opened(run_id) as run:
+            views = views_cache.get(run.path, f"views:{max_points}", lambda: _views(run, max_points))
+        payload = {"status": views["status"], "figures": views["figures"], **fragments(views)}
+        return _json(payload)
+
+    # -- seed-era endpoints ------------------------------------------------------------------------
+
+    def seed_run_id(run: str | None) -> str:
+        if run is not None:
+            return run
+        if monitor is not None and catalog.single:
+            return catalog.target.name  # type: ignore[union-attr]
+        return catalog.default_id()
+
+    def training_summary(run: str | None) -> dict[str, Any]:
+        if monitor is not None and run is None:
+            return dict(monitor.training_summary())
+        with opened(seed_run_id(run)) as r:
+            return training_summary_from_run(r)
+
+    @app.get("/training-logs/debug/summary", summary="Seed-era debug summary", tags=["seed"])
+    def seed_summary(
+        run: str | None = Query(None, description="run id; default the live or newest run"),
+    ) -> Response:
+        """Seed shape: training_debugger / diffusion_debugger / general_debugger counts.
+
+        torchdebug has no diffusion debugger: that block is all zeros, kept for the response shape.
+        """
+        ts = training_summary(run)
+        with opened(seed_run_id(run)) as r:
+            anomalies = len(r.anomalies())
+            events = len(r.events())
+        payload = {
+            "training_debugger": {
+                "total_anomalies": ts["anomaly_steps"],
+                "debug_history_length": ts["total_steps"],
+                "total_steps": ts["total_steps"],
+                "anomaly_rate": ts["anomaly_rate"],
+                "gradient_explosion_rate": ts["gradient_explosion_rate"],
+            },
+            "diffusion_debugger": {"total_anomalies": 0, "debug_history_length": 0},
+            "general_debugger": {"total_anomalies": anomalies, "debug_history_length": events},
+        }
+        return _json(json_safe(payload))
+
+    @app.get("/training-logs/debug/training/summary", summary="Seed-era training summary", tags=["seed"])
+    def seed_training_summary(
+        run: str | None = Query(None, description="run id; default the live or newest run"),
+    ) -> Response:
+        """total_steps, anomaly_steps, gradient_explosions, gradient_vanishing, loss_anomalies and their rates."""
+        return _json(json_safe(training_summary(run)))
+
+    def live() -> Any:
+        if monitor is None:
+            raise ApiError(
+                409,
+                "no live training session: this server shows stored runs (read-only); start it with "
+                "td.serve(monitor) inside the training process to change the level or clear history",
+            )
+        return monitor
+
+    @app.post("/training-logs/debug/level/{level}", summary="Set the live debug level", tags=["seed"])
+    def seed_level(level: str) -> Response:
+        """Switch the live session's debug level (basic, intermediate, advanced, expert)."""
+        mon = live()
+        from .._config import DebugLevel
+
+        try:
+            lv = DebugLevel(level)
+        except ValueError:
+            raise ApiError(422, f"unknown debug level {level!r}", allowed=_levels()) from None
+        new = mon.set_level(lv)
+        value = getattr(new, "value", str(new))
+        return _json({"status": "ok", "level": value, "message": f"debug level set to {value}"})
+
+    @app.post("/training-logs/debug/clear", summary="Clear the live debug history", tags=["seed"])
+    def seed_clear() -> Response:
+        """Start a new history segment in the live session; nothing stored is deleted."""
+        mon = live()
+        mon.clear()
+        return _json(
+            {
+                "status": "ok",
+                "message": "debug history cleared: a new history segment started (nothing was deleted)",
+                "step": int(getattr(mon, "step", 0)),
+            }
+        )
+
+    return app
