@@ -256,6 +256,19 @@ def test_timing_samples_over_steps_keep_their_step_index(writer: RunWriter) -> N
         assert run.at_step(1)["timings"]["total"] == 1.5
 
 
+def test_an_unserializable_document_does_not_sink_its_batch(writer: RunWriter) -> None:
+    cyclic: dict = {"max": 1.0}
+    cyclic["self"] = cyclic
+    writer.log_tensor_stats(0, "w", cyclic)  # JSON-encoded later, on the writer thread
+    writer.log_scalar("loss", 0, 0.5)  # same batch
+    writer.flush()
+    with open_run(writer.path) as run:
+        assert run.series("loss").values == [0.5]
+        [row] = run.tensor_stats()
+        # The writer stored a shallow snapshot, whose "self" is the original dict: one more level.
+        assert row["stats"]["unserializable"] == "{'max': 1.0, 'self': {'max': 1.0, 'self': {...}}}"
+
+
 def test_background_thread_commits_without_flush(tmp_path: Path) -> None:
     w = create_run(root=tmp_path, name="bg", flush_interval=0.2)
     w.log_scalar("loss", 0, 1.0)

@@ -126,8 +126,12 @@ def _numbers_dict(
 
 
 def _json(obj: Any) -> str:
-    # plain() turns NaN/Inf into strings so the document is strict JSON that any reader parses.
-    return json.dumps(plain(obj), sort_keys=True, default=str, allow_nan=False)
+    """Strict JSON of a record's document; never raises (a bad document must not sink its batch)."""
+    try:
+        # plain() turns NaN/Inf into strings so the document is strict JSON that any reader parses.
+        return json.dumps(plain(obj), sort_keys=True, default=str, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:  # e.g. a numpy NaN, a cycle
+        return json.dumps({"unserializable": repr(obj)[:2000], "error": str(e)})
 
 
 class _Core:
