@@ -264,7 +264,8 @@ class _Core:
             if dropped != self.persisted_dropped:
                 conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('dropped', ?)", (str(dropped),))
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself on some errors (disk full, I/O)
+                conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
         self.persisted_dropped = dropped
@@ -315,9 +316,11 @@ class _Core:
             conn.execute("PRAGMA busy_timeout = 200")
             with contextlib.suppress(sqlite3.OperationalError):
                 conn.execute("PRAGMA journal_mode=DELETE")
+        except sqlite3.Error as e:
+            self.error = self.error or e
         finally:
             conn.close()
-        if self.meta_path is not None:
+        if self.meta_path is not None:  # even if the database failed: meta.json says how the run ended
             self.meta.update(status=status, ended=ended, dropped=self.dropped)
             write_json_atomic(self.meta_path, self.meta)
         if self.error is not None:
