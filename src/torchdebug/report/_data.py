@@ -29,12 +29,13 @@ TIMING_PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
 def step_seconds(sample: Mapping[str, Any]) -> float | None:
-    """A step's duration: the sum of its phases (data + forward + backward + optimizer + other).
-
-    Why not the sample's ``"step"`` key: a timing sample's ``"step"`` is its step index (the store's
-    pivot puts the index there), so the duration is rebuilt from the phases, which add up to the
-    step by definition (``other`` is the remainder). None when the sample has no phase.
+    """A step's duration in seconds: the sample's ``"total"`` (the ``"step"`` time the instrument
+    logged; ``Run.timings()`` reads it back as ``"total"`` since ``"step"`` is the index), else the sum
+    of its phases (data + forward + backward + optimizer + other). None when it has neither.
     """
+    total = sample.get("total")
+    if total is not None:
+        return float(total)
     vals = [sample[p] for p in TIMING_PHASES if p in sample]
     return math.fsum(vals) if vals else None
 
@@ -205,11 +206,11 @@ def _pivot(samples: list[dict[str, Any]], max_points: int | None) -> dict[str, d
 
 
 def _with_total(timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Timing samples with their duration added under ``"total"`` (see ``step_seconds``)."""
+    """Timing samples each with a ``"total"`` duration when one can be had (see ``step_seconds``)."""
     out = []
     for t in timings:
         total = step_seconds(t)
-        out.append(t if total is None else {**t, "total": total})
+        out.append(t if total is None or "total" in t else {**t, "total": total})
     return out
 
 
