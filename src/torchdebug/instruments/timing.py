@@ -1,0 +1,584 @@
+"""Timing instruments: per-step breakdown (data, forward, backward, optimizer, other), throughput, rules, per-module time."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._trees import tensor_leaves
+from ..events import RuleEvent, module_label
+from ._robust import RunningMedian, Streak
+
+PHASES = ("data", "forward", "backward", "optimizer", "other", "step")
+
+
+def batch_size_and_tokens(args: Any, kwargs: Any = None) -> tuple[int | None, int | None]:
+    """Batch size (dim 0 of the first tensor argument) and, for an integer (B, T) tensor, tokens B*T.
+
+    Example:
+        >>> batch_size_and_tokens((torch.zeros(4, 7, dtype=torch.long),))
+        (4, 28)
+    """
+    for t in tensor_leaves((args, kwargs or {})):
+        if t.dim() == 0:
+            continue
+        b = int(t.shape[0])
+        tokens = (
+            b * int(t.shape[1]) if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() else None
+        )
+        return b, tokens
+    return None, None
+
+
+class _Clock:
+    """Marks on the host (perf_counter) and, on CUDA, CUDA events read one step later (no extra sync)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ready(self, mark: Any) -> bool:
+        return True if not self.cuda else bool(mark.query())
+
+    def elapsed(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            return float(a.elapsed_time(b)) / 1000.0  # ms -> s
+        return float(b - a)
+
+
+@dataclass
+class _StepMarks:
+    start: Any = None  # end of the previous step
+    spans: dict[str, list[tuple[Any, Any]]] = field(
+        default_factory=lambda: {"data": [], "forward": [], "backward": [], "optimizer": []}
+    )
+    end: Any = None
+    samples: int = 0
+    tokens: int = 0
+    host_s: float = 0.0
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One step's time split, in seconds; ``other`` is the rest (loss, user code, the monitor's transfer)."""
+
+    step: int
+    data: float
+    forward: float
+    backward: float
+    optimizer: float
+    other: float
+    total: float
+    samples: int = 0
+    tokens: int = 0
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.samples / self.total if self.samples and self.total > 0 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.total if self.tokens and self.total > 0 else None
+
+    def as_log(self) -> dict[str, float]:
+        return {
+            "data": self.data,
+            "forward": self.forward,
+            "backward": self.backward,
+            "optimizer": self.optimizer,
+            "other": self.other,
+            "step": self.total,
+        }
+
+    def __str__(self) -> str:
+        parts = [f"{k} {v * 1e3:.1f} ms" for k, v in self.as_log().items()]
+        if self.samples_per_s:
+            parts.append(f"{self.samples_per_s:.1f} samples/s")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:.0f} tokens/s")
+        return f"step {self.step}: " + ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"step": self.step, **self.as_log(), "samples": self.samples, "tokens": self.tokens}
+        d["samples_per_s"] = self.samples_per_s
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+class TimingInstrument:
+    """Step time breakdown every step, throughput, and the "input_bound" and "slowdown" rules.
+
+    Phases: data wait (from the end of the previous ``mon.step()``, or of the previous micro-step's
+    backward, to the model's first forward), forward (the model's root forward), backward
+    (``loss.backward()``), optimizer (its ``step``), other (the rest: loss, user code, the monitor).
+    On CPU the marks are ``time.perf_counter``; on CUDA they are CUDA events, recorded only and read
+    with ``elapsed_time`` at a later step once they have completed, so timing adds no sync (the
+    breakdown of step N is logged when it is ready, usually at step N+1).
+
+    Throughput: samples from dim 0 of the first tensor argument of each micro-step's forward; tokens
+    from ``config.tokens_per_step`` or, for an integer (B, T) input, B*T.
+
+    Rules: "input_bound" when the median share of data wait over the last ``window`` steps exceeds
+    ``config.input_bound_fraction``; "slowdown" when the step time stays above
+    ``config.slowdown_factor`` x the running median for ``patience`` steps in a row (one slow step,
+    such as a gc pause, is not a slowdown; nor is a rise under ``min_slowdown_s``, the jitter of
+    sub-millisecond steps). Each rule fires once per episode. The first ``warmup``
+    steps (lazy init, allocator warm-up) are not fed to the rules.
+
+    Attributes:
+        history: the last ``window`` :class:`StepTiming`.
+    """
+
+    name = "timing"
+
+    def __init__(
+        self, *, window: int = 20, warmup: int = 2, patience: int = 3, min_slowdown_s: float = 0.002
+    ) -> None:
+        self.window = window
+        self.min_slowdown_s = min_slowdown_s
+        self.warmup = warmup
+        self.history: deque[StepTiming] = deque(maxlen=window)
+        self._data_share = RunningMedian(window)
+        self._step_time = RunningMedian(window)
+        self._slow = Streak(patience)
+        self._input_bound_on = False
+        self._pending: deque[_StepMarks] = deque()
+        self._cur = _StepMarks()
+        self._clock = _Clock(False)
+        self._open: dict[str, Any] = {}
+        self._last_mark: Any = None
+        self._tokens_per_step: int | None = None
+
+    # ---- protocol
+    def install(self, mon: Any) -> None:
+        cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
+        self._clock = _Clock(cuda)
+        tps = getattr(mon.config, "tokens_per_step", None)
+        self._tokens_per_step = int(tps) if tps else None
+        self._begin(int(mon.step))
+
+    def _begin(self, step: int) -> None:
+        m = self._clock.mark()
+        self._cur = _StepMarks(start=m, step=step, host_s=time.perf_counter())
+        self._last_mark = m
+
+    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        m = self._clock.mark()
+        self._cur.spans["data"].append((self._last_mark, m))
+        self._open["forward"] = m
+        b, tok = batch_size_and_tokens(args, kwargs)
+        if b is not None:
+            self._cur.samples += b
+        if tok is not None:
+            self._cur.tokens += tok
+
+    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+        start = self._open.pop("forward", None)
+        if start is not None:
+            self._cur.spans["forward"].append((start, self._clock.mark()))
+
+    def on_backward_start(self, mon: Any, loss: Any) -> None:
+        self._open["backward"] = self._clock.mark()
+
+    def on_backward_end(self, mon: Any) -> None:
+        start = self._open.pop("backward", None)
+        if start is not None:
+            m = self._clock.mark()
+            self._cur.spans["backward"].append((start, m))
+            self._last_mark = m  # the next micro-step's data wait starts here
+
+    def before_optimizer_step(self, mon: Any) -> None:
+        self._open["optimizer"] = self._clock.mark()
+
+    def after_optimizer_step(self, mon: Any) -> None:
+        start = self._open.pop("optimizer", None)
+        if start is not None:
+            self._cur.spans["optimizer"].append((start, self._clock.mark()))
+
+    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+        cur = self._cur
+        cur.end = self._clock.mark()
+        cur.step = int(getattr(record, "step", cur.step))
+        cur.host_s = time.perf_counter() - cur.host_s
+        if self._tokens_per_step:
+            cur.tokens = self._tokens_per_step
+        self._pending.append(cur)
+        self._open.clear()
+        self._begin(cur.step + 1)
+        self._drain(mon)
+
+    def on_exit(self, mon: Any) -> None:
+        if self._clock.cuda and self._pending:
+            self._pending[-1].end.synchronize()  # once, at exit: log the last steps too
+        self._drain(mon)
+
+    # ---- reading the marks
+    def _drain(self, mon: Any) -> None:
+        while self._pending and self._clock.ready(self._pending[0].end):
+            self._finish(mon, self._pending.popleft())
+
+    def _finish(self, mon: Any, m: _StepMarks) -> None:
+        c = self._clock
+        sums = {k: sum(c.elapsed(a, b) for a, b in spans) for k, spans in m.spans.items()}
+        total = c.elapsed(m.start, m.end)
+        other = max(0.0, total - sum(sums.values()))
+        t = StepTiming(
+            step=m.step,
+            data=sums["data"],
+            forward=sums["forward"],
+            backward=sums["backward"],
+            optimizer=sums["optimizer"],
+            other=other,
+            total=total,
+            samples=m.samples,
+            tokens=m.tokens,
+        )
+        self.history.append(t)
+        if mon.writer is not None:
+            mon.writer.log_timing(t.step, t.as_log())
+            thr = {}
+            if t.samples_per_s is not None:
+                thr["throughput/samples_per_s"] = t.samples_per_s
+            if t.tokens_per_s is not None:
+                thr["throughput/tokens_per_s"] = t.tokens_per_s
+            if thr:
+                mon.writer.log_scalars(t.step, thr)
+        self._rules(mon, t)
+
+    def _rules(self, mon: Any, t: StepTiming) -> None:
+        if t.step < self.warmup or t.total <= 0:
+            return
+        cfg = mon.config
+        share = t.data / t.total
+        self._data_share.push(share)
+        frac = float(getattr(cfg, "input_bound_fraction", 0.3))
+        med_share = self._data_share.median()
+        if len(self._data_share) >= min(5, self.window):
+            if med_share > frac and not self._input_bound_on:
+                self._input_bound_on = True
+                mon.emit(
+                    RuleEvent(
+                        kind="input_bound",
+                        step=t.step,
+                        message=(
+                            f"waiting for data takes {med_share:.0%} of each step (median of the last "
+                            f"{len(self._data_share)} steps, threshold {frac:.0%}): the GPU/CPU idles while "
+                            "batches load; use more DataLoader workers, pin_memory, prefetching or faster decoding"
+                        ),
+                        evidence={
+                            "data_share_median": med_share,
+                            "threshold": frac,
+                            "data_s": t.data,
+                            "step_s": t.total,
+                        },
+                    )
+                )
+            elif med_share <= frac:
+                self._input_bound_on = False
+        factor = float(getattr(cfg, "slowdown_factor", 1.5))
+        med = self._step_time.median()
+        slow = (
+            len(self._step_time) >= min(10, self.window)
+            and not math.isnan(med)
+            and t.total > factor * med
+            and t.total - med >= self.min_slowdown_s  # sub-millisecond steps jitter by more than 1.5x
+        )
+        if self._slow.update(slow):
+            mon.emit(
+                RuleEvent(
+                    kind="slowdown",
+                    step=t.step,
+                    message=(
+                        f"step time {t.total * 1e3:.1f} ms is above {factor:g}x its running median "
+                        f"{med * 1e3:.1f} ms for {self._slow.patience} steps (data {t.data * 1e3:.1f} ms, "
+                        f"forward {t.forward * 1e3:.1f} ms, backward {t.backward * 1e3:.1f} ms, "
+                        f"optimizer {t.optimizer * 1e3:.1f} ms)"
+                    ),
+                    evidence={"step_s": t.total, "median_s": med, "factor": factor, **t.as_log()},
+                )
+            )
+        self._step_time.push(t.total)
+
+
+# --------------------------------------------------------------------------------------------------
+# per-module time
+
+
+@dataclass(frozen=True)
+class ModuleTimeRow:
+    """Inclusive forward and backward time of one module (children included), median over measured steps."""
+
+    module: str
+    module_type: str
+    forward_s: float
+    backward_s: float | None
+    calls: int
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + (self.backward_s or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "module_type": self.module_type,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "calls": self.calls,
+            "total_s": self.total_s,
+        }
+
+
+@dataclass(frozen=True)
+class ModuleTimeTable:
+    """Per-module time, ranked by forward + backward; ``str()`` renders it, ``to_dict()`` is JSON-ready."""
+
+    rows: tuple[ModuleTimeRow, ...]
+    steps: tuple[int, ...]
+
+    def row(self, module: str) -> ModuleTimeRow:
+        for r in self.rows:
+            if r.module == module:
+                return r
+        raise KeyError(module)
+
+    def __str__(self) -> str:
+        head = f"{'module':<36} {'forward ms':>11} {'backward ms':>12} {'calls':>6}"
+        lines = [
+            f"per-module time (median of steps {list(self.steps)}; inclusive of children)",
+            head,
+            "-" * len(head),
+        ]
+        for r in self.rows:
+            bwd = "-" if r.backward_s is None else f"{r.backward_s * 1e3:.3f}"
+            lines.append(
+                f"{module_label(r.module, r.module_type)[:36]:<36} {r.forward_s * 1e3:>11.3f} {bwd:>12} {r.calls:>6}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "rows": [r.to_dict() for r in self.rows]}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class ModuleTimer:
+    """Forward and backward time per module of ``model`` while active (hooks; usable without watch).
+
+    Forward: pre/post hooks around each module call (inclusive of children). Backward: from the
+    moment the gradient of the module's output is ready (its backward begins) to the moment the
+    gradients of its inputs and parameters are all computed (``register_multi_grad_hook``). On
+    CUDA the marks are CUDA events, read (with one synchronize) by :meth:`collect`.
+
+    Cost: two hooks per module call and two multi-grad hooks per module per forward: opt-in, a few steps.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> with ModuleTimer(m) as tm:
+        ...     m(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        >>> times = tm.collect()
+        >>> sorted(times) == ["", "0", "1"] and times["0"][0] > 0
+        True
+    """
+
+    def __init__(self, model: nn.Module, cuda: bool | None = None) -> None:
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.types = {n: type(m).__name__ for n, m in model.named_modules()}
+        use_cuda = cuda if cuda is not None else any(p.is_cuda for p in model.parameters())
+        self._clock = _Clock(bool(use_cuda) and torch.cuda.is_available())
+        self._handles: list[Any] = []
+        self._grad_handles: list[Any] = []
+        self._fwd_open: dict[int, list[Any]] = {}
+        self._fwd: dict[str, list[tuple[Any, Any]]] = {}
+        self._bwd_start: dict[str, Any] = {}
+        self._bwd: dict[str, list[tuple[Any, Any]]] = {}
+        self.active = False
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._fwd_open.setdefault(id(module), []).append(self._clock.mark())
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._fwd_open.get(id(module))
+        if not stack:
+            return
+        start = stack.pop()
+        name = self.names.get(id(module), "")
+        self._fwd.setdefault(name, []).append((start, self._clock.mark()))
+        if not torch.is_grad_enabled():
+            return
+        outs = [t for t in tensor_leaves(output) if t.requires_grad]
+        if not outs:
+            return
+        ends = [t for t in tensor_leaves(args) if t.requires_grad]
+        ends += [p for p in module.parameters() if p.requires_grad]
+        clock = self._clock
+
+        def begin(grads: Any, name: str = name) -> None:
+            self._bwd_start.setdefault(name, clock.mark())
+
+        def finish(grads: Any, name: str = name) -> None:
+            st = self._bwd_start.pop(name, None)
+            if st is not None:
+                self._bwd.setdefault(name, []).append((st, clock.mark()))
+
+        reg = torch.autograd.graph.register_multi_grad_hook
+        self._grad_handles.append(reg(outs, begin, mode="any"))
+        if ends:
+            self._grad_handles.append(reg(ends, finish, mode="all"))
+
+    def start(self) -> None:
+        """Install the hooks (idempotent)."""
+        if self.active:
+            return
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self.active = True
+
+    def stop(self) -> None:
+        """Remove every hook, including gradient hooks still pending (idempotent)."""
+        for h in self._handles + self._grad_handles:
+            h.remove()
+        self._handles.clear()
+        self._grad_handles.clear()
+        self._fwd_open.clear()
+        self._bwd_start.clear()
+        self.active = False
+
+    def clear_grad_hooks(self) -> None:
+        """Remove the gradient hooks of past forwards (after their backward ran)."""
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles.clear()
+        self._bwd_start.clear()
+
+    def collect(self) -> dict[str, tuple[float, float | None, int]]:
+        """Read and reset: ``{module: (forward_s, backward_s or None, calls)}`` summed over calls."""
+        if self._clock.cuda:
+            torch.cuda.synchronize()  # opt-in mode: one sync per measured step to read its events
+        el = self._clock.elapsed
+        out: dict[str, tuple[float, float | None, int]] = {}
+        for name, spans in self._fwd.items():
+            b = self._bwd.get(name)
+            out[name] = (
+                sum(el(a, c) for a, c in spans),
+                sum(el(a, c) for a, c in b) if b else None,
+                len(spans),
+            )
+        self._fwd.clear()
+        self._bwd.clear()
+        return out
+
+    def __enter__(self) -> ModuleTimer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ModuleTimeInstrument:
+    """Per-module forward/backward time on steps 1..``steps`` (step 0 is warm-up), as a ranked table.
+
+    The table (median per module over the measured steps) is kept in ``table`` and logged as a
+    "module_time" event. Cost: see :class:`ModuleTimer`; nothing after the measured steps.
+    """
+
+    name = "module_time"
+
+    def __init__(self, steps: int = 3, skip: int = 1) -> None:
+        self.steps = steps
+        self.skip = skip
+        self.table: ModuleTimeTable | None = None
+        self._timer: ModuleTimer | None = None
+        self._samples: list[dict[str, tuple[float, float | None, int]]] = []
+        self._measured: list[int] = []
+
+    def install(self, mon: Any) -> None:
+        self._timer = ModuleTimer(mon.model)
+
+    def remove(self, mon: Any) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        step = int(mon.step)
+        t = self._timer
+        if t is None or t.active or not (self.skip <= step < self.skip + self.steps):
+            return
+        t.start()
+        # the root's pre-hook was registered during its own call, too late to fire for it
+        t._pre(module, args)
+
+    def on_backward_end(self, mon: Any) -> None:
+        if self._timer is not None and self._timer.active:
+            self._timer.clear_grad_hooks()
+
+    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+        t = self._timer
+        if t is None or not t.active:
+            return
+        t.stop()
+        self._samples.append(t.collect())
+        self._measured.append(int(getattr(record, "step", mon.step)))
+        if len(self._samples) < self.steps:
+            return
+        names = sorted({n for s in self._samples for n in s})
+        rows = []
+        for n in names:
+            got = [s[n] for s in self._samples if n in s]
+            bwd = [g[1] for g in got if g[1] is not None]
+            rows.append(
+                ModuleTimeRow(
+                    module=n,
+                    module_type=t.types.get(n, ""),
+                    forward_s=_median([g[0] for g in got]),
+                    backward_s=_median(bwd) if bwd else None,
+                    calls=max(g[2] for g in got),
+                )
+            )
+        rows.sort(key=lambda r: (-r.total_s, r.module))
+        self.table = ModuleTimeTable(rows=tuple(rows), steps=tuple(self._measured))
+        if mon.writer is not None:
+            top = [r for r in rows if r.module][:1]
+            msg = "per-module time measured" + (
+                f"; slowest module {module_label(top[0].module, top[0].module_type)} {top[0].total_s * 1e3:.2f} ms"
+                if top
+                else ""
+            )
+            mon.writer.log_event(int(record.step), "module_time", "info", msg, self.table.to_dict())
+
+    def on_exception(self, mon: Any, exc: BaseException) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+
+__all__ = [
+    "PHASES",
+    "ModuleTimeInstrument",
+    "ModuleTimeRow",
+    "ModuleTimeTable",
+    "ModuleTimer",
+    "StepTiming",
+    "TimingInstrument",
+    "batch_size_and_tokens",
+]

@@ -1,0 +1,180 @@
+"""Timing: step breakdown against a loader that sleeps a known time, throughput, rules, per-module time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import torchdebug.monitor as tdm
+from tests.fixtures.memory_models import sleepy_batches
+from torchdebug._errors import TorchDebugWarning
+from torchdebug.instruments.timing import ModuleTimer, batch_size_and_tokens
+from torchdebug.store import open_run
+
+# timing + module_time only (no gradient rules), so the only warnings are the ones under test
+PERF = {"mode": "profiling", "level": "basic", "enable_performance_profiling": True}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _timing(mon):
+    return next(i for i in mon.instruments if i.name == "timing")
+
+
+def test_data_wait_of_a_sleeping_loader_within_20_percent(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sleep = 0.05
+    with (
+        pytest.warns(TorchDebugWarning, match="input_bound"),
+        tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon,
+    ):
+        for x in sleepy_batches(10, sleep):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+        hist = list(_timing(mon).history)
+        events = [e.kind for e in mon.events]
+    assert [t.step for t in hist] == list(range(10))
+    data = statistics.median(t.data for t in hist[1:])
+    assert abs(data - sleep) <= 0.2 * sleep
+    for t in hist:
+        parts = t.data + t.forward + t.backward + t.optimizer + t.other
+        assert parts == pytest.approx(t.total, rel=1e-9, abs=1e-9)
+        assert t.forward > 0 and t.backward > 0 and t.optimizer > 0
+        assert t.samples == 4
+        assert t.samples_per_s == pytest.approx(4 / t.total)
+    assert events.count("input_bound") == 1  # once per episode, not every step
+    rows = open_run(tmp_path / next(p.name for p in tmp_path.iterdir())).timings()
+    assert [r["step"] for r in rows] == list(range(10))
+    assert set(rows[3]) >= {"data", "forward", "backward", "optimizer", "other", "step"}
+    assert rows[3]["data"] == pytest.approx(hist[3].data)
+
+
+def test_fast_loop_is_not_input_bound_and_no_slowdown(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xs = torch.randn(40, 4, 8)
+    with tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon:
+        for x in xs:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        assert not [e for e in mon.events if e.kind in ("input_bound", "slowdown")]
+
+
+class _Slow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.delay = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return self.fc(x)
+
+
+def test_slowdown_rule_fires_when_steps_stay_slow(tmp_path):
+    torch.manual_seed(0)
+    model = _Slow()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with (
+        pytest.warns(TorchDebugWarning, match="slowdown"),
+        tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon,
+    ):
+        for step in range(30):
+            model.delay = 0.03 if step >= 22 else 0.0  # ~1 ms steps become ~31 ms steps
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        slow = [e for e in mon.events if e.kind == "slowdown"]
+    # patience 3: steps 22, 23, 24 are slow -> fires at step 24, once (at 22 or 23 if scheduler
+    # noise made the step(s) just before slow too: the rule needs 3 in a row)
+    assert len(slow) == 1 and 22 <= slow[0].step <= 24
+    assert slow[0].evidence["forward"] >= 0.03
+
+
+def test_tokens_and_accumulated_samples(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon:
+        for _ in range(3):
+            for _micro in range(2):
+                ids = torch.randint(0, 50, (4, 16))  # (B, T) integer input: 4*16 = 64 tokens
+                model(ids).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        hist = list(_timing(mon).history)
+    assert [(t.samples, t.tokens) for t in hist] == [(8, 128)] * 3  # two micro-steps per step
+    assert hist[-1].tokens_per_s == pytest.approx(128 / hist[-1].total)
+    assert batch_size_and_tokens((torch.zeros(3, 5),)) == (3, None)  # float input: no tokens
+    assert batch_size_and_tokens((), {"x": torch.zeros(2, 7, dtype=torch.long)}) == (2, 14)
+    assert batch_size_and_tokens(("text",)) == (None, None)
+
+
+class _SleepBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g
+
+
+class _SlowBack(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.01)
+        return _SleepBackward.apply(x)
+
+
+def test_module_timer_attributes_forward_and_backward_time():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _SlowBack(), nn.Linear(4, 1))
+    with ModuleTimer(model) as tm:
+        model(torch.randn(2, 4)).sum().backward()
+    t = tm.collect()
+    assert set(t) == {"", "0", "1", "2"}
+    assert t["1"][0] >= 0.01 and t[""][0] >= 0.01  # the sleep counts for the module and its parent
+    assert t["0"][0] < 0.01 and t["2"][0] < 0.01
+    assert t["1"][1] is not None and t["1"][1] >= 0.02  # backward sleep inside module "1"
+    assert t["2"][1] is not None and t["2"][1] < 0.02
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_module_time_instrument_measures_steps_1_to_3(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    cfg = {**PERF, "per_module_time": True, "run_dir": str(tmp_path)}
+    with tdm.watch(model, opt, config=cfg) as mon:
+        for _ in range(6):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        inst = next(i for i in mon.instruments if i.name == "module_time")
+        run_dir = mon.run_dir
+    table = inst.table
+    assert table is not None and table.steps == (1, 2, 3)
+    assert {r.module for r in table.rows} == {"", "0", "1", "2"}
+    assert table.row("").forward_s >= table.row("0").forward_s
+    assert all(r.backward_s is not None and r.backward_s >= 0 for r in table.rows)
+    assert "per-module time" in str(table)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules() if m is not model)
+    ev = open_run(run_dir).events(kind="module_time")
+    assert len(ev) == 1 and ev[0]["step"] == 3
