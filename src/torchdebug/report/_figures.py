@@ -152,7 +152,13 @@ def loss_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     layout = _layout(
         "Loss and learning rate",
         "loss",
-        yaxis2={"title": {"text": "learning rate"}, "overlaying": "y", "side": "right", "type": "log"},
+        # linear with exponent ticks: a log axis draws odd ticks for the common constant lr
+        yaxis2={
+            "title": {"text": "learning rate"},
+            "overlaying": "y",
+            "side": "right",
+            "exponentformat": "e",
+        },
     )
     return _fig("loss", "Loss and learning rate", traces, layout, "no loss or lr recorded")
 
@@ -210,7 +216,8 @@ def nonfinite_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     # Every other metric's non-finite points, one marker trace per metric that has any.
     for name in sorted(series, key=natural_key):
         traces += _nonfinite(name, series[name])
-    traces += _anomaly_markers(data["anomalies"])
+    if traces:  # anomaly markers alone would draw an empty-looking chart: say "none seen" instead
+        traces += _anomaly_markers(data["anomalies"])
     return _fig(
         "nonfinite", "NaN / Inf counts", traces, _layout("NaN / Inf counts", "count"), "no NaN/Inf seen"
     )
