@@ -10,6 +10,8 @@ import math
 import os
 import re
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -715,3 +717,33 @@ def test_queries_use_indexes(finished_run: Path, sql: str) -> None:
     with open_run(finished_run) as run:
         plan = " | ".join(row[-1] for row in run._rows("EXPLAIN QUERY PLAN " + sql))
     assert "USING" in plan and "INDEX" in plan and "TEMP B-TREE" not in plan, plan
+
+
+@pytest.mark.parametrize(
+    ("pid", "created", "status"),
+    [
+        ("self", "now", "running"),  # this live process wrote it
+        (
+            "self",
+            "2001-01-01T00:00:00+00:00",
+            "crashed",
+        ),  # the pid is alive but was reused: started after the run
+        ("dead", "now", "crashed"),
+    ],
+)
+def test_status_of_a_run_marked_running(finished_run: Path, pid: str, created: str, status: str) -> None:
+    meta = json.loads((finished_run / "meta.json").read_text())
+    if pid == "self":
+        meta["pid"] = os.getpid()
+    else:
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        )
+        meta["pid"] = int(child.stdout)  # exited and reaped: no such process now
+    meta["created"] = (
+        dt.datetime.now().astimezone().isoformat(timespec="seconds") if created == "now" else created
+    )
+    meta["status"] = "running"
+    (finished_run / "meta.json").write_text(json.dumps(meta))
+    with open_run(finished_run) as run:
+        assert run.status == status
