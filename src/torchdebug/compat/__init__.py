@@ -1,0 +1,52 @@
+"""The seed-era facades: the class and function names five earlier systems promised, over the engine.
+
+Each name is a thin layer over torchdebug's engine (the op-level tracer, fused gradient norms with
+one host transfer, the robust health rules, the memory sampler, the run store). What changed for
+users of the seeds:
+
+- memory is reported in bytes (int) and time in seconds (float), as everywhere in torchdebug;
+- a NaN/Inf is an :class:`~torchdebug.Anomaly` naming phase, module, op and line, and
+  ``anomaly_detection_mode`` decides: record (``"detect"``), ``"warn"`` (``TorchDebugWarning``)
+  or ``"raise"`` (``NonFiniteError``); the debugged training steps skip the update on a NaN/Inf;
+- exploding/vanishing gradients, loss spikes and slow operations come from robust running rules
+  (median/MAD), not fixed thresholds; histories are bounded;
+- ``torch.autograd.set_detect_anomaly`` is never switched on: the tracer replaces it.
+
+Known limitations: seed 004's optimisation helpers (``optimize_model``, ``PyTorchOptimizer``) and
+seed 002's diffusion debugger are not provided.
+"""
+
+from __future__ import annotations
+
+from ..memory import PyTorchMemoryDebugger
+from ._checks import (
+    check_gradient_anomalies,
+    check_gradient_anomalies_async,
+    check_tensor_anomalies,
+    check_tensor_anomalies_async,
+)
+from ._common import ANOMALY_MODES, DebugInfo, TensorInfo
+from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, debug_context, debug_operation
+from ._seedconfig import PyTorchDebugConfig
+from ._training import GradientDebugger, ModelDebugger, PyTorchDebugManager, TrainingDebugger, step_numbers
+
+__all__ = [
+    "ANOMALY_MODES",
+    "AutogradAnomalyDetector",
+    "DebugInfo",
+    "GradientDebugger",
+    "ModelDebugger",
+    "PyTorchDebugConfig",
+    "PyTorchDebugManager",
+    "PyTorchDebugger",
+    "PyTorchMemoryDebugger",
+    "TensorInfo",
+    "TrainingDebugger",
+    "check_gradient_anomalies",
+    "check_gradient_anomalies_async",
+    "check_tensor_anomalies",
+    "check_tensor_anomalies_async",
+    "debug_context",
+    "debug_operation",
+    "step_numbers",
+]

@@ -1,0 +1,220 @@
+"""Shared pieces of the seed-era facades: config resolution, anomaly handling, DebugInfo, TensorInfo."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._config import DebugConfig, DebugLevel, DebugMode, coerce_config
+from .._errors import NonFiniteError, TorchDebugWarning
+from .._trees import tensor_leaves
+from ..events import Anomaly, Phase, RuleEvent, plain
+from ..locate import _preserved_state, locate_nonfinite
+from ..stats import TensorStats, foreach_norms, nonfinite_count
+
+# What a facade does when it finds a NaN/Inf: record it only, also warn, or raise NonFiniteError.
+ANOMALY_MODES = ("detect", "warn", "raise")
+
+# Bounded histories (the seeds kept unbounded lists: a long run grew them without limit).
+HISTORY_SIZE = 1000
+MAX_ANOMALIES = 1000
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` lower-cased if it is one of ``ANOMALY_MODES``; ValueError naming them otherwise."""
+    if not isinstance(mode, str) or mode.strip().lower() not in ANOMALY_MODES:
+        raise ValueError(f"anomaly mode must be one of {', '.join(ANOMALY_MODES)}; got {mode!r}")
+    return mode.strip().lower()
+
+
+def resolve_config(config: Any, default_mode: str | None = None) -> tuple[DebugConfig, str]:
+    """The ``DebugConfig`` and anomaly mode a facade runs with, from any shape the seeds passed.
+
+    Accepted: None (``DebugConfig.load()``: the ``TORCHDEBUG_*`` environment applies), a
+    ``DebugConfig``, a seed-003 ``PyTorchDebugConfig``, a ``DebugLevel`` or level name (seed 002),
+    a ``DebugMode``, a mapping of options, or a path to a YAML/TOML/JSON file.
+
+    The mode is the config's ``anomaly_detection_mode`` unless ``default_mode`` is given and the
+    caller passed no config (the seed-003 detector raised by default, like torch's detect_anomaly).
+    """
+    from ._seedconfig import PyTorchDebugConfig
+
+    if isinstance(config, PyTorchDebugConfig):
+        return config.to_debug_config(), config.anomaly_detection_mode
+    if isinstance(config, DebugLevel):
+        cfg = coerce_config({"level": config})
+    elif isinstance(config, DebugMode):
+        cfg = coerce_config({"mode": config})
+    elif isinstance(config, str) and _is_level(config):
+        cfg = coerce_config({"level": DebugLevel(config)})
+    else:
+        cfg = coerce_config(config)
+    if config is None and default_mode is not None:
+        return cfg, check_mode(default_mode)
+    return cfg, cfg.anomaly_detection_mode
+
+
+def _is_level(text: str) -> bool:
+    if os.sep in text or "." in text:
+        return False  # a file path, not a level name
+    try:
+        DebugLevel(text)
+    except ValueError:
+        return False
+    return True
+
+
+def handle_anomaly(anomaly: Anomaly, mode: str, sink: list[Anomaly] | Any, *, stacklevel: int = 3) -> None:
+    """Record ``anomaly`` in ``sink`` (bounded), then warn or raise as ``mode`` says.
+
+    Raises:
+        NonFiniteError: ``mode == "raise"``; ``.anomaly`` is the record.
+    """
+    if len(sink) < MAX_ANOMALIES:
+        sink.append(anomaly)
+    if mode == "raise":
+        raise NonFiniteError(anomaly)
+    if mode == "warn":
+        noticed = f" ({anomaly.symptom})" if anomaly.symptom else ""
+        warnings.warn(TorchDebugWarning(f"torchdebug: {anomaly.summary()}{noticed}"), stacklevel=stacklevel)
+
+
+def symptom_anomaly(
+    model: nn.Module | None,
+    *,
+    loss_bad: bool,
+    bad_params: list[str],
+    kind: str,
+    step: int | None = None,
+    where: str = "",
+) -> Anomaly:
+    """An anomaly naming only the symptom (non-finite loss or gradient) when no replay is possible."""
+    first = bad_params[0] if bad_params else None
+    owner = first.rpartition(".")[0] if first else ""
+    mod = model.get_submodule(owner) if model is not None and owner and not loss_bad else model
+    symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"
+    if len(bad_params) > 1:
+        symptom += f" (+{len(bad_params) - 1} more parameters)"
+    return Anomaly(
+        phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
+        module="" if loss_bad else owner,
+        op=None,
+        location=None,
+        kind=kind,
+        step=step,
+        module_type=type(mod).__name__ if mod is not None else "",
+        symptom=symptom + (f" in {where}" if where else ""),
+        detected_by="sentinel (no replay)",
+        hint=(
+            "origin not traced here; wrap the step in PyTorchDebugger().autograd_anomaly_detection(model) "
+            "or call td.locate_nonfinite(step_fn, model=model) for the exact op and line"
+        ),
+        parameter=None if loss_bad else first,
+    )
+
+
+def rng_state(uses_cuda: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """CPU (and CUDA) RNG state, taken before a step so a replay draws the same dropout masks."""
+    cuda = torch.cuda.get_rng_state_all() if uses_cuda and torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+def replay_origin(
+    model: nn.Module,
+    fn: Callable[..., Any],
+    *args: Any,
+    rng: tuple[torch.Tensor, list[torch.Tensor] | None],
+    step: int | None = None,
+) -> Anomaly | None:
+    """Re-run ``fn(*args)`` under the engine's op-level tracer with the step's RNG; grads, buffers and RNG restored.
+
+    Cost: 2-4x the step (every op's outputs are read on the host); runs only after a NaN/Inf was seen.
+    """
+    uses_cuda = any(p.is_cuda for p in model.parameters())
+    with _preserved_state(model, uses_cuda):
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+        try:
+            found = locate_nonfinite(fn, *args, model=model)
+        except Exception:  # the replay failing must not hide the original symptom
+            return None
+    if found is not None and step is not None:
+        found = dataclasses.replace(found, step=step)
+    return found
+
+
+def nonfinite_flag(obj: Any) -> torch.Tensor | None:
+    """0-dim int64 device tensor: NaN/Inf elements over every floating tensor in ``obj`` (no host sync)."""
+    counts = [nonfinite_count(t) for t in tensor_leaves(obj) if t.is_floating_point() or t.is_complex()]
+    if not counts:
+        return None
+    dev = counts[0].device
+    return torch.stack([c.to(dev) for c in counts]).sum()
+
+
+def grad_norms(params: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+    """Indices of parameters with a gradient and their fused L2 norms (float32 device tensor, no sync)."""
+    idx = [i for i, p in enumerate(params) if p.grad is not None]
+    if not idx:
+        return idx, None
+    return idx, foreach_norms([params[i].grad for i in idx])  # type: ignore[misc]
+
+
+@dataclass
+class DebugInfo:
+    """One debugged operation (seed 001's record), filled when its ``debug_context`` block ends.
+
+    Units differ from the seed, as everywhere in torchdebug: ``execution_time`` in seconds (float),
+    ``memory_usage`` and ``gpu_memory`` in bytes (int: the change of process RSS and of CUDA
+    allocated bytes over the block; 0 without CUDA). ``gradient_norm`` is None when the
+    operation computed none. ``anomaly`` is the engine's record when a NaN/Inf was found.
+    """
+
+    timestamp: datetime
+    mode: DebugMode
+    level: DebugLevel
+    operation: str
+    model_name: str = "unknown"
+    epoch: int = 0
+    batch: int = 0
+    execution_time: float = 0.0
+    memory_usage: int = 0
+    gpu_memory: int = 0
+    anomaly_detected: bool = False
+    memory_leak_detected: bool = False
+    performance_issue_detected: bool = False
+    gradient_norm: float | None = None
+    rss: int = 0  # process RSS after the block (bytes), for plots
+    anomaly: Anomaly | None = None
+    events: list[RuleEvent] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (timestamp as ISO text, enums as strings, NaN/Inf as text)."""
+        d = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d["timestamp"] = self.timestamp.isoformat()
+        return d
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorStats):
+    """``TensorStats`` plus the attribute names seed 002's users read (``mean_value``)."""
+
+    @property
+    def mean_value(self) -> float | None:
+        """Seed-002 name of ``mean`` (over the finite values)."""
+        return self.mean
+
+    @classmethod
+    def of(cls, stats: TensorStats) -> TensorInfo:
+        """The same numbers as ``stats`` under this class."""
+        return cls(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(TensorStats)})
