@@ -588,7 +588,7 @@ def test_training_debugger_full_step_locates_and_skips() -> None:
     assert (info.value.anomaly.module, info.value.anomaly.step) == ("blocks.1.act", 7)
 
 
-# -- GradientDebugger / ModelDebugger / PyTorchDebugConfig -------------------------------------------------------
+# -- GradientDebugger / ModelDebugger / PyTorchDebugConfig ------------------------------------------
 
 
 def test_gradient_debugger_check_flow_and_clip() -> None:
@@ -671,3 +671,28 @@ def test_check_gradient_anomalies_plain_and_async() -> None:
         bad["total_norm"]
     )
     assert check_gradient_anomalies(nn.Linear(2, 2))["params_with_grad"] == 0
+
+
+def test_profile_memory_usage_counts_parameter_gradient_and_buffer_bytes() -> None:
+    model = fx.MLP()  # 8*16 + 16 + 16*4 + 4 = 212 float32 parameters = 848 bytes
+    dbg = PyTorchDebugger()
+    assert dbg.profile_memory_usage(model) == {"parameters": 848, "gradients": 0, "buffers": 0, "total": 848}
+    model(torch.randn(2, 8)).sum().backward()
+    bn = nn.BatchNorm1d(4)  # running_mean, running_var: 4 float32 each; num_batches_tracked: one int64
+    assert dbg.profile_memory_usage(model)["total"] == 848 + 848
+    assert dbg.profile_memory_usage(bn)["buffers"] == 4 * 4 + 4 * 4 + 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_manager_training_step_on_cuda_matches_reference() -> None:
+    model, _, x, y = sgd_setup()
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = PyTorchDebugManager(td.DebugConfig(store=False)).debug_training_step(model, opt, F.mse_loss, x, y)
+    F.mse_loss(ref(x), y).backward()
+    assert m["gradient_norm"] == pytest.approx(
+        float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e30)), rel=1e-5
+    )
+    assert m["gpu_memory"] > 0

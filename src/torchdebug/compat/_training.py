@@ -202,6 +202,7 @@ class TrainingDebugger(PyTorchDebugger):
             if n.nonfinite or any(e.severity != "info" for e in events):
                 self.anomaly_steps += 1
                 info.anomaly_detected = True
+            # inside a traced block the tracer reports the origin when the block ends
             if n.nonfinite and not tracing_active():
                 anomaly = locate() if locate is not None else None
                 if anomaly is None:
@@ -210,8 +211,6 @@ class TrainingDebugger(PyTorchDebugger):
                     )
                 out["anomaly"] = anomaly
                 self._report(info, anomaly)
-            elif n.nonfinite:
-                out["anomaly"] = "traced"  # the enclosing trace reports it when its block ends
         return out
 
     def debug_training_step(
@@ -369,7 +368,7 @@ class ModelDebugger:
         return inspect_model(model, input_shape=input_shape)
 
     def _validate_model_inputs(self, model: nn.Module, input_shape: Sequence[int]) -> dict[str, Any]:
-        """Whether a seeded input of ``input_shape`` fits the model: ``{"valid", "problems", "output_shape", ...}``.
+        """Whether a seeded input of ``input_shape`` fits: ``{"valid", "problems", "output_shape", ...}``.
 
         ``problems`` says in plain words what does not fit the first layer (shape, dtype, device,
         embedding index range) or how the forward failed. Cost: one forward in eval mode, no grad.
@@ -482,6 +481,7 @@ class PyTorchDebugManager:
             n = step_numbers(model, loss, with_params=True)
             info.gradient_norm = n.grad_norm
             anomaly: Anomaly | None = None
+            # inside a traced block the tracer reports the origin when the block ends
             if n.nonfinite and not tracing_active():
                 anomaly = replay_origin(
                     model, _step_fn(model, loss_fn), data_batch, target_batch, rng=rng, step=self._steps
