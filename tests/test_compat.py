@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -696,3 +697,18 @@ def test_manager_training_step_on_cuda_matches_reference() -> None:
         float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e30)), rel=1e-5
     )
     assert m["gpu_memory"] > 0
+
+
+def test_profiling_and_resources_delegate_to_the_engine(tmp_path: Path) -> None:
+    dbg = PyTorchDebugger()
+    summary = dbg.profile_model_performance(nn.Linear(4, 1), [torch.ones(2, 4)] * 4, num_batches=1)
+    assert summary.steps == 1
+    res = dbg.monitor_resources(cpu_threshold=101, memory_threshold=101, interval=0.0)
+    assert res["warnings"] == [] and res["rss"] > 0
+
+
+def test_create_debug_plots_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    dbg = PyTorchDebugger()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it looks like
+    with pytest.raises(ImportError, match=r"pip install 'torchdebug\[report\]'"):
+        dbg.create_debug_plots()

@@ -569,6 +569,27 @@ class PyTorchDebugger:
         out["total"] = out["parameters"] + out["gradients"] + out["buffers"]
         return out
 
+    def profile_model_performance(
+        self, model: nn.Module, dataloader: Any, num_batches: int = 10, **kwargs: Any
+    ) -> Any:
+        """Seed 000's profiler entry: ``td.profiling.profile_model_performance`` (torch.profiler).
+
+        ``kwargs``: ``loss_fn``, ``optimizer``, ``run_dir`` (folder for the Perfetto trace).
+        Returns its ``ProfileSummary`` (top ops and modules by self time, idle and data shares).
+
+        Cost: ``num_batches`` profiled steps plus a wait and a warm-up batch (about 2 s of profiler
+        start-up the first time in a process).
+        """
+        from ..profiling import profile_model_performance
+
+        return profile_model_performance(model, dataloader, num_batches, **kwargs)
+
+    def monitor_resources(self, **kwargs: Any) -> dict[str, Any]:
+        """Seed 004's resource check: ``td.profiling.monitor_resources`` (CPU %, memory %, RSS, GPUs)."""
+        from ..profiling import monitor_resources
+
+        return monitor_resources(**kwargs)
+
     # -- summaries and reports ----------------------------------------------------------------------------
     def get_debug_summary(self) -> dict[str, Any]:
         """Counts and times over ``debug_history`` (seed 002/004 keys; seconds and bytes)."""
