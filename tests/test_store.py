@@ -477,8 +477,11 @@ def test_ranks_share_one_folder(tmp_path: Path) -> None:
     w1 = create_run(name="ddp", rank=1, world_size=2, path=w0.path)
     w0.log_scalar("loss", 0, 1.0)
     w1.log_scalar("loss", 0, 2.0)
-    w0.close()
     w1.close()
+    with open_run(w0.path) as run, run.open_rank(1) as r1:
+        # Each rank's status is its own process's: rank 1 has finished, rank 0 still runs.
+        assert (run.status, r1.status) == ("running", "finished")
+    w0.close()
     with open_run(w0.path) as run:
         assert run.ranks == [0, 1] and run.rank == 0
         assert run.series("loss").values == [1.0]
@@ -586,8 +589,10 @@ def test_newer_schema_is_refused_by_reader_and_writer(finished_run: Path) -> Non
     ) as info:
         open_run(finished_run)
     assert isinstance(info.value, RunStoreError) and str(db) in str(info.value)
+    before = _snapshot(finished_run)
     with pytest.raises(SchemaVersionError, match="schema version 2"):
         create_run(path=finished_run)  # rank 0 re-opening its run must not touch a newer file
+    assert _snapshot(finished_run) == before  # meta.json untouched too
 
 
 def test_newer_schema_in_meta_json_is_refused(finished_run: Path) -> None:
@@ -615,8 +620,10 @@ def test_writer_refuses_a_foreign_sqlite_file(finished_run: Path) -> None:
     conn = _rw(db)
     conn.execute("CREATE TABLE songs (title TEXT)")
     conn.close()
+    before = _snapshot(finished_run)
     with pytest.raises(RunStoreError, match="not a torchdebug run store"):
         create_run(path=finished_run)
+    assert _snapshot(finished_run) == before
 
 
 # -- reading while writing ---------------------------------------------------------------------------
@@ -720,7 +727,7 @@ def test_queries_use_indexes(finished_run: Path, sql: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("pid", "created", "status"),
+    ("pid", "opened", "status"),
     [
         ("self", "now", "running"),  # this live process wrote it
         (
@@ -731,7 +738,7 @@ def test_queries_use_indexes(finished_run: Path, sql: str) -> None:
         ("dead", "now", "crashed"),
     ],
 )
-def test_status_of_a_run_marked_running(finished_run: Path, pid: str, created: str, status: str) -> None:
+def test_status_of_a_run_marked_running(finished_run: Path, pid: str, opened: str, status: str) -> None:
     meta = json.loads((finished_run / "meta.json").read_text())
     if pid == "self":
         meta["pid"] = os.getpid()
@@ -740,8 +747,9 @@ def test_status_of_a_run_marked_running(finished_run: Path, pid: str, created: s
             [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
         )
         meta["pid"] = int(child.stdout)  # exited and reaped: no such process now
-    meta["created"] = (
-        dt.datetime.now().astimezone().isoformat(timespec="seconds") if created == "now" else created
+    # "opened" is when the writing process attached (for a new run, its creation time).
+    meta["opened"] = (
+        dt.datetime.now().astimezone().isoformat(timespec="seconds") if opened == "now" else opened
     )
     meta["status"] = "running"
     (finished_run / "meta.json").write_text(json.dumps(meta))

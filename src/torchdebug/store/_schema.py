@@ -119,6 +119,9 @@ def open_for_writing(path: Path) -> sqlite3.Connection:
     except sqlite3.Error as e:
         raise RunStoreError(f"cannot create run database {path}: {e}; check the folder is writable") from e
     try:
+        # Refuse a newer or foreign file before anything writes to it (switching to WAL rewrites
+        # the header), so a refused file is left byte for byte as it was.
+        _check_writable_version(conn, path)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         migrate(conn, path)
@@ -133,6 +136,14 @@ def open_for_writing(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def _check_writable_version(conn: sqlite3.Connection, path: Path) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise newer_version_error(path, version)
+    if version == 0 and conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+        raise RunStoreError(f"{path} is a SQLite database but not a torchdebug run store; move it away")
+
+
 def migrate(conn: sqlite3.Connection, path: Path) -> int:
     """Bring ``conn``'s database up to ``SCHEMA_VERSION`` in one write transaction; returns the old version.
 
@@ -141,11 +152,8 @@ def migrate(conn: sqlite3.Connection, path: Path) -> int:
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
+        _check_writable_version(conn, path)  # again, under the write lock
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise newer_version_error(path, version)
-        if version == 0 and conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-            raise RunStoreError(f"{path} is a SQLite database but not a torchdebug run store; move it away")
         for v in range(version, SCHEMA_VERSION):
             MIGRATIONS[v](conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

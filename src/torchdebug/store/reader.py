@@ -77,7 +77,7 @@ class RunInfo:
 
 
 def _pid_alive(pid: int, created: str | None) -> bool:
-    """Is ``pid`` a live process that started no later than the run (guards against pid reuse)?"""
+    """Is ``pid`` a live process that started no later than ``created`` (guards against pid reuse)?"""
     try:
         import psutil
     except ImportError:  # psutil is a core dependency; this keeps a broken install readable
@@ -180,10 +180,13 @@ class Run:
                 meta = self.meta = fresh
         except (OSError, ValueError):
             pass
+        if self.rank != meta.get("rank", 0):
+            meta = self._db_meta()  # another rank: its own process, recorded in its own database
         status = str(meta.get("status", "unknown"))
         if status == "running" and meta.get("host") == socket.gethostname():
             pid = meta.get("pid")
-            if isinstance(pid, int) and not _pid_alive(pid, meta.get("created")):
+            started = meta.get("opened") or meta.get("created")
+            if isinstance(pid, int) and not _pid_alive(pid, started if isinstance(started, str) else None):
                 return "crashed"
         return status
 

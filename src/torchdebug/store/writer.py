@@ -11,6 +11,7 @@ import numbers
 import os
 import platform
 import re
+import shutil
 import socket
 import sqlite3
 import sys
@@ -717,7 +718,6 @@ def create_run(
             "schema_version": SCHEMA_VERSION,
         }
         meta_path = run_dir / "meta.json"
-        write_json_atomic(meta_path, meta)
     else:
         run_dir = Path(path)
         meta_file = run_dir / "meta.json"
@@ -732,27 +732,46 @@ def create_run(
         if shared.get("world_size", world_size) != world_size:
             raise ValueError(f"world_size {world_size} differs from the run's {shared.get('world_size')}")
         meta = dict(shared, rank=rank, pid=os.getpid(), host=socket.gethostname(), status="running")
+        meta.update(ended=None)
         # Rank 0 owns meta.json; a rank 0 writer re-opening its own run (a resume) takes it back.
         meta_path = meta_file if rank == 0 else None
-        if meta_path is not None:
-            meta.update(ended=None)
-            write_json_atomic(meta_path, meta)
+    # When this process attached: the reader's pid-reuse check compares it with the process start.
+    meta["opened"] = now.isoformat(timespec="seconds")
 
     db_path = run_dir / f"rank{rank}.sqlite"
-    conn = open_for_writing(db_path)
+    try:
+        conn = open_for_writing(db_path)
+    except BaseException:
+        if path is None:  # a folder we just made holds nothing worth keeping
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     try:
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
             "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
             [
                 (k, json.dumps(meta[k]))
-                for k in ("run_id", "name", "created", "status", "host", "pid", "rank", "world_size")
+                for k in (
+                    "run_id",
+                    "name",
+                    "created",
+                    "opened",
+                    "status",
+                    "ended",
+                    "host",
+                    "pid",
+                    "rank",
+                    "world_size",
+                )
             ],
         )
         conn.execute("COMMIT")
     except sqlite3.Error as e:
         conn.close()
         raise RunStoreError(f"cannot write {db_path}: {e}") from e
+    # meta.json last: a folder is listed as a run only once its database exists.
+    if meta_path is not None:
+        write_json_atomic(meta_path, meta)
     core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval))
     _LIVE.add(core)
     return RunWriter(core, run_dir)
