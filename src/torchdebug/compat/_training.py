@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -198,7 +199,7 @@ class TrainingDebugger(PyTorchDebugger):
                 self.loss_anomalies += 1
             info.events.extend(events)
             for ev in events:
-                log.warning("%s", ev)
+                log.log(logging.INFO if ev.severity == "info" else logging.WARNING, "%s", ev)
             if n.nonfinite or any(e.severity != "info" for e in events):
                 self.anomaly_steps += 1
                 info.anomaly_detected = True
