@@ -58,24 +58,25 @@ def _event_markdown(severity: str, kind: str, message: str, modules: Any) -> str
 
 def _histogram(writer: Any, tag: str, stats: Mapping[str, Any], step: int, wall: float | None) -> bool:
     """One-bucket histogram from summary stats; False when the stats hold no finite value."""
-    lo, hi, mean = stats.get("min"), stats.get("max"), stats.get("mean")
+    raw = (stats.get("min"), stats.get("max"), stats.get("mean"))
     numel = int(stats.get("numel") or 0)
     bad = sum(int(stats.get(k) or 0) for k in ("nan_count", "posinf_count", "neginf_count"))
     n = numel - bad
-    if n <= 0 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (lo, hi, mean)):
+    if n <= 0 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in raw):
         return False
+    lo, hi, mean = (float(x) for x in raw)  # type: ignore[arg-type]  # checked just above
     std = stats.get("std")
     var = std * std if isinstance(std, (int, float)) and math.isfinite(std) else 0.0
     # std is the unbiased estimate (torch.std): sum of squares = (n - 1) var + n mean^2.
     sum_squares = (n - 1) * var + n * mean * mean
     writer.add_histogram_raw(
         tag,
-        min=float(lo),
-        max=float(hi),
+        min=lo,
+        max=hi,
         num=n,
-        sum=float(mean) * n,
+        sum=mean * n,
         sum_squares=sum_squares,
-        bucket_limits=[float(hi)],
+        bucket_limits=[hi],
         bucket_counts=[n],
         global_step=step,
         walltime=wall,

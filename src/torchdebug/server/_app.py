@@ -7,6 +7,7 @@ import html
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +65,7 @@ class Catalog:
     def infos(self) -> list[Any]:
         from ..store import list_runs
 
-        if self.target is None:
+        if self.target is None or self.base is None:
             return []
         infos = list_runs(self.base)
         if self.single:
@@ -147,13 +148,17 @@ def _runs_page(infos: list[Any], token_q: str) -> str:
     )
 
 
-def create_app(target: str | Path | None, *, monitor: Any = None, token: str | None = None) -> FastAPI:
+def create_app(
+    target: str | Path | None, *, monitor: Any = None, token: str | None = None, warm: int = 3
+) -> FastAPI:
     """Build the dashboard app serving a run folder or a folder of runs (read-only).
 
     Args:
         target: a run folder or a folder of runs; None with ``monitor`` serves the monitor's run.
         monitor: a live ``Monitor`` that the seed POST endpoints (level, clear) act on.
         token: when set, every request needs ``Authorization: Bearer <token>`` (or ``?token=``).
+        warm: precompute the pages of this many newest runs in a background thread, so the first
+            visit to a big run is fast (its series are read once, then only new steps are read).
 
     Returns:
         The FastAPI app; its OpenAPI schema is at ``/openapi.json``, docs at ``/docs``.
@@ -449,4 +454,21 @@ def create_app(target: str | Path | None, *, monitor: Any = None, token: str | N
             }
         )
 
+    def _warm_up() -> None:
+        # Best effort: a run that cannot be read is reported by the request that asks for it.
+        try:
+            ids = [Path(i.path).name for i in catalog.infos() if i.status != "unreadable"][-warm:]
+        except Exception:
+            return
+        for run_id in reversed(ids):
+            try:
+                with opened(run_id) as run:
+                    views_cache.get(
+                        run.path, f"views:{DEFAULT_MAX_POINTS}", lambda: _views(run, DEFAULT_MAX_POINTS)
+                    )
+            except Exception:
+                continue
+
+    if warm > 0 and catalog.target is not None:
+        threading.Thread(target=_warm_up, name="torchdebug-dashboard-warm", daemon=True).start()
     return app
