@@ -363,3 +363,23 @@ def test_cli_serve_runs_in_the_foreground_and_refuses_open_binds(runs_dir: Path)
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"torchdebug dashboard: http://127.0.0.1:{port}" in err
+
+
+def test_live_monitor_without_a_store(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with td.watch(model, opt, run=False) as mon:
+        for _ in range(2):
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+        with serve(mon, port=0) as h, httpx.Client(base_url=h.url) as c:
+            assert c.get("/api/runs").json() == {"runs": []}
+            s = c.get("/training-logs/debug/summary").json()
+            assert s["training_debugger"]["total_steps"] == 2
+            assert s["general_debugger"] == {"total_anomalies": 0, "debug_history_length": 0}
+            assert c.post("/training-logs/debug/level/basic").json()["level"] == "basic"

@@ -93,6 +93,7 @@ def serve(
     port: int = 6007,
     token: str | None = None,
     *,
+    warm: int = 3,
     startup_timeout: float = 15.0,
 ) -> ServerHandle:
     """Start the dashboard in a background thread and return once it accepts connections.
@@ -104,6 +105,8 @@ def serve(
         port: TCP port; 0 picks a free one (see ``handle.port``).
         token: bearer token required on every request (``Authorization: Bearer <token>``; pages
             also accept ``?token=``).
+        warm: precompute the pages of this many newest runs in the background (0: none).
+        startup_timeout: seconds to wait for the server to accept connections.
 
     Returns:
         A ``ServerHandle`` with ``.url`` and ``.stop()``.
@@ -127,9 +130,9 @@ def serve(
     from ._app import create_app
 
     if isinstance(monitor_or_path, (str, os.PathLike)):
-        app = create_app(Path(monitor_or_path), token=token)
+        app = create_app(Path(monitor_or_path), token=token, warm=warm)
     else:
-        app = create_app(None, monitor=monitor_or_path, token=token)
+        app = create_app(None, monitor=monitor_or_path, token=token, warm=warm)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="torchdebug-dashboard", daemon=True)

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -247,7 +248,7 @@ def create_app(
 
     def token_query(request: Request) -> str:
         t = request.query_params.get("token")
-        return f"?token={html.escape(t)}" if t else ""
+        return html.escape(f"?token={urllib.parse.quote(t, safe='')}") if t else ""
 
     @app.get("/", include_in_schema=False)
     def index(request: Request) -> Response:
@@ -395,9 +396,11 @@ def create_app(
         torchdebug has no diffusion debugger: that block is all zeros, kept for the response shape.
         """
         ts = training_summary(run)
-        with opened(seed_run_id(run)) as r:
-            anomalies = len(r.anomalies())
-            events = len(r.events())
+        if monitor is not None and run is None and catalog.target is None:  # a live session without a store
+            anomalies, events = len(getattr(monitor, "anomalies", ())), len(getattr(monitor, "events", ()))
+        else:
+            with opened(seed_run_id(run)) as r:
+                anomalies, events = len(r.anomalies()), len(r.events())
         payload = {
             "training_debugger": {
                 "total_anomalies": ts["anomaly_steps"],
