@@ -26,7 +26,8 @@ from ..report._format import json_safe
 from ._cache import CachedRun, SeriesCache, ViewsCache
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_PUBLIC = {"/static/plotly.min.js"}  # library code, no run data: loadable by <script> without a header
+# library code and the browser's icon probe, no run data: loadable by <script> without a header
+_PUBLIC = {"/static/plotly.min.js", "/favicon.ico"}
 DEFAULT_MAX_POINTS = 2000
 
 
@@ -267,6 +268,10 @@ def create_app(
             views, plotly_src="/static/plotly.min.js", live_url=f"/api/runs/{run_id}/views", nav=back
         )
         return HTMLResponse(page)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        return Response(status_code=204)  # no icon; answered so browsers log no 404
 
     @app.get("/static/plotly.min.js", include_in_schema=False)
     def plotly_bundle() -> Response:
