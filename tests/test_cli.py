@@ -51,8 +51,8 @@ def runs_dir(tmp_path: Path) -> Path:
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
-    done = _cli("--version")
-    assert (done.returncode, done.stdout) == (0, f"torchdebug {__version__}\n")
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"torchdebug {__version__}\n"
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "runs" in out and "show" in out and "--debug" in out
@@ -103,15 +103,12 @@ def test_failure_exits_1_with_one_line_and_debug_shows_traceback(tmp_path: Path)
     assert "Traceback (most recent call last)" in done.stderr and "RunStoreError" in done.stderr
 
 
-def test_console_script_runs(runs_dir: Path) -> None:
+def test_console_script_runs() -> None:
     script = Path(sys.executable).parent / "torchdebug"
     if not script.exists():
         pytest.skip("the torchdebug console script is not installed next to this interpreter")
-    done = subprocess.run(
-        [str(script), "runs"], capture_output=True, text=True, timeout=60, cwd=runs_dir.parent
-    )
-    assert done.returncode == 0, done.stderr
-    assert "golden" in done.stdout and "live" in done.stdout
+    done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"torchdebug {__version__}\n"), done.stderr
 
 
 def test_command_discovery_imports_no_heavy_dependency() -> None:
