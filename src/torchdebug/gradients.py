@@ -14,7 +14,7 @@ from torch import nn
 
 from .events import module_label, plain
 from .inspection import call_model, traced_forward
-from .stats import TensorStats, analyze_tensor, foreach_norms, nonfinite_count, total_norm
+from .stats import TensorStats, analyze_tensor, foreach_norms, total_norm
 
 
 def _norm_order(norm_type: float | str) -> float:
@@ -62,6 +62,27 @@ def _grad_values(g: torch.Tensor) -> torch.Tensor:
     if g.layout != torch.strided:
         return g.to_dense()
     return g
+
+
+def _max_abs(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """max |g| of each tensor as a float32 ``[N]`` tensor on ``dev``; NaN when a tensor holds NaN.
+
+    ``aminmax`` per tensor reads each gradient once without an ``abs()`` copy; on CPU it is several
+    times faster than ``_foreach_norm(inf)``. Empty tensors give 0.
+    """
+    mins, maxs = [], []
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    for g in grads:
+        if g.numel() == 0:
+            mins.append(zero)
+            maxs.append(zero)
+            continue
+        if g.is_complex():
+            g = g.abs()
+        mn, mx = torch.aminmax(g)
+        mins.append(mn.to(dev, torch.float32))
+        maxs.append(mx.to(dev, torch.float32))
+    return torch.maximum(torch.stack(mins).neg(), torch.stack(maxs))
 
 
 # --------------------------------------------------------------------------- check_gradients
@@ -236,20 +257,21 @@ def check_gradients(
         acc = torch.float32 if dev.type == "mps" else torch.float64
         with torch.no_grad():
             norms = foreach_norms(grads, order)
-            maxabs = foreach_norms(grads, math.inf)
-            nonfin = torch.stack([nonfinite_count(g).to(dev) for g in grads])
-            # a sparse gradient's implicit zeros are the elements its values do not store
-            zeros = torch.stack(
-                [(g == 0).sum().to(dev) + (p.numel() - g.numel()) for g, (_, p) in zip(grads, with_grad)]
-            )
+            maxabs = _max_abs(grads, dev)
+            # x - x is 0 for a finite x and NaN for NaN/±Inf, and count_nonzero counts NaN: a
+            # nonfinite count with one kernel per tensor (isfinite + sum is ~5x slower on CPU)
+            nonfin = torch.stack([torch.count_nonzero(g - g).to(dev) for g in grads])
+            # nonzeros counted on the stored values: a sparse gradient's implicit zeros are the rest
+            nonzero = torch.stack([torch.count_nonzero(g).to(dev) for g in grads])
+            numels = torch.tensor([p.numel() for _, p in with_grad], device=dev)
             tot = total_norm(norms, order)
             packed = torch.cat(
                 [
                     tot.reshape(1).to(dev, acc),
                     norms.to(dev, acc),
-                    maxabs.to(dev, acc),
+                    maxabs.to(acc),
                     nonfin.to(acc),
-                    zeros.to(acc),
+                    (numels - nonzero).to(acc),
                 ]
             )
         host = packed.tolist()  # the one host transfer
@@ -265,17 +287,19 @@ def check_gradients(
     median = statistics.median(finite_scaled) if len(finite_scaled) >= 3 else None
 
     params: list[ParamGrad] = []
-    nonfinite, exploding, vanishing, no_grad, frozen = [], [], [], [], []
+    nonfinite: list[str] = []
+    exploding: list[str] = []
+    vanishing: list[str] = []
+    no_grad: list[str] = []
+    frozen: list[str] = []
     index = {id(p): i for i, (_, p) in enumerate(with_grad)}
     for name, p in named:
-        base = dict(
-            name=name, shape=tuple(p.shape), numel=p.numel(), dtype=str(p.dtype).replace("torch.", "")
-        )
+        shape, numel, dtype = tuple(p.shape), p.numel(), str(p.dtype).replace("torch.", "")
         i = index.get(id(p))
         if i is None:
             status = "no grad" if p.requires_grad else "frozen"
             (no_grad if p.requires_grad else frozen).append(name)
-            params.append(ParamGrad(**base, status=status))  # type: ignore[arg-type]
+            params.append(ParamGrad(name, shape, numel, dtype, status))
             continue
         norm, mx = host[1 + i], host[1 + k + i]
         bad = int(host[1 + 2 * k + i])
@@ -292,11 +316,7 @@ def check_gradients(
             vanishing.append(name)
         else:
             status = "ok"
-        params.append(
-            ParamGrad(
-                **base, status=status, norm=norm, max_abs=mx, nonfinite=bad, zero_fraction=zero_fraction
-            )  # type: ignore[arg-type]
-        )
+        params.append(ParamGrad(name, shape, numel, dtype, status, norm, mx, bad, zero_fraction))
     return GradientReport(
         total_norm=total,
         norm_type=order,
@@ -515,7 +535,7 @@ def analyze_gradient_flow(
     host: list[float] = []
     if grads:
         with torch.no_grad():
-            packed = torch.cat([foreach_norms(grads, 1.0), foreach_norms(grads, math.inf)])
+            packed = torch.cat([foreach_norms(grads, 1.0), _max_abs(grads, grads[0].device)])
         host = packed.tolist()  # the one host transfer
     sums: dict[int, float] = {}
     maxes: dict[int, float] = {}

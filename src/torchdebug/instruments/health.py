@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,13 +121,19 @@ class ExplosionRule:
             return evidence
         return None
 
-    def update(self, step: int, norm: float, top: Sequence[tuple[str, float]] = ()) -> RuleEvent | None:
+    def update(
+        self,
+        step: int,
+        norm: float,
+        top: Sequence[tuple[str, float]] | Callable[[], Sequence[tuple[str, float]]] = (),
+    ) -> RuleEvent | None:
         """Feed the total gradient norm of ``step``; an event at the first step of an explosion.
 
         Args:
             step: the step number recorded in the event.
             norm: the total (unscaled) gradient norm.
-            top: the largest per-parameter norms ``[(name, norm)]``, named in the event.
+            top: the largest per-parameter norms ``[(name, norm)]``, named in the event, or a
+                callable returning them (called only when the event fires: no sort per step).
         """
         evidence = self.check(norm)
         if math.isfinite(norm) and norm > 0:
@@ -140,6 +146,8 @@ class ExplosionRule:
         if self.active:
             return None
         self.active = True
+        if callable(top):
+            top = top()
         # name the layers that matter: top parameters within 10x of the largest (or non-finite)
         lead = top[0][1] if top else 0.0
         modules = tuple(dict.fromkeys(owner(n) for n, v in top if not math.isfinite(v) or v >= 0.1 * lead))
@@ -699,10 +707,10 @@ class GradientHealth:
 
         self._clip_orig = clip_mod.clip_grad_norm_  # what clip_on_spike calls: unseen by the wrapper
         for mod in (nn_utils, clip_mod):
-            orig = mod.clip_grad_norm_
+            orig = mod.clip_grad_norm_  # type: ignore[attr-defined]
             wrapper = self._make_clip_wrapper(orig)
             self._clip_saved.append((mod, orig, wrapper))
-            mod.clip_grad_norm_ = wrapper
+            mod.clip_grad_norm_ = wrapper  # type: ignore[attr-defined]
 
     def _unwrap_clip(self) -> None:
         for mod, orig, wrapper in reversed(self._clip_saved):
@@ -756,7 +764,7 @@ class GradientHealth:
             # the monitor's values of this transfer: the loss scale the norms were measured under
             scale = getattr(mon, "_values", {}).get("amp_scale") if mon.scaler is not None else None
             unscaled = norm / scale if scale else norm
-            event = self.explosion.update(step, unscaled, self._top(mon))
+            event = self.explosion.update(step, unscaled, functools.partial(self._top, mon))
             if event is not None:
                 self._emit(mon, event)
             if self.explosion.active and self.clip_on_spike is not None:  # active: this step explodes
@@ -828,7 +836,7 @@ class GradientHealth:
         if norm is not None and self._judged_step != step and not record.skipped:
             self._judged_step = step
             unscaled = norm / record.scale if amp and record.scale else norm
-            event = self.explosion.update(step, float(unscaled), self._top(mon))
+            event = self.explosion.update(step, float(unscaled), functools.partial(self._top, mon))
             if event is not None:
                 self._emit(mon, event)
         self.counters["gradient_explosions"] = self.explosion.count
