@@ -99,6 +99,17 @@ def format_location(filename: str, lineno: int) -> str:
     return f"{filename}:{lineno}"
 
 
+def user_location(start: Any) -> str | None:
+    """The innermost user frame as ``file:line`` (stops at the first one: cheap)."""
+    f = start
+    while f is not None:
+        name = f.f_code.co_filename
+        if not _skip_frame(name):
+            return format_location(name, f.f_lineno)
+        f = f.f_back
+    return None
+
+
 def user_stack(start: Any = None, depth: int = _STACK_DEPTH) -> tuple[str | None, tuple[str, ...]]:
     """The innermost user frame (not torch, not torchdebug) as ``file:line``, and up to ``depth`` user frames."""
     f = start if start is not None else sys._getframe(1)
@@ -153,9 +164,11 @@ def _flags(t: torch.Tensor) -> _Flags:
         x = t.detach()
         if x.is_complex():
             x = torch.view_as_real(x)
-        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        if bool(torch.isfinite(x).all()):  # host read: replay only
+        # A finite sum proves every element finite (one pass, no mask); an overflowing sum of finite
+        # values falls through to the exact count below. Host read: replay only.
+        if math.isfinite(float(x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32))):
             return _Flags()
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         return _Flags(int(torch.isnan(x).sum()), int(torch.isposinf(x).sum()), int(torch.isneginf(x).sum()))
 
 
@@ -226,12 +239,16 @@ class _FunctionLayer(TorchFunctionMode):
             if tr.location_override is not None:
                 tr.call_location, tr.call_stack = tr.location_override
             else:
-                tr.call_location, tr.call_stack = user_stack(sys._getframe(1))
+                # the full stack is taken only where an event is made (rare); here the line alone
+                tr.call_location, tr.call_stack = user_location(sys._getframe(1)), ()
+                tr.call_frame = sys._getframe(1)
         tr.fn_depth += 1
         try:
             out = func(*args, **kwargs)
         finally:
             tr.fn_depth -= 1
+            if tr.fn_depth == 0:
+                tr.call_frame = None  # do not keep frames alive
         if tr.fn_depth == 0 and torch.is_grad_enabled():
             tr.map_new_nodes(out, tr.call_location, tr.call_stack)
         return out
@@ -314,6 +331,7 @@ class Tracer:
         self.fn_depth = 0
         self.call_location: str | None = None
         self.call_stack: tuple[str, ...] = ()
+        self.call_frame: Any = None
         self.location_override: tuple[str | None, tuple[str, ...]] | None = None
         self.nodes: dict[int, _NodeInfo] = {}
         self._node_refs: list[Any] = []  # keep nodes alive so their ids stay unique
@@ -471,7 +489,10 @@ class Tracer:
         phase = self.phase_override or Phase.FORWARD.value
         module, mtype = self.current_module()
         if self.fn_depth > 0:
-            return phase, module, mtype, self.call_location, self.call_stack, None
+            stack = self.call_stack
+            if not stack and self.call_frame is not None:  # the call is still running: its frames exist
+                stack = user_stack(self.call_frame)[1]
+            return phase, module, mtype, self.call_location, stack, None
         loc, stack = self.location_override or user_stack(sys._getframe(3))
         return phase, module, mtype, loc, stack, None
 

@@ -1,0 +1,268 @@
+"""Overhead of torchdebug.watch against a plain training loop measured in the same run.
+
+Workloads (CPU by default; ``--device cuda`` for a GPU): MLP 784-1024-1024-10 batch 256; GPT-style
+4 blocks d=256 seq 128 batch 8; small CNN on 3x32x32 batch 64. Variants, interleaved in chunks so
+machine noise hits them alike: plain, watch with the default instruments (sentinel, gradient health,
+memory, timing, run store), watch with the sentinel only, and ``torch.autograd.detect_anomaly()``.
+Printed: median step time per variant and its ratio to plain; the watch variant split into ordinary
+steps and detail steps (every ``detail_every``); and the cost of one replay under op-level tracing
+(what the sentinel pays once, when something went wrong) against one plain step.
+
+    python benchmarks/overhead.py [--repeats 7] [--chunk 20] [--device cpu|cuda] [--only mlp,gpt,cnn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchdebug as td
+from torchdebug.locate import replay_capture
+from torchdebug.store import create_run
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # (B, T, C)
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att.masked_fill(
+            torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf")
+        ).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab: int = 512, d: int = 256, n_layer: int = 4, n_head: int = 4, block: int = 128
+    ) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.blocks = nn.ModuleList([Block(d, n_head) for _ in range(n_layer)])
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.head = nn.Linear(64 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def workloads(
+    device: str,
+) -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, torch.Tensor]], Callable]]:
+    g = torch.Generator().manual_seed(0)
+
+    def mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(256, 784, generator=g).to(device), torch.randint(0, 10, (256,), generator=g).to(
+            device
+        )
+
+    def gpt_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, 512, (8, 129), generator=g).to(device)
+        return idx[:, :-1], idx[:, 1:]
+
+    def cnn_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(64, 3, 32, 32, generator=g).to(device), torch.randint(
+            0, 10, (64,), generator=g
+        ).to(device)
+
+    ce = lambda out, y: F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))  # noqa: E731
+    return {"mlp": (MLP, mlp_batch, ce), "gpt": (GPT, gpt_batch, ce), "cnn": (CNN, cnn_batch, ce)}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_chunk(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: list,
+    loss_fn: Callable,
+    steps: int,
+    device: str,
+    mon: Any = None,
+    anomaly: bool = False,
+) -> list[float]:
+    times = []
+    ctx = torch.autograd.detect_anomaly(check_nan=True) if anomaly else contextlib.nullcontext()
+    with ctx:
+        for i in range(steps):
+            x, y = batches[i % len(batches)]
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if mon is not None:
+                mon.step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench(name: str, spec: tuple, args: argparse.Namespace, writer: Any) -> dict[str, Any]:
+    build, make_batch, loss_fn = spec
+    device = args.device
+    batches = [make_batch() for _ in range(4)]
+    variants = ["plain", "watch", "sentinel", "detect_anomaly"]
+    models: dict[str, nn.Module] = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
+    for v in variants:
+        torch.manual_seed(0)
+        models[v] = build().to(device)
+        opts[v] = torch.optim.AdamW(models[v].parameters(), lr=1e-4)
+    cfgs = {"watch": td.DebugConfig(), "sentinel": td.DebugConfig(mode="anomaly_detection")}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    detail_times: list[float] = []
+    ordinary_times: list[float] = []
+    with warnings_quiet():
+        for v in variants:  # warm-up
+            run_chunk(models[v], opts[v], batches, loss_fn, 3, device, anomaly=v == "detect_anomaly")
+        for _ in range(args.repeats):
+            for v in variants:
+                if v in cfgs:
+                    with td.watch(models[v], opts[v], run=writer, config=cfgs[v]) as mon:
+                        start = int(mon.step)
+                        t = run_chunk(models[v], opts[v], batches, loss_fn, args.chunk, device, mon=mon)
+                    if v == "watch":
+                        every = cfgs[v].detail_every
+                        for j, x in enumerate(t):
+                            (detail_times if (start + j) % every == 0 else ordinary_times).append(x)
+                else:
+                    t = run_chunk(
+                        models[v],
+                        opts[v],
+                        batches,
+                        loss_fn,
+                        args.chunk,
+                        device,
+                        anomaly=v == "detect_anomaly",
+                    )
+                times[v].extend(t)
+        # replay: one traced re-run of a captured step (forward + loss + backward)
+        model, opt = models["sentinel"], opts["sentinel"]
+        replay_times = []
+        with td.watch(model, opt, run=False, config=cfgs["sentinel"]) as mon:
+            x, y = batches[0]
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            cap = mon._captures[-1]
+            names = mon.names
+            mon._replaying = True
+            for _ in range(3):
+                _sync(device)
+                t0 = time.perf_counter()
+                replay_capture(model, cap, names=names, uses_cuda=device == "cuda")
+                _sync(device)
+                replay_times.append(time.perf_counter() - t0)
+            mon._replaying = False
+            opt.step()
+            mon.step()
+    med = {v: statistics.median(times[v]) for v in variants}
+    out = {
+        "workload": name,
+        "plain_ms": med["plain"] * 1e3,
+        "ratio": {v: med[v] / med["plain"] for v in variants},
+        "watch_ordinary_ratio": statistics.median(ordinary_times) / med["plain"]
+        if ordinary_times
+        else math.nan,
+        "watch_detail_ratio": statistics.median(detail_times) / med["plain"] if detail_times else math.nan,
+        "replay_ratio": statistics.median(replay_times) / med["plain"],
+    }
+    return out
+
+
+@contextlib.contextmanager
+def warnings_quiet() -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.TorchDebugWarning)
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        yield
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--chunk", type=int, default=20, help="steps per variant per repeat")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--only", default="mlp,gpt,cnn")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    print(
+        f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+        f"repeats {args.repeats} x {args.chunk} steps per variant, interleaved"
+    )
+    print(
+        f"{'workload':<8} {'plain ms':>9} {'watch':>7} {'(ordinary':>10} {'detail)':>8} {'sentinel':>9} {'detect_anomaly':>15} {'replay/step':>12}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = create_run(root=tmp, name="bench")
+        wl = workloads(args.device)
+        for name in args.only.split(","):
+            r = bench(name, wl[name], args, writer)
+            ra = r["ratio"]
+            print(
+                f"{name:<8} {r['plain_ms']:>9.2f} {ra['watch']:>6.3f}x {r['watch_ordinary_ratio']:>9.3f}x "
+                f"{r['watch_detail_ratio']:>7.3f}x {ra['sentinel']:>8.3f}x {ra['detect_anomaly']:>14.3f}x "
+                f"{r['replay_ratio']:>11.2f}x",
+                flush=True,
+            )
+        writer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
