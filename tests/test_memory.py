@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode
 
 import torchdebug.monitor as tdm
 from tests.fixtures.memory_models import LeakyMLP, OomNet, known_saves_model, leak_site_line
@@ -201,6 +202,7 @@ def test_leak_injected_is_found_with_category_and_line(tmp_path, kind, category)
     assert events, "the leak was not reported"
     rep = inst.leaks[0]
     assert rep.step > 8
+    assert _get_current_function_mode() is None  # the creation capture left the mode stack
     assert rep.category == category
     # one kept (64, 1024) float32 tensor per step: 64*1024*4 = 262144 bytes survive each step
     assert rep.survivors_bytes == 262144
@@ -379,3 +381,45 @@ def test_live_tensors_labels_parameters_and_grads():
     assert ("parameter", "weight") in kinds and ("gradient", "weight") in kinds
     w = next(t for t in live if t.kind == "parameter" and t.owner == "weight")
     assert w.bytes == 300 * 200 * 4
+
+
+def test_memory_samples_logged_on_due_steps(tmp_path):
+    model = known_saves_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    cfg = {"mode": "memory_profiling", "level": "basic", "memory_every": 3, "run_dir": str(tmp_path)}
+    with tdm.watch(model, opt, config=cfg) as mon:
+        for _ in range(7):
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    rows = open_run(mon.run_dir).memory()
+    assert [r["step"] for r in rows] == [0, 3, 6]  # due steps: 0, every, 2*every
+    assert all(isinstance(r["rss"], int) and r["rss"] > 0 for r in rows)
+
+
+class _OomBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated in backward)")
+
+
+def test_oom_in_backward_is_attributed_to_backward(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    cfg = {"mode": "memory_profiling", "level": "basic", "run_dir": str(tmp_path)}
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="in backward"),
+        pytest.warns(TorchDebugWarning, match="oom"),
+        tdm.watch(model, opt, config=cfg) as mon,
+    ):
+        _OomBackward.apply(model(torch.randn(3, 4))).sum().backward()
+    data = json.loads((mon.run_dir / "oom-0.json").read_text())
+    assert data["phase"] == "backward"
+    assert data["module"] is None  # no module's forward is on the stack during backward
+    assert data["batch_shape"] == [3, 4]

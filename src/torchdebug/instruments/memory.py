@@ -149,12 +149,13 @@ class LeakDetector:
         for name, vals in self._values.items():
             if len(vals) < self.window:
                 continue
-            tr = trend(name, steps, list(vals))
-            if (
-                tr.slope >= self.min_bytes_per_step
-                and tr.increasing_fraction >= self.min_increasing
-                and tr.growth > 0
-            ):
+            v = list(vals)
+            # O(n) pre-check first: the O(n²) Theil–Sen slope only runs for a series that mostly grows
+            inc = sum(1 for a, b in itertools.pairwise(v) if b > a) / (len(v) - 1)
+            if inc < self.min_increasing or v[-1] <= v[0]:
+                continue
+            tr = trend(name, steps, v)
+            if tr.slope >= self.min_bytes_per_step:
                 out.append(tr)
         return out
 
@@ -501,6 +502,7 @@ class MemoryInstrument:
         self.samples: list[tuple[int, dict[str, int]]] = []  # bounded to the leak window
         self.oom: OomReport | None = None
         self._leak = _LeakState()
+        self._unpopped: list[CreationCapture] = []
         self._phase = "input"
         self._batch_shape: tuple[int, ...] | None = None
         self._history_on = False
@@ -620,14 +622,14 @@ class MemoryInstrument:
     def _stop_capture(self) -> None:
         st = self._leak
         cap = st.capture
-        if cap is None or not st.mode_entered:
-            return
-        cap.recording = False
-        # a mode can only leave from the top of the stack: when another one (the monitor's loss
-        # tape) sits above it, it stays as a pass-through and is popped at the next stop
-        if _get_current_function_mode() is cap:
+        if cap is not None and st.mode_entered:
+            cap.recording = False
             st.mode_entered = False
-            cap.__exit__(None, None, None)
+            self._unpopped.append(cap)
+        # a mode can only leave from the top of the stack: when another one (the monitor's loss
+        # tape) sits above it, it stays as a pass-through and is popped at a later stop
+        while self._unpopped and _get_current_function_mode() is self._unpopped[-1]:
+            self._unpopped.pop().__exit__(None, None, None)
 
     def _advance_leak(self, mon: Any, step: int) -> None:
         st = self._leak

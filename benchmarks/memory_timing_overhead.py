@@ -1,0 +1,163 @@
+"""Per-step cost of the opt-in memory/time modes against a plain training step, measured in the same run.
+
+Modes (each is what the instrument does on a step it measures; they run on a few steps only):
+module_memory (saved-tensor hook + module stack + the per-module table), module_time (forward
+pre/post hooks + multi-grad hooks per module, one read per step), flops_step (FlopCounterMode +
+op recorder over forward and backward, then the report). Also the always-on pieces per call:
+memory_sample() and a LeakDetector.add() over a full window.
+
+Workloads: MLP 784-1024-1024-10 batch 256 (few, big modules) and a 24-block residual MLP of width
+128 batch 32 (many small modules: the worst case for per-module hooks). Modes are interleaved in
+chunks so machine noise hits them alike; printed: median ms/step and the median of per-repeat
+ratios to the plain step of the same repeat.
+
+    python benchmarks/memory_timing_overhead.py [--repeats 5] [--chunk 5] [--only mlp,deep24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchdebug.instruments.flops import _FlopSession
+from torchdebug.instruments.memory import LeakDetector
+from torchdebug.instruments.timing import ModuleTimer
+from torchdebug.memory import SavedTensorTracker, memory_sample, module_memory_table
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(self.norm(x)))
+
+
+def workloads() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    deep = nn.Sequential(*[Block(128) for _ in range(24)], nn.Linear(128, 10))
+    return {
+        "mlp": (mlp, torch.randn(256, 784), torch.randn(256, 10)),
+        "deep24": (deep, torch.randn(32, 128), torch.randn(32, 10)),
+    }
+
+
+def make_modes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], None]]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def plain() -> None:
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def module_memory() -> None:
+        with SavedTensorTracker(model) as tr:
+            out = model(x)
+        loss = F.mse_loss(out, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        module_memory_table(model, opt, tr.by_module, saved_total_bytes=tr.total)
+
+    def module_time() -> None:
+        with ModuleTimer(model) as tm:
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            tm.clear_grad_hooks()
+        opt.step()
+        tm.collect()
+
+    def flops_step() -> None:
+        s = _FlopSession(model)
+        s.start()
+        out = model(x)
+        s.forward_end()
+        loss = F.mse_loss(out, y)
+        opt.zero_grad(set_to_none=True)
+        s.backward_start()
+        loss.backward()
+        s.stop("backward")
+        opt.step()
+        s.report()
+
+    return {
+        "plain": plain,
+        "module_memory": module_memory,
+        "module_time": module_time,
+        "flops_step": flops_step,
+    }
+
+
+def bench(name: str, repeats: int, chunk: int) -> None:
+    model, x, y = workloads()[name]
+    modes = make_modes(model, x, y)
+    for fn in modes.values():  # warm-up: lazy init, allocator
+        for _ in range(3):
+            fn()
+    per: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(repeats):
+        for k, fn in modes.items():
+            t0 = time.perf_counter()
+            for _ in range(chunk):
+                fn()
+            per[k].append((time.perf_counter() - t0) / chunk)
+    n_mod = sum(1 for _ in model.modules())
+    print(f"\n{name} ({n_mod} modules, {sum(p.numel() for p in model.parameters()):,} parameters)")
+    print(f"  {'mode':<14} {'ms/step':>9} {'x plain':>8}")
+    for k, ts in per.items():
+        ratio = statistics.median(t / p for t, p in zip(ts, per["plain"]))
+        print(f"  {k:<14} {statistics.median(ts) * 1e3:>9.3f} {ratio:>8.2f}")
+
+
+def micro() -> None:
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        memory_sample()
+    sample_us = (time.perf_counter() - t0) / n * 1e6
+    det = LeakDetector(window=50, warmup=0, min_bytes_per_step=65536)
+    for s in range(50):
+        det.add(s, {"rss": 1 << 30, "heap_in_use": 1 << 28})
+    t0 = time.perf_counter()
+    for s in range(50, 50 + n):
+        det.add(s, {"rss": (1 << 30) + (s % 3) * 4096, "heap_in_use": 1 << 28})
+    det_us = (time.perf_counter() - t0) / n * 1e6
+    grow = LeakDetector(window=50, warmup=0, min_bytes_per_step=65536)
+    t0 = time.perf_counter()
+    for s in range(200):
+        grow.add(s, {"rss": (1 << 30) + s * (1 << 20)})
+    grow_us = (time.perf_counter() - t0) / 200 * 1e6
+    print("\nalways-on pieces (per call)")
+    print(f"  memory_sample()                     {sample_us:8.1f} us")
+    print(f"  LeakDetector.add, healthy, window 50 {det_us:7.1f} us")
+    print(f"  LeakDetector.add, growing, window 50 {grow_us:7.1f} us  (Theil–Sen runs)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk", type=int, default=5)
+    ap.add_argument("--only", default="mlp,deep24")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    for name in args.only.split(","):
+        bench(name, args.repeats, args.chunk)
+    micro()
+
+
+if __name__ == "__main__":
+    main()
