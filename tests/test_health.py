@@ -465,6 +465,23 @@ def test_amp_scale_collapse_suggests_bf16() -> None:
     assert len(events(mon, "amp_skip")) == 8
 
 
+def test_amp_growing_scale_is_not_an_explosion() -> None:
+    torch.manual_seed(0)
+    model = hm.HealthyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # growth every step: the scaled gradient norm reaches 1e5-3e5 (> explode_abs 1e4) and overflows
+    # every few steps; unscaled it is a healthy ~2. 60 steps: well past the 20-step warm-up even
+    # though skipped steps are not judged
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=1)
+    with watch(model, opt, config=CFG, run=False) as mon:
+        skipped = amp_loop(mon, model, opt, scaler, 60, lambda s: 1.0)
+        health = health_of(mon)
+    assert len(skipped) >= 5
+    assert max(r.grad_norm for r in mon.records if not r.skipped) > 1e4
+    assert {e.kind for e in mon.events} == {"amp_skip"}
+    assert health.counters["gradient_explosions"] == 0
+
+
 def test_clip_grad_norm_is_seen_and_restored(tmp_path) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = hm.HealthyNet()
@@ -552,6 +569,24 @@ def test_lr_schedule_events() -> None:
         ("lr_change", 25, ()),
     ]
     assert [e.severity for e in mon.events if e.kind == "lr_change"] == ["info"] * 3
+
+
+def test_basic_level_runs_the_rules_without_details(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = hm.ExplodingNet(blowup=1e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def fault(step: int) -> None:
+        model.fault = step == 25
+
+    cfg = {**CFG, "level": "basic"}  # gradients without gradient_details
+    with pytest.warns(TorchDebugWarning), watch(model, opt, config=cfg, run=tmp_path) as mon:
+        hm.train(mon, model, opt, 26, before_step=fault)
+        health = health_of(mon)
+    assert not health.details and not health.activations
+    assert events(mon, "gradient_explosion") == [("gradient_explosion", 25, ("inp",))]
+    names = open_run(mon.run_dir).metric_names()
+    assert not [n for n in names if "/" in n and not n.startswith("lr/")]  # no per-parameter series
 
 
 class EarlyStopper:

@@ -418,6 +418,12 @@ def inspect_model(
         ([3, 4], 54)
 
     Cost: one forward of the example (no autograd graph); without an example only metadata is read.
+
+    Known limitations: the input check covers the layer types listed in
+    :func:`validate_layer_input` and the first argument of the first leaf module with parameters
+    that the forward calls; work done with ``torch.nn.functional`` or raw parameters inside a
+    parent's ``forward`` has no row of its own; a module called several times shows its first
+    output shape (``calls`` says how many).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"inspect_model needs an nn.Module, got {type(model).__name__}")

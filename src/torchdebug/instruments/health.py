@@ -840,7 +840,8 @@ class GradientHealth:
             if event is not None:
                 self._emit(mon, event)
         self.counters["gradient_explosions"] = self.explosion.count
-        if loss is not None:
+        if loss is not None and not record.skipped:
+            # a skipped AMP step's loss is unscaled with the scale after update(): not comparable
             loss = float(loss)
             for rule in (self.spike, self.plateau):
                 event = rule.update(step, loss)
