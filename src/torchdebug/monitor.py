@@ -48,6 +48,7 @@ _INSTRUMENTS: dict[str, tuple[str, str]] = {
     "timing": ("torchdebug.instruments.timing", "TimingInstrument"),
     "module_time": ("torchdebug.instruments.timing", "ModuleTimeInstrument"),
     "flops": ("torchdebug.instruments.flops", "FlopsInstrument"),
+    "profiler": ("torchdebug.instruments.profiler", "ProfilerInstrument"),
     "tensorboard": ("torchdebug.tensorboard", "TensorBoardInstrument"),
 }
 
