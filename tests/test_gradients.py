@@ -249,3 +249,16 @@ def test_gradient_flow_real_backward_matches_reference() -> None:
 
 def test_report_types_exported_by_module() -> None:
     assert GradientReport.__name__ == "GradientReport"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_one_transfer_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp().cuda().half()  # fp16 grads: norms accumulate in float32
+    model(torch.randn(5, 6, device="cuda", dtype=torch.half)).float().pow(2).sum().backward()
+    counter = SyncCounter(monkeypatch)
+    with counter:
+        report = check_gradients(model)
+    assert (counter.tolist, counter.scalar) == (1, 0)
+    for name, p in model.named_parameters():
+        assert report[name].norm == pytest.approx(torch.linalg.vector_norm(p.grad.float()).item(), rel=1e-3)

@@ -263,7 +263,6 @@ def check_gradients(
             nonfin = torch.stack([torch.count_nonzero(g - g).to(dev) for g in grads])
             # nonzeros counted on the stored values: a sparse gradient's implicit zeros are the rest
             nonzero = torch.stack([torch.count_nonzero(g).to(dev) for g in grads])
-            numels = torch.tensor([p.numel() for _, p in with_grad], device=dev)
             tot = total_norm(norms, order)
             packed = torch.cat(
                 [
@@ -271,7 +270,7 @@ def check_gradients(
                     norms.to(dev, acc),
                     maxabs.to(acc),
                     nonfin.to(acc),
-                    (numels - nonzero).to(acc),
+                    nonzero.to(acc),
                 ]
             )
         host = packed.tolist()  # the one host transfer
@@ -303,7 +302,7 @@ def check_gradients(
             continue
         norm, mx = host[1 + i], host[1 + k + i]
         bad = int(host[1 + 2 * k + i])
-        zero_fraction = host[1 + 3 * k + i] / p.numel() if p.numel() else 0.0
+        zero_fraction = (p.numel() - host[1 + 3 * k + i]) / p.numel() if p.numel() else 0.0
         s = scaled[i]
         if bad or not math.isfinite(norm):
             status = "nonfinite"
