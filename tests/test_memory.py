@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -216,6 +217,35 @@ def test_leak_injected_is_found_with_category_and_line(tmp_path, kind, category)
     assert rep.series == "heap_in_use"
     assert 262144 <= rep.bytes_per_step <= 1.1 * 262144
     assert events[0].evidence["category"] == category
+
+
+def test_leak_after_backward_is_found_at_the_users_line(tmp_path):
+    torch.manual_seed(0)
+    model = LeakyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    cfg = {
+        "mode": "memory_profiling",
+        "level": "basic",
+        "memory_every": 1,
+        "leak_window": 10,
+        "run_dir": str(tmp_path),
+    }
+    kept = []
+    with pytest.warns(TorchDebugWarning, match="memory_leak"), tdm.watch(model, opt, config=cfg) as mon:
+        for step in range(30):
+            loss = nn.functional.mse_loss(model(torch.randn(64, 16, generator=g)), torch.zeros(64, 1))
+            opt.zero_grad()
+            loss.backward()
+            if step >= 8:
+                kept.append(model.fc1.weight.grad.repeat(4, 1))  # (4096, 16) f32 = 256 KiB per step
+                line = sys._getframe().f_lineno - 1
+            opt.step()
+            mon.step()
+        rep = next(i for i in mon.instruments if i.name == "memory").leaks[0]
+    assert rep.category == "tensors"
+    assert rep.survivors_bytes == 4096 * 16 * 4
+    assert rep.site == f"tests/test_memory.py:{line}" or rep.site.endswith(f"test_memory.py:{line}")
 
 
 def test_healthy_200_step_loop_raises_no_leak_alarm(tmp_path):

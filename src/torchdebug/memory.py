@@ -342,6 +342,30 @@ def user_location(frame: Any, limit: int = 60) -> str | None:
     return None
 
 
+# torchdebug frames that only pass the user's call through (the backward wrapper, the loss tape)
+_PASS_THROUGH = frozenset({"wrapper", "__torch_function__", "__torch_dispatch__"})
+
+
+def called_by_torchdebug(frame: Any, allow: tuple[str, ...] = (), limit: int = 60) -> bool:
+    """True when the innermost frame outside torch (and our pass-through wrappers) is torchdebug's own.
+
+    Lets dispatch/function modes tell the model's ops from the monitor's bookkeeping (gradient
+    norms, flags). ``allow``: file name endings inside torchdebug that count as user code.
+    """
+    f = frame
+    depth = 0
+    while f is not None and depth < limit:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_TORCH_DIR) and not fn.startswith("<"):
+            if not fn.startswith(_OWN_DIR) or fn.endswith(allow):
+                return False
+            if f.f_code.co_name not in _PASS_THROUGH:
+                return True
+        f = f.f_back
+        depth += 1
+    return False
+
+
 def _short_path(path: str) -> str:
     try:
         rel = os.path.relpath(path)
@@ -838,6 +862,7 @@ __all__ = [
     "ModuleMemoryTable",
     "PyTorchMemoryDebugger",
     "SavedTensorTracker",
+    "called_by_torchdebug",
     "debug_memory_usage",
     "live_tensors",
     "measure_module_memory",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections import defaultdict
@@ -18,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label
+from ..memory import called_by_torchdebug
 
 # Ops that move or create memory and do no arithmetic: 0 FLOPs by definition, never "uncounted".
 _NO_ARITHMETIC = frozenset(
@@ -82,30 +82,6 @@ def peak_flops_for(device_name: str) -> float | None:
     return None
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# torchdebug frames that only pass the user's call through (the backward wrapper, the loss tape)
-_PASS_THROUGH = frozenset({"wrapper", "__torch_function__", "__torch_dispatch__"})
-
-
-def _called_by_torchdebug(frame: Any, limit: int = 60) -> bool:
-    """True when the innermost frame outside torch (and our pass-through wrappers) is torchdebug's own."""
-    f = frame
-    depth = 0
-    while f is not None and depth < limit:
-        fn = f.f_code.co_filename
-        if not fn.startswith(_TORCH_DIR) and not fn.startswith("<"):
-            if not fn.startswith(_PKG_DIR) or fn.endswith("flops.py"):
-                return False
-            if f.f_code.co_name not in _PASS_THROUGH:
-                return True
-        f = f.f_back
-        depth += 1
-    return False
-
-
 class _OpRecorder(TorchDispatchMode):
     """Counts every aten op that runs (by overload packet) and the elements of their outputs."""
 
@@ -117,7 +93,7 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if _called_by_torchdebug(sys._getframe(1)):
+        if called_by_torchdebug(sys._getframe(1), allow=("flops.py",)):
             return out  # our own bookkeeping (the monitor's norms and flags) is not the model's work
         name = str(func._overloadpacket)
         self.calls[name] += 1
