@@ -119,7 +119,7 @@ def run_demo(
     torch.manual_seed(seed)
     vocab, block, batch = 64, 32, 16
     model = TinyGPT(vocab=vocab, block=block)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     print(
         f"torchdebug demo: TinyGPT ({sum(p.numel() for p in model.parameters()):,} parameters), "
         f"{steps} steps on synthetic data, policy={policy!r}",
