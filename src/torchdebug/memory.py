@@ -192,8 +192,8 @@ def owner_map(
             if k is not None:
                 owners.setdefault(k, ("buffer", name))
     if optimizer is not None:
-        for p, state in optimizer.state.items():
-            pname = names.get(id(p), f"param@{id(p):x}")
+        for param, state in optimizer.state.items():
+            pname = names.get(id(param), f"param@{id(param):x}")
             if isinstance(state, Mapping):
                 for sname, v in state.items():
                     if isinstance(v, torch.Tensor):
@@ -299,15 +299,14 @@ def module_from_frames(frame: Any, modules: Mapping[int, str], limit: int = 200)
     ``modules`` maps ``id(module)`` to its qualified name. Walks ``f_back`` (a frame) or ``tb_next``
     (a traceback, innermost last). Returns None when no model module is running.
     """
+    frames: list[Any] = []
     if hasattr(frame, "tb_frame"):  # a traceback: collect frames outermost-first, answer innermost
-        frames = []
         tb = frame
         while tb is not None and len(frames) < limit:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
         frames.reverse()
     else:
-        frames = []
         f = frame
         while f is not None and len(frames) < limit:
             frames.append(f)
@@ -683,8 +682,8 @@ def measure_module_memory(
                     raise ValueError(
                         "the model's output has no floating tensor that requires grad; pass loss_fn="
                     )
-                loss = sum(t.sum() for t in leaves)
-            loss.backward()  # type: ignore[union-attr]
+                loss = torch.stack([t.sum() for t in leaves]).sum()
+            loss.backward()
             if cuda:
                 bwd_peak = int(torch.cuda.max_memory_allocated())
         table = module_memory_table(

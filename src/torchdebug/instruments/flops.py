@@ -332,6 +332,7 @@ def count_flops(
     """
     session = _FlopSession(model)
     old_grads = [(p, p.grad) for p in model.parameters()]
+    args: tuple[Any, ...]
     if isinstance(example_input, Mapping):
         args, kwargs = (), dict(example_input)
     elif isinstance(example_input, tuple):
@@ -351,10 +352,10 @@ def count_flops(
                 leaves = [t for t in tensor_leaves(out) if t.is_floating_point() and t.requires_grad]
                 if not leaves:
                     raise ValueError("no floating output requires grad: pass backward=False or a loss_fn")
-                loss = sum(t.sum() for t in leaves)
+                loss = torch.stack([t.sum() for t in leaves]).sum()
             session.backward_start()
             phase = "backward"
-            loss.backward()  # type: ignore[union-attr]
+            loss.backward()
     finally:
         session.stop(phase)
         for p, g in old_grads:

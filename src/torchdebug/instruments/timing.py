@@ -113,7 +113,12 @@ class StepTiming:
         return f"step {self.step}: " + ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"step": self.step, **self.as_log(), "samples": self.samples, "tokens": self.tokens}
+        d: dict[str, Any] = {
+            "step": self.step,
+            **self.as_log(),
+            "samples": self.samples,
+            "tokens": self.tokens,
+        }
         d["samples_per_s"] = self.samples_per_s
         d["tokens_per_s"] = self.tokens_per_s
         return d
