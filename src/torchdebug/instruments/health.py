@@ -631,7 +631,8 @@ class GradientHealth:
     first call in a detail step (one micro-batch); the dead-unit feature dimension is dim 1 for
     outputs with >= 4 dims and the last dim otherwise (a Conv1d output is judged per position);
     under AMP the explosion rule divides the (scaled) norm by the scale the transfer read, which
-    after ``scaler.update()`` on a growth step is 2x the one backward used.
+    after ``scaler.update()`` on a growth step is 2x the one backward used; a trainable layer the
+    forward never uses (its gradient stays None, norm 0) is reported as vanishing.
     """
 
     name = "gradients"
