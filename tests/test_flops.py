@@ -99,3 +99,50 @@ def test_known_peaks():
     assert peak_flops_for("NVIDIA H100 PCIe") == 756e12
     assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_for("Some New Accelerator") is None
+
+
+class _Boom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.fail:
+            raise ValueError("boom in forward")
+        return h
+
+
+@pytest.mark.parametrize("fail_step", [0, 1])
+def test_exception_mid_step_leaves_no_mode_or_hook_behind(tmp_path, fail_step):
+    from torch.nn.modules import module as module_mod
+    from torch.overrides import _get_current_function_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    torch.manual_seed(0)
+    model = _Boom()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    cfg = {
+        "mode": "profiling",
+        "level": "basic",
+        "flops": True,  # counts step 0
+        "per_module_time": True,  # measures steps 1..3
+        "per_module_memory": True,  # measures due steps
+        "debug_memory_usage": True,
+        "memory_every": 1,
+        "run_dir": str(tmp_path),
+    }
+    with pytest.raises(ValueError, match="boom"), tdm.watch(model, opt, config=cfg) as mon:
+        for step in range(3):
+            model.fail = step == fail_step
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    assert {i.name for i in mon.instruments} >= {"flops", "module_time", "module_memory", "memory"}
+    assert _get_current_dispatch_mode() is None
+    assert _get_current_function_mode() is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
