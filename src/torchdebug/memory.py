@@ -541,6 +541,10 @@ class SavedTensorTracker:
 
     Cost: a Python call per module call and per saved tensor; opt-in, for a few steps.
 
+    Known limitations: tensors a custom ``autograd.Function`` keeps as ``ctx`` attributes (not
+    through ``save_for_backward``) are invisible to the hook; activation-checkpointed regions save
+    only their inputs (what they really keep).
+
     Example:
         >>> m = torch.nn.Linear(4, 2)
         >>> with SavedTensorTracker(m) as tr:

@@ -371,6 +371,13 @@ class FlopsInstrument:
     slowed by counting) and ``config.peak_flops`` or :data:`KNOWN_PEAK_FLOPS` for the CUDA device.
     The report is kept in ``report``, logged as a "flops" event, and the scalars ``flops/per_step``,
     ``flops/achieved_per_s`` and ``flops/mfu`` are logged once measured.
+
+    Known limitations:
+        - ``torch.utils.flop_counter`` has formulas for matmuls, convolutions and attention only:
+          the rest is listed in ``report.uncounted``, not estimated.
+        - The loss computed between forward and backward is counted under "other"; code that runs
+          after backward (the optimizer) is not counted.
+        - MFU uses host step time: exact in steady state, optimistic if the GPU queue is not full.
     """
 
     name = "flops"

@@ -510,7 +510,17 @@ class MemoryInstrument:
             exact, but a floor keeps caches that grow slowly for a while from alarming).
         leak_warmup: samples ignored at the start.
         record_history: on CUDA, record allocation stacks for the OOM snapshot
-            (``torch.cuda.memory._record_memory_history``; costs on every allocation: opt-in).
+            (``torch.cuda.memory._record_memory_history``; costs on every allocation: opt-in;
+            default ``config.memory_history`` or off).
+
+    Known limitations:
+        - On CPU the exact signal is glibc's ``mallinfo2`` (Linux); elsewhere only RSS, which moves
+          by pages and hides leaks that reuse freed memory. Leaks below the slope floor go unseen.
+        - The creation capture sees tensors made through torch's Python API; tensors made inside C++
+          (the autograd engine's ``.grad``, extensions) survive without a line. The gc census sees
+          only tensors with a live Python object.
+        - An OOM names a module only when its traceback passes through a module's ``forward``; in
+          backward the phase is known, the module is not.
     """
 
     name = "memory"

@@ -146,6 +146,12 @@ class TimingInstrument:
 
     Attributes:
         history: the last ``window`` :class:`StepTiming`.
+
+    Known limitations:
+        - "forward" is the root module's forward; the loss computed outside it counts as "other",
+          and data loaded inside the forward counts as forward.
+        - On CUDA a step's breakdown is logged once its events completed (usually one step later);
+          the last steps are flushed at exit with one synchronize.
     """
 
     name = "timing"
