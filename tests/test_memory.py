@@ -149,8 +149,8 @@ def test_module_memory_instrument_first_three_due_steps(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- leak test
 def test_theil_sen_ignores_an_outlier():
-    # pairwise slopes of (0,0),(1,2),(2,4),(3,100): 2, 2, 2, 50, 33.3, 96 -> median (2 + 33.3)/2? no:
-    # sorted 2, 2, 2, 33.3, 50, 96 -> median = (2 + 33.3) / 2 = 17.67; with 5 clean points it is 2
+    # 15 pairwise slopes: the 10 among the five clean points are 2; the 5 with the outlier (5, 1000)
+    # are 200, 249.5, 332, 497, 992 -> sorted, the 8th of 15 (the median) is 2
     assert theil_sen_slope([0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 1000]) == 2.0
     assert math.isnan(theil_sen_slope([1], [1]))
 

@@ -48,7 +48,7 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     of the pairwise slopes. Cost: O(n²) pairs; n is the leak window (<= a few hundred).
 
     Example:
-        >>> theil_sen_slope([0, 1, 2, 3], [0, 2, 4, 100])
+        >>> theil_sen_slope([0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 1000])
         2.0
     """
     x = list(xs)
