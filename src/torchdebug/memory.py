@@ -106,11 +106,13 @@ def memory_sample() -> dict[str, int]:
     """Process RSS and, on CUDA, allocated / reserved / peak bytes, allocation retries and OOM count.
 
     Keys: ``rss`` always; ``heap_in_use`` on Linux with glibc (bytes malloc has handed out and not
-    taken back, via ``mallinfo2``: CPU tensors live there); with CUDA, for the current device ``cuda_allocated``, ``cuda_reserved``,
-    ``cuda_peak`` (since the last :func:`reset_peak`), ``cuda_alloc_retries``, ``cuda_ooms``, and for
-    every other visible device the same keys prefixed ``cuda<i>_``. All values are int bytes/counts.
+    taken back, via ``mallinfo2``: CPU tensors live there); with CUDA initialised, for the current
+    device ``cuda_allocated``, ``cuda_reserved``, ``cuda_peak`` (since the last :func:`reset_peak`),
+    ``cuda_alloc_retries``, ``cuda_ooms``, and for every other visible device the same keys prefixed
+    ``cuda<i>_``. All values are int bytes/counts.
 
-    Cost: one ``/proc`` read (~10 µs) plus, on CUDA, allocator counters (no device sync).
+    Cost: one ``/proc`` read (~10 µs) plus, on CUDA, the caching allocator's host-side counters (no
+    device sync, no kernel).
 
     Example:
         >>> memory_sample()["rss"] > 0
