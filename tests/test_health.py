@@ -477,7 +477,8 @@ def test_amp_growing_scale_is_not_an_explosion() -> None:
         skipped = amp_loop(mon, model, opt, scaler, 60, lambda s: 1.0)
         health = health_of(mon)
     assert len(skipped) >= 5
-    assert max(r.grad_norm for r in mon.records if not r.skipped) > 1e4
+    # the records carry the true (unscaled) norm: the scaled one (x2**14 and growing) would be > 1e4
+    assert max(r.grad_norm for r in mon.records if not r.skipped) < 10
     assert {e.kind for e in mon.events} == {"amp_skip"}
     assert health.counters["gradient_explosions"] == 0
 

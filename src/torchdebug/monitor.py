@@ -407,7 +407,7 @@ class Monitor:
                 for k in c:
                     c[k] = 0
         if self.writer is not None and hasattr(self.writer, "start_segment"):
-            self.writer.start_segment(f"cleared at step {self.step}")
+            self.writer.start_segment(f"cleared at step {self.step}", step=int(self.step))
         self._segment_start = int(self.step)
 
     def training_summary(self) -> dict[str, Any]:
@@ -502,7 +502,11 @@ class Monitor:
         if cap is not None and isinstance(loss, torch.Tensor):
             cap.loss = loss
             cap.loss_grad = gradient if isinstance(gradient, torch.Tensor) else None
-        if isinstance(loss, torch.Tensor) and loss.is_floating_point() and self._sentinel:
+        if (
+            isinstance(loss, torch.Tensor)
+            and loss.is_floating_point()
+            and (self._sentinel or "gradients" in self._enabled)
+        ):
             self._loss_vals.append(loss.detach().float().mean())
         self._each("on_backward_start", loss)
 
@@ -615,11 +619,15 @@ class Monitor:
             scale = v.get("_scale")
             if scale and self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)():
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
+        scale = v.get("_scale")
+        scaler_on = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
         if self._norms is not None:
             gn = [
                 v[f"_gnorm#{i}"] if f"_gnorm#{i}" in v else v.get("_gnorm", 0.0)
                 for i in range(len(self._norm_index))
             ]
+            if scale and scaler_on:  # measured after backward on the scaled gradients: report true norms
+                gn = [x / scale for x in gn]
             per = [0.0] * len(self.params)
             for j, i in enumerate(self._norm_index):
                 per[i] = gn[j]
@@ -837,10 +845,9 @@ class Monitor:
             if extra:
                 ks = [k for k, t in extra.items() if isinstance(t, torch.Tensor)]
                 if ks:
-                    vals = torch.stack(
-                        [extra[k].detach().float().reshape(()).cpu() for k in ks]
-                    ).tolist()  # detail steps only
-                    self._values.update(zip(ks, vals))
+                    dev = extra[ks[0]].device
+                    flat = torch.stack([extra[k].detach().float().reshape(()).to(dev) for k in ks])
+                    self._values.update(zip(ks, flat.tolist()))  # detail steps only: one more transfer
                 self._values.update(
                     {k: float(t) for k, t in extra.items() if not isinstance(t, torch.Tensor)}
                 )

@@ -630,8 +630,7 @@ class GradientHealth:
     seen; several clip calls in one step keep the last; activation statistics use each module's
     first call in a detail step (one micro-batch); the dead-unit feature dimension is dim 1 for
     outputs with >= 4 dims and the last dim otherwise (a Conv1d output is judged per position);
-    under AMP the explosion rule divides the (scaled) norm by the scale the transfer read, which
-    after ``scaler.update()`` on a growth step is 2x the one backward used; a trainable layer the
+    under AMP the norms are the monitor's, already divided by the loss scale backward used; a trainable layer the
     forward never uses (its gradient stays None, norm 0) is reported as vanishing.
     """
 
@@ -762,9 +761,7 @@ class GradientHealth:
         # judge here only when this step's transfer already ran (the monitor syncs right before us)
         if self._synced_step == step and norm is not None and self._judged_step != step:
             self._judged_step = step
-            # the monitor's values of this transfer: the loss scale the norms were measured under
-            scale = getattr(mon, "_values", {}).get("amp_scale") if mon.scaler is not None else None
-            unscaled = norm / scale if scale else norm
+            unscaled = norm  # the monitor reports norms already divided by the loss scale backward used
             event = self.explosion.update(step, unscaled, functools.partial(self._top, mon))
             if event is not None:
                 self._emit(mon, event)
@@ -836,7 +833,7 @@ class GradientHealth:
 
         if norm is not None and self._judged_step != step and not record.skipped:
             self._judged_step = step
-            unscaled = norm / record.scale if amp and record.scale else norm
+            unscaled = norm  # already unscaled by the monitor
             event = self.explosion.update(step, float(unscaled), functools.partial(self._top, mon))
             if event is not None:
                 self._emit(mon, event)
