@@ -453,3 +453,35 @@ def test_oom_in_backward_is_attributed_to_backward(tmp_path):
     assert data["phase"] == "backward"
     assert data["module"] is None  # no module's forward is on the stack during backward
     assert data["batch_shape"] == [3, 4]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_sample_and_module_peaks():
+    x = torch.empty(1 << 20, device="cuda")  # 4 MiB
+    s = memory_sample()
+    assert s["cuda_allocated"] >= 4 << 20 and s["cuda_reserved"] >= s["cuda_allocated"]
+    model = known_saves_model().cuda()
+    table = measure_module_memory(model, torch.randn(8, 64, device="cuda"))
+    assert table.row("0").activation_bytes == 2048  # same storages as on CPU
+    assert table.forward_peak_bytes is not None and table.forward_peak_bytes >= x.numel() * 4
+    assert table.backward_peak_bytes is not None
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_oom_writes_snapshot(tmp_path):
+    model = OomNet().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"mode": "memory_profiling", "level": "basic", "run_dir": str(tmp_path)}
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        pytest.warns(TorchDebugWarning, match="oom"),
+        tdm.watch(model, opt, config=cfg) as mon,
+    ):
+        model.body[1].armed = True
+        model(torch.randn(4, 8, device="cuda")).sum().backward()
+    assert (mon.run_dir / "oom-0-snapshot.pickle").stat().st_size > 0

@@ -178,3 +178,21 @@ def test_module_time_instrument_measures_steps_1_to_3(tmp_path):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules() if m is not model)
     ev = open_run(run_dir).events(kind="module_time")
     assert len(ev) == 1 and ev[0]["step"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_events_are_read_without_losing_steps(tmp_path):
+    model = _mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon:
+        for _ in range(6):
+            model(torch.randn(4, 8, device="cuda")).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        inst = _timing(mon)
+        assert inst._clock.cuda
+    hist = list(inst.history)  # the last steps are flushed at exit
+    assert [t.step for t in hist] == list(range(6))
+    assert all(t.forward > 0 and t.backward > 0 and t.total >= t.forward + t.backward for t in hist)
