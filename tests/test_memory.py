@@ -344,8 +344,14 @@ def test_retry_half_gradients_equal_full_batch(n):
         return loss
 
     retries = []
+    attempts = []
     loss = run_step_with_oom_retry(
-        step_fn, batch, on_oom="retry_half", optimizer=opt, on_retry=retries.append
+        step_fn,
+        batch,
+        on_oom="retry_half",
+        optimizer=opt,
+        on_retry=retries.append,
+        before_attempt=lambda piece: attempts.append(piece["x"].shape[0]),
     )
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
@@ -353,6 +359,9 @@ def test_retry_half_gradients_equal_full_batch(n):
     torch.testing.assert_close(loss, full, rtol=1e-5, atol=1e-7)
     assert sum(retries[0].piece_sizes) == n and max(retries[0].piece_sizes) <= 4
     assert retries[0].batch_size == n
+    # before_attempt sees every piece of every retry level; the last level's pieces all ran
+    assert attempts[-len(retries[0].piece_sizes) :] == list(retries[0].piece_sizes)
+    assert sizes_run == list(retries[0].piece_sizes)
 
 
 def test_retry_raise_and_errors():

@@ -142,7 +142,12 @@ def _halve_all(pieces: list[Any], split: Callable[[Any], Sequence[Any]] | None) 
     return out
 
 
-def _run_pieces(step_fn: Callable[[Any], Any], pieces: list[Any], params: Sequence[torch.Tensor]) -> Any:
+def _run_pieces(
+    step_fn: Callable[[Any], Any],
+    pieces: list[Any],
+    params: Sequence[torch.Tensor],
+    before_attempt: Callable[[Any], None] | None,
+) -> Any:
     """Run every piece with its gradient scaled by its sample share; return the weighted loss (detached)."""
     piece_n = [batch_size_of(p) for p in pieces]
     if any(k is None for k in piece_n):
@@ -152,6 +157,8 @@ def _run_pieces(step_fn: Callable[[Any], Any], pieces: list[Any], params: Sequen
     for p, k in zip(pieces, piece_n):
         assert k is not None
         scale = k / total
+        if before_attempt is not None:
+            before_attempt(p)
         loss = _run_scaled(step_fn, p, scale, params)
         if loss is None:
             continue
@@ -170,6 +177,7 @@ def run_step_with_oom_retry(
     split: Callable[[Any], Sequence[Any]] | None = None,
     max_halvings: int = 4,
     on_retry: Callable[[OomRetry], None] | None = None,
+    before_attempt: Callable[[Any], None] | None = None,
 ) -> Any:
     """Run ``step_fn(batch)`` (forward + loss + backward, returns the loss); on OOM, re-run it on halves.
 
@@ -191,6 +199,8 @@ def run_step_with_oom_retry(
         max_halvings: how many times to halve again (all pieces, from zeroed gradients) while a piece
             still runs out of memory.
         on_retry: called once with an :class:`OomRetry` after a successful recovery (the monitor records it).
+        before_attempt: called with each piece before ``step_fn`` runs it during a retry (the monitor
+            uses it to start a new micro-step: the failed attempt never reached its backward).
 
     Returns:
         ``step_fn``'s loss, or after a retry the sample-weighted sum of the pieces' losses (detached),
@@ -248,7 +258,7 @@ def run_step_with_oom_retry(
         _zero_grads(plist, optimizer)
         _free_memory()
         try:
-            out = _run_pieces(step_fn, pieces, plist)
+            out = _run_pieces(step_fn, pieces, plist, before_attempt)
         except Exception as exc:
             if not is_oom_error(exc):
                 raise

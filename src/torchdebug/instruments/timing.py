@@ -173,6 +173,7 @@ class TimingInstrument:
         self._open: dict[str, Any] = {}
         self._last_mark: Any = None
         self._tokens_per_step: int | None = None
+        self._uncommitted: tuple[int | None, int | None] = (None, None)
 
     # ---- protocol
     def install(self, mon: Any) -> None:
@@ -189,13 +190,14 @@ class TimingInstrument:
 
     def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
-        self._cur.spans["data"].append((self._last_mark, m))
+        if self._uncommitted == (None, None):
+            self._cur.spans["data"].append((self._last_mark, m))
+        # else: the previous forward of this micro-step never reached backward (it failed and is
+        # being retried): the time since is wasted work ("other"), not data wait
         self._open["forward"] = m
-        b, tok = batch_size_and_tokens(args, kwargs)
-        if b is not None:
-            self._cur.samples += b
-        if tok is not None:
-            self._cur.tokens += tok
+        # counted when the micro-step reaches its backward (or the step ends without one): an
+        # attempt that failed in forward (an OOM before a retry) is not throughput
+        self._uncommitted = batch_size_and_tokens(args, kwargs)
 
     def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
         start = self._open.pop("forward", None)
@@ -205,7 +207,16 @@ class TimingInstrument:
     def on_backward_start(self, mon: Any, loss: Any) -> None:
         self._open["backward"] = self._clock.mark()
 
+    def _commit(self) -> None:
+        b, tok = self._uncommitted
+        if b is not None:
+            self._cur.samples += b
+        if tok is not None:
+            self._cur.tokens += tok
+        self._uncommitted = (None, None)
+
     def on_backward_end(self, mon: Any) -> None:
+        self._commit()
         start = self._open.pop("backward", None)
         if start is not None:
             m = self._clock.mark()
@@ -221,6 +232,9 @@ class TimingInstrument:
             self._cur.spans["optimizer"].append((start, self._clock.mark()))
 
     def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+        if not self._cur.spans["backward"]:
+            self._commit()  # a step without backward (evaluation under watch): its forward counts
+        self._uncommitted = (None, None)
         cur = self._cur
         cur.end = self._clock.mark()
         cur.step = int(getattr(record, "step", cur.step))
