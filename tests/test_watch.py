@@ -345,3 +345,32 @@ def test_failing_instrument_is_switched_off_with_a_warning() -> None:
             opt.zero_grad()
             mon.step()
     assert int(mon.step) == 3 and not any(isinstance(i, Broken) for i in mon.instruments)
+
+
+def test_run_step_retry_half_equals_full_batch_gradients() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    full = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+
+    def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        bx, by = batch
+        if bx.shape[0] > 4:  # pretend 8 samples do not fit
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        loss = torch.nn.functional.mse_loss(model(bx), by)
+        loss.backward()
+        return loss
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with (
+        pytest.warns(td.TorchDebugWarning, match="oom_retry"),
+        td.watch(model, opt, run=False, on_oom="retry_half", config=SENTINEL_ONLY) as mon,
+    ):
+        mon.run_step(step_fn, (x, y))
+        for p, g in zip(model.parameters(), full):
+            torch.testing.assert_close(p.grad, g)
+        opt.step()
+        rec = mon.step()
+    assert [e.kind for e in mon.events] == ["oom_retry"] and rec.micro_steps == 2

@@ -1,8 +1,23 @@
 """torchdebug: where the first NaN/Inf was born, gradient health, memory and time for PyTorch training.
 
-The only public surface; everything else is private or reached through these names.
+The only public surface; everything else is private or reached through these names. Optional
+extras are imported lazily: ``serve`` needs ``torchdebug[dashboard]``, ``render_report``'s HTML/PNG
+need ``torchdebug[report]``, ``export_tensorboard`` needs ``torchdebug[tensorboard]``.
+
+Example::
+
+    import torchdebug as td
+
+    with td.watch(model, optimizer) as mon:
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+            mon.step()
 """
 
+from typing import Any
+
+from ._config import DebugConfig, DebugLevel, DebugMode
 from ._errors import (
     ConfigError,
     InstrumentError,
@@ -12,25 +27,102 @@ from ._errors import (
     TorchDebugError,
     TorchDebugWarning,
 )
-from ._config import DebugConfig, DebugLevel, DebugMode
 from ._version import __version__
+from .compat import (
+    AutogradAnomalyDetector,
+    DebugInfo,
+    GradientDebugger,
+    ModelDebugger,
+    PyTorchDebugConfig,
+    PyTorchDebugger,
+    PyTorchDebugManager,
+    TrainingDebugger,
+    check_gradient_anomalies,
+    check_gradient_anomalies_async,
+    check_tensor_anomalies,
+    check_tensor_anomalies_async,
+)
 from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
+from .gradients import (
+    GradientFlow,
+    GradientReport,
+    analyze_gradient_flow,
+    analyze_model_parameters,
+    check_gradients,
+)
+from .inspection import ModelSummary, inspect_model
+from .instruments.flops import FlopReport, count_flops
+from .instruments.memory import OomReport, oom_report
 from .locate import locate_nonfinite
+from .memory import (
+    ModuleMemoryTable,
+    PyTorchMemoryDebugger,
+    debug_memory_usage,
+    live_tensors,
+    measure_module_memory,
+    profile_memory,
+)
 from .monitor import Monitor, watch
-from .stats import TensorStats, analyze_tensor
-from .store import open_run
+from .profiling import (
+    ProfileSummary,
+    debug_performance,
+    monitor_resources,
+    profile,
+    profile_model_performance,
+)
+from .recovery import run_step_with_oom_retry
+from .report import build_report, render_report
+from .stats import TensorStats, analyze_tensor, foreach_norms, nonfinite_count, total_norm
+from .store import list_runs, open_run
+
+
+def serve(target: Any, host: str = "127.0.0.1", port: int = 6007, token: str | None = None) -> Any:
+    """Start the dashboard for a live ``Monitor`` or a run folder in a background thread.
+
+    Needs ``pip install 'torchdebug[dashboard]'``. Returns a handle with ``.url`` and ``.stop()``.
+    See :func:`torchdebug.server.serve` for the details.
+    """
+    from .server import serve as _serve
+
+    return _serve(target, host=host, port=port, token=token)
+
+
+def export_tensorboard(run: Any, logdir: Any) -> Any:
+    """Write a run's scalars, histograms, anomalies and events as TensorBoard event files.
+
+    Needs ``pip install 'torchdebug[tensorboard]'``. See :mod:`torchdebug.tensorboard`.
+    """
+    from .tensorboard import export_tensorboard as _export
+
+    return _export(run, logdir)
+
 
 __all__ = [
     "Anomaly",
+    "AutogradAnomalyDetector",
     "ConfigError",
     "DebugConfig",
+    "DebugInfo",
     "DebugLevel",
     "DebugMode",
+    "FlopReport",
+    "GradientDebugger",
+    "GradientFlow",
+    "GradientReport",
     "InstrumentError",
+    "ModelDebugger",
+    "ModelSummary",
     "ModuleFrame",
+    "ModuleMemoryTable",
     "Monitor",
     "NonFiniteError",
+    "OomReport",
     "Phase",
+    "ProfileSummary",
+    "PyTorchDebugConfig",
+    "PyTorchDebugManager",
+    "PyTorchDebugger",
+    "PyTorchMemoryDebugger",
     "RuleEvent",
     "RunStoreError",
     "SchemaVersionError",
@@ -38,9 +130,37 @@ __all__ = [
     "TensorStats",
     "TorchDebugError",
     "TorchDebugWarning",
+    "TrainingDebugger",
     "__version__",
+    "analyze_gradient_flow",
+    "analyze_model_parameters",
     "analyze_tensor",
+    "build_report",
+    "check_gradient_anomalies",
+    "check_gradient_anomalies_async",
+    "check_gradients",
+    "check_tensor_anomalies",
+    "check_tensor_anomalies_async",
+    "count_flops",
+    "debug_memory_usage",
+    "debug_performance",
+    "export_tensorboard",
+    "foreach_norms",
+    "inspect_model",
+    "list_runs",
+    "live_tensors",
     "locate_nonfinite",
+    "measure_module_memory",
+    "monitor_resources",
+    "nonfinite_count",
+    "oom_report",
     "open_run",
+    "profile",
+    "profile_memory",
+    "profile_model_performance",
+    "render_report",
+    "run_step_with_oom_retry",
+    "serve",
+    "total_norm",
     "watch",
 ]

@@ -299,6 +299,9 @@ class DebugConfig:
     - loss rules: loss_spike_mads [10.0], loss_plateau_window [200], loss_plateau_rel [1e-4].
     - mixed precision: scale_floor [1.0], scale_shrink_steps [5].
     - input_bound_fraction [0.3, in (0, 1]]; slowdown_factor [1.5, > 1]; leak_window [50, >= 2];
+      leak_min_bytes_per_step [65536: smaller growth is not a leak]; leak_warmup [5 samples ignored];
+      memory_history [False: record CUDA allocation history for OOM snapshots, costs];
+      tokens_per_step [None: tokens per step for tokens/s, else inferred from (B, T) integer input];
       on_oom "raise"|"retry_half" ["raise"]; rank [None: from torch.distributed / RANK].
 
     Floats must be finite. Mutating a field validates it (``config.policy = "warn"``); change
@@ -379,6 +382,10 @@ class DebugConfig:
     input_bound_fraction: float = _opt(0.3, gt=0, le=1)
     slowdown_factor: float = _opt(1.5, gt=1)
     leak_window: int = _opt(50, ge=2)
+    leak_min_bytes_per_step: int = _opt(65536, ge=0)
+    leak_warmup: int = _opt(5, ge=0)
+    memory_history: bool = False
+    tokens_per_step: int | None = _opt(None, ge=1)
     clip_on_spike: float | None = _opt(None, gt=0)
     on_oom: OnOOM = "raise"
     rank: int | None = _opt(None, ge=0)

@@ -384,6 +384,36 @@ class Monitor:
         self.log_scalars({f"observe/{name}": value})
         self._each("on_observe", name, value)
 
+    def run_step(self, step_fn: Callable[[Any], Any], batch: Any) -> Any:
+        """Run ``step_fn(batch)`` (forward + loss + backward; returns the loss) with the OOM policy.
+
+        With ``on_oom="retry_half"`` an out-of-memory error re-runs the step on halves of the batch
+        with gradients scaled so they equal the full-batch gradients (gradient accumulation), and
+        records an ``oom_retry`` event. Call ``optimizer.step()`` and ``mon.step()`` after it.
+        """
+        if not callable(step_fn):
+            raise TypeError(
+                f"run_step(step_fn, batch): step_fn must be callable, got {type(step_fn).__name__}"
+            )
+        from .recovery import run_step_with_oom_retry
+
+        def new_micro_step(_piece: Any) -> None:
+            self._need_new_capture = True  # the failed attempt never reached its backward
+
+        def record(retry: Any) -> None:
+            evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
+            self.emit(RuleEvent("oom_retry", int(self.step), str(retry), "warning", evidence=evidence))
+
+        return run_step_with_oom_retry(
+            step_fn,
+            batch,
+            on_oom=self.config.on_oom,
+            optimizer=self.optimizer,
+            params=self.params,
+            before_attempt=new_micro_step,
+            on_retry=record,
+        )
+
     # -- live control (dashboard) ----------------------------------------------------------------
     def set_level(self, level: str | DebugLevel) -> DebugLevel:
         """Switch the debug level of the live session; instruments follow from the next step."""
