@@ -12,6 +12,7 @@ from torch import nn
 import torchdebug as td
 from tests.fixtures import models as fx
 from tests.fixtures.models import origin_line
+from tests.test_locate import CASES as LOCATE_CASES
 
 SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")  # isolate the sentinel from health rules
 
@@ -374,3 +375,27 @@ def test_run_step_retry_half_equals_full_batch_gradients() -> None:
         opt.step()
         rec = mon.step()
     assert [e.kind for e in mon.events] == ["oom_retry"] and rec.micro_steps == 2
+
+
+@pytest.mark.parametrize("name", list(LOCATE_CASES))
+def test_watch_finds_every_fault_case_at_its_step(name: str) -> None:
+    # cases with a breaker are healthy at step 0 and broken from step 1; the others from step 0
+    torch.manual_seed(0)
+    case = LOCATE_CASES[name]
+    model = case.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as built
+    expected_step = 1 if case.breaker else 0
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for i in range(3):
+            if i == 1 and case.breaker:
+                case.breaker(model)
+            inp = case.inputs()
+            loss = case.loss(model(*inp), inp)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    expected = (expected_step, case.phase, case.module, case.op, case.kind)
+    assert (a.step, a.phase, a.module, a.op, a.kind) == expected, str(a)
+    assert a.location == (origin_line(case.tag) if case.tag else None)

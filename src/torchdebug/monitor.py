@@ -232,6 +232,7 @@ class Monitor:
         self._tape: LossTape | None = None
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
+        self._segment_start = 0  # the step the current history segment (dashboard "clear") began
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -442,10 +443,9 @@ class Monitor:
 
     def training_summary(self) -> dict[str, Any]:
         """The seed-era training summary (counts and rates since the last ``clear()``)."""
-        start = getattr(self, "_segment_start", 0)
-        total = max(self.step - start, 0)
+        total = max(int(self.step) - self._segment_start, 0)
         kinds = [e.kind for e in self.events]
-        c = {
+        c: dict[str, Any] = {
             "total_steps": total,
             "anomaly_steps": self.counters["anomaly_steps"],
             "gradient_explosions": kinds.count("gradient_explosion"),
