@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -88,15 +89,38 @@ def _skip_frame(filename: str) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _display_path(filename: str, cwd: str) -> str:
+    try:
+        rel = os.path.relpath(filename, cwd)
+    except ValueError:  # other drive on Windows
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
 def format_location(filename: str, lineno: int) -> str:
     """``path/file.py:LINE``, relative to the working directory when the file lies under it."""
-    try:
-        rel = os.path.relpath(filename)
-        if not rel.startswith(".."):
-            filename = rel
-    except ValueError:  # other drive on Windows
-        pass
-    return f"{filename}:{lineno}"
+    return f"{_display_path(filename, os.getcwd())}:{lineno}"
+
+
+def raw_user_frames(start: Any, depth: int) -> tuple[tuple[str, int, str], ...]:
+    """Up to ``depth`` user frames as raw (filename, line, function), innermost first; formatted later."""
+    out: list[tuple[str, int, str]] = []
+    f = start
+    while f is not None and len(out) < depth:
+        code = f.f_code
+        if not _skip_frame(code.co_filename):
+            out.append((code.co_filename, f.f_lineno, code.co_name))
+        f = f.f_back
+    return tuple(out)
+
+
+def format_frames(raw: tuple[tuple[str, int, str], ...]) -> tuple[str | None, tuple[str, ...]]:
+    """(innermost ``file:line``, frames innermost last) from :func:`raw_user_frames`."""
+    if not raw:
+        return None, ()
+    locs = [format_location(fn, ln) for fn, ln, _ in raw]
+    return locs[0], tuple(f"{loc} in {name}" for loc, (_, _, name) in reversed(list(zip(locs, raw))))
 
 
 def user_location(start: Any) -> str | None:
@@ -922,7 +946,9 @@ class StepCapture:
     grad_enabled: bool
     outputs: Any = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    tape: list[tuple[Any, Any, tuple, dict, str | None, tuple[str, ...], Any]] = field(default_factory=list)
+    tape: list[tuple[Any, Any, tuple, dict, tuple[tuple[str, int, str], ...], Any]] = field(
+        default_factory=list
+    )
     tape_complete: bool = False
     loss: torch.Tensor | None = None
     loss_grad: torch.Tensor | None = None
@@ -1025,8 +1051,8 @@ def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | No
         mapping[id(o)] = n
     sub = lambda t: mapping.get(id(t), t)  # noqa: E731
     try:
-        for func, _types, args, kwargs, loc, stack, res in cap.tape:
-            tracer.location_override = (loc, stack)
+        for func, _types, args, kwargs, raw, res in cap.tape:
+            tracer.location_override = format_frames(raw)
             try:
                 new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
             finally:
@@ -1065,6 +1091,6 @@ class LossTape(TorchFunctionMode):
                 cap.tape_complete = False
                 self.recording = False
             else:
-                loc, stack = user_stack(sys._getframe(1), depth=4)
-                cap.tape.append((func, types, args, kwargs, loc, stack, res))
+                # raw frames only: formatting (relpath) waits for a replay that needs it
+                cap.tape.append((func, types, args, kwargs, raw_user_frames(sys._getframe(1), 4), res))
         return res
