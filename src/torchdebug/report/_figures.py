@@ -149,17 +149,19 @@ def loss_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         traces.append(_line(name, series[name], yaxis="y2", line={"dash": "dot"}))
     traces += _anomaly_markers(data["anomalies"])
     traces += _event_markers(data["events"], "loss")
-    layout = _layout(
-        "Loss and learning rate",
-        "loss",
-        # linear with exponent ticks: a log axis draws odd ticks for the common constant lr
-        yaxis2={
-            "title": {"text": "learning rate"},
-            "overlaying": "y",
-            "side": "right",
-            "exponentformat": "e",
-        },
-    )
+    lr_axis: dict[str, Any] = {
+        "title": {"text": "learning rate"},
+        "overlaying": "y",
+        "side": "right",
+        "tickformat": ".2~e",  # 1e-3 and 2.5e-4 read as such, not as repeated "0.001"
+    }
+    lrs = [v for n in _with_prefix(series, "lr/") for v in series[n]["values"] if is_finite(v)]
+    if lrs and max(lrs) == min(lrs):
+        # plotly autoranges a constant series to [c-1, c+1] (negative learning rates): pin it
+        c = lrs[0]
+        lr_axis["range"] = [0, 2 * c] if c > 0 else [-1, 1]
+    # linear with exponent ticks: a log axis draws odd ticks for the common constant lr
+    layout = _layout("Loss and learning rate", "loss", yaxis2=lr_axis)
     return _fig("loss", "Loss and learning rate", traces, layout, "no loss or lr recorded")
 
 
@@ -253,16 +255,29 @@ def layer_heatmap_figure(data: Mapping[str, Any]) -> dict[str, Any]:
             "no per-layer norms",
         )
     all_steps = [s for n in names for s in series[n]["steps"]]
-    lo, hi = min(all_steps), max(all_steps)
-    ncols = max(1, min(_HEAT_COLUMNS, hi - lo + 1))
-    width = (hi - lo + 1) / ncols
-    xs = [round(lo + (c + 0.5) * width - 0.5, 3) for c in range(ncols)]
+    distinct = sorted(set(all_steps))
+    lo, hi = distinct[0], distinct[-1]
+    if len(distinct) <= _HEAT_COLUMNS:
+        # few detail steps (every detail_every): one column per recorded step, no empty columns
+        xs: list[float] = [float(x) for x in distinct]
+        col = {st: i for i, st in enumerate(distinct)}
+        ncols, width = len(distinct), 1.0
+    else:
+        ncols = _HEAT_COLUMNS
+        width = (hi - lo + 1) / ncols
+        xs = [round(lo + (c + 0.5) * width - 0.5, 3) for c in range(ncols)]
+        col = {}
     rows = [n[len("grad_norm/") :] for n in names]
     z: list[list[float | None]] = []
     bad_x: list[float] = []
     bad_y: list[str] = []
     for n, row in zip(names, rows):
-        cells, bad = _bucket_max(series[n]["steps"], series[n]["values"], lo, width, ncols)
+        steps = series[n]["steps"]
+        if col:  # map each step to its column index, then bucket with width 1 from 0
+            steps = [col[st] for st in steps]
+            cells, bad = _bucket_max(steps, series[n]["values"], 0, 1.0, ncols)
+        else:
+            cells, bad = _bucket_max(steps, series[n]["values"], lo, width, ncols)
         z.append(cells)
         bad_x += [xs[c] for c in bad]
         bad_y += [row] * len(bad)
