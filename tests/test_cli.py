@@ -183,7 +183,8 @@ def test_show_text(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].startswith("run        golden  (id ")
     assert "status     finished" in lines
     assert "steps      4 (last step 3)" in lines
-    assert "config     lr=0.5  mode=full" in lines
+    # only options that differ from DebugConfig's defaults ("lr" is not an option: shown as is)
+    assert "config     lr=0.5  mode=full  (torchdebug show --json for all 2 options)" in lines
     i = lines.index("metrics (3), last value")
     # loss and grad_norm are "main" metrics and come first; then the rest alphabetically.
     # grad_norm at step 3 = 4 / (3 + 1) = 1; loss at step 3 is NaN.

@@ -31,6 +31,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_show)
 
 
+def _non_default(config: dict[str, Any]) -> dict[str, Any]:
+    """The options that differ from today's DebugConfig defaults (a config from another version shows whole)."""
+    try:
+        from .._config import DebugConfig
+
+        defaults = DebugConfig().to_dict()
+    except Exception:
+        return dict(config)
+    return {k: v for k, v in config.items() if k not in defaults or defaults[k] != v}
+
+
 def _runs(args: argparse.Namespace) -> int:
     from .reader import list_runs
 
@@ -133,7 +144,9 @@ def _show(args: argparse.Namespace) -> int:
             out.append(f"dropped    {summary['dropped']} low-priority samples (writer queue was full)")
         config = meta.get("config") or {}
         if config:
-            out.append("config     " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(config.items())))
+            changed = _non_default(config)
+            shown = "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(changed.items())) or "all defaults"
+            out.append(f"config     {shown}  (torchdebug show --json for all {len(config)} options)")
         order = [m for m in _MAIN_METRICS if m in last] + sorted(m for m in last if m not in _MAIN_METRICS)
         out.append("")
         out.append(f"metrics ({len(last)}), last value")
