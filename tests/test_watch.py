@@ -399,3 +399,23 @@ def test_watch_finds_every_fault_case_at_its_step(name: str) -> None:
     expected = (expected_step, case.phase, case.module, case.op, case.kind)
     assert (a.step, a.phase, a.module, a.op, a.kind) == expected, str(a)
     assert a.location == (origin_line(case.tag) if case.tag else None)
+
+
+def test_two_optimizers_share_one_transfer_and_both_are_guarded() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt1 = torch.optim.SGD(model.fc1.parameters(), lr=0.01)
+    opt2 = torch.optim.SGD(model.fc2.parameters(), lr=0.01)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, run=False, config=SENTINEL_ONLY) as mon:
+        for i in range(3):
+            x = torch.randn(2, 8)
+            if i == 2:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            opt1.step()  # both optimizers are adopted: they step this model's parameters
+            opt2.step()
+            opt1.zero_grad()
+            opt2.zero_grad()
+            mon.step()
+    assert (ei.value.anomaly.step, ei.value.anomaly.phase) == (2, "input")
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # raised before opt1 updated anything

@@ -586,7 +586,8 @@ class Monitor:
         self._opt_ran = True
         self._opt_ran_in_scaler = True
         if self._sentinel:
-            self._sync()
+            if not self._synced:  # a second optimizer in the same step reuses this step's transfer
+                self._sync()
             self._check_gradients(at_optimizer=True, opt=opt)
         self._each("before_optimizer_step")
 
