@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,6 +233,41 @@ class StepRecord:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+def rule_counts(kinds: Iterable[str]) -> tuple[int, int, int]:
+    """(gradient explosions, gradient vanishing, loss anomalies) among rule-event kinds.
+
+    Kinds mentioning "explod" / "vanish", or starting with "loss" (spike, plateau), count.
+    """
+    kinds = list(kinds)
+    return (
+        sum("explod" in k for k in kinds),
+        sum("vanish" in k for k in kinds),
+        sum(k.startswith("loss") for k in kinds),
+    )
+
+
+def training_summary(
+    total_steps: int,
+    anomaly_steps: int,
+    gradient_explosions: int,
+    gradient_vanishing: int,
+    loss_anomalies: int,
+) -> dict[str, Any]:
+    """The seed-era training summary: the counts and their rates per step (0 when there were no steps)."""
+    d = max(total_steps, 1)
+    return {
+        "total_steps": total_steps,
+        "anomaly_steps": anomaly_steps,
+        "gradient_explosions": gradient_explosions,
+        "gradient_vanishing": gradient_vanishing,
+        "loss_anomalies": loss_anomalies,
+        "anomaly_rate": anomaly_steps / d,
+        "loss_anomaly_rate": loss_anomalies / d,
+        "gradient_explosion_rate": gradient_explosions / d,
+        "gradient_vanishing_rate": gradient_vanishing / d,
+    }
+
+
 def plain(value: Any) -> Any:
     """Public alias of the JSON-ready converter used by every record's ``to_dict``."""
     return _plain(value)
@@ -246,4 +281,6 @@ __all__: Sequence[str] = [
     "StepRecord",
     "module_label",
     "plain",
+    "rule_counts",
+    "training_summary",
 ]

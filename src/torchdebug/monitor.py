@@ -31,7 +31,7 @@ from torch import nn
 from ._config import DebugConfig, DebugLevel, coerce_config
 from ._errors import NonFiniteError, TorchDebugWarning
 from ._trees import tensor_leaves
-from .events import Anomaly, Phase, RuleEvent, StepRecord
+from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
 
 POLICIES = ("raise", "warn", "skip")
@@ -444,20 +444,8 @@ class Monitor:
     def training_summary(self) -> dict[str, Any]:
         """The seed-era training summary (counts and rates since the last ``clear()``)."""
         total = max(int(self.step) - self._segment_start, 0)
-        kinds = [e.kind for e in self.events]
-        c: dict[str, Any] = {
-            "total_steps": total,
-            "anomaly_steps": self.counters["anomaly_steps"],
-            "gradient_explosions": kinds.count("gradient_explosion"),
-            "gradient_vanishing": kinds.count("vanishing_gradient"),
-            "loss_anomalies": kinds.count("loss_spike") + kinds.count("loss_plateau"),
-        }
-        d = max(total, 1)
-        c["anomaly_rate"] = c["anomaly_steps"] / d
-        c["loss_anomaly_rate"] = c["loss_anomalies"] / d
-        c["gradient_explosion_rate"] = c["gradient_explosions"] / d
-        c["gradient_vanishing_rate"] = c["gradient_vanishing"] / d
-        return c
+        explosions, vanishing, loss = rule_counts(e.kind for e in self.events)
+        return training_summary(total, self.counters["anomaly_steps"], explosions, vanishing, loss)
 
     # -- hot path: forward -----------------------------------------------------------------------
     def _reset_step_state(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import Anomaly, RuleEvent, plain
+from ..events import Anomaly, RuleEvent, plain, training_summary
 from ..gradients import GradientFlow, GradientReport, analyze_gradient_flow, check_gradients
 from ..inspection import ModelSummary, call_model, inspect_model
 from ..instruments.health import (
@@ -255,19 +255,13 @@ class TrainingDebugger(PyTorchDebugger):
         ``loss_anomalies`` counts NaN/Inf losses plus loss spike/plateau events. Rates divide by
         ``total_steps`` (0 when there were none).
         """
-        total = self.total_steps
-        d = max(total, 1)
-        return {
-            "total_steps": total,
-            "anomaly_steps": self.anomaly_steps,
-            "gradient_explosions": self.gradient_explosions,
-            "gradient_vanishing": self.gradient_vanishing,
-            "loss_anomalies": self.loss_anomalies,
-            "anomaly_rate": self.anomaly_steps / d,
-            "loss_anomaly_rate": self.loss_anomalies / d,
-            "gradient_explosion_rate": self.gradient_explosions / d,
-            "gradient_vanishing_rate": self.gradient_vanishing / d,
-        }
+        return training_summary(
+            self.total_steps,
+            self.anomaly_steps,
+            self.gradient_explosions,
+            self.gradient_vanishing,
+            self.loss_anomalies,
+        )
 
 
 def _step_fn(model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> Callable[[Any, Any], None]:

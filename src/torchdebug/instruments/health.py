@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import RuleEvent
+from ..events import RuleEvent, training_summary
 from ..stats import foreach_norms
 from ._robust import RunningMedian, Streak
 
@@ -1032,14 +1032,14 @@ class GradientHealth:
     def summary(self) -> dict[str, float]:
         """The seed-era training summary: ``counters`` plus ``anomaly_rate``, ``loss_anomaly_rate``,
         ``gradient_explosion_rate`` and ``gradient_vanishing_rate`` (per step)."""
-        c = dict(self.counters)
-        total = max(c["total_steps"], 1)
-        out: dict[str, float] = {**c}
-        out["anomaly_rate"] = c["anomaly_steps"] / total
-        out["loss_anomaly_rate"] = c["loss_anomalies"] / total
-        out["gradient_explosion_rate"] = c["gradient_explosions"] / total
-        out["gradient_vanishing_rate"] = c["gradient_vanishing"] / total
-        return out
+        c = self.counters
+        return training_summary(
+            c["total_steps"],
+            c["anomaly_steps"],
+            c["gradient_explosions"],
+            c["gradient_vanishing"],
+            c["loss_anomalies"],
+        )
 
 
 __all__ = [

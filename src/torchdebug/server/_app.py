@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._errors import RunStoreError
 from .._version import __version__
+from ..events import rule_counts, training_summary
 from ..report import build_report, collect_views, fragments, plotly_js, render_page
 from ..report._format import json_safe
 from ._cache import CachedRun, SeriesCache, ViewsCache
@@ -116,19 +117,7 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
         {a["step"] for a in run.anomalies() if a.get("step") is not None and a["step"] >= start}
     )
     kinds = [e["kind"] for e in run.events() if e.get("step") is None or e["step"] >= start]
-    c: dict[str, Any] = {
-        "total_steps": total,
-        "anomaly_steps": anomaly_steps,
-        "gradient_explosions": sum("explod" in k for k in kinds),
-        "gradient_vanishing": sum("vanish" in k for k in kinds),
-        "loss_anomalies": sum(k.startswith("loss") for k in kinds),
-    }
-    d = max(total, 1)
-    c["anomaly_rate"] = c["anomaly_steps"] / d
-    c["loss_anomaly_rate"] = c["loss_anomalies"] / d
-    c["gradient_explosion_rate"] = c["gradient_explosions"] / d
-    c["gradient_vanishing_rate"] = c["gradient_vanishing"] / d
-    return c
+    return training_summary(total, anomaly_steps, *rule_counts(kinds))
 
 
 def _runs_page(infos: list[Any], token_q: str) -> str:
