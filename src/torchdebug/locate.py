@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import math
-import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -34,13 +32,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._frames import format_frames, raw_user_frames, user_location, user_stack
 from ._trees import map_tensors, tensor_leaves
 from .events import Anomaly, ModuleFrame, Phase
 from .stats import TensorStats, analyze_tensor
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_STACK_DEPTH = 8
 
 # Ops that never introduce values (views, copies of metadata): skipping them saves a reduction each.
 _PASS_THROUGH = {
@@ -74,81 +69,6 @@ _PASS_THROUGH = {
     "aten::new_empty_strided",
     "aten::empty_strided",
 }
-
-
-_USER_CODE_IN_PACKAGE = (os.path.join(_OWN_DIR, "demo.py"),)  # the demo's model is user code
-
-
-def _skip_frame(filename: str) -> bool:
-    if filename in _USER_CODE_IN_PACKAGE:
-        return False
-    return (
-        filename.startswith((_TORCH_DIR, _OWN_DIR))
-        or filename.startswith("<")
-        or "/contextlib.py" in filename
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _display_path(filename: str, cwd: str) -> str:
-    try:
-        rel = os.path.relpath(filename, cwd)
-    except ValueError:  # other drive on Windows
-        return filename
-    return filename if rel.startswith("..") else rel
-
-
-def format_location(filename: str, lineno: int) -> str:
-    """``path/file.py:LINE``, relative to the working directory when the file lies under it."""
-    return f"{_display_path(filename, os.getcwd())}:{lineno}"
-
-
-def raw_user_frames(start: Any, depth: int) -> tuple[tuple[str, int, str], ...]:
-    """Up to ``depth`` user frames as raw (filename, line, function), innermost first; formatted later."""
-    out: list[tuple[str, int, str]] = []
-    f = start
-    while f is not None and len(out) < depth:
-        code = f.f_code
-        if not _skip_frame(code.co_filename):
-            out.append((code.co_filename, f.f_lineno, code.co_name))
-        f = f.f_back
-    return tuple(out)
-
-
-def format_frames(raw: tuple[tuple[str, int, str], ...]) -> tuple[str | None, tuple[str, ...]]:
-    """(innermost ``file:line``, frames innermost last) from :func:`raw_user_frames`."""
-    if not raw:
-        return None, ()
-    locs = [format_location(fn, ln) for fn, ln, _ in raw]
-    return locs[0], tuple(f"{loc} in {name}" for loc, (_, _, name) in reversed(list(zip(locs, raw))))
-
-
-def user_location(start: Any) -> str | None:
-    """The innermost user frame as ``file:line`` (stops at the first one: cheap)."""
-    f = start
-    while f is not None:
-        name = f.f_code.co_filename
-        if not _skip_frame(name):
-            return format_location(name, f.f_lineno)
-        f = f.f_back
-    return None
-
-
-def user_stack(start: Any = None, depth: int = _STACK_DEPTH) -> tuple[str | None, tuple[str, ...]]:
-    """The innermost user frame (not torch, not torchdebug) as ``file:line``, and up to ``depth`` user frames."""
-    f = start if start is not None else sys._getframe(1)
-    first: str | None = None
-    frames: list[str] = []
-    while f is not None and len(frames) < depth:
-        code = f.f_code
-        if not _skip_frame(code.co_filename):
-            loc = format_location(code.co_filename, f.f_lineno)
-            if first is None:
-                first = loc
-            frames.append(f"{loc} in {code.co_name}")
-        f = f.f_back
-    frames.reverse()  # innermost last
-    return first, tuple(frames)
 
 
 @dataclass

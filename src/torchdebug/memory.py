@@ -18,6 +18,7 @@ import psutil
 import torch
 from torch import nn
 
+from ._frames import _OWN_DIR, _TORCH_DIR
 from ._trees import tensor_leaves
 
 _PROCESS = psutil.Process(os.getpid())
@@ -320,29 +321,6 @@ def module_from_frames(frame: Any, modules: Mapping[int, str], limit: int = 200)
     return None
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
-_STDLIB_DIRS = (os.path.dirname(contextlib.__file__),)
-
-
-def user_location(frame: Any, limit: int = 60) -> str | None:
-    """``path/file.py:LINE`` of the innermost frame that is neither torch, torchdebug nor the stdlib."""
-    f = frame
-    depth = 0
-    while f is not None and depth < limit:
-        fn = f.f_code.co_filename
-        if not (
-            fn.startswith(_TORCH_DIR)
-            or fn.startswith(_OWN_DIR)
-            or fn.startswith(_STDLIB_DIRS)
-            or fn.startswith("<")
-        ):
-            return f"{_short_path(fn)}:{f.f_lineno}"
-        f = f.f_back
-        depth += 1
-    return None
-
-
 # torchdebug frames that only pass the user's call through (the backward wrapper, the loss tape)
 _PASS_THROUGH = frozenset({"wrapper", "__torch_function__", "__torch_dispatch__"})
 
@@ -365,14 +343,6 @@ def called_by_torchdebug(frame: Any, allow: tuple[str, ...] = (), limit: int = 6
         f = f.f_back
         depth += 1
     return False
-
-
-def _short_path(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
+from .._frames import user_location
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label
 from ..memory import (
@@ -33,7 +34,6 @@ from ..memory import (
     storage_key,
     tensor_bytes,
     tensor_census,
-    user_location,
 )
 from ..recovery import is_oom_error
 

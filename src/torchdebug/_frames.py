@@ -1,0 +1,93 @@
+"""Which stack frames are the user's, and how a source location is written (``path/file.py:LINE``)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from typing import Any
+
+import torch
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
+_PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_STACK_DEPTH = 8
+
+_USER_CODE_IN_PACKAGE = (os.path.join(_OWN_DIR, "demo.py"),)  # the demo's model is user code
+
+
+def skip_frame(filename: str) -> bool:
+    """True for frames that are not the user's: torch, torchdebug (but the demo), the stdlib, ``<string>``."""
+    if filename in _USER_CODE_IN_PACKAGE:
+        return False
+    if filename.startswith((_TORCH_DIR, _OWN_DIR, "<")):
+        return True
+    # the stdlib (contextlib, functools ...), but not libraries installed under it (system Pythons
+    # put site-packages inside the stdlib folder; a model from an installed library is user code)
+    return filename.startswith(_STDLIB_DIR) and not any(d in filename for d in _PACKAGE_DIRS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _display_path(filename: str, cwd: str) -> str:
+    try:
+        rel = os.path.relpath(filename, cwd)
+    except ValueError:  # other drive on Windows
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def format_location(filename: str, lineno: int) -> str:
+    """``path/file.py:LINE``, relative to the working directory when the file lies under it."""
+    return f"{_display_path(filename, os.getcwd())}:{lineno}"
+
+
+def raw_user_frames(start: Any, depth: int) -> tuple[tuple[str, int, str], ...]:
+    """Up to ``depth`` user frames as raw (filename, line, function), innermost first; formatted later."""
+    out: list[tuple[str, int, str]] = []
+    f = start
+    while f is not None and len(out) < depth:
+        code = f.f_code
+        if not skip_frame(code.co_filename):
+            out.append((code.co_filename, f.f_lineno, code.co_name))
+        f = f.f_back
+    return tuple(out)
+
+
+def format_frames(raw: tuple[tuple[str, int, str], ...]) -> tuple[str | None, tuple[str, ...]]:
+    """(innermost ``file:line``, frames innermost last) from :func:`raw_user_frames`."""
+    if not raw:
+        return None, ()
+    locs = [format_location(fn, ln) for fn, ln, _ in raw]
+    return locs[0], tuple(f"{loc} in {name}" for loc, (_, _, name) in reversed(list(zip(locs, raw))))
+
+
+def user_location(start: Any, limit: int = 200) -> str | None:
+    """The innermost user frame as ``file:line`` (stops at the first one: cheap)."""
+    f = start
+    while f is not None and limit > 0:
+        limit -= 1
+        name = f.f_code.co_filename
+        if not skip_frame(name):
+            return format_location(name, f.f_lineno)
+        f = f.f_back
+    return None
+
+
+def user_stack(start: Any = None, depth: int = _STACK_DEPTH) -> tuple[str | None, tuple[str, ...]]:
+    """The innermost user frame (not torch, not torchdebug) as ``file:line``, and up to ``depth`` user frames."""
+    f = start if start is not None else sys._getframe(1)
+    first: str | None = None
+    frames: list[str] = []
+    while f is not None and len(frames) < depth:
+        code = f.f_code
+        if not skip_frame(code.co_filename):
+            loc = format_location(code.co_filename, f.f_lineno)
+            if first is None:
+                first = loc
+            frames.append(f"{loc} in {code.co_name}")
+        f = f.f_back
+    frames.reverse()  # innermost last
+    return first, tuple(frames)
