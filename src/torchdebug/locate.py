@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ._frames import format_frames, raw_user_frames, user_location, user_stack
 from ._trees import map_tensors, tensor_leaves
@@ -333,7 +333,8 @@ class Tracer:
             self.module_stack.pop()
         if self.symptom is None:
             try:
-                self.frames.append(self._frame(mod, args, out))
+                with _disable_current_modes():  # our own reductions are not the model's ops
+                    self.frames.append(self._frame(mod, args, out))
             except Exception as exc:
                 self.internal_errors.append(repr(exc))
 
@@ -617,6 +618,10 @@ class Tracer:
         """``loss.backward()`` is about to run: an Inf in the loss is a symptom."""
         if self.symptom is not None:
             return
+        with _disable_current_modes():  # called inside the function layer: keep our ops out of the trace
+            self._check_loss(loss)
+
+    def _check_loss(self, loss: Any) -> None:
         for t in tensor_leaves(loss):
             if not _checkable(t):
                 continue
