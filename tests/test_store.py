@@ -77,7 +77,9 @@ def test_create_run_folder_meta_and_database(tmp_path: Path) -> None:
         # While the writer runs the database is in WAL mode and carries its schema version twice.
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "1"
+        assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(
+            SCHEMA_VERSION
+        )
         conn.close()
     finally:
         w.close()
@@ -590,7 +592,7 @@ def test_newer_schema_is_refused_by_reader_and_writer(finished_run: Path) -> Non
         open_run(finished_run)
     assert isinstance(info.value, RunStoreError) and str(db) in str(info.value)
     before = _snapshot(finished_run)
-    with pytest.raises(SchemaVersionError, match="schema version 2"):
+    with pytest.raises(SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}"):
         create_run(path=finished_run)  # rank 0 re-opening its run must not touch a newer file
     assert _snapshot(finished_run) == before  # meta.json untouched too
 
@@ -755,3 +757,357 @@ def test_status_of_a_run_marked_running(finished_run: Path, pid: str, opened: st
     (finished_run / "meta.json").write_text(json.dumps(meta))
     with open_run(finished_run) as run:
         assert run.status == status
+
+
+# -- rollups (schema v2): per-bucket summaries that answer downsampled reads --------------------------
+
+# Columns of a metric_rollup row, as the tests read them back.
+_ROLLUP_COLS = (
+    "count, nan_count, first_step, last_step, sum, min_value, min_step, max_value, max_step, nan_step"
+)
+
+
+def _rollups(path: Path, metric: str, level: int) -> dict[int, tuple]:
+    """{bucket: (count, nan_count, first, last, sum, min, min_step, max, max_step, nan_step)} of one level."""
+    with open_run(path) as run:
+        rows = run._rows(
+            f"SELECT bucket, {_ROLLUP_COLS} FROM metric_rollup r JOIN metrics m ON m.id = r.metric_id "
+            "WHERE m.name = ? AND r.level = ? ORDER BY bucket",
+            (metric, level),
+        )
+    return {r[0]: r[1:] for r in rows}
+
+
+def _expected_steps(
+    points: list[tuple[int, float]], lo: int, hi: int, nb: int, width: int | None
+) -> list[int]:
+    """Reference envelope in plain Python: the steps series(max_points=2 * nb) must keep.
+
+    A point's bucket is step // width (aligned buckets: rollups), or ((step - lo) * nb) // span when
+    width is None (equal buckets: raw rows). Each bucket keeps its earliest NaN, else its lowest
+    value, and its highest non-NaN value. Test data has no tied values.
+    """
+    span = hi - lo + 1
+    buckets: dict[int, list[tuple[int, float]]] = {}
+    for step, v in points:
+        if lo <= step <= hi:
+            b = step // width if width else (step - lo) * nb // span
+            buckets.setdefault(b, []).append((step, v))
+    keep: set[int] = set()
+    for pts in buckets.values():
+        nans = [s for s, v in pts if math.isnan(v)]
+        reals = [(v, s) for s, v in pts if not math.isnan(v)]
+        keep.add(min(nans) if nans else min(reals)[1])
+        if reals:
+            keep.add(max(reals)[1])
+    return sorted(keep)
+
+
+def _same_values(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def test_rollup_rows_worked_out_by_hand(tmp_path: Path) -> None:
+    # Three commits (flush_interval is an hour: only flush() commits), split inside buckets, so the
+    # SQL upsert merges partial rows and the writer's Python merge builds the coarser levels.
+    w = create_run(root=tmp_path, name="roll", flush_interval=3600)
+
+    def x(s: int) -> float:  # s / 2, except NaN at 3, 7, 35, +Inf at 20, -Inf at 33
+        return NAN if s in (3, 7, 35) else INF if s == 20 else -INF if s == 33 else s / 2
+
+    for lo, hi, ys in ((0, 10, {0: NAN, 1: NAN}), (11, 25, {2: 4.0, 3: NAN}), (26, 39, {4: NAN})):
+        for s in range(lo, hi + 1):
+            w.log_scalar("x", s, x(s))
+        for s, v in ys.items():
+            w.log_scalar("y", s, v)
+        w.flush()
+    # z: one batch; level 16 buckets 0 (all NaN) and 1 (2.0) merge in Python into level 64 bucket 0.
+    # v: the same the other way round (a value, then a bucket of NaN).
+    w.log_scalars(0, {"v": 3.0})
+    for s in range(16):
+        w.log_scalars(s, {"z": NAN})
+        w.log_scalars(16 + s, {"v": NAN})
+    w.log_scalars(16, {"z": 2.0})
+    w.close()
+    # x at level 16:
+    #  bucket 0, steps 0..15: NaN at 3, 7; sum = (0+...+15 - 3 - 7) / 2 = (120 - 10) / 2 = 55.0;
+    #    min 0.0 at 0, max 7.5 at 15, earliest NaN at 3.
+    #  bucket 1, steps 16..31: +Inf at 20 is the max and makes the sum +Inf; min 8.0 at 16; no NaN.
+    #  bucket 2, steps 32..39 (8 rows): -Inf at 33 is the min and the sum; NaN at 35; max 19.5 at 39.
+    assert _rollups(w.path, "x", 16) == {
+        0: (16, 2, 0, 15, 55.0, 0.0, 0, 7.5, 15, 3),
+        1: (16, 0, 16, 31, INF, 8.0, 16, INF, 20, None),
+        2: (8, 1, 32, 39, -INF, -INF, 33, 19.5, 39, 35),
+    }
+    # x at level 32: bucket 0 = steps 0..31 (NaN at 3, 7; +Inf at 20 is the max and the sum), and
+    # bucket 1 = steps 32..39, the same rows as bucket 2 of level 16.
+    assert _rollups(w.path, "x", 32) == {
+        0: (32, 2, 0, 31, INF, 0.0, 0, INF, 20, 3),
+        1: (8, 1, 32, 39, -INF, -INF, 33, 19.5, 39, 35),
+    }
+    # Every coarser level has one bucket 0 holding all 40 rows: 3 NaN, min -Inf at 33, max +Inf at 20,
+    # and sum +Inf + -Inf = NaN, which SQLite stores as NULL.
+    for level in (64, 128, 256, 512, 1024, 2048, 4096):
+        assert _rollups(w.path, "x", level) == {0: (40, 3, 0, 39, None, -INF, 33, INF, 20, 3)}
+    # y: commit 1 brings NaN, NaN (no value: sum and min/max NULL); commit 2 brings 4.0 and NaN;
+    # commit 3 only NaN. 5 rows, 4 NaN, the earliest at 0; sum, min and max are the one value 4.0.
+    assert _rollups(w.path, "y", 16) == {0: (5, 4, 0, 4, 4.0, 4.0, 2, 4.0, 2, 0)}
+    # z at 64: 16 NaN (steps 0..15) + 2.0 at 16. v at 64: 3.0 at 0 + 16 NaN (steps 16..31).
+    assert _rollups(w.path, "z", 16) == {
+        0: (16, 16, 0, 15, None, None, None, None, None, 0),
+        1: (1, 0, 16, 16, 2.0, 2.0, 16, 2.0, 16, None),
+    }
+    assert _rollups(w.path, "z", 64) == {0: (17, 16, 0, 16, 2.0, 2.0, 16, 2.0, 16, 0)}
+    assert _rollups(w.path, "v", 64) == {0: (17, 16, 0, 31, 3.0, 3.0, 0, 3.0, 0, 16)}
+    # The rollup's points carry the wall time of the raw row they came from.
+    with open_run(w.path) as run:
+        s = run.series("x")
+        (min_wall, max_wall), *_ = run._rows(
+            "SELECT min_wall, max_wall FROM metric_rollup WHERE level = 64 AND metric_id = "
+            "(SELECT id FROM metrics WHERE name = 'x')"
+        )
+        assert (min_wall, max_wall) == (s.wall_times[33], s.wall_times[20])
+
+
+def test_choose_width_picks_the_finest_level_that_fits() -> None:
+    from torchdebug.store._rollup import choose_width
+
+    # 100,000 steps, 1000 buckets: level 64 has 99,999 // 64 + 1 = 1563 buckets, too many;
+    # level 128 has 99,999 // 128 + 1 = 782.
+    assert choose_width(0, 99_999, 1000) == (128, 1)
+    # Off-edge range: 1,000..99,999 at 128 has 781 - 7 + 1 = 775 buckets; at 64, 1562 - 15 + 1 = 1548.
+    assert choose_width(1000, 99_999, 1000) == (128, 1)
+    # 10,000 steps, 1000 buckets: 16 * 1000 > 10,000, buckets would be narrower than the finest level.
+    assert choose_width(0, 9_999, 1000) is None
+    # 20,000 steps, 2 buckets: 4096 has 5; merging k = 2 gives 19,999 // 8192 + 1 = 3, k = 3 gives 2.
+    assert choose_width(0, 19_999, 2) == (4096, 3)
+
+
+def test_downsampling_from_rollups_equals_the_raw_envelope_of_the_same_buckets(tmp_path: Path) -> None:
+    import random
+    import shutil
+
+    n = 20_000
+    values = [v / 1000 for v in random.Random(0).sample(range(n), n)]  # distinct: no ties
+    for step, v in ((5000, NAN), (9000, INF), (13000, -INF), (17000, NAN)):
+        values[step] = v
+    w = create_run(root=tmp_path, name="big", max_queue=n + 1)
+    for step, v in enumerate(values):
+        w.log_scalar("m", step, v)
+    w.close()
+    points = list(enumerate(values))
+    with open_run(w.path) as run:
+        assert run.has_rollups
+        mid = run._metric_id("m")
+        # max_points=200: at most 100 buckets over steps 0..19,999. Level 128 has 19,999 // 128 + 1
+        # = 157 buckets, too many; level 256 has 19,999 // 256 + 1 = 79: read as they are.
+        s = run.series("m", max_points=200)
+        raw = run._raw_downsample(mid, 0, 0, n - 1, 100, width=256)
+        assert s.downsampled and len(s) <= 200
+        assert s.steps == [r[0] for r in raw] == _expected_steps(points, 0, n - 1, 100, 256)
+        assert _same_values(s.values, [_nan_of(r[1]) for r in raw])
+        assert s.wall_times == [r[2] for r in raw]
+        assert _same_values(s.values, [values[k] for k in s.steps])
+        # NaN, +Inf and -Inf each sit alone in their bucket: all three survive.
+        for step in (5000, 9000, 13000, 17000):
+            assert step in s.steps
+        # since_step off a bucket edge: steps 1007..1023 of rollup bucket 3 are read raw and merged
+        # with the rollup rows. Level 256 again: 19,999 // 256 - 1007 // 256 + 1 = 78 - 3 + 1 = 76.
+        t = run.series("m", since_step=1007, max_points=200)
+        raw = run._raw_downsample(mid, 1007, 1007, n - 1, 100, width=256)
+        assert t.steps == [r[0] for r in raw] == _expected_steps(points, 1007, n - 1, 100, 256)
+        assert t.steps[0] >= 1007 and t.wall_times == [r[2] for r in raw]
+        # max_points=4: 2 buckets. Even level 4096 has 5 (19,999 // 4096 = 4), so 3 of its rows are
+        # merged per bucket: width 12,288, buckets 0 (0..12,287) and 1 (12,288..19,999).
+        u = run.series("m", max_points=4)
+        raw = run._raw_downsample(mid, 0, 0, n - 1, 2, width=3 * 4096)
+        assert u.steps == [r[0] for r in raw] == _expected_steps(points, 0, n - 1, 2, 3 * 4096)
+        assert len(u) == 4 and math.isnan(u.values[0]) and u.steps[0] == 5000  # the earliest NaN
+        # Equal-width raw buckets (old databases, short ranges) keep other extremes.
+        assert _expected_steps(points, 0, n - 1, 100, None) != s.steps
+
+    # The answer comes from the rollups: zero every raw value of a copy; downsampled reads of
+    # ranges that start on a bucket edge do not change, full reads do.
+    copy = tmp_path / "copy" / w.path.name
+    shutil.copytree(w.path, copy)
+    conn = _rw(copy / "rank0.sqlite")
+    conn.execute("UPDATE scalars SET value = 0.0")
+    conn.close()
+    with open_run(copy) as run:
+        again = run.series("m", max_points=200)
+        assert again.steps == s.steps and _same_values(again.values, s.values)
+        assert set(run.series("m").values) == {0.0}
+
+
+def test_nan_and_inf_survive_downsampling_on_both_paths(tmp_path: Path) -> None:
+    # 10,000 steps of 1.0 except: -Inf at 100 and NaN at 110 (one bucket), -Inf alone at 3000,
+    # +Inf at 5000, and NaN on every step 7000..7423.
+    special = {100: -INF, 110: NAN, 3000: -INF, 5000: INF} | {s: NAN for s in range(7000, 7424)}
+    w = create_run(root=tmp_path, name="nan", max_queue=20_000)
+    for step in range(10_000):
+        w.log_scalar("loss", step, special.get(step, 1.0))
+    w.close()
+    with open_run(w.path) as run:
+        mid = run._metric_id("loss")
+        # Rollups: 10,000 points > 8192; max_points=100 -> at most 50 buckets; level 256 has 40.
+        # Bucket 27 (6912..7167): 1.0s, NaN from 7000. Bucket 28 (7168..7423): all NaN.
+        roll = run.series("loss", max_points=100)
+        # The same from since_step=1, off a bucket edge: steps 1..255 are read raw and regrouped.
+        head = run.series("loss", since_step=1, max_points=100)
+        # Raw rows, same data: 50 equal buckets of 200 steps. Buckets 35 (7000..7199) and 36
+        # (7200..7399) are all NaN; bucket 37 (7400..7599) has NaN up to 7423.
+        raw_rows = run._raw_downsample(mid, 0, 0, 9999, 50)
+        raw = Series("loss", [r[0] for r in raw_rows], [_nan_of(r[1]) for r in raw_rows])
+        for s, nan_steps in (
+            (roll, [110, 7000, 7168]),
+            (head, [110, 7000, 7168]),
+            (raw, [110, 7000, 7200, 7400]),
+        ):
+            got = dict(zip(s.steps, s.values))
+            assert len(s) <= 100
+            # A bucket holding a NaN shows its earliest NaN, even when it also holds -Inf (NaN is its
+            # lowest; that -Inf is not shown). An all-NaN bucket shows one NaN and no "highest".
+            assert [k for k, v in got.items() if math.isnan(v)] == nan_steps
+            assert 100 not in got
+            assert got[3000] == -INF and got[5000] == INF
+            assert {v for v in s.values if not math.isnan(v)} == {-INF, INF, 1.0}
+
+
+def _nan_of(v: float | None) -> float:
+    return math.nan if v is None else v
+
+
+def _write_v1_run(folder: Path, n: int) -> list[tuple[int, float]]:
+    """A run folder as torchdebug wrote it before rollups (schema v1), by hand; returns its points."""
+    folder.mkdir(parents=True)
+    meta = {
+        "run_id": "0" * 32,
+        "name": "old",
+        "created": "2026-01-01T00:00:00+00:00",
+        "status": "finished",
+        "ended": "2026-01-01T01:00:00+00:00",
+        "rank": 0,
+        "world_size": 1,
+        "schema_version": 1,
+    }
+    (folder / "meta.json").write_text(json.dumps(meta))
+    conn = _rw(folder / "rank0.sqlite")
+    conn.execute("BEGIN")  # one commit, not one per row
+    MIGRATIONS[0](conn)  # the v1 tables, exactly as v1 created them
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', '1')")
+    conn.execute("INSERT INTO metrics(id, name) VALUES (1, 'loss')")
+    points = [(s, NAN if s == 4321 else float(s)) for s in range(n)]  # value = step: no ties
+    conn.executemany(
+        "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (1, ?, ?, ?)",
+        [(s, v, 1000.0 + s) for s, v in points],
+    )
+    conn.execute("COMMIT")
+    conn.close()
+    return points
+
+
+def test_an_old_schema_database_reads_raw_and_a_writer_migrates_it(tmp_path: Path) -> None:
+    folder = tmp_path / "old-20260101-000000"
+    points = _write_v1_run(folder, 10_000)
+    before = _snapshot(folder)
+    with open_run(folder) as run:
+        assert run.schema_version == 1 and not run.has_rollups
+        s = run.series("loss", max_points=100)
+        # Raw path: 50 equal buckets of 200 steps; value = step, so each keeps its first and last
+        # step, except bucket 21 (4200..4399) whose lowest is the NaN at 4321.
+        expected = sorted(
+            {4321 if b == 21 else 200 * b for b in range(50)} | {200 * b + 199 for b in range(50)}
+        )
+        assert s.downsampled and s.steps == expected == _expected_steps(points, 0, 9999, 50, None)
+        assert math.isnan(s.values[s.steps.index(4321)]) and s.wall_times[0] == 1000.0
+        assert len(run.series("loss")) == 10_000
+    assert _snapshot(folder) == before  # the reader migrated nothing
+
+    # A writer re-opening the run (a resume) migrates it to v2 and builds rollups of the old rows.
+    w = create_run(path=folder)
+    w.log_scalar("loss", 10_000, -1.0)
+    w.close()
+    with open_run(folder) as run:
+        assert run.schema_version == SCHEMA_VERSION and run.has_rollups
+        # level 16: 10,001 rows in 626 buckets (0..625); NaN at 4321 lands in bucket 4321 // 16 = 270.
+        rows16 = _rollups(folder, "loss", 16)
+        assert len(rows16) == 626 and sum(r[0] for r in rows16.values()) == 10_001
+        assert rows16[270] == (
+            16,
+            1,
+            4320,
+            4335,
+            sum(range(4320, 4336)) - 4321.0,
+            4320.0,
+            4320,
+            4335.0,
+            4335,
+            4321,
+        )
+        assert rows16[625] == (1, 0, 10_000, 10_000, -1.0, -1.0, 10_000, -1.0, 10_000, None)
+        s = run.series("loss", max_points=100)  # 10,001 points > 8192: rollups, level 256 (40 buckets)
+        points.append((10_000, -1.0))
+        assert s.steps == _expected_steps(points, 0, 10_000, 50, 256)
+        assert math.isnan(s.values[s.steps.index(4321)]) and s.values[-1] == -1.0
+
+
+# A step every ~0.5 ms. (A loop with no sleep at all starves the writer thread: sqlite3 releases the
+# GIL around every row it inserts and must win it back from the busy logging thread each time.)
+_KILLED_WRITER = """
+import sys, time
+from torchdebug.store import create_run
+w = create_run(root=sys.argv[1], name="killed", flush_interval=0.01)
+print(w.path, flush=True)
+step = 0
+while True:
+    w.log_scalars(step, {"a": step / 2, "b": float("nan") if step % 7 == 0 else -step})
+    step += 1
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_rollups_and_raw_rows_agree_after_sigkill(tmp_path: Path) -> None:
+    # Rollups commit in the raw rows' transaction: a process killed mid-write leaves both or neither.
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        path = Path(proc.stdout.readline().strip())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until a thousand steps are committed
+            time.sleep(0.2)
+            with open_run(path) as run:
+                if run.metric_names() and len(run.series("a")) > 1000:
+                    break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+    with open_run(path) as run:
+        for level in (16, 4096):
+            # Per (metric, bucket): rollup count and NaN count == the raw rows' own.
+            raw = run._rows(
+                "SELECT metric_id, step / ?, count(*), sum(value IS NULL) FROM scalars GROUP BY 1, 2 ORDER BY 1, 2",
+                (level,),
+            )
+            rolled = run._rows(
+                "SELECT metric_id, bucket, count, nan_count FROM metric_rollup WHERE level = ? ORDER BY 1, 2",
+                (level,),
+            )
+            assert raw == rolled and len(raw) >= 2
+
+
+def test_rollup_reads_use_the_primary_key(finished_run: Path) -> None:
+    with open_run(finished_run) as run:
+        plan = " | ".join(
+            row[-1]
+            for row in run._rows(
+                "EXPLAIN QUERY PLAN SELECT count FROM metric_rollup WHERE metric_id = 1 AND level = 64 AND bucket >= 3"
+            )
+        )
+    assert "USING PRIMARY KEY (metric_id=? AND level=? AND bucket>?)" in plan, plan

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._errors import RunStoreError, SchemaVersionError
+from . import _rollup
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -89,9 +90,16 @@ def _create_v1(conn: sqlite3.Connection) -> None:
             conn.execute(statement)
 
 
+def _add_rollups_v2(conn: sqlite3.Connection) -> None:
+    # v2: per-bucket metric summaries (see _rollup.py), built here for the raw rows a v1 writer left
+    # (a resumed run); a reader of a v1 file never migrates it and reads raw rows instead.
+    conn.execute(_rollup.CREATE)
+    _rollup.backfill(conn)
+
+
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _create_v1}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _create_v1, 1: _add_rollups_v2}
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
 

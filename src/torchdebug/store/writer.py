@@ -27,6 +27,7 @@ from typing import Any
 from .._errors import RunStoreError
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
+from . import _rollup
 from ._schema import SCHEMA_VERSION, open_for_writing
 
 STATUSES = ("running", "finished", "failed")
@@ -228,10 +229,13 @@ class _Core:
                     if rec[1] not in ids:
                         cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (rec[1],))
                         ids[rec[1]] = int(cur.lastrowid or 0)
+                rows = [(ids[n], s, v, w) for _, n, s, v, w in scalars]
                 conn.executemany(
-                    "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)",
-                    [(ids[n], s, v, w) for _, n, s, v, w in scalars],
+                    "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)", rows
                 )
+                # Same transaction as the raw rows: a crash keeps both or neither, so rollups never
+                # disagree with the rows they summarize. Cost: ~1 µs per row here, off the training thread.
+                _rollup.write(conn, rows)
             if stats:
                 conn.executemany(
                     "INSERT INTO tensor_stats(step, wall_time, name, data) VALUES (?, ?, ?, ?)", stats
@@ -350,8 +354,13 @@ class RunWriter:
     when ``batch_size`` low-priority records wait, on ``flush()`` and on ``close()``; so a killed process
     loses at most the last ~0.5 s.
 
+    Each commit also folds its metric values into per-bucket rollups (``_rollup.py``), in the same
+    transaction, so downsampled reads of long runs stay fast.
+
     Known limitations: one writer per rank database (SQLite allows one writer at a time); a forked
-    child must create its own writer.
+    child must create its own writer. A thread that logs in a tight loop doing nothing else starves
+    the writer thread (sqlite3 releases the GIL around every row and must win it back), so its
+    records commit only at ``flush()``/``close()``; a training step's own work leaves room.
     """
 
     def __init__(self, core: _Core, path: Path) -> None:
