@@ -77,6 +77,7 @@ def main() -> None:
     # warm=0: no background precompute, so the first request shows the cold cost (every metric read
     # from SQLite once); later requests only read steps newer than the cached ones.
     handle = serve(path.parent, host="127.0.0.1", port=0, warm=0)
+    cold_ms: float | None = None
     try:
         with httpx.Client(base_url=handle.url, timeout=60) as c:
             rid = path.name
@@ -95,12 +96,21 @@ def main() -> None:
                     r = c.get(url)
                     times.append(time.perf_counter() - t)
                     r.raise_for_status()
+                if cold_ms is None:
+                    cold_ms = times[0] * 1e3
                 print(
                     f"GET {label:<40} first {times[0] * 1e3:7.1f} ms   median {statistics.median(times[1:] or times) * 1e3:7.1f} ms"
                     f"   ({len(r.content) / 1e3:.0f} kB)"
                 )
     finally:
         handle.stop()
+    from torchdebug.store import open_run
+
+    with open_run(path) as run:
+        how = "rollups" if run.has_rollups else "raw rows (database written before rollups)"
+    print(
+        f"COLD /metrics (first request, all metrics, server cache empty): {cold_ms:.1f} ms  target < 200 ms  [{how}]"
+    )
     t = time.perf_counter()
     html = render_report(path, "html")
     print(f"HTML report: {time.perf_counter() - t:.2f} s ({len(html) / 1e6:.1f} MB)")

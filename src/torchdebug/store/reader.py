@@ -274,9 +274,9 @@ class Run:
         fits, so there are about ``max_points // 4`` to ``max_points // 2`` of them (never more).
 
         Example: ``run.series("loss", max_points=500).values``.
-        Cost: a full read is one indexed range scan (about 0.8 µs per point). A downsampled read of
+        Cost: a full read is one indexed range scan (about 0.5 µs per point). A downsampled read of
         a long range reads one rollup row per bucket (about 1 ms for 1000 buckets, whatever the
-        number of steps); raw bucketing costs about 0.9 µs per point.
+        number of steps); raw bucketing costs about 0.6 - 1 µs per point.
         """
         mid = self._metric_id(name)
         if since_step is not None and (isinstance(since_step, bool) or not isinstance(since_step, int)):
