@@ -161,7 +161,12 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
 
 
 def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
-    """Fold raw rows into ``metric_rollup`` inside the caller's transaction (one executemany)."""
+    """Fold raw rows into ``metric_rollup`` inside the caller's transaction (one executemany).
+
+    Cost: one upsert (~3.5 µs) per (metric, level, bucket) the rows touch, so at least one per metric
+    and level per commit: a commit holding one step of 1000 metrics spends ~35 ms here (the raw
+    rows take ~2 ms); a commit holding many steps of few metrics adds ~0.8 µs per raw row.
+    """
     params = aggregate(rows)
     if params:
         conn.executemany(UPSERT, params)
