@@ -301,3 +301,24 @@ def test_cli_report_formats_and_errors(
     assert cli_main(["report", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
     assert cli_main(["report", str(small_run), "--format", "pdf"]) == 2
+
+
+def test_run_report_method_matches_render_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import torchdebug as td
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with td.watch(model, opt, run=tmp_path, config=td.DebugConfig(mode="anomaly_detection")) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    run = td.open_run(mon.run_dir)
+    text = run.report()
+    assert isinstance(text, str) and text == td.render_report(run, format="text")
+    out = tmp_path / "r.json"
+    assert run.report("json", path=out) == out.read_text()
