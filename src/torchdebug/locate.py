@@ -992,11 +992,16 @@ def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | No
     return mapping.get(id(cap.loss))  # None: the loss was not made by recorded calls
 
 
+_ACCESSORS = ("__get__", "__set__", "__delete__")
+
+
 class LossTape(TorchFunctionMode):
     """Records the torch calls made between the model's forward and ``backward`` (the loss code).
 
-    Bounded: at most ``limit`` calls; beyond that the tape is marked incomplete and replay falls back
-    to the gradient captured at the model's outputs. Cost: one stack walk per recorded call.
+    Only calls that return tensors are kept (property reads and writes such as ``optimizer.zero_grad()``
+    touching ``p.grad``, and ``.item()``, are not the loss's making). Bounded: at most ``limit`` calls;
+    beyond that the tape is marked incomplete and replay falls back to the gradient captured at the
+    model's outputs. Cost: the mode's dispatch plus one short frame walk per recorded call.
     """
 
     def __init__(self, cap: StepCapture, limit: int = 64) -> None:
@@ -1006,16 +1011,20 @@ class LossTape(TorchFunctionMode):
         self.recording = True
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        res = func(*args, **kwargs)
-        if self.recording and func not in (torch.Tensor.backward, torch.autograd.backward):
-            cap = self.cap()
-            if cap is None:
-                self.recording = False
-            elif len(cap.tape) >= self.limit:
-                cap.tape_complete = False
-                self.recording = False
-            else:
-                # raw frames only: formatting (relpath) waits for a replay that needs it
-                cap.tape.append((func, types, args, kwargs, raw_user_frames(sys._getframe(1), 4), res))
+        res = func(*args, **(kwargs or {}))
+        if not self.recording or getattr(func, "__name__", "") in _ACCESSORS:
+            return res
+        if not (isinstance(res, torch.Tensor) or (isinstance(res, (tuple, list)) and tensor_leaves(res))):
+            return res
+        if func in (torch.Tensor.backward, torch.autograd.backward):
+            return res
+        cap = self.cap()
+        if cap is None:
+            self.recording = False
+        elif len(cap.tape) >= self.limit:
+            cap.tape_complete = False
+            self.recording = False
+        else:
+            # the innermost user frame only, raw: formatting (relpath) waits for a replay that needs it
+            cap.tape.append((func, types, args, kwargs or {}, raw_user_frames(sys._getframe(1), 1), res))
         return res
