@@ -419,3 +419,24 @@ def test_two_optimizers_share_one_transfer_and_both_are_guarded() -> None:
             mon.step()
     assert (ei.value.anomaly.step, ei.value.anomaly.phase) == (2, "input")
     assert all(torch.isfinite(p).all() for p in model.parameters())  # raised before opt1 updated anything
+
+
+def test_parameter_whose_sum_overflows_is_not_an_anomaly() -> None:
+    # The CPU probe after the update is a float32 sum per parameter: 2 x 3e38 overflows to inf although
+    # every element is finite. The exact check on flagged parameters clears it.
+    model = fx.MLP()
+    with torch.no_grad():
+        model.fc1.weight[0, :2] = 3e38
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # fc1 is watched but unused by the forward below
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+            for _ in range(3):
+                model.fc2(torch.randn(2, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+    assert not mon.anomalies
+    from torchdebug.monitor import _finite_probe
+
+    assert _finite_probe([model.fc1.weight]).isinf().all()  # the probe did flag it: the exact check cleared it

@@ -58,13 +58,38 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor L2 norms as one float32 device tensor; no host sync."""
-    try:
-        from .stats import foreach_norms
+    """Per-tensor L2 norms as one float32 device tensor; no host sync.
 
-        return foreach_norms(tensors)
-    except ImportError:
-        return torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors])
+    Hot path: all dense float32 on one device (the common case) goes straight to the fused
+    ``torch._foreach_norm``; anything else through :func:`torchdebug.stats.foreach_norms`.
+    """
+    first = tensors[0]
+    if all(
+        t.dtype is torch.float32 and t.device == first.device and t.layout is torch.strided for t in tensors
+    ):
+        with torch.no_grad():
+            return torch.stack(torch._foreach_norm(tensors))
+    from .stats import foreach_norms
+
+    return foreach_norms(tensors)
+
+
+def _finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 per tensor that is finite iff the tensor is (a false alarm is possible: see below).
+
+    CPU: a plain sum per tensor, one memory pass and about half the cost of a norm; a finite sum
+    proves every element finite. A sum of finite values that overflows reads as non-finite: the
+    caller confirms flagged tensors exactly. Accelerators: the fused foreach norm (one kernel).
+    """
+    if tensors[0].device.type != "cpu":
+        return _foreach_norms(tensors)
+    with torch.no_grad():
+        return torch.stack(
+            [
+                t.sum(dtype=torch.float32) if t.is_floating_point() else t.new_zeros((), dtype=torch.float32)
+                for t in tensors
+            ]
+        )
 
 
 # -- global patches, installed while at least one monitor is active -----------------------------------
@@ -525,7 +550,7 @@ class Monitor:
             and loss.is_floating_point()
             and (self._sentinel or "gradients" in self._enabled)
         ):
-            self._loss_vals.append(loss.detach().float().mean())
+            self._loss_vals.append(loss.detach())  # reduced and cast in the step's transfer
         self._each("on_backward_start", loss)
 
     def _on_backward_end(self) -> None:
@@ -585,7 +610,7 @@ class Monitor:
         if self._sentinel and not self._skipped and self._step_anomaly is None:
             # checked on the device now, read with the next transfer (no extra sync). Skipped when this
             # step's gradients were already flagged: non-finite weights are then their consequence.
-            self._deferred["param_norms"] = _foreach_norms([p.detach() for p in self.params])
+            self._deferred["param_norms"] = _finite_probe(self.params)
             self._deferred_step = int(self.step)
         self._each("after_optimizer_step")
 
@@ -601,7 +626,7 @@ class Monitor:
             tensors.append(t)
 
         for i, lv in enumerate(self._loss_vals):
-            add(f"_loss#{i}", lv)
+            add(f"_loss#{i}", lv if lv.numel() == 1 else lv.float().mean())  # a non-scalar loss: its mean
         if self._norms is not None:
             add("_gnorm", self._norms)
         for i, b in enumerate(self._micro_bad):
@@ -666,7 +691,9 @@ class Monitor:
             bad = [
                 self.param_names[i]
                 for i, x in enumerate(pn)
-                if not math.isfinite(x) and i < len(self.param_names)
+                if not math.isfinite(x)
+                and i < len(self.params)
+                and not bool(torch.isfinite(self.params[i].detach()).all())  # exact: rare path only
             ]
             step = self._deferred_step
             self._deferred.clear()
@@ -851,7 +878,7 @@ class Monitor:
         if self._sentinel and not self._synced:
             if not self._opt_ran and self.optimizer is None and not self._adopted:
                 # no optimizer hook: the user's update already ran, check the parameters in this same transfer
-                self._deferred["param_norms"] = _foreach_norms([p.detach() for p in self.params])
+                self._deferred["param_norms"] = _finite_probe(self.params)
                 self._deferred_step = int(self.step)
             self._sync()
             self._check_gradients(at_optimizer=False)
