@@ -440,3 +440,27 @@ def test_parameter_whose_sum_overflows_is_not_an_anomaly() -> None:
     from torchdebug.monitor import _finite_probe
 
     assert _finite_probe([model.fc1.weight]).isinf().all()  # the probe did flag it: the exact check cleared it
+
+
+def test_sentinel_only_gradient_probe_overflow_is_not_an_anomaly() -> None:
+    # sentinel-only mode probes gradients with a float32 sum: 8 gradients of 1e38 sum to inf (8e38 >
+    # 3.4e38) although each is finite; the exact check clears it, and no grad_norm is reported
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, c: torch.Tensor) -> torch.Tensor:
+            return (self.p * c).sum()
+
+    model = Scale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+            for _ in range(2):
+                model(torch.full((8,), 1e38)).backward()
+                opt.step()
+                opt.zero_grad()
+                rec = mon.step()
+    assert not mon.anomalies and rec.grad_norm is None and rec.values["grad_nonfinite"] == 0.0

@@ -480,6 +480,8 @@ class Monitor:
         self._micro_bad: list[torch.Tensor] = []
         self._norms: torch.Tensor | None = None
         self._norm_index: list[int] = []
+        self._norms_probe = False
+        self._micro_bad_cleared = False  # the probe flagged an overflowing sum that the exact check cleared
         self._synced = False
         self._values: dict[str, float] = {}
         self._opt_ran = False
@@ -559,8 +561,11 @@ class Monitor:
         if self._sentinel or "gradients" in self._enabled:
             idx = [i for i, p in enumerate(self.params) if p.grad is not None]
             if idx:
-                norms = _foreach_norms([self.params[i].grad for i in idx])  # type: ignore[misc]
-                self._norms, self._norm_index = norms, idx
+                grads = [self.params[i].grad for i in idx]
+                # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
+                probe = "gradients" not in self._enabled
+                norms = _finite_probe(grads) if probe else _foreach_norms(grads)  # type: ignore[arg-type]
+                self._norms, self._norm_index, self._norms_probe = norms, idx, probe
                 self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
         self._each("on_backward_end")
 
@@ -675,15 +680,25 @@ class Monitor:
             per = [0.0] * len(self.params)
             for j, i in enumerate(self._norm_index):
                 per[i] = gn[j]
-            self.grad_norms_host = per
-            total = (
-                math.sqrt(sum(x * x for x in gn))
-                if all(math.isfinite(x) for x in gn)
-                else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
-            )
-            v["grad_norm"] = total
-            v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
-            self.grad_norm_host = total
+            if self._norms_probe:  # sums, not norms: keep only what they prove (finiteness), confirmed
+                per = [x if math.isfinite(x) or not self._grad_finite(i) else 0.0 for i, x in enumerate(per)]
+                gn = [per[i] for i in self._norm_index]
+                self.grad_norms_host = per
+                v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
+                if not v["grad_nonfinite"]:
+                    self._micro_bad_cleared = True
+                gn = []  # no norm to report
+            else:
+                self.grad_norms_host = per
+            if gn:
+                total = (
+                    math.sqrt(sum(x * x for x in gn))
+                    if all(math.isfinite(x) for x in gn)
+                    else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
+                )
+                v["grad_norm"] = total
+                v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
+                self.grad_norm_host = total
         if "_scale" in v:
             v["amp_scale"] = v["_scale"]
         pn = [v[k] for k in sorted((k for k in v if k.startswith("_def_param_norms")), key=_suffix)]
@@ -708,10 +723,15 @@ class Monitor:
             self._sync()
 
     # -- detection ---------------------------------------------------------------------------------
+    def _grad_finite(self, i: int) -> bool:
+        """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it)."""
+        g = self.params[i].grad
+        return g is None or bool(torch.isfinite(g).all())
+
     def _grads_bad(self) -> bool:
         v = self._values
         loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
-        mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#"))
+        mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self._micro_bad_cleared
         return loss_bad or mbad
 
     def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
