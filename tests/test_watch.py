@@ -451,7 +451,7 @@ def test_sentinel_only_gradient_probe_overflow_is_not_an_anomaly() -> None:
             self.p = torch.nn.Parameter(torch.ones(8))
 
         def forward(self, c: torch.Tensor) -> torch.Tensor:
-            return (self.p * c).sum()
+            return ((self.p - 1.0) * c).sum()  # 0 at p = 1, while each gradient is c = 1e38
 
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
