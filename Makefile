@@ -34,7 +34,10 @@ lint: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/fault_suite.py
+	$(BIN)/python benchmarks/memory_timing_overhead.py
 	$(BIN)/python benchmarks/store_throughput.py
+	$(BIN)/python benchmarks/dashboard_api.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
