@@ -439,7 +439,9 @@ def test_parameter_whose_sum_overflows_is_not_an_anomaly() -> None:
     assert not mon.anomalies
     from torchdebug.monitor import _finite_probe
 
-    assert _finite_probe([model.fc1.weight]).isinf().all()  # the probe did flag it: the exact check cleared it
+    assert (
+        _finite_probe([model.fc1.weight]).isinf().all()
+    )  # the probe did flag it: the exact check cleared it
 
 
 def test_sentinel_only_gradient_probe_overflow_is_not_an_anomaly() -> None:
