@@ -299,18 +299,25 @@ def test_live_monitor_level_and_clear(tmp_path: Path) -> None:
         with serve(mon, port=0) as h, httpx.Client(base_url=h.url) as c:
             r = c.post("/training-logs/debug/level/EXPERT")
             assert r.status_code == 200 and r.json()["level"] == "expert"
+            assert mon.config.level.value == "intermediate"  # applied on the training thread, in step()
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
             assert mon.config.level.value == "expert"
+            assert "ModuleTimeInstrument" in {type(i).__name__ for i in mon.instruments}  # expert-only
             bad = c.post("/training-logs/debug/level/ludicrous")
             assert _error(bad, 422) == "unknown debug level 'ludicrous'"
             assert bad.json()["allowed"] == ["basic", "intermediate", "advanced", "expert"]
-            assert c.get("/training-logs/debug/training/summary").json()["total_steps"] == 3
+            assert c.get("/training-logs/debug/training/summary").json()["total_steps"] == 4
             assert c.post("/training-logs/debug/clear").json()["status"] == "ok"
             assert c.get("/training-logs/debug/training/summary").json()["total_steps"] == 0
             mon.writer.flush()
             rid = mon.run_dir.name
             segs = c.get(f"/api/runs/{rid}").json()["segments"]
-            # one new segment after the 3 recorded steps (0..2); its exact start is the monitor's choice
-            assert len(segs) == 1 and segs[0]["start_step"] >= 3
+            # one new segment after the 4 recorded steps (0..3), starting at the next step
+            assert len(segs) == 1 and segs[0]["start_step"] == 4
             events = c.get(f"/api/runs/{rid}/events", params={"kind": "level_change"}).json()["events"]
             assert [e["data"]["level"] for e in events] == ["expert"]
             assert (
@@ -319,7 +326,7 @@ def test_live_monitor_level_and_clear(tmp_path: Path) -> None:
                         "steps"
                     ]
                 )
-                == 3
+                == 4
             )
 
 

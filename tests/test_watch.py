@@ -466,3 +466,39 @@ def test_sentinel_only_gradient_probe_overflow_is_not_an_anomaly() -> None:
                 opt.zero_grad()
                 rec = mon.step()
     assert not mon.anomalies and rec.grad_norm is None and rec.values["grad_nonfinite"] == 0.0
+
+
+def test_unwritable_run_folder_warns_and_training_goes_on(tmp_path: object) -> None:
+    import pathlib
+
+    blocker = pathlib.Path(str(tmp_path)) / "not-a-folder"
+    blocker.write_text("a file where the runs folder should be")
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with (
+        pytest.warns(td.TorchDebugWarning, match="recording is off for this session"),
+        td.watch(model, opt, run=blocker, config=SENTINEL_ONLY) as mon,
+    ):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        mon.step()
+    assert mon.writer is None and mon.run_dir is None and int(mon.step) == 1
+
+
+def test_instrument_whose_constructor_fails_is_the_only_one_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchdebug.instruments import timing
+
+    def boom(self: object) -> None:
+        raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(timing.TimingInstrument, "__init__", boom)
+    model = fx.MLP()
+    cfg = td.DebugConfig(mode="full_debug", level="basic")
+    with (
+        pytest.warns(td.TorchDebugWarning, match="instrument 'timing' failed and was switched off"),
+        td.watch(model, run=False, config=cfg) as mon,
+    ):
+        names = sorted(type(i).__name__ for i in mon.instruments)
+    assert names == ["GradientHealth", "MemoryInstrument"]

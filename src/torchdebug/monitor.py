@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ._config import DebugConfig, DebugLevel, coerce_config
-from ._errors import NonFiniteError, TorchDebugWarning
+from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
 from ._trees import tensor_leaves
 from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
@@ -258,6 +258,7 @@ class Monitor:
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
+        self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -294,22 +295,43 @@ class Monitor:
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
-        for name in sorted(self._enabled | ({"tensorboard"} if self.config.tensorboard else set())):
-            spec = _INSTRUMENTS.get(name)
-            if spec is None:
-                continue
-            try:
-                cls = getattr(importlib.import_module(spec[0]), spec[1])
-            except (ImportError, AttributeError):
-                continue  # instrument not available in this build / missing extra
-            if any(type(i) is cls for i in self.instruments):
-                continue
-            try:
-                inst = cls()
-                self.instruments.append(inst)
-                self._call(inst, "install")
-            except Exception as exc:
-                self._disable(inst if "inst" in locals() else cls, exc)
+        for name in sorted(self._wanted()):
+            self._build_instrument(name)
+
+    def _wanted(self) -> set[str]:
+        return set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
+
+    def _build_instrument(self, name: str) -> None:
+        spec = _INSTRUMENTS.get(name)
+        if spec is None:
+            return  # handled inside another instrument (gradient_details, activations) or by the monitor
+        try:
+            cls = getattr(importlib.import_module(spec[0]), spec[1])
+        except (ImportError, AttributeError):
+            return  # not available in this build, or its extra is not installed
+        if any(type(i) is cls for i in self.instruments):
+            return
+        try:
+            inst = cls()
+        except Exception as exc:
+            self._disable(cls, exc)
+            return
+        self.instruments.append(inst)
+        self._call(inst, "install")
+
+    def _apply_level(self, level: DebugLevel) -> None:
+        """Switch the instruments to a new level (on the training thread, between steps)."""
+        self.config = self.config.replace(level=level)
+        self._enabled = self.config.instruments()
+        self._sentinel = "nonfinite" in self._enabled
+        ours = {spec[1] for spec in _INSTRUMENTS.values()}
+        for inst in [i for i in self.instruments if type(i).__name__ in ours]:
+            self.instruments.remove(inst)  # rebuilt below: their depth follows the level
+            with contextlib.suppress(Exception):
+                if hasattr(inst, "remove"):
+                    inst.remove(self)
+        for name in sorted(self._wanted()):
+            self._build_instrument(name)
 
     def _teardown(self, exc: BaseException | None) -> None:
         if self._closed:
@@ -349,7 +371,18 @@ class Monitor:
             root = os.fspath(run) if run is not None else self.config.run_dir
             name = self.config.run_name or type(self.model).__name__.lower()
             cfg = self.config.to_dict()
-            self.writer = create_run(root=root, name=name, config=cfg, rank=self.rank)
+            try:
+                self.writer = create_run(root=root, name=name, config=cfg, rank=self.rank)
+            except (OSError, RunStoreError) as exc:
+                # recording is a convenience: training goes on without a run folder
+                warnings.warn(
+                    TorchDebugWarning(
+                        f"torchdebug: cannot create a run under {root!r} ({exc}); recording is off for this "
+                        "session. Pass run=<writable folder> or run=False."
+                    ),
+                    stacklevel=4,
+                )
+                return
             self._owns_writer = True
         self.run_dir = Path(self.writer.path) if getattr(self.writer, "path", None) is not None else None
 
@@ -442,9 +475,13 @@ class Monitor:
 
     # -- live control (dashboard) ----------------------------------------------------------------
     def set_level(self, level: str | DebugLevel) -> DebugLevel:
-        """Switch the debug level of the live session; instruments follow from the next step."""
+        """Switch the debug level of the live session; instruments follow at the end of the next step.
+
+        Safe to call from another thread (the dashboard's): the switch itself happens on the training
+        thread inside ``mon.step()``. Raises ``ValueError`` for an unknown level, listing the allowed.
+        """
         lv = DebugLevel(level) if not isinstance(level, DebugLevel) else level
-        self.config = self.config.replace(level=lv)
+        self._pending_level = lv
         self.level_overrides.append(lv.value)
         if self.writer is not None:
             self.writer.log_event(
@@ -951,6 +988,9 @@ class Monitor:
                 self.writer.log_scalars(int(self.step), scalars)
         self._each("on_step_end", record, v)
         self.records.append(record)
+        if self._pending_level is not None:
+            level, self._pending_level = self._pending_level, None
+            self._apply_level(level)
         self.step = _StepCounter(int(self.step) + 1, self)
         self._reset_step_state()
         self._last_step_end = time.perf_counter()
