@@ -502,3 +502,22 @@ def test_instrument_whose_constructor_fails_is_the_only_one_switched_off(
     ):
         names = sorted(type(i).__name__ for i in mon.instruments)
     assert names == ["GradientHealth", "MemoryInstrument"]
+
+
+def test_loss_tape_under_a_user_mode_is_lifted_out_at_exit() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class UserMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    model = fx.MLP()
+    user = UserMode()
+    with td.watch(model, run=False, config=SENTINEL_ONLY):
+        model(torch.randn(2, 8))  # the loss tape is pushed after the forward
+        user.__enter__()  # the user pushes a mode on top and keeps it past the session
+    assert torch._C._len_torch_function_stack() == 1
+    from torch.overrides import _get_current_function_mode
+
+    assert _get_current_function_mode() is user
+    user.__exit__(None, None, None)

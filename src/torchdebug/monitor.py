@@ -337,7 +337,7 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
-        self._pop_tape()
+        self._pop_tape(force=True)
         for h in self._handles:
             with contextlib.suppress(Exception):
                 h.remove()
@@ -565,7 +565,7 @@ class Monitor:
                 self._tape.__enter__()
         self._each("on_forward_end", module, output)
 
-    def _pop_tape(self) -> None:
+    def _pop_tape(self, force: bool = False) -> None:
         tape = self._tape
         if tape is None:
             return
@@ -574,6 +574,9 @@ class Monitor:
 
         if _get_current_function_mode() is tape:
             tape.__exit__(None, None, None)
+            self._tape = None
+        elif force:
+            _lift_mode(tape)  # the session ends: take it out from under the user's modes
             self._tape = None
         # else: another mode sits on top; the tape stays as a pass-through until it can be popped
 
@@ -995,6 +998,19 @@ class Monitor:
         self._reset_step_state()
         self._last_step_end = time.perf_counter()
         return record
+
+
+def _lift_mode(mode: Any) -> None:
+    """Remove ``mode`` from the torch-function mode stack even when others sit above it (kept in order)."""
+    stack = torch._C
+    above = []
+    while stack._len_torch_function_stack() > 0:
+        top = stack._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        stack._push_on_torch_function_stack(m)
 
 
 def _suffix(key: str) -> int:
