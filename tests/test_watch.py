@@ -521,3 +521,31 @@ def test_loss_tape_under_a_user_mode_is_lifted_out_at_exit() -> None:
 
     assert _get_current_function_mode() is user
     user.__exit__(None, None, None)
+
+
+def test_gradient_norm_overflow_is_confirmed_and_reported_exactly() -> None:
+    # 8 gradients of 1e20: their float32 squares (1e40) overflow, so the fast norm reads inf. The
+    # exact check finds them finite and the norm is recomputed in float64: 1e20 * sqrt(8).
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, c: torch.Tensor) -> torch.Tensor:
+            return ((self.p - 1.0) * c).sum()
+
+    model = Scale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    cfg = td.DebugConfig(mode="gradient_checking", level="basic", explode_abs=1e30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with td.watch(model, opt, run=False, config=cfg) as mon:
+            model(torch.full((8,), 1e20)).backward()
+            expected = float(torch.linalg.vector_norm(model.p.grad.double()))  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad()
+            rec = mon.step()
+    assert not mon.anomalies and rec.values["grad_nonfinite"] == 0.0
+    assert rec.grad_norm == pytest.approx(expected, rel=1e-12) and expected == pytest.approx(
+        1e20 * 8**0.5, rel=1e-6
+    )

@@ -60,14 +60,19 @@ _ORIGINALS: dict[str, Any] = {}
 def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms as one float32 device tensor; no host sync.
 
-    Hot path: all dense float32 on one device (the common case) goes straight to the fused
-    ``torch._foreach_norm``; anything else through :func:`torchdebug.stats.foreach_norms`.
+    Hot path: all dense float32 on one device (the common case): a BLAS dot per tensor on CPU,
+    the fused ``torch._foreach_norm`` elsewhere; anything else through
+    :func:`torchdebug.stats.foreach_norms`. Callers confirm non-finite entries exactly.
     """
     first = tensors[0]
     if all(
         t.dtype is torch.float32 and t.device == first.device and t.layout is torch.strided for t in tensors
     ):
         with torch.no_grad():
+            if first.device.type == "cpu" and all(t.is_contiguous() for t in tensors):
+                # CPU: a BLAS dot per tensor is ~1.6x faster than the foreach norm (which is not fused
+                # there); its float32 sum of squares can overflow: callers confirm non-finite entries
+                return torch.stack([torch.dot(t.view(-1), t.view(-1)) for t in tensors]).sqrt()
             return torch.stack(torch._foreach_norm(tensors))
     from .stats import foreach_norms
 
@@ -715,21 +720,26 @@ class Monitor:
                 v[f"_gnorm#{i}"] if f"_gnorm#{i}" in v else v.get("_gnorm", 0.0)
                 for i in range(len(self._norm_index))
             ]
-            if scale and scaler_on:  # measured after backward on the scaled gradients: report true norms
-                gn = [x / scale for x in gn]
             per = [0.0] * len(self.params)
             for j, i in enumerate(self._norm_index):
                 per[i] = gn[j]
-            if self._norms_probe:  # sums, not norms: keep only what they prove (finiteness), confirmed
-                per = [x if math.isfinite(x) or not self._grad_finite(i) else 0.0 for i, x in enumerate(per)]
-                gn = [per[i] for i in self._norm_index]
-                self.grad_norms_host = per
-                v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
-                if not v["grad_nonfinite"]:
-                    self._micro_bad_cleared = True
-                gn = []  # no norm to report
-            else:
-                self.grad_norms_host = per
+            # A float32 sum (probe) or sum of squares (norm) of finite values can overflow: confirm
+            # every non-finite entry exactly before it counts (a host read, on this rare path only).
+            for i in [i for i in self._norm_index if not math.isfinite(per[i])]:
+                if self._grad_finite(i):
+                    g = self.params[i].grad
+                    per[i] = (
+                        0.0 if self._norms_probe or g is None else float(torch.linalg.vector_norm(g.double()))
+                    )
+            if scale and scaler_on:  # measured after backward on the scaled gradients: report true norms
+                per = [x / scale for x in per]
+            gn = [per[i] for i in self._norm_index]
+            self.grad_norms_host = per
+            v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
+            if not v["grad_nonfinite"]:
+                self._micro_bad_cleared = True
+            if self._norms_probe:
+                gn = []  # sums, not norms: nothing to report beyond finiteness
             if gn:
                 total = (
                     math.sqrt(sum(x * x for x in gn))
@@ -737,7 +747,6 @@ class Monitor:
                     else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
                 )
                 v["grad_norm"] = total
-                v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
                 self.grad_norm_host = total
         if "_scale" in v:
             v["amp_scale"] = v["_scale"]
