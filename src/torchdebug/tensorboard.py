@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .events import module_label
+from .report._format import anomaly_rows
 
 TENSORBOARD_EXTRA = "pip install 'torchdebug[tensorboard]'"
 
@@ -40,11 +40,7 @@ def _summary_writer(logdir: str | os.PathLike[str], flush_secs: int = 10) -> Any
 def anomaly_markdown(a: Mapping[str, Any]) -> str:
     """An anomaly document as TensorBoard markdown: summary line, then phase/module/op/line/hint."""
     rows = [
-        ("phase", a.get("phase")),
-        ("module", module_label(str(a.get("module") or ""), str(a.get("module_type") or "") or None)),
-        ("parameter", a.get("parameter")),
-        ("op", a.get("op")),
-        ("line", a.get("location")),
+        *anomaly_rows(a),
         ("hint", a.get("hint")),
     ]
     body = "  \n".join(f"**{k}**: `{v}`" for k, v in rows if v not in (None, ""))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from ..events import module_label
 
 # Rule-event categories used by the summary counters (report and seed endpoints). The instruments
 # name their events in snake_case; we classify by substrings so new kinds land somewhere sensible.
@@ -59,6 +61,17 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def anomaly_rows(a: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The rows every anomaly card starts with: phase, module (labelled), parameter, op, line."""
+    return [
+        ("phase", a.get("phase")),
+        ("module", module_label(str(a.get("module") or ""), str(a.get("module_type") or "") or None)),
+        ("parameter", a.get("parameter")),
+        ("op", a.get("op")),
+        ("line", a.get("location")),
+    ]
 
 
 def fmt_num(x: Any) -> str:

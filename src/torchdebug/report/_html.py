@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..events import module_label
-from ._format import fmt_bytes, fmt_num, fmt_seconds, json_safe
+from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, json_safe
 
 _CSS = """
 :root { --fg:#1d2330; --muted:#5b6475; --line:#dde1e8; --bg:#f6f7f9; --card:#fff; --bad:#c62828; --warn:#ef6c00; }
@@ -115,11 +115,7 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
     out = []
     for a in anomalies:
         rows = [
-            ("phase", a.get("phase")),
-            ("module", module_label(str(a.get("module") or ""), str(a.get("module_type") or "") or None)),
-            ("parameter", a.get("parameter")),
-            ("op", a.get("op")),
-            ("line", a.get("location")),
+            *anomaly_rows(a),
             (
                 "step",
                 a.get("step")

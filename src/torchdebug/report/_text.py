@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import module_label
-from ._format import fmt_bytes, fmt_num, fmt_seconds, natural_key
+from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, natural_key
 
 _RULE = "-" * 78
 
@@ -14,11 +14,7 @@ _RULE = "-" * 78
 def _anomaly_card(a: Mapping[str, Any]) -> list[str]:
     lines = [f"* {a.get('summary') or a.get('kind')}"]
     rows = [
-        ("phase", a.get("phase")),
-        ("module", module_label(str(a.get("module") or ""), str(a.get("module_type") or "") or None)),
-        ("parameter", a.get("parameter")),
-        ("op", a.get("op")),
-        ("line", a.get("location")),
+        *anomaly_rows(a),
         ("step", a.get("step")),
         ("noticed", a.get("symptom")),
         ("hint", a.get("hint")),
