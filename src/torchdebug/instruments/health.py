@@ -31,6 +31,25 @@ LOSS_REL_FLOOR = 1e-2
 TOP_K = 3
 
 
+def fire_once(
+    active: set[str], values: Mapping[str, float], unhealthy: Callable[[float], bool]
+) -> dict[str, float]:
+    """The keys whose value turned unhealthy at this check, once per episode.
+
+    ``active`` holds the keys inside an episode; a key leaves it (and can fire again) when its value
+    is healthy again. Keys absent from ``values`` keep their state.
+    """
+    fired: dict[str, float] = {}
+    for key, value in values.items():
+        if unhealthy(value):
+            if key not in active:
+                active.add(key)
+                fired[key] = value
+        else:
+            active.discard(key)
+    return fired
+
+
 def owner(param_name: str) -> str:
     """Qualified name of the module owning a parameter: ``"blocks.0.fc.weight" -> "blocks.0.fc"``."""
     return param_name.rpartition(".")[0]
@@ -489,14 +508,7 @@ class DeadUnitRule:
 
     def update(self, step: int, dead: Mapping[str, float]) -> RuleEvent | None:
         """Feed per-layer dead fractions of one detail check."""
-        fired = {}
-        for layer, frac in dead.items():
-            if frac > self.fraction:
-                if layer not in self.active:
-                    self.active.add(layer)
-                    fired[layer] = frac
-            else:
-                self.active.discard(layer)
+        fired = fire_once(self.active, dead, lambda frac: frac > self.fraction)
         if not fired:
             return None
         self.count += len(fired)
@@ -531,16 +543,8 @@ class UpdateRatioRule:
 
     def update(self, step: int, ratios: Mapping[str, float], ndims: Mapping[str, int]) -> RuleEvent | None:
         """Feed per-parameter update/weight ratios of one detail check and the parameters' ``ndim``."""
-        fired = {}
-        for name, r in ratios.items():
-            if ndims.get(name, 0) < 2 or r == 0 or r != r:
-                continue
-            if r < self.lo or r > self.hi:
-                if name not in self.active:
-                    self.active.add(name)
-                    fired[name] = r
-            else:
-                self.active.discard(name)
+        judged = {n: r for n, r in ratios.items() if ndims.get(n, 0) >= 2 and r != 0 and r == r}  # no NaN
+        fired = fire_once(self.active, judged, lambda r: r < self.lo or r > self.hi)
         if not fired:
             return None
         self.count += len(fired)
