@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from ._errors import ConfigError
 
@@ -47,6 +47,18 @@ def _normalise(value: str) -> str:
     return value.strip().lower().replace("-", "_")
 
 
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _member(cls: type[_E], value: object, aliases: Mapping[str, str] | None = None) -> _E | None:
+    """The member whose value matches a string case-insensitively (``-`` as ``_``), after aliases."""
+    if not isinstance(value, str):
+        return None
+    key = _normalise(value)
+    key = (aliases or {}).get(key, key)
+    return next((m for m in cls if m.value == key), None)
+
+
 class DebugMode(str, enum.Enum):
     """Which areas are instrumented; see ``DebugConfig`` for the table. Strings match case-insensitively."""
 
@@ -60,12 +72,7 @@ class DebugMode(str, enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> DebugMode | None:
-        if isinstance(value, str):
-            key = _normalise(value)
-            for member in cls:
-                if member.value == key:
-                    return member
-        return None
+        return _member(cls, value)
 
     def __str__(self) -> str:
         return self.value
@@ -85,14 +92,7 @@ class DebugLevel(str, enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> DebugLevel | None:
-        if isinstance(value, str):
-            key = _normalise(value)
-            if key == "extreme":
-                return cls.EXPERT
-            for member in cls:
-                if member.value == key:
-                    return member
-        return None
+        return _member(cls, value, aliases={"extreme": "expert"})
 
     def __str__(self) -> str:
         return self.value
