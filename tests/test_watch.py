@@ -549,3 +549,30 @@ def test_gradient_norm_overflow_is_confirmed_and_reported_exactly() -> None:
     assert rec.grad_norm == pytest.approx(expected, rel=1e-12) and expected == pytest.approx(
         1e20 * 8**0.5, rel=1e-6
     )
+
+
+def test_numbers_collected_after_the_update_are_read_like_the_first_transfer() -> None:
+    # an instrument collecting after the optimizer step (a detail step) hands a 2-element tensor and a
+    # plain float: the second transfer names them like the first one does (name#0, name#1)
+    class AfterUpdate:
+        name = "after"
+
+        def __init__(self) -> None:
+            self.pending: dict[str, object] = {}
+
+        def after_optimizer_step(self, mon: td.Monitor) -> None:
+            self.pending = {"pair": torch.tensor([1.5, 2.5]), "plain": 3}
+
+        def collect(self, mon: td.Monitor) -> dict[str, object]:
+            out, self.pending = self.pending, {}
+            return out
+
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = td.watch(model, opt, run=False, config=SENTINEL_ONLY)
+    mon.instruments.append(AfterUpdate())
+    with mon:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        rec = mon.step()
+    assert (rec.values["pair#0"], rec.values["pair#1"], rec.values["plain"]) == (1.5, 2.5, 3.0)

@@ -665,45 +665,36 @@ class Monitor:
         self._each("after_optimizer_step")
 
     # -- the one transfer --------------------------------------------------------------------------
+    def _collect(self) -> list[tuple[str, torch.Tensor]]:
+        """The instruments' device numbers; plain numbers they hand over go straight into the values."""
+        items: list[tuple[str, torch.Tensor]] = []
+        for inst in list(self.instruments):
+            for k, v in (self._call(inst, "collect") or {}).items():
+                if isinstance(v, torch.Tensor):
+                    items.append((k, v))
+                else:
+                    self._values[k] = float(v)
+        return items
+
     def _sync(self) -> None:
         """Stack every pending device number and read them with ONE host transfer."""
-        names: list[str] = []
-        tensors: list[torch.Tensor] = []
-
-        def add(name: str, t: torch.Tensor) -> None:
-            t = t.detach().reshape(-1).float()
-            names.append(name) if t.numel() == 1 else names.extend(f"{name}#{i}" for i in range(t.numel()))
-            tensors.append(t)
-
+        items: list[tuple[str, torch.Tensor]] = []
         for i, lv in enumerate(self._loss_vals):
-            add(f"_loss#{i}", lv if lv.numel() == 1 else lv.float().mean())  # a non-scalar loss: its mean
+            items.append((f"_loss#{i}", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
         if self._norms is not None:
-            add("_gnorm", self._norms)
-        for i, b in enumerate(self._micro_bad):
-            add(f"_mbad#{i}", b)
-        if self._deferred:
-            for k, v in self._deferred.items():
-                add(f"_def_{k}", v)
+            items.append(("_gnorm", self._norms))
+        items += [(f"_mbad#{i}", b) for i, b in enumerate(self._micro_bad)]
+        items += [(f"_def_{k}", v) for k, v in self._deferred.items()]
         scale_t = self._scale_used
         if scale_t is None and self.scaler is not None:
             scale_t = getattr(self.scaler, "_scale", None)
         if isinstance(scale_t, torch.Tensor):
-            add("_scale", scale_t)
-        for inst in list(self.instruments):
-            got = self._call(inst, "collect")
-            if got:
-                for k, v in got.items():
-                    if isinstance(v, torch.Tensor):
-                        add(k, v)
-                    else:
-                        self._values[k] = float(v)
+            items.append(("_scale", scale_t))
+        items += self._collect()
         self._synced = True
-        if not tensors:
-            return
-        dev = tensors[0].device
-        flat = torch.cat([t.to(dev) for t in tensors]).tolist()  # the step's host sync
-        self._values.update(zip(names, flat))
-        self._post_sync()
+        if items:
+            self._values.update(_read(items))  # the step's host sync
+            self._post_sync()
 
     def _post_sync(self) -> None:
         v = self._values
@@ -952,20 +943,9 @@ class Monitor:
             self._sync()
             self._check_gradients(at_optimizer=False)
         elif self._synced:
-            extra = {}
-            for inst in list(self.instruments):
-                got = self._call(inst, "collect")
-                if got:
-                    extra.update(got)
-            if extra:
-                ks = [k for k, t in extra.items() if isinstance(t, torch.Tensor)]
-                if ks:
-                    dev = extra[ks[0]].device
-                    flat = torch.stack([extra[k].detach().float().reshape(()).to(dev) for k in ks])
-                    self._values.update(zip(ks, flat.tolist()))  # detail steps only: one more transfer
-                self._values.update(
-                    {k: float(t) for k, t in extra.items() if not isinstance(t, torch.Tensor)}
-                )
+            items = self._collect()  # numbers made after the optimizer step (detail steps only)
+            if items:
+                self._values.update(_read(items))  # detail steps only: one more transfer
         elif not self._sentinel:
             self._sync()
         if self._scaler_ran and self._scaler_skipped and not self._skipped:
@@ -1007,6 +987,18 @@ class Monitor:
         self._reset_step_state()
         self._last_step_end = time.perf_counter()
         return record
+
+
+def _read(items: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Read named device numbers with ONE host transfer; an n-element tensor gives ``name#0..n-1``."""
+    names: list[str] = []
+    flat: list[torch.Tensor] = []
+    for name, t in items:
+        t = t.detach().reshape(-1).float()
+        names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
+        flat.append(t)
+    dev = flat[0].device
+    return dict(zip(names, torch.cat([t.to(dev) for t in flat]).tolist()))
 
 
 def _lift_mode(mode: Any) -> None:
