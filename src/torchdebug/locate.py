@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ._frames import format_frames, raw_user_frames, user_location, user_stack
 from ._trees import map_tensors, tensor_leaves
 from .events import Anomaly, ModuleFrame, Phase
+from .memory import storage_key
 from .stats import TensorStats, analyze_tensor
 
 # Ops that never introduce values (views, copies of metadata): skipping them saves a reduction each.
@@ -116,11 +117,9 @@ def _flags(t: torch.Tensor) -> _Flags:
         return _Flags(int(torch.isnan(x).sum()), int(torch.isposinf(x).sum()), int(torch.isneginf(x).sum()))
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except Exception:
-        return id(t)
+def _storage_key(t: torch.Tensor) -> Any:
+    """The memory ``t`` lives in (device and address; views share it), or the tensor itself when it has none."""
+    return storage_key(t) or ("id", id(t))
 
 
 def _has_inf_scalar(args: Iterable[Any]) -> bool:
@@ -280,13 +279,13 @@ class Tracer:
         self.nodes: dict[int, _NodeInfo] = {}
         self._node_refs: list[Any] = []  # keep nodes alive so their ids stay unique
         self._pending: list[tuple[torch.Tensor, _NodeInfo]] = []
-        self.taint: dict[int, _Event] = {}
+        self.taint: dict[Any, _Event] = {}
         self.events: list[_Event] = []
         self.symptom: _Event | None = None
         self.symptom_text = ""
         self.phase_override: str | None = None
         self.internal_errors: list[str] = []
-        self._param_names: dict[int, str] = {}
+        self._param_names: dict[Any, str] = {}
         if model is not None:
             for n, p in model.named_parameters(remove_duplicate=False):
                 self._param_names.setdefault(_storage_key(p), n)
