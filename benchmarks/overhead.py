@@ -171,7 +171,7 @@ def bench(name: str, spec: tuple, args: argparse.Namespace, writer: Any) -> dict
             for v in variants:
                 if v in cfgs:
                     with td.watch(models[v], opts[v], run=writer, config=cfgs[v]) as mon:
-                        start = int(mon.step)
+                        start = mon.global_step
                         t = run_chunk(models[v], opts[v], batches, loss_fn, args.chunk, device, mon=mon)
                     if v == "watch":
                         every = cfgs[v].detail_every

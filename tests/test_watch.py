@@ -205,7 +205,7 @@ def test_policy_warn_records_and_continues() -> None:
     model.blocks[0].act.shift = -5.0
     with pytest.warns(td.TorchDebugWarning, match="nan born in forward of blocks.0.act"):
         mon = _train(model, lambda i: (torch.randn(6, 8),), steps=4, policy="warn")
-    assert int(mon.step) == 4
+    assert mon.global_step == 4
     assert mon.counters["anomaly_steps"] == 4
     assert mon.anomalies[0].op == "aten.log" and mon.anomalies[0].detected_by == "sentinel"
     assert mon.anomalies[1].detected_by == "sentinel (no replay)"  # only the first is replayed
@@ -345,7 +345,7 @@ def test_failing_instrument_is_switched_off_with_a_warning() -> None:
             opt.step()
             opt.zero_grad()
             mon.step()
-    assert int(mon.step) == 3 and not any(isinstance(i, Broken) for i in mon.instruments)
+    assert mon.global_step == 3 and not any(isinstance(i, Broken) for i in mon.instruments)
 
 
 def test_run_step_retry_half_equals_full_batch_gradients() -> None:
@@ -482,7 +482,7 @@ def test_unwritable_run_folder_warns_and_training_goes_on(tmp_path: object) -> N
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         mon.step()
-    assert mon.writer is None and mon.run_dir is None and int(mon.step) == 1
+    assert mon.writer is None and mon.run_dir is None and mon.global_step == 1
 
 
 def test_instrument_whose_constructor_fails_is_the_only_one_switched_off(

@@ -167,7 +167,7 @@ def run_demo(
         for w in others[:8]:
             print(f"  {w.message}", file=out)
     print(
-        f"\n{int(mon.step)} steps in {elapsed:.1f} s; last finite loss {last_loss if last_loss is None else round(last_loss, 4)}",
+        f"\n{mon.global_step} steps in {elapsed:.1f} s; last finite loss {last_loss if last_loss is None else round(last_loss, 4)}",
         file=out,
     )
     if mon.run_dir is not None:

@@ -236,8 +236,11 @@ class Monitor:
         self.params: list[torch.Tensor] = [p for _, p in named]
         self._param_ids = {id(p) for p in model.parameters()}
         self.rank = _detect_rank(self.config)
-        self.step: _StepCounter = _StepCounter(0, self)
+        self.global_step: int = 0  # completed steps; mon.step() completes one
         self.micro_step = 0
+        # who produces the step protocol: None = the plain-loop hooks (optimizer pre/post hooks);
+        # a framework adapter sets its name and calls update_starting()/update_done() itself
+        self.driver: str | None = None
         self.writer: Any = None
         self.run_dir: Path | None = None
         self.instruments: list[Any] = []
@@ -423,7 +426,7 @@ class Monitor:
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""
-        return bool(every) and every > 0 and self.step % every == 0  # type: ignore[operator]
+        return bool(every) and every > 0 and self.global_step % every == 0
 
     def emit(self, event: RuleEvent) -> None:
         """Record a rule event (store + memory) and warn once per kind."""
@@ -438,7 +441,7 @@ class Monitor:
 
     def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
         if self.writer is not None:
-            self.writer.log_scalars(int(self.step) if step is None else step, dict(values))
+            self.writer.log_scalars(self.global_step if step is None else step, dict(values))
 
     def observe(self, name: str, value: float) -> None:
         """Record a monitored value (validation loss, early-stopping metric) at the current step."""
@@ -466,7 +469,7 @@ class Monitor:
 
         def record(retry: Any) -> None:
             evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
-            self.emit(RuleEvent("oom_retry", int(self.step), str(retry), "warning", evidence=evidence))
+            self.emit(RuleEvent("oom_retry", self.global_step, str(retry), "warning", evidence=evidence))
 
         return run_step_with_oom_retry(
             step_fn,
@@ -490,7 +493,11 @@ class Monitor:
         self.level_overrides.append(lv.value)
         if self.writer is not None:
             self.writer.log_event(
-                int(self.step), "level_change", "info", f"debug level set to {lv.value}", {"level": lv.value}
+                self.global_step,
+                "level_change",
+                "info",
+                f"debug level set to {lv.value}",
+                {"level": lv.value},
             )
         return lv
 
@@ -505,12 +512,12 @@ class Monitor:
                 for k in c:
                     c[k] = 0
         if self.writer is not None and hasattr(self.writer, "start_segment"):
-            self.writer.start_segment(f"cleared at step {self.step}", step=int(self.step))
-        self._segment_start = int(self.step)
+            self.writer.start_segment(f"cleared at step {self.global_step}", step=self.global_step)
+        self._segment_start = self.global_step
 
     def training_summary(self) -> dict[str, Any]:
         """The seed-era training summary (counts and rates since the last ``clear()``)."""
-        total = max(int(self.step) - self._segment_start, 0)
+        total = max(self.global_step - self._segment_start, 0)
         explosions, vanishing, loss = rule_counts(e.kind for e in self.events)
         return training_summary(total, self.counters["anomaly_steps"], explosions, vanishing, loss)
 
@@ -644,7 +651,19 @@ class Monitor:
             self._scaler_skipped = True
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._replaying or not self._owns_optimizer(opt):
+        if self._replaying or self.driver is not None or not self._owns_optimizer(opt):
+            return
+        self.update_starting(opt)
+
+    def update_starting(self, opt: Any = None) -> None:
+        """Step protocol: the optimizer update is about to start and the gradients are final.
+
+        The plain-loop driver calls it from the optimizer's step pre-hook; a framework driver that owns
+        the loop (Lightning's ``on_before_optimizer_step``, HF's ``on_pre_optimizer_step``) calls it
+        itself after ``mon.driver`` is set. Here the step's transfer runs and the gradients are checked
+        (under ``policy="skip"`` a bad step's gradients are dropped so the update does nothing).
+        """
+        if self._replaying:
             return
         self._opt_ran = True
         self._opt_ran_in_scaler = True
@@ -655,13 +674,19 @@ class Monitor:
         self._each("before_optimizer_step")
 
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._replaying or not self._owns_optimizer(opt):
+        if self._replaying or self.driver is not None or not self._owns_optimizer(opt):
+            return
+        self.update_done(opt)
+
+    def update_done(self, opt: Any = None) -> None:
+        """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
+        if self._replaying:
             return
         if self._sentinel and not self._skipped and self._step_anomaly is None:
             # checked on the device now, read with the next transfer (no extra sync). Skipped when this
             # step's gradients were already flagged: non-finite weights are then their consequence.
             self._deferred["param_norms"] = _finite_probe(self.params)
-            self._deferred_step = int(self.step)
+            self._deferred_step = self.global_step
         self._each("after_optimizer_step")
 
     # -- the one transfer --------------------------------------------------------------------------
@@ -861,7 +886,7 @@ class Monitor:
                     uses_cuda=self._uses_cuda,
                 )
                 a = tracer.anomaly(
-                    step=int(self.step), rank=self.rank, micro_step=micro, detected_by="sentinel"
+                    step=self.global_step, rank=self.rank, micro_step=micro, detected_by="sentinel"
                 )
                 if a is not None:
                     return a
@@ -895,7 +920,7 @@ class Monitor:
             op=None,
             location=None,
             kind="nan" if any(math.isnan(x) for x in per) else "inf",
-            step=int(self.step),
+            step=self.global_step,
             rank=self.rank,
             module_type=type(mod).__name__,
             micro_step=micro,
@@ -919,7 +944,7 @@ class Monitor:
         self._skip_reason = reason
         self.counters["skipped_steps"] += 1
         if not scaler:
-            self.emit(RuleEvent("skipped_step", int(self.step), reason, severity))
+            self.emit(RuleEvent("skipped_step", self.global_step, reason, severity))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -932,6 +957,14 @@ class Monitor:
                 self.writer.flush()
 
     # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        """Step protocol: the training step ended. Call once per step, after ``optimizer.step()``.
+
+        Reads what the step produced (one host transfer, unless the update already did), records it and
+        returns the step's :class:`StepRecord`; ``mon.global_step`` then counts one more.
+        """
+        return self._do_step()
+
     def _do_step(self) -> StepRecord:
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
@@ -939,7 +972,7 @@ class Monitor:
             if not self._opt_ran and self.optimizer is None and not self._adopted:
                 # no optimizer hook: the user's update already ran, check the parameters in this same transfer
                 self._deferred["param_norms"] = _finite_probe(self.params)
-                self._deferred_step = int(self.step)
+                self._deferred_step = self.global_step
             self._sync()
             self._check_gradients(at_optimizer=False)
         elif self._synced:
@@ -958,7 +991,7 @@ class Monitor:
             else ()
         )
         record = StepRecord(
-            step=int(self.step),
+            step=self.global_step,
             micro_steps=len(self._micro_bad) or len(self._captures),
             loss=v.get("loss"),
             grad_norm=v.get("grad_norm"),
@@ -977,13 +1010,13 @@ class Monitor:
             scalars[f"lr/{i}"] = x
         if self.writer is not None:
             with contextlib.suppress(Exception):
-                self.writer.log_scalars(int(self.step), scalars)
+                self.writer.log_scalars(self.global_step, scalars)
         self._each("on_step_end", record, v)
         self.records.append(record)
         if self._pending_level is not None:
             level, self._pending_level = self._pending_level, None
             self._apply_level(level)
-        self.step = _StepCounter(int(self.step) + 1, self)
+        self.global_step += 1
         self._reset_step_state()
         self._last_step_end = time.perf_counter()
         return record
@@ -1025,26 +1058,6 @@ def _store_grad(cap_ref: Any, i: int, grad: torch.Tensor) -> None:
     cap = cap_ref()
     if cap is not None:
         cap.out_grads[i] = grad
-
-
-class _StepCounter(int):
-    """``mon.step`` is the number of completed steps (an int); calling it, ``mon.step()``, completes one."""
-
-    _mon: Any
-
-    def __new__(cls, value: int, mon: Monitor) -> _StepCounter:
-        obj = super().__new__(cls, value)
-        obj._mon = weakref.ref(mon)
-        return obj
-
-    def __call__(self) -> StepRecord:
-        mon = self._mon()
-        if mon is None:
-            raise RuntimeError("mon.step(): the watch session is gone")
-        return mon._do_step()
-
-    def __reduce__(self) -> Any:
-        return (int, (int(self),))
 
 
 def watch(

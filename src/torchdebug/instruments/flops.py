@@ -441,7 +441,7 @@ class FlopsInstrument:
 
     def on_exit(self, mon: Any) -> None:
         if self._state == "timing":
-            self._finish(mon, int(mon.step))
+            self._finish(mon, mon.global_step)
 
     def _finish(self, mon: Any, step: int) -> None:
         assert self.report is not None
@@ -479,7 +479,7 @@ class FlopsInstrument:
             try:
                 s.stop(self._phase)
             except RuntimeError as e:
-                mon.emit(RuleEvent("instrument_error", int(mon.step), str(e), "warning"))
+                mon.emit(RuleEvent("instrument_error", mon.global_step, str(e), "warning"))
 
 
 __all__ = ["KNOWN_PEAK_FLOPS", "FlopReport", "FlopsInstrument", "count_flops", "peak_flops_for"]

@@ -751,7 +751,7 @@ class GradientHealth:
     def on_forward_start(self, mon: Any, module: Any = None, args: Any = None, kwargs: Any = None) -> None:
         if not self.activations:
             return
-        step = int(mon.step)
+        step = mon.global_step
         if step != self._act_step:
             self._act_step = step
             self._act = {}
@@ -760,7 +760,7 @@ class GradientHealth:
     # ----------------------------------------------------------------- optimizer step
 
     def before_optimizer_step(self, mon: Any) -> None:
-        step = int(mon.step)
+        step = mon.global_step
         norm = mon.grad_norm_host
         # judge here only when this step's transfer already ran (the monitor syncs right before us)
         if self._synced_step == step and norm is not None and self._judged_step != step:
@@ -795,12 +795,12 @@ class GradientHealth:
             delta = foreach_norms(torch._foreach_sub(params, before))
             weight = foreach_norms(params)
             ratio = delta / weight.clamp_min(torch.finfo(torch.float32).tiny)
-        self._pending = (int(mon.step), ratio, weight)
+        self._pending = (mon.global_step, ratio, weight)
 
     # ----------------------------------------------------------------- the step's transfer
 
     def collect(self, mon: Any) -> dict[str, torch.Tensor]:
-        self._synced_step = int(mon.step)
+        self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
         if self._clip is not None:
             total, max_norm, norm_type = self._clip
@@ -1009,7 +1009,7 @@ class GradientHealth:
     def on_observe(self, mon: Any, name: str, value: float) -> None:
         """Keep the last value handed to ``mon.observe`` (the monitor stores it) and re-read early stopping."""
         self.observed[name] = float(value)
-        self._early_stopping(mon, int(mon.step))
+        self._early_stopping(mon, mon.global_step)
 
     def on_exit(self, mon: Any) -> None:
         pending, self._pending = self._pending, None

@@ -597,7 +597,7 @@ class MemoryInstrument:
     def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
         self._phase = "input"
         self._stop_capture()
-        step = int(getattr(record, "step", getattr(mon, "step", 0)))
+        step = int(getattr(record, "step", getattr(mon, "global_step", 0)))
         every = int(getattr(mon.config, "memory_every", 50))
         self._advance_leak(mon, step)
         if mon.due(every):
@@ -617,7 +617,7 @@ class MemoryInstrument:
         self._stop_capture()
         if not is_oom_error(exc):
             return
-        step = int(mon.step)  # an int (completed steps); never call it here: calling completes a step
+        step = mon.global_step  # an int (completed steps); never call it here: calling completes a step
         rep = oom_report(
             exc,
             mon.model,

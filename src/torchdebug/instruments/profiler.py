@@ -78,7 +78,7 @@ class ProfilerInstrument:
         mon.emit(
             RuleEvent(
                 "profile",
-                int(mon.step),
+                mon.global_step,
                 f"profiled {self.active} steps; top ops by self time: {ops}",
                 "info",
                 evidence=self.summary.to_dict(),

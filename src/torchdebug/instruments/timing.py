@@ -181,7 +181,7 @@ class TimingInstrument:
         self._clock = _Clock(cuda)
         tps = getattr(mon.config, "tokens_per_step", None)
         self._tokens_per_step = int(tps) if tps else None
-        self._begin(int(mon.step))
+        self._begin(mon.global_step)
 
     def _begin(self, step: int) -> None:
         m = self._clock.mark()
@@ -546,7 +546,7 @@ class ModuleTimeInstrument:
             self._timer.stop()
 
     def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
-        step = int(mon.step)
+        step = mon.global_step
         t = self._timer
         if t is None or t.active or not (self.skip <= step < self.skip + self.steps):
             return
@@ -564,7 +564,7 @@ class ModuleTimeInstrument:
             return
         t.stop()
         self._samples.append(t.collect())
-        self._measured.append(int(getattr(record, "step", mon.step)))
+        self._measured.append(int(getattr(record, "step", mon.global_step)))
         if len(self._samples) < self.steps:
             return
         names = sorted({n for s in self._samples for n in s})

@@ -447,7 +447,7 @@ def create_app(
             {
                 "status": "ok",
                 "message": "debug history cleared: a new history segment started (nothing was deleted)",
-                "step": int(getattr(mon, "step", 0)),
+                "step": int(getattr(mon, "global_step", 0)),
             }
         )
 
