@@ -19,9 +19,7 @@ from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, RuleEvent, plain
 from ..locate import _preserved_state, locate_nonfinite
 from ..stats import TensorStats, foreach_norms, nonfinite_count
-
-# What a facade does when it finds a NaN/Inf: record it only, also warn, or raise NonFiniteError.
-ANOMALY_MODES = ("detect", "warn", "raise")
+from ._seedconfig import ANOMALY_MODES, PyTorchDebugConfig
 
 # Bounded histories (the seeds kept unbounded lists: a long run grew them without limit).
 HISTORY_SIZE = 1000
@@ -45,8 +43,6 @@ def resolve_config(config: Any, default_mode: str | None = None) -> tuple[DebugC
     The mode is the config's ``anomaly_detection_mode`` unless ``default_mode`` is given and the
     caller passed no config (the seed-003 detector raised by default, like torch's detect_anomaly).
     """
-    from ._seedconfig import PyTorchDebugConfig
-
     if isinstance(config, PyTorchDebugConfig):
         return config.to_debug_config(), config.anomaly_detection_mode
     if isinstance(config, DebugLevel):

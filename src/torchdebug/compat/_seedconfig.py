@@ -8,7 +8,9 @@ from typing import Any
 
 from .._config import DebugConfig, DebugLevel, DebugMode
 from .._errors import ConfigError
-from ._common import ANOMALY_MODES
+
+# What a facade does when it finds a NaN/Inf: record it only, also warn, or raise NonFiniteError.
+ANOMALY_MODES = ("detect", "warn", "raise")
 
 
 @dataclass
