@@ -426,7 +426,7 @@ class Monitor:
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""
-        return bool(every) and every > 0 and self.global_step % every == 0
+        return every is not None and every > 0 and self.global_step % every == 0
 
     def emit(self, event: RuleEvent) -> None:
         """Record a rule event (store + memory) and warn once per kind."""
