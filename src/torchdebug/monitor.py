@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ._config import DebugConfig, DebugLevel, coerce_config
-from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
+from ._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
 from ._trees import tensor_leaves
 from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
