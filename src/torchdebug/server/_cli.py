@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need --token)"
     )
-    p.add_argument("--port", type=int, default=6007, help="TCP port (default 6007)")
+    from ..cli import int_in_range
+
+    p.add_argument("--port", type=int_in_range(0, 65535), default=6007, help="TCP port (default 6007)")
     p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on every request")
     p.set_defaults(func=_serve)
 
@@ -33,8 +35,6 @@ def _serve(args: argparse.Namespace) -> int:
     target = Path(args.path)
     if not target.is_dir():
         raise ValueError(f"{target} is not a folder: pass a run folder or a folder of runs")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_bind(args.host, args.token)
