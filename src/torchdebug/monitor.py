@@ -182,7 +182,14 @@ def _detect_rank(config: DebugConfig) -> int:
             return int(dist.get_rank())
     except Exception:
         pass
-    return int(os.environ.get("RANK", "0") or 0)
+    raw = os.environ.get("RANK", "0").strip() or "0"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable RANK={raw[:40]!r} is not an integer (launchers set it to the process "
+            "rank): fix or unset RANK, or pass config={'rank': N}"
+        ) from None
 
 
 class Monitor:
