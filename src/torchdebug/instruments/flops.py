@@ -380,6 +380,9 @@ class FlopsInstrument:
         - The loss computed between forward and backward is counted under "other"; code that runs
           after backward (the optimizer) is not counted.
         - MFU uses host step time: exact in steady state, optimistic if the GPU queue is not full.
+        - Inside ``torch.autograd.grad()`` over leaf inputs (a gradient penalty) a module's
+          backward FLOPs may be credited to its parent: torch cannot tell there which leaf
+          gradients the call computes (see ``_gradhooks.make_tracker_safe``).
     """
 
     name = "flops"

@@ -416,6 +416,9 @@ class ModuleTimer:
 
     Cost: two hooks per module call and two multi-grad hooks per module per forward: opt-in, a few steps.
 
+    Known limitation: the backward of a ``torch.autograd.grad()`` call (a gradient penalty) is not
+    timed, only that of ``backward()``: torch cannot tell which leaf gradients such a call computes.
+
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> with ModuleTimer(m) as tm:
