@@ -286,7 +286,7 @@ class DebugConfig:
       debug_backward_pass, debug_device_placement, debug_mixed_precision, debug_data_loading,
       debug_validation, debug_early_stopping, debug_lr_scheduling.
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
-      step under op-level tracing to find the origin); frames [16] (module calls kept, >= 0).
+      step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
     - run store: store [True] (write a run folder); run_dir ["runs"]; run_name [None: the model's
       class name]; tensorboard [False; True or a log directory]; trace_loss [True].
     - schedules: detail_every [10], memory_every [50] (>= 1).
@@ -296,16 +296,16 @@ class DebugConfig:
       vanish_threshold [1e-8], vanish_patience [5], dead_unit_fraction [0.95, in (0, 1]],
       update_ratio_min [1e-5] < update_ratio_max [1e-1]; clip_on_spike [None: max norm to clip
       to on a spike].
-    - loss rules: loss_spike_mads [10.0], loss_plateau_window [200], loss_plateau_rel [1e-4].
+    - loss rules: loss_spike_mads [10.0], loss_plateau_window [200, 2..10000], loss_plateau_rel [1e-4].
     - mixed precision: scale_floor [1.0], scale_shrink_steps [5].
-    - input_bound_fraction [0.3, in (0, 1]]; slowdown_factor [1.5, > 1]; leak_window [50, >= 2];
+    - input_bound_fraction [0.3, in (0, 1]]; slowdown_factor [1.5, > 1]; leak_window [50, 2..1000];
       leak_min_bytes_per_step [65536: smaller growth is not a leak]; leak_warmup [5 samples ignored];
       memory_history [False: record CUDA allocation history for OOM snapshots, costs];
       tokens_per_step [None: tokens per step for tokens/s, else inferred from (B, T) integer input];
       on_oom "raise"|"retry_half" ["raise"]; rank [None: from torch.distributed / RANK].
 
-    Floats must be finite. Mutating a field validates it (``config.policy = "warn"``); change
-    several related fields at once with ``replace``.
+    Floats must be finite; integers fit 64 bits. Mutating a field validates it
+    (``config.policy = "warn"``); change several related fields at once with ``replace``.
 
     Example:
         >>> cfg = DebugConfig(policy="warn", level="advanced", detail_every=5)
@@ -350,7 +350,7 @@ class DebugConfig:
     # engine: what happens on a non-finite value
     policy: Policy = "raise"
     replay: bool = True
-    frames: int = _opt(16, ge=0)
+    frames: int = _opt(16, ge=0, le=10_000)
     # engine: run store and exports
     run_dir: str = "runs"
     run_name: str | None = _opt(None, plain_name=True)
@@ -372,7 +372,7 @@ class DebugConfig:
     vanish_threshold: float = _opt(1e-8, ge=0)
     vanish_patience: int = _opt(5, ge=1)
     loss_spike_mads: float = _opt(10.0, gt=0)
-    loss_plateau_window: int = _opt(200, ge=2)
+    loss_plateau_window: int = _opt(200, ge=2, le=10_000)  # sorted every step: O(window log window)
     loss_plateau_rel: float = _opt(1e-4, ge=0)
     dead_unit_fraction: float = _opt(0.95, gt=0, le=1)
     update_ratio_min: float = _opt(1e-5, ge=0)
@@ -381,7 +381,7 @@ class DebugConfig:
     scale_shrink_steps: int = _opt(5, ge=1)
     input_bound_fraction: float = _opt(0.3, gt=0, le=1)
     slowdown_factor: float = _opt(1.5, gt=1)
-    leak_window: int = _opt(50, ge=2)
+    leak_window: int = _opt(50, ge=2, le=1_000)  # Theil-Sen slope: O(window**2) when memory grows
     leak_min_bytes_per_step: int = _opt(65536, ge=0)
     leak_warmup: int = _opt(5, ge=0)
     memory_history: bool = False
@@ -601,7 +601,9 @@ class _Spec:
                 self.kind, "a non-empty string"
             )
             bounds = [
-                f"{op} {v:g}" for op, v in ((">=", self.ge), (">", self.gt), ("<=", self.le)) if v is not None
+                f"{op} {v:g}"
+                for op, v in ((">=", self.ge), (">", self.gt), ("<=", self.le))
+                if v is not None and v != _INT_MAX  # the 64-bit cap is named only when exceeded
             ]
             if bounds:
                 text += " " + " and ".join(bounds)
@@ -621,9 +623,15 @@ class _Spec:
                 return self._in_range(value, label)
         elif self.kind == "float":
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if not math.isfinite(value):
-                    raise ConfigError(f"{label}={value!r} must be finite; expected {self.allowed()}")
-                return self._in_range(float(value), label)
+                try:
+                    number = float(value)
+                except OverflowError:  # an int beyond 1.8e308
+                    raise ConfigError(
+                        f"{label}={_short(value)} is too large for a float; expected {self.allowed()}"
+                    ) from None
+                if not math.isfinite(number):
+                    raise ConfigError(f"{label}={_short(value)} must be finite; expected {self.allowed()}")
+                return self._in_range(number, label)
         elif self.kind == "str":
             if isinstance(value, str) and value.strip():
                 if self.plain_name and ("/" in value or "\\" in value):
@@ -644,7 +652,7 @@ class _Spec:
         if self.kind in ("bool", "int", "float") and isinstance(value, str):
             hint = " (text is parsed only from TORCHDEBUG_* variables)"
         raise ConfigError(
-            f"{label}={value!r} ({type(value).__name__}) is not valid; expected {self.allowed()}{hint}"
+            f"{label}={_short(value)} ({type(value).__name__}) is not valid; expected {self.allowed()}{hint}"
         )
 
     def _in_range(self, value: float, label: str) -> Any:
@@ -653,7 +661,11 @@ class _Spec:
             or (self.gt is not None and value <= self.gt)
             or (self.le is not None and value > self.le)
         ):
-            raise ConfigError(f"{label}={value!r} is out of range; expected {self.allowed()}")
+            if self.le == _INT_MAX and value > _INT_MAX:
+                raise ConfigError(
+                    f"{label}={_short(value)} is too large: integer options fit 64 bits (<= 2**63 - 1)"
+                )
+            raise ConfigError(f"{label}={_short(value)} is out of range; expected {self.allowed()}")
         return value
 
     def parse(self, text: str, label: str) -> Any:
@@ -674,8 +686,22 @@ class _Spec:
                 return float(key)
         except ValueError:
             expected = "1/0, true/false, yes/no or on/off" if self.kind == "bool" else self.allowed()
-            raise ConfigError(f"{label}={text!r} cannot be read; expected {expected}") from None
+            raise ConfigError(f"{label}={_short(text)} cannot be read; expected {expected}") from None
         return text
+
+
+# Every integer option fits a 64-bit integer (SQLite, C sizes): 10**30 is a typo, not a setting.
+_INT_MAX = 2**63 - 1
+
+
+def _short(value: Any) -> str:
+    """``repr`` of an option's value, kept short for huge ints (repr fails beyond 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return f"{'-' if value < 0 else ''}<an integer of {digits} digits>"
+    if isinstance(value, str) and len(value) > 80:
+        return f"{value[:40]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def _spec_for(f: dataclasses.Field[Any], hint: Any) -> _Spec:
@@ -696,6 +722,8 @@ def _spec_for(f: dataclasses.Field[Any], hint: Any) -> _Spec:
     kinds = {bool: "bool", int: "int", float: "float", str: "str"}
     if hint not in kinds:
         raise TypeError(f"DebugConfig.{f.name}: no validation for type {hint!r}")
+    if hint is int:
+        bounds.setdefault("le", _INT_MAX)
     return _Spec(kinds[hint], optional, **bounds)
 
 
@@ -742,7 +770,13 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: unknown config file type {suffix!r}; use .yaml, .yml, .toml or .json")
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "save the config file as UTF-8"
+        ) from None
     try:
         if suffix == ".toml":
             data: Any = _toml().loads(text)

@@ -60,6 +60,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in ``low..high``; anything else is a usage error (exit 2).
+
+    argparse names the option: ``argument --port: expected an integer in 0..65535, got '99999'``.
+
+    Example:
+        >>> int_in_range(0, 65535)("6007")
+        6007
+    """
+    expected = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text[:40]!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text[:40]!r}")
+        return value
+
+    parse.__name__ = expected  # argparse's fallback message names the type by it
+    return parse
+
+
 def _missing_module(err: ModuleNotFoundError, module: str) -> bool:
     """True when ``err`` is about ``module`` itself (or a parent package of it), not something it imports."""
     if not err.name:

@@ -180,7 +180,9 @@ def run_demo(
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the torchdebug command line."""
     p = subparsers.add_parser("demo", help="train a small GPT until a bad batch makes a NaN, and explain it")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    from .cli import int_in_range
+
+    p.add_argument("--steps", type=int_in_range(1), default=300, help="training steps (default 300)")
     p.add_argument(
         "--bad-step", type=int, default=200, help="step whose batch holds an all-padding sequence (-1: none)"
     )
@@ -196,8 +198,6 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        raise ValueError("--steps must be >= 1")
     bad = None if args.bad_step is None or args.bad_step < 0 else args.bad_step
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     return run_demo(steps=args.steps, bad_step=bad, policy=args.policy, run_dir=args.runs, seed=args.seed)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ._config import DebugConfig, DebugLevel, coerce_config
-from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
+from ._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
 from ._trees import tensor_leaves
 from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
@@ -86,6 +86,8 @@ def _finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
     proves every element finite. A sum of finite values that overflows reads as non-finite: the
     caller confirms flagged tensors exactly. Accelerators: the fused foreach norm (one kernel).
     """
+    if not tensors:  # no trainable parameters (none, or all frozen): nothing to check
+        return torch.zeros(0)
     if tensors[0].device.type != "cpu":
         return _foreach_norms(tensors)
     with torch.no_grad():
@@ -180,7 +182,14 @@ def _detect_rank(config: DebugConfig) -> int:
             return int(dist.get_rank())
     except Exception:
         pass
-    return int(os.environ.get("RANK", "0") or 0)
+    raw = os.environ.get("RANK", "0").strip() or "0"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable RANK={raw[:40]!r} is not an integer (launchers set it to the process "
+            "rank): fix or unset RANK, or pass config={'rank': N}"
+        ) from None
 
 
 class Monitor:
@@ -694,7 +703,12 @@ class Monitor:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
         items: list[tuple[str, torch.Tensor]] = []
         for inst in list(self.instruments):
-            for k, v in (self._call(inst, "collect") or {}).items():
+            got = self._call(inst, "collect") or {}
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in got.values()):
+                # a model on the meta device: shapes only, no values for this instrument to report
+                self._disable(inst, RuntimeError("its tensors are on the meta device and hold no values"))
+                continue
+            for k, v in got.items():
                 if isinstance(v, torch.Tensor):
                     items.append((k, v))
                 else:
@@ -717,6 +731,14 @@ class Monitor:
             items.append(("_scale", scale_t))
         items += self._collect()
         self._synced = True
+        if any(t.is_meta for _, t in items):
+            # a model on the meta device computes shapes only: there are no values to read or check
+            items = [(k, t) for k, t in items if not t.is_meta]
+            self._warn_once(
+                "meta",
+                "torchdebug: tensors on the meta device hold no values: the NaN/Inf checks and the "
+                "numbers of this run skip them (move the model to a real device to check it)",
+            )
         if items:
             self._values.update(_read(items))  # the step's host sync
             self._post_sync()

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label
 from ..memory import called_by_torchdebug
+from ._gradhooks import make_tracker_safe
 
 # Ops that move or create memory and do no arithmetic: 0 FLOPs by definition, never "uncounted".
 _NO_ARITHMETIC = frozenset(
@@ -152,6 +153,7 @@ class _FlopSession:
         # Private ModuleTracker API: without it the per-module split is lost, the totals are not.
         with contextlib.suppress(AttributeError):
             self.counter.mod_tracker._get_mod_name(self.model)
+            make_tracker_safe(self.counter.mod_tracker)  # else it breaks torch.autograd.grad() penalties
         self.counter.__enter__()
         self.recorder = _OpRecorder()
         self.recorder.__enter__()
@@ -378,6 +380,9 @@ class FlopsInstrument:
         - The loss computed between forward and backward is counted under "other"; code that runs
           after backward (the optimizer) is not counted.
         - MFU uses host step time: exact in steady state, optimistic if the GPU queue is not full.
+        - Inside ``torch.autograd.grad()`` over leaf inputs (a gradient penalty) a module's
+          backward FLOPs may be credited to its parent: torch cannot tell there which leaf
+          gradients the call computes (see ``_gradhooks.make_tracker_safe``).
     """
 
     name = "flops"

@@ -14,6 +14,7 @@ from torch import nn
 
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label
+from ._gradhooks import when_all_grads
 from ._robust import RunningMedian, Streak
 
 PHASES = ("data", "forward", "backward", "optimizer", "other", "step")
@@ -415,6 +416,9 @@ class ModuleTimer:
 
     Cost: two hooks per module call and two multi-grad hooks per module per forward: opt-in, a few steps.
 
+    Known limitation: the backward of a ``torch.autograd.grad()`` call (a gradient penalty) is not
+    timed, only that of ``backward()``: torch cannot tell which leaf gradients such a call computes.
+
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> with ModuleTimer(m) as tm:
@@ -434,7 +438,7 @@ class ModuleTimer:
         self._grad_handles: list[Any] = []
         self._fwd_open: dict[int, list[Any]] = {}
         self._fwd: dict[str, list[tuple[Any, Any]]] = {}
-        self._bwd_start: dict[str, Any] = {}
+        self._bwd_start: dict[tuple[str, int], Any] = {}
         self._bwd: dict[str, list[tuple[Any, Any]]] = {}
         self.active = False
 
@@ -457,18 +461,19 @@ class ModuleTimer:
         ends += [p for p in module.parameters() if p.requires_grad]
         clock = self._clock
 
+        # keyed by graph task: a torch.autograd.grad() call (not timed) leaves no start behind for backward
         def begin(grads: Any, name: str = name) -> None:
-            self._bwd_start.setdefault(name, clock.mark())
+            self._bwd_start.setdefault((name, torch._C._current_graph_task_id()), clock.mark())
 
-        def finish(grads: Any, name: str = name) -> None:
-            st = self._bwd_start.pop(name, None)
+        def finish(name: str = name) -> None:
+            st = self._bwd_start.pop((name, torch._C._current_graph_task_id()), None)
             if st is not None:
                 self._bwd.setdefault(name, []).append((st, clock.mark()))
 
         reg = torch.autograd.graph.register_multi_grad_hook
         self._grad_handles.append(reg(outs, begin, mode="any"))
         if ends:
-            self._grad_handles.append(reg(ends, finish, mode="all"))
+            self._grad_handles.append(when_all_grads(ends, finish))  # autograd.grad(): not timed
 
     def start(self) -> None:
         """Install the hooks (idempotent)."""

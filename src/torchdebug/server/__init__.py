@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +40,13 @@ def check_bind(host: str, token: str | None) -> None:
     """Refuse a non-loopback bind without a token; warn when one is used with a token.
 
     Raises:
-        ValueError: ``host`` is not loopback and ``token`` is None.
+        ValueError: ``host`` is not loopback and ``token`` is None; ``token`` is empty or whitespace.
     """
+    if token is not None and not token.strip():
+        raise ValueError(
+            "the dashboard token is empty or whitespace, which anyone can guess: pass a real secret "
+            "(--token T / token=T), or no token on 127.0.0.1"
+        )
     if is_loopback(host):
         return
     if not token:
@@ -53,6 +60,26 @@ def check_bind(host: str, token: str | None) -> None:
         TorchDebugWarning,
         stacklevel=3,
     )
+
+
+def bound_hosts(host: str, extra: Iterable[str] = ()) -> list[str]:
+    """The Host names a dashboard bound to ``host`` answers to (besides loopback names and IP literals).
+
+    The bind address itself, and for a non-loopback bind the machine's host name and FQDN, then
+    ``extra`` (``--allowed-host``; ``"*"`` accepts any Host). Anything else is refused with 403.
+
+    Example:
+        >>> bound_hosts("127.0.0.1", ["dash.lan"])
+        ['127.0.0.1', 'dash.lan']
+    """
+    names = [host]
+    if not is_loopback(host):
+        names += [socket.gethostname(), socket.getfqdn()]
+    for name in extra:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"allowed_hosts entries must be host names, got {name!r}")
+        names.append(name.strip())
+    return list(dict.fromkeys(names))
 
 
 def _import_deps() -> Any:
@@ -98,6 +125,8 @@ def serve(
     *,
     warm: int = 3,
     startup_timeout: float = 15.0,
+    allowed_hosts: Iterable[str] = (),
+    allowed_origins: Iterable[str] = (),
 ) -> ServerHandle:
     """Start the dashboard in a background thread and return once it accepts connections.
 
@@ -110,13 +139,18 @@ def serve(
             also accept ``?token=``).
         warm: precompute the pages of this many newest runs in the background (0: none).
         startup_timeout: seconds to wait for the server to accept connections.
+        allowed_hosts: more Host names to answer to (a DNS name or proxy in front of it; ``"*"``:
+            any). By default only the bind address, loopback names, IP literals and, for a
+            non-loopback bind, this machine's name (see :func:`bound_hosts`): other Hosts get 403.
+        allowed_origins: other web pages trusted to change the live session (POST) and to read the
+            API (CORS), e.g. ``["https://tools.example"]``; none by default.
 
     Returns:
         A ``ServerHandle`` with ``.url`` and ``.stop()``.
 
     Raises:
         ImportError: fastapi/uvicorn missing (names ``pip install 'torchdebug[dashboard]'``).
-        ValueError: non-loopback host without a token.
+        ValueError: non-loopback host without a token; an empty or whitespace token.
         RuntimeError: the server did not start (port in use ...).
 
     Example::
@@ -132,10 +166,11 @@ def serve(
     check_bind(host, token)
     from ._app import create_app
 
+    guard = {"allowed_hosts": bound_hosts(host, allowed_hosts), "allowed_origins": list(allowed_origins)}
     if isinstance(monitor_or_path, (str, os.PathLike)):
-        app = create_app(Path(monitor_or_path), token=token, warm=warm)
+        app = create_app(Path(monitor_or_path), token=token, warm=warm, **guard)
     else:
-        app = create_app(None, monitor=monitor_or_path, token=token, warm=warm)
+        app = create_app(None, monitor=monitor_or_path, token=token, warm=warm, **guard)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="torchdebug-dashboard", daemon=True)
@@ -160,4 +195,4 @@ def create_app(*args: Any, **kwargs: Any) -> Any:
     return _create(*args, **kwargs)
 
 
-__all__ = ["DASHBOARD_EXTRA", "ServerHandle", "create_app", "is_loopback", "serve"]
+__all__ = ["DASHBOARD_EXTRA", "ServerHandle", "bound_hosts", "create_app", "is_loopback", "serve"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hmac
 import html
+import ipaddress
 import json
 import math
 import re
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,60 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 # library code and the browser's icon probe, no run data: loadable by <script> without a header
 _PUBLIC = {"/static/plotly.min.js", "/favicon.ico"}
 DEFAULT_MAX_POINTS = 2000
+# Host names every dashboard answers to: loopback. IP literals are accepted too (a DNS-rebinding page
+# reaches the server under its own domain name, never under an address).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _split_host(value: str) -> str:
+    """The host of a Host header or an origin's netloc, lower-cased, without port or IPv6 brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class RequestGuard:
+    """Which requests the dashboard accepts: a known Host, and no state change from a foreign page.
+
+    - ``Host`` must be an IP literal, a loopback name or one of ``allowed_hosts`` (``"*"``: any),
+      so a page on another domain cannot read the API through DNS rebinding.
+    - POST/PUT/PATCH/DELETE with an ``Origin`` header must come from the dashboard's own origin
+      (scheme ``http``, the request's Host) or one of ``allowed_origins``; requests without
+      ``Origin`` (curl, scripts) pass: browsers always send it on such requests.
+    """
+
+    def __init__(self, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> None:
+        self.hosts = {_split_host(h) for h in (*LOOPBACK_HOSTS, *allowed_hosts) if h.strip()}
+        self.origins = {o.strip().rstrip("/").lower() for o in allowed_origins if o.strip()}
+
+    def refusal(self, method: str, host_header: str | None, origin: str | None) -> str | None:
+        """None when the request may go on, else the reason it is refused (answered 403)."""
+        host = _split_host(host_header or "")
+        if host_header is not None and not ("*" in self.hosts or host in self.hosts or _is_ip(host)):
+            return (
+                f"forbidden: Host {host_header[:100]!r} is not an address of this dashboard (protection "
+                "against DNS rebinding); to allow it pass td.serve(..., allowed_hosts=[...]) or "
+                "torchdebug serve --allowed-host NAME"
+            )
+        if method.upper() in _UNSAFE_METHODS and origin is not None:
+            given = origin.strip().rstrip("/").lower()
+            own = (host_header or "").strip().lower()
+            if given not in (f"http://{own}", f"https://{own}") and given not in self.origins:
+                return (
+                    f"forbidden: a {method.upper()} from the page {origin[:100]!r} may not change this "
+                    "dashboard; only its own pages may (pass allowed_origins=[...] to trust another)"
+                )
+        return None
 
 
 class ApiError(Exception):
@@ -140,7 +195,13 @@ def _runs_page(infos: list[Any], token_q: str) -> str:
 
 
 def create_app(
-    target: str | Path | None, *, monitor: Any = None, token: str | None = None, warm: int = 3
+    target: str | Path | None,
+    *,
+    monitor: Any = None,
+    token: str | None = None,
+    warm: int = 3,
+    allowed_hosts: Iterable[str] = (),
+    allowed_origins: Iterable[str] = (),
 ) -> FastAPI:
     """Build the dashboard app serving a run folder or a folder of runs (read-only).
 
@@ -150,12 +211,22 @@ def create_app(
         token: when set, every request needs ``Authorization: Bearer <token>`` (or ``?token=``).
         warm: precompute the pages of this many newest runs in a background thread, so the first
             visit to a big run is fast (its series are read once, then only new steps are read).
+        allowed_hosts: Host names accepted besides loopback names and IP literals (``"*"``: any);
+            see :class:`RequestGuard`.
+        allowed_origins: other pages (``"https://tools.example"``) trusted to POST and to read the
+            API from a browser (CORS); none by default.
 
     Returns:
         The FastAPI app; its OpenAPI schema is at ``/openapi.json``, docs at ``/docs``.
 
+    Raises:
+        ValueError: ``token`` is empty or only whitespace.
+
     Example: ``uvicorn.run(create_app("runs"), port=6007)``.
     """
+    if token is not None and not token.strip():
+        raise ValueError("the dashboard token is empty or whitespace: pass a real secret, or no token")
+    guard = RequestGuard(allowed_hosts, allowed_origins)
     if target is None and monitor is not None and getattr(monitor, "run_dir", None) is not None:
         target = monitor.run_dir
     catalog = Catalog(None if target is None else Path(target))
@@ -185,6 +256,24 @@ def create_app(
                     {"error": "unauthorized: send Authorization: Bearer <token> (or ?token=<token>)"}, 401
                 )
         return await call_next(request)
+
+    # added after _auth, so it runs first: a foreign Host or Origin is refused before anything else
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Any) -> Response:
+        why = guard.refusal(request.method, request.headers.get("host"), request.headers.get("origin"))
+        if why is not None:
+            return _json({"error": why}, 403)
+        return await call_next(request)
+
+    if guard.origins:  # CORS only when asked, for exactly these origins
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=sorted(guard.origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization"],
+        )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
