@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import sqlite3
+import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -173,6 +175,97 @@ def migrate(conn: sqlite3.Connection, path: Path) -> int:
         raise
     conn.execute("COMMIT")
     return version
+
+
+def lock_path(run_dir: Path, rank: int) -> Path:
+    """The lock file a rank's writer holds while it is open (``rank<k>.lock``; removed on close)."""
+    return run_dir / f"rank{rank}.lock"
+
+
+def acquire_writer_lock(run_dir: Path, rank: int) -> int | None:
+    """Take rank ``rank``'s writer lock (``flock``) or refuse: one writer per rank database.
+
+    The kernel drops the lock when the process dies, so a killed writer never leaves a stale lock
+    (its empty file stays; the next writer takes it). Returns the descriptor to keep open, None where
+    ``flock`` does not exist (Windows) or the filesystem refuses it: then nothing is checked.
+
+    Raises:
+        RunStoreError: another writer (this process or another) holds the lock; it names the holder.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    path = lock_path(run_dir, rank)
+    tries = 0
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None  # read-only folder: opening the database will say so
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            tries += 1
+            if tries < 5:  # a reader's writer_is_open() probe holds it for microseconds
+                os.close(fd)
+                time.sleep(0.02)
+                continue
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise RunStoreError(
+                f"{run_dir / f'rank{rank}.sqlite'} is already open for writing ({holder}); a rank has one "
+                f"writer: close the other writer first, or write a new run (create_run without path=)"
+            ) from None
+        except OSError:  # a filesystem without flock
+            os.close(fd)
+            return None
+        # A writer closing between our open() and flock() unlinked the file we locked: lock the new one.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def release_writer_lock(run_dir: Path, rank: int, fd: int | None) -> None:
+    """Remove and release a lock taken by ``acquire_writer_lock`` (unlink first, then unlock)."""
+    if fd is None:
+        return
+    import fcntl
+
+    try:
+        os.unlink(lock_path(run_dir, rank))
+    except OSError:
+        pass
+    # Unlock explicitly: a forked child (a DataLoader worker) shares the descriptor and would keep it.
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def writer_is_open(run_dir: Path, rank: int) -> bool:
+    """True when a live writer holds rank ``rank``'s lock (checked without writing anything)."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fd = os.open(lock_path(run_dir, rank), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops the shared lock we may have taken
+    return False
 
 
 _MAGIC = b"SQLite format 3\x00"

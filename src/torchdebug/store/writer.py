@@ -28,7 +28,7 @@ from .._errors import RunStoreError
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
 from . import _rollup
-from ._schema import SCHEMA_VERSION, open_for_writing
+from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
 _CLOSE_STATUSES = ("finished", "failed")
@@ -149,8 +149,10 @@ class _Core:
         max_queue: int,
         batch_size: int,
         flush_interval: float,
+        lock_fd: int | None = None,
     ) -> None:
         self.conn = conn
+        self.lock_fd = lock_fd  # this rank's writer lock, held until close() (or process death)
         self.db_path = db_path
         self.meta_path = meta_path  # None for ranks > 0: rank 0 owns meta.json
         self.meta = meta
@@ -325,6 +327,7 @@ class _Core:
             self.error = self.error or e
         finally:
             conn.close()
+            release_writer_lock(self.db_path.parent, self.meta["rank"], self.lock_fd)
         if self.meta_path is not None:  # even if the database failed: meta.json says how the run ended
             self.meta.update(status=status, ended=ended, dropped=self.dropped)
             write_json_atomic(self.meta_path, self.meta)
@@ -357,8 +360,11 @@ class RunWriter:
     Each commit also folds its metric values into per-bucket rollups (``_rollup.py``), in the same
     transaction, so downsampled reads of long runs stay fast.
 
-    Known limitations: one writer per rank database (SQLite allows one writer at a time); a forked
-    child must create its own writer. A thread that logs in a tight loop doing nothing else starves
+    One writer per rank database: the writer holds ``rank<k>.lock`` (``flock``) until ``close()``
+    or its process dies, and a second writer of the same rank is refused with ``RunStoreError``.
+
+    Known limitations: the lock is advisory and local (``flock``; not enforced on Windows or on
+    network filesystems without ``flock``); a forked child must create its own writer. A thread that logs in a tight loop doing nothing else starves
     the writer thread (sqlite3 releases the GIL around every row and must win it back), so its
     records commit only at ``flush()``/``close()``; a training step's own work leaves room.
     """
@@ -748,9 +754,12 @@ def create_run(
     meta["opened"] = now.isoformat(timespec="seconds")
 
     db_path = run_dir / f"rank{rank}.sqlite"
+    lock_fd = None
     try:
+        lock_fd = acquire_writer_lock(run_dir, rank)  # before any write: a second writer changes nothing
         conn = open_for_writing(db_path)
     except BaseException:
+        release_writer_lock(run_dir, rank, lock_fd)
         if path is None:  # a folder we just made holds nothing worth keeping
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
@@ -777,10 +786,11 @@ def create_run(
         conn.execute("COMMIT")
     except sqlite3.Error as e:
         conn.close()
+        release_writer_lock(run_dir, rank, lock_fd)
         raise RunStoreError(f"cannot write {db_path}: {e}") from e
     # meta.json last: a folder is listed as a run only once its database exists.
     if meta_path is not None:
         write_json_atomic(meta_path, meta)
-    core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval))
+    core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval), lock_fd)
     _LIVE.add(core)
     return RunWriter(core, run_dir)
