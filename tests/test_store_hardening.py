@@ -95,3 +95,112 @@ def test_a_second_writer_in_another_process_is_refused_and_a_dead_one_releases(t
     r1.close()
     with open_run(w.path, rank=1) as run:
         assert run.series("loss").steps == [0, 1]
+
+
+# -- item 4: a full disk or file-size limit loses records loudly, never silently ----------------------
+
+# Logs 600 steps of 3 metrics (+ an event every 30 steps: 1820 records) under a file-size limit set
+# after the run exists; SIGXFSZ ignored, so a write past the limit fails with EFBIG like a full disk.
+_FULL_DISK = """
+import json, resource, signal, sys, warnings
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from torchdebug.store import create_run
+w = create_run(root=sys.argv[1], name="full", flush_interval=0.01)
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(600):
+        w.log_scalars(step, {"loss": 1.0 / (step + 1), "grad_norm": float(step), "lr": 0.1})
+        if step % 30 == 0:
+            w.log_event(step, "tick", "info", "x" * 200)
+        sum(range(20000))  # a little work per step, so the writer thread commits many small batches
+    w.close()
+print(json.dumps({"path": str(w.path), "warnings": [str(c.message) for c in caught],
+                  "lost": w.lost, "from": w.lost_from_step}))
+"""
+
+
+def _run_full(tmp_path: Path, limit: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr  # training went on to the end
+    return json.loads(done.stdout)
+
+
+def test_a_file_size_limit_loses_records_counted_warned_once_and_shown(tmp_path: Path, capsys) -> None:
+    out = _run_full(tmp_path, 200_000)  # the schema fills ~100 kB of WAL; 1820 records need far more
+    run_dir = Path(out["path"])
+    db = run_dir / "rank0.sqlite"
+    [warning] = out["warnings"]  # once, with the file and the error
+    assert warning.startswith(f"torchdebug: writing {db} failed (disk I/O error); ")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["status"] == "finished" and meta["write_error"] == "disk I/O error"
+    assert (meta["lost"], meta["lost_from_step"]) == (out["lost"], out["from"])
+    with open_run(run_dir) as run:
+        per_step = {s: 0 for s in range(600)}
+        for name in ("loss", "grad_norm", "lr"):
+            if name in run.metric_names():
+                for s in run.series(name).steps:
+                    per_step[s] += 1
+        events = [e["step"] for e in run.events()]
+        for s in events:
+            per_step[s] += 1
+        stored = sum(per_step.values())
+        summary = run.summary()
+    # Every record is either stored or counted as lost: 600 steps x 3 metrics + 20 events.
+    assert stored + meta["lost"] == 600 * 3 + 20
+    assert meta["lost"] > 0
+    # The first step missing any record is the step the run says it lost records from.
+    expected = {s: 3 + (s % 30 == 0) for s in range(600)}
+    first_missing = min(s for s in range(600) if per_step[s] < expected[s])
+    assert meta["lost_from_step"] == first_missing
+    assert (summary["lost"], summary["lost_from_step"]) == (meta["lost"], first_missing)
+    assert not list(run_dir.glob(".*.tmp"))
+
+    from torchdebug.cli import main
+
+    line = f"{meta['lost']} records were lost from step {first_missing} on (write failed: disk I/O error)"
+    assert main(["show", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "status     finished, INCOMPLETE: records were lost" in shown
+    assert f"lost       {line}: this run is incomplete" in shown
+    assert main(["runs", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    assert "finished, incomplete" in listed and line in listed
+    assert main(["report", str(run_dir)]) == 0
+    assert f"LOST     {line}: this run is incomplete" in capsys.readouterr().out
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from torchdebug.server import create_app
+
+    with TestClient(create_app(tmp_path, warm=0)) as client:
+        [info] = client.get("/api/runs").json()["runs"]
+        assert (info["status"], info["lost"], info["lost_from_step"]) == (
+            "finished",
+            meta["lost"],
+            first_missing,
+        )
+        assert f"incomplete: {meta['lost']} records lost" in client.get("/").text
+        page = client.get(f"/runs/{run_dir.name}").text
+        assert f"records lost from step {first_missing}: run incomplete" in page
+        assert client.get(f"/api/runs/{run_dir.name}").json()["summary"]["lost"] == meta["lost"]
+
+
+def test_when_nothing_can_be_written_the_run_never_reads_finished(tmp_path: Path) -> None:
+    out = _run_full(tmp_path, 300)  # smaller than meta.json: not even the end can be recorded
+    run_dir = Path(out["path"])
+    assert out["lost"] == 600 * 3 + 20 and out["from"] == 0
+    first, end = out["warnings"]
+    assert first.startswith(f"torchdebug: writing {run_dir / 'rank0.sqlite'} failed")
+    assert end.startswith(f"torchdebug: cannot record how the run ended in {run_dir / 'meta.json'}")
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("rank0.sqlite")) == ["meta.json"]
+    assert json.loads((run_dir / "meta.json").read_text())["status"] == "running"  # the old file, whole
+    with open_run(run_dir) as run:
+        assert run.status == "crashed"  # its process is gone: never "finished"

@@ -33,6 +33,14 @@ def _anomaly_card(a: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _lost_lines(lost: Mapping[str, Any] | None) -> list[str]:
+    if not lost:
+        return []
+    at = f" from step {lost.get('from_step')} on" if lost.get("from_step") is not None else ""
+    why = f" (write failed: {lost.get('error')})" if lost.get("error") else ""
+    return [f"LOST     {lost.get('count')} records were lost{at}{why}: this run is incomplete"]
+
+
 def render_text(report: Mapping[str, Any]) -> str:
     """The text report from ``build_report``'s dict (deterministic: same run, same text).
 
@@ -44,6 +52,7 @@ def render_text(report: Mapping[str, Any]) -> str:
         f"torchdebug report: {run.get('name')}",
         f"run id   {run.get('run_id')}",
         f"status   {run.get('status')}",
+        *_lost_lines(report.get("records_lost")),
         f"created  {run.get('created')}   ended {run.get('ended') or '-'}",
         f"mode     {s.get('debug_mode') or '-'}   level {s.get('debug_level') or '-'}",
         _RULE,

@@ -60,7 +60,8 @@ def _runs(args: argparse.Namespace) -> int:
     rows = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
     for i in infos:
         created = (i.created or "-").replace("T", " ")[:19]
-        rows.append((i.name, i.status, str(i.steps), str(i.anomalies), created, str(i.path)))
+        status = f"{i.status}, incomplete" if i.lost else i.status
+        rows.append((i.name, status, str(i.steps), str(i.anomalies), created, str(i.path)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     numeric = {2, 3}
     for r in rows:
@@ -69,6 +70,8 @@ def _runs(args: argparse.Namespace) -> int:
     for i in infos:
         if i.error:
             print(f"  {i.path}: {i.error}")
+        if i.lost:
+            print(f"  {i.path}: {lost_line(i.lost, i.lost_from_step, i.write_error)}")
     return 0
 
 
@@ -92,6 +95,13 @@ def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
         if matches:
             return matches[-1]
     raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
+
+
+def lost_line(lost: int, from_step: int | None, error: str | None = None) -> str:
+    """The one line that says a run is incomplete because records could not be written."""
+    at = f" from step {from_step} on" if from_step is not None else ""
+    why = f" (write failed: {error})" if error else " (the writer could not write them)"
+    return f"{lost} records were lost{at}{why}: this run is incomplete"
 
 
 def _fmt(v: Any) -> str:
@@ -130,7 +140,8 @@ def _show(args: argparse.Namespace) -> int:
         out = [
             f"run        {run.name}  (id {run.run_id})",
             f"path       {path}",
-            f"status     {summary['status']}",
+            f"status     {summary['status']}"
+            + (", INCOMPLETE: records were lost" if summary["lost"] else ""),
             f"created    {meta.get('created')}" + (f"   ended {meta['ended']}" if meta.get("ended") else ""),
             f"host       {meta.get('host')}  pid {meta.get('pid')}",
             f"versions   torch {meta.get('torch')}  python {meta.get('python')}  "
@@ -140,6 +151,10 @@ def _show(args: argparse.Namespace) -> int:
             f"steps      {summary['steps']}"
             + (f" (last step {summary['last_step']})" if summary["last_step"] is not None else ""),
         ]
+        if summary["lost"]:
+            out.append(
+                "lost       " + lost_line(summary["lost"], summary["lost_from_step"], summary["write_error"])
+            )
         if summary["dropped"]:
             out.append(f"dropped    {summary['dropped']} low-priority samples (writer queue was full)")
         config = meta.get("config") or {}

@@ -73,6 +73,9 @@ class RunInfo:
     anomalies: int
     run_id: str | None = None
     error: str | None = None  # why an "unreadable" run could not be read
+    lost: int = 0  # records that could not be written (disk full ...): the run is incomplete
+    lost_from_step: int | None = None
+    write_error: str | None = None  # why they were lost
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -595,6 +598,7 @@ class Run:
             "UNION ALL SELECT max(step) FROM events)"
         )[0][0]
         db_meta = self._db_meta()
+        lost = self._lost(db_meta)
         return {
             "run_id": self.run_id,
             "name": self.name,
@@ -611,8 +615,30 @@ class Run:
             "events": dict(self._rows("SELECT kind, count(*) FROM events GROUP BY kind ORDER BY kind")),
             "segments": int(self._rows("SELECT count(*) FROM segments")[0][0]),
             "dropped": int(db_meta.get("dropped", 0)),
+            **lost,
             "schema_version": self.schema_version,
         }
+
+    def _lost(self, db_meta: dict[str, Any]) -> dict[str, Any]:
+        """``lost``, ``lost_from_step``, ``write_error``: records the writer could not store.
+
+        The writer records them in the meta table when a later batch commits, and in meta.json when
+        it closes; either may have failed on a full disk, so the larger count wins.
+        """
+        sources = [db_meta]
+        if self.rank == self.meta.get("rank", 0):
+            sources.append(self.meta)
+        best: dict[str, Any] = {"lost": 0, "lost_from_step": None, "write_error": None}
+        for src in sources:
+            n = src.get("lost")
+            if type(n) is int and n > best["lost"]:
+                frm, err = src.get("lost_from_step"), src.get("write_error")
+                best = {
+                    "lost": n,
+                    "lost_from_step": frm if type(frm) is int else None,
+                    "write_error": err if isinstance(err, str) else None,
+                }
+        return best
 
 
 def open_run(path: str | os.PathLike[str], rank: int | None = None) -> Run:
@@ -669,7 +695,18 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
             with open_run(p) as run:
                 s = run.summary()
                 infos.append(
-                    RunInfo(p, run.name, s["status"], run.created, s["steps"], s["anomalies"], run.run_id)
+                    RunInfo(
+                        p,
+                        run.name,
+                        s["status"],
+                        run.created,
+                        s["steps"],
+                        s["anomalies"],
+                        run.run_id,
+                        lost=s["lost"],
+                        lost_from_step=s["lost_from_step"],
+                        write_error=s["write_error"],
+                    )
                 )
         except RunStoreError as e:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, str(e)))
