@@ -204,3 +204,148 @@ def test_when_nothing_can_be_written_the_run_never_reads_finished(tmp_path: Path
     assert json.loads((run_dir / "meta.json").read_text())["status"] == "running"  # the old file, whole
     with open_run(run_dir) as run:
         assert run.status == "crashed"  # its process is gone: never "finished"
+
+
+# -- item 6: readers never write into the run they read ----------------------------------------------
+
+# Steps 0-49 are checkpointed into rank0.sqlite, steps 50-79 and one event live only in the -wal;
+# then the process is killed, leaving rank0.sqlite, -wal, -shm and an unlocked rank0.lock.
+_KILLED = """
+import os, signal, sys
+from torchdebug.store import create_run
+w = create_run(root=sys.argv[1], name="killed")
+if sys.argv[2] == "checkpoint":
+    for s in range(50):
+        w.log_scalar("loss", s, float(s))
+    w.flush()
+    w._core.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+for s in range(50 if sys.argv[2] == "checkpoint" else 0, 80):
+    w.log_scalar("loss", s, float(s))
+w.log_event(79, "last", "info", "before the kill")
+w.flush()
+print(w.path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_run(root: Path, how: str = "checkpoint") -> Path:
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(root), how], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == -9, done.stderr
+    path = Path(done.stdout.strip())
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json",
+        "rank0.lock",
+        "rank0.sqlite",
+        "rank0.sqlite-shm",
+        "rank0.sqlite-wal",
+    ]
+    return path
+
+
+def _state(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Bytes and mtime of every file: a reader must change neither, nor add a file."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+def test_the_first_show_of_a_killed_run_writes_nothing(tmp_path: Path, capsys) -> None:
+    from torchdebug.cli import main
+    from torchdebug.store import list_runs
+
+    run_dir = _killed_run(tmp_path)
+    before = _state(run_dir)
+    assert main(["show", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "status     crashed" in out and "steps      80 (last step 79)" in out
+    with open_run(run_dir) as run:
+        assert run.series("loss").steps == list(range(80))  # the -wal was read, from memory
+        assert [e["kind"] for e in run.events()] == ["last"]
+        assert run.read_note is None
+    assert [i.status for i in list_runs(tmp_path)] == ["crashed"]
+    assert main(["report", str(run_dir)]) == 0
+    assert _state(run_dir) == before  # -shm included: not rebuilt
+
+
+def test_a_copy_without_its_wal_says_what_is_missing(tmp_path: Path, capsys) -> None:
+    from torchdebug.cli import main
+
+    # Nothing checkpointed yet: the schema itself is in the -wal that was not copied.
+    src = _killed_run(tmp_path / "src", how="all-in-wal")
+    copy = tmp_path / "copy" / src.name
+    copy.mkdir(parents=True)
+    for name in ("meta.json", "rank0.sqlite"):
+        (copy / name).write_bytes((src / name).read_bytes())
+    before = _state(copy)
+    with pytest.raises(RunStoreError, match=r"rank0\.sqlite-wal is missing \(copied without it\?\)") as info:
+        open_run(copy)
+    assert "not a torchdebug run database" not in str(info.value) and "delete" not in str(info.value)
+    assert main(["show", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "copy rank0.sqlite-wal beside it" in err
+    assert _state(copy) == before  # no -wal/-shm created by the reader
+
+    # Checkpointed part copied, -wal left behind: read what is there and say the rest may be missing.
+    src = _killed_run(tmp_path / "src2")
+    copy = tmp_path / "copy2" / src.name
+    copy.mkdir(parents=True)
+    for name in ("meta.json", "rank0.sqlite"):
+        (copy / name).write_bytes((src / name).read_bytes())
+    before = _state(copy)
+    with open_run(copy) as run:
+        assert run.series("loss").steps == list(range(50))
+        assert "rank0.sqlite-wal" in (run.read_note or "") and "missing" in run.read_note
+    assert _state(copy) == before
+
+    # -wal copied but not -shm: every record is read (from a private copy); nothing is created here.
+    (copy / "rank0.sqlite-wal").write_bytes((src / "rank0.sqlite-wal").read_bytes())
+    before = _state(copy)
+    with open_run(copy) as run:
+        assert run.series("loss").steps == list(range(80)) and run.read_note is None
+    assert _state(copy) == before
+
+
+_READ_ONLY_READER = """
+import json, sys
+from torchdebug.store import open_run
+from torchdebug.cli import main
+with open_run(sys.argv[1]) as run:
+    print(json.dumps({"steps": run.series("loss").steps[-1] + 1, "status": run.status, "note": run.read_note}))
+sys.exit(main(["show", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("shm", ["readable", "unreadable"])
+def test_a_crashed_run_on_read_only_media_opens_and_is_never_called_corrupt(tmp_path: Path, shm: str) -> None:
+    import os
+    import shutil
+
+    run_dir = _killed_run(tmp_path)
+    cmd = [sys.executable, "-c", _READ_ONLY_READER, str(run_dir)]
+    if os.geteuid() == 0:  # root ignores file modes: drop the capabilities that let it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: file modes cannot make the folder read-only")
+        cmd = [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner", *cmd]
+    for p in run_dir.iterdir():
+        p.chmod(0o000 if (shm == "unreadable" and p.name.endswith("-shm")) else 0o444)
+    run_dir.chmod(0o555)
+    try:
+        before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    finally:
+        run_dir.chmod(0o755)
+        for p in run_dir.iterdir():
+            p.chmod(0o644)
+    assert done.returncode == 0, done.stderr
+    assert "corrupt" not in done.stdout + done.stderr and "delete" not in done.stdout + done.stderr
+    first = json.loads(done.stdout.splitlines()[0])
+    assert first["status"] == "crashed"
+    if shm == "readable":  # the -wal is read into memory through the read-only -shm
+        assert (first["steps"], first["note"]) == (80, None)
+    else:  # immutable read of the checkpointed file; the note says what could not be read
+        assert first["steps"] == 50
+        assert first["note"].startswith("read without rank0.sqlite-wal")
+        assert "partial    read without rank0.sqlite-wal" in done.stdout
+    assert after == before

@@ -151,6 +151,8 @@ def _show(args: argparse.Namespace) -> int:
             f"steps      {summary['steps']}"
             + (f" (last step {summary['last_step']})" if summary["last_step"] is not None else ""),
         ]
+        if summary["read_note"]:
+            out.append(f"partial    {summary['read_note']}")
         if summary["lost"]:
             out.append(
                 "lost       " + lost_line(summary["lost"], summary["lost_from_step"], summary["write_error"])

@@ -150,7 +150,8 @@ class Run:
         self.meta = meta
         self.rank = rank
         self.db_path = path / f"rank{rank}.sqlite"
-        self._conn, self.schema_version = open_for_reading(self.db_path)
+        self._conn, self.schema_version, self.read_note = open_for_reading(self.db_path)
+        # read_note: None, or what this read could not see (e.g. a -wal on read-only media)
         # One query at a time on the shared connection: a dashboard may call from several threads.
         self._lock = threading.Lock()
 
@@ -231,7 +232,7 @@ class Run:
             raise RunStoreError(f"{self.db_path}: {e} (was the run closed?)") from e
         except sqlite3.DatabaseError as e:
             raise RunStoreError(
-                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it or delete it"
+                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it from a backup"
             ) from e
 
     def _db_meta(self) -> dict[str, Any]:
@@ -615,6 +616,7 @@ class Run:
             "events": dict(self._rows("SELECT kind, count(*) FROM events GROUP BY kind ORDER BY kind")),
             "segments": int(self._rows("SELECT count(*) FROM segments")[0][0]),
             "dropped": int(db_meta.get("dropped", 0)),
+            "read_note": self.read_note,
             **lost,
             "schema_version": self.schema_version,
         }
