@@ -83,6 +83,11 @@ class Catalog:
         p = self.base / run_id
         if not (p / "meta.json").is_file() or p.resolve().parent != self.base:
             raise ApiError(404, f"no run {run_id!r} in this server (see /api/runs)")
+        from ..store.reader import outside_root
+
+        why = outside_root(p, self.base)  # meta.json or a database linking outside: not served
+        if why is not None:
+            raise ApiError(404, f"no run {run_id!r} in this server: a file of it links outside its folder")
         return p
 
     def default_id(self) -> str:

@@ -133,6 +133,29 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+_RUN_FILE = re.compile(r"^(meta\.json|rank\d+\.sqlite(-wal|-shm)?)$")
+
+
+def outside_root(run_dir: Path, root: Path) -> str | None:
+    """Why ``run_dir`` may not be served from ``root``, or None: it, or one of its files, resolves
+    (through symlinks) outside. A served folder shows only what is inside it.
+
+    Example: ``outside_root(Path("runs/a"), Path("runs"))`` -> None for an ordinary run folder.
+    """
+    real_root = root.resolve()
+    real = run_dir.resolve()
+    if real.parent != real_root:
+        return f"{run_dir} leads outside {root} (to {real}); refused"
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return None  # opening it will say why
+    for f in entries:
+        if _RUN_FILE.match(f.name) and f.resolve().parent != real:
+            return f"{f} links outside its run folder; refused"
+    return None
+
+
 def _ranks(path: Path) -> list[int]:
     found = (_RANK_FILE.match(p.name) for p in path.iterdir())
     return sorted(int(m.group(1)) for m in found if m)
@@ -684,14 +707,22 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
     Raises:
         RunStoreError: ``root`` does not exist or is not a folder.
 
+    A folder that leads outside ``root`` through a symlink is neither opened nor listed; a run whose
+    meta.json or database links outside its folder is listed as unreadable, and not opened.
+
     Example: ``[r.name for r in list_runs("runs")]``. Cost: opens each run's rank-0 database.
     """
     base = Path(root)
     if not base.is_dir():
         raise RunStoreError(f"{base} is not a folder of runs (it does not exist or is a file)")
     infos: list[RunInfo] = []
+    real_base = base.resolve()
     for p in sorted(base.iterdir()):
-        if not (p / "meta.json").is_file():
+        if p.resolve().parent != real_base or not (p / "meta.json").is_file():
+            continue
+        why = outside_root(p, base)
+        if why is not None:
+            infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, why))
             continue
         try:
             with open_run(p) as run:
