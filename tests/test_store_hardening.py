@@ -349,3 +349,35 @@ def test_a_crashed_run_on_read_only_media_opens_and_is_never_called_corrupt(tmp_
         assert first["note"].startswith("read without rank0.sqlite-wal")
         assert "partial    read without rank0.sqlite-wal" in done.stdout
     assert after == before
+
+
+# -- item 10: text from a run is escaped before it reaches a terminal ---------------------------------
+
+_EVIL = "\x1b[2J\x1b]0;pwned\x07\r"  # clear screen, set the window title, bell, carriage return
+
+
+def test_names_and_messages_are_escaped_and_long_names_cut(tmp_path: Path, capsys) -> None:
+    from torchdebug.cli import main
+
+    long_metric = "m" * 200
+    w = create_run(root=tmp_path, name=f"run{_EVIL}", config={"note": f"x{_EVIL}", "lr": 0.5})
+    w.log_scalars(0, {"loss": 1.0, f"grad{_EVIL}": 2.0, long_metric: 3.0})
+    w.log_anomaly(0, {"phase": "forward", "module": f"fc{_EVIL}", "kind": "nan", "summary": f"boom{_EVIL}"})
+    w.log_event(0, f"kind{_EVIL}", "warning", f"message{_EVIL}\nsecond line")
+    w.close()
+    outputs = {}
+    for cmd in (["runs", str(tmp_path)], ["show", str(w.path)], ["report", str(w.path)]):
+        assert main(cmd) == 0
+        outputs[cmd[0]] = capsys.readouterr().out
+    for name, out in outputs.items():
+        assert not any(c in out for c in "\x1b\x07\r"), name
+        assert "\\x1b[2J\\x1b]0;pwned\\x07\\x0d" in out, name
+    assert "second line" in outputs["report"] and "\\x0asecond line" in outputs["report"]  # one line per event
+    assert "  boom\\x1b[2J" in outputs["show"]  # the anomaly's summary
+    # Long names are cut in tables, whole in JSON.
+    assert "m" * 57 + "..." in outputs["show"] and "m" * 58 not in outputs["show"]
+    assert "m" * 57 + "..." in outputs["report"] and "m" * 58 not in outputs["report"]
+    header, row = outputs["runs"].splitlines()[:2]
+    assert row.startswith("run\\x1b[2J\\x1b]0;pwned\\x07\\x0d  finished")
+    assert main(["show", str(w.path), "--json"]) == 0
+    assert long_metric in json.loads(capsys.readouterr().out)["last_values"]

@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError
+from .._term import printable
 
 _MAX_METRICS = 20
 _MAX_ANOMALIES = 20
+# Table cells longer than this are cut ("..."): a run may name itself or its metrics at any length.
+_MAX_NAME = 48
+_MAX_METRIC = 60
 # Shown first by `show`, in this order, when present; the rest follow alphabetically.
 _MAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "scale", "step_time")
 
@@ -61,7 +65,8 @@ def _runs(args: argparse.Namespace) -> int:
     for i in infos:
         created = (i.created or "-").replace("T", " ")[:19]
         status = f"{i.status}, incomplete" if i.lost else i.status
-        rows.append((i.name, status, str(i.steps), str(i.anomalies), created, str(i.path)))
+        cells = (i.name, status, str(i.steps), str(i.anomalies), created)
+        rows.append((*(printable(c, _MAX_NAME) for c in cells), printable(i.path)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     numeric = {2, 3}
     for r in rows:
@@ -69,9 +74,9 @@ def _runs(args: argparse.Namespace) -> int:
         print("  ".join(cells).rstrip())
     for i in infos:
         if i.error:
-            print(f"  {i.path}: {i.error}")
+            print(printable(f"  {i.path}: {i.error}"))
         if i.lost:
-            print(f"  {i.path}: {lost_line(i.lost, i.lost_from_step, i.write_error)}")
+            print(printable(f"  {i.path}: {lost_line(i.lost, i.lost_from_step, i.write_error)}"))
     return 0
 
 
@@ -168,10 +173,11 @@ def _show(args: argparse.Namespace) -> int:
         out.append("")
         out.append(f"metrics ({len(last)}), last value")
         if order:
-            width = max(len(m) for m in order[:_MAX_METRICS])
-            for m in order[:_MAX_METRICS]:
+            shown_names = {m: printable(m, _MAX_METRIC) for m in order[:_MAX_METRICS]}
+            width = max(len(n) for n in shown_names.values())
+            for m, label in shown_names.items():
                 step, value = last[m]
-                out.append(f"  {m.ljust(width)}  {_fmt(value):>12}  at step {step}")
+                out.append(f"  {label.ljust(width)}  {_fmt(value):>12}  at step {step}")
             if len(order) > _MAX_METRICS:
                 out.append(f"  ... and {len(order) - _MAX_METRICS} more (torchdebug show --json)")
         else:
@@ -192,5 +198,6 @@ def _show(args: argparse.Namespace) -> int:
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
-    print("\n".join(out))
+    # Names, messages and config values come from the run: escape what a terminal would obey.
+    print("\n".join(printable(line) for line in out))
     return 0
