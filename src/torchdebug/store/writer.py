@@ -28,7 +28,7 @@ from typing import Any
 from .._errors import RunStoreError, TorchDebugWarning
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
-from . import _rollup
+from . import _rollup, _validate
 from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
@@ -841,12 +841,12 @@ def create_run(
         run_dir = Path(path)
         meta_file = run_dir / "meta.json"
         try:
-            shared = json.loads(meta_file.read_text(encoding="utf-8"))
+            shared = _validate.meta(meta_file.read_bytes(), str(meta_file))
         except FileNotFoundError:
             raise RunStoreError(
                 f"{run_dir} is not a torchdebug run (no meta.json); let rank 0 create it first"
             ) from None
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise RunStoreError(f"cannot read {meta_file}: {e}") from e
         if shared.get("world_size", world_size) != world_size:
             raise ValueError(f"world_size {world_size} differs from the run's {shared.get('world_size')}")
