@@ -329,11 +329,12 @@ class _Core:
                         ("write_error", json.dumps(self.write_error)),
                     ],
                 )
+            conn.execute("COMMIT")  # inside the try: a COMMIT that fails (disk full) must roll back too
         except BaseException:
             if conn.in_transaction:  # SQLite rolls back by itself on some errors (disk full, I/O)
-                conn.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
         self.persisted_dropped = dropped
         self.persisted_lost = lost
 
