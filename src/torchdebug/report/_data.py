@@ -118,6 +118,8 @@ def build_report(
           backward, optimizer, other), ``events_by_kind`` and ``anomalies_by_phase`` (counts).
         - ``anomalies`` (full documents), ``events`` (rule events), ``segments``, ``metrics`` (when
           asked), ``run`` (meta.json identity fields) and ``config``.
+        - ``records_lost`` (only when the writer could not store some records: disk full ...):
+          ``count``, ``from_step``, ``error``; the run is incomplete.
 
     Raises:
         RunStoreError: the run's database cannot be read.
@@ -186,6 +188,13 @@ def build_report(
     }
     if metrics:
         report["metrics"] = metric_table(run)
+    lost = run.summary()
+    if lost.get("lost"):  # only then: a whole run's report is unchanged
+        report["records_lost"] = {
+            "count": lost["lost"],
+            "from_step": lost["lost_from_step"],
+            "error": lost["write_error"],
+        }
     return report
 
 

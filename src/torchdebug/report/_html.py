@@ -214,6 +214,10 @@ def render_summary(report: Mapping[str, Any]) -> str:
         ("max CUDA allocated", fmt_bytes(mem["max_gpu_memory"]), False),
         ("max ‖g‖", fmt_num(grad["max_gradient_norm"]), False),
     ]
+    lost = report.get("records_lost")
+    if lost:  # first: the run is incomplete
+        at = f" from step {lost.get('from_step')}" if lost.get("from_step") is not None else ""
+        tiles.insert(0, (f"records lost{at}: run incomplete", fmt_num(lost.get("count")), True))
     return (
         '<div class="tiles">'
         + "".join(

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._term import printable
 from ..events import module_label
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, natural_key
 
 _RULE = "-" * 78
+_MAX_METRIC = 60  # metric names longer than this are cut in the table
 
 
 def _anomaly_card(a: Mapping[str, Any]) -> list[str]:
@@ -33,6 +35,14 @@ def _anomaly_card(a: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _lost_lines(lost: Mapping[str, Any] | None) -> list[str]:
+    if not lost:
+        return []
+    at = f" from step {lost.get('from_step')} on" if lost.get("from_step") is not None else ""
+    why = f" (write failed: {lost.get('error')})" if lost.get("error") else ""
+    return [f"LOST     {lost.get('count')} records were lost{at}{why}: this run is incomplete"]
+
+
 def render_text(report: Mapping[str, Any]) -> str:
     """The text report from ``build_report``'s dict (deterministic: same run, same text).
 
@@ -44,6 +54,7 @@ def render_text(report: Mapping[str, Any]) -> str:
         f"torchdebug report: {run.get('name')}",
         f"run id   {run.get('run_id')}",
         f"status   {run.get('status')}",
+        *_lost_lines(report.get("records_lost")),
         f"created  {run.get('created')}   ended {run.get('ended') or '-'}",
         f"mode     {s.get('debug_mode') or '-'}   level {s.get('debug_level') or '-'}",
         _RULE,
@@ -85,14 +96,16 @@ def render_text(report: Mapping[str, Any]) -> str:
     metrics = report.get("metrics")
     if metrics is not None:
         out += [_RULE, "Metrics"]
-        width = max([len(n) for n in metrics] + [6])
+        labels = {n: printable(n, _MAX_METRIC) for n in metrics}
+        width = max([len(n) for n in labels.values()] + [6])
         out.append(
             f"  {'metric':<{width}}  {'points':>6}  {'last':>10}  {'min':>10}  {'max':>10}  {'NaN/Inf':>7}"
         )
         for name in sorted(metrics, key=natural_key):
             m = metrics[name]
             out.append(
-                f"  {name:<{width}}  {m['points']:>6}  {fmt_num(m['last']):>10}  {fmt_num(m['min']):>10}  "
+                f"  {labels[name]:<{width}}  {m['points']:>6}  {fmt_num(m['last']):>10}  {fmt_num(m['min']):>10}  "
                 f"{fmt_num(m['max']):>10}  {m['nonfinite']:>7}"
             )
-    return "\n".join(out) + "\n"
+    # Everything above may hold text from the run: escape what a terminal would obey (ESC, CR, BEL).
+    return "\n".join(printable(line) for line in out) + "\n"

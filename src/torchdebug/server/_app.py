@@ -138,6 +138,11 @@ class Catalog:
         p = self.base / run_id
         if not (p / "meta.json").is_file() or p.resolve().parent != self.base:
             raise ApiError(404, f"no run {run_id!r} in this server (see /api/runs)")
+        from ..store.reader import outside_root
+
+        why = outside_root(p, self.base)  # meta.json or a database linking outside: not served
+        if why is not None:
+            raise ApiError(404, f"no run {run_id!r} in this server: a file of it links outside its folder")
         return p
 
     def default_id(self) -> str:
@@ -178,7 +183,8 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
 def _runs_page(infos: list[Any], token_q: str) -> str:
     rows = "".join(
         f'<tr><td><a href="/runs/{html.escape(Path(i.path).name)}{token_q}">{html.escape(i.name)}</a></td>'
-        f'<td><span class="badge {html.escape(i.status)}">{html.escape(i.status)}</span></td>'
+        f'<td><span class="badge {html.escape(i.status)}">{html.escape(i.status)}</span>'
+        f"{f' <b>incomplete: {i.lost} records lost</b>' if i.lost else ''}</td>"
         f"<td class=num>{i.steps}</td><td class=num>{i.anomalies}</td><td>{html.escape(i.created or '-')}</td>"
         f"<td><code>{html.escape(Path(i.path).name)}</code></td></tr>"
         for i in reversed(infos)

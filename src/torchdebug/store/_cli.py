@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError
+from .._term import printable
 
 _MAX_METRICS = 20
 _MAX_ANOMALIES = 20
+# Table cells longer than this are cut ("..."): a run may name itself or its metrics at any length.
+_MAX_NAME = 48
+_MAX_METRIC = 60
 # Shown first by `show`, in this order, when present; the rest follow alphabetically.
 _MAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "scale", "step_time")
 
@@ -60,7 +64,9 @@ def _runs(args: argparse.Namespace) -> int:
     rows = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
     for i in infos:
         created = (i.created or "-").replace("T", " ")[:19]
-        rows.append((i.name, i.status, str(i.steps), str(i.anomalies), created, str(i.path)))
+        status = f"{i.status}, incomplete" if i.lost else i.status
+        cells = (i.name, status, str(i.steps), str(i.anomalies), created)
+        rows.append((*(printable(c, _MAX_NAME) for c in cells), printable(i.path)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     numeric = {2, 3}
     for r in rows:
@@ -68,7 +74,9 @@ def _runs(args: argparse.Namespace) -> int:
         print("  ".join(cells).rstrip())
     for i in infos:
         if i.error:
-            print(f"  {i.path}: {i.error}")
+            print(printable(f"  {i.path}: {i.error}"))
+        if i.lost:
+            print(printable(f"  {i.path}: {lost_line(i.lost, i.lost_from_step, i.write_error)}"))
     return 0
 
 
@@ -92,6 +100,13 @@ def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
         if matches:
             return matches[-1]
     raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
+
+
+def lost_line(lost: int, from_step: int | None, error: str | None = None) -> str:
+    """The one line that says a run is incomplete because records could not be written."""
+    at = f" from step {from_step} on" if from_step is not None else ""
+    why = f" (write failed: {error})" if error else " (the writer could not write them)"
+    return f"{lost} records were lost{at}{why}: this run is incomplete"
 
 
 def _fmt(v: Any) -> str:
@@ -130,7 +145,8 @@ def _show(args: argparse.Namespace) -> int:
         out = [
             f"run        {run.name}  (id {run.run_id})",
             f"path       {path}",
-            f"status     {summary['status']}",
+            f"status     {summary['status']}"
+            + (", INCOMPLETE: records were lost" if summary["lost"] else ""),
             f"created    {meta.get('created')}" + (f"   ended {meta['ended']}" if meta.get("ended") else ""),
             f"host       {meta.get('host')}  pid {meta.get('pid')}",
             f"versions   torch {meta.get('torch')}  python {meta.get('python')}  "
@@ -140,6 +156,12 @@ def _show(args: argparse.Namespace) -> int:
             f"steps      {summary['steps']}"
             + (f" (last step {summary['last_step']})" if summary["last_step"] is not None else ""),
         ]
+        if summary["read_note"]:
+            out.append(f"partial    {summary['read_note']}")
+        if summary["lost"]:
+            out.append(
+                "lost       " + lost_line(summary["lost"], summary["lost_from_step"], summary["write_error"])
+            )
         if summary["dropped"]:
             out.append(f"dropped    {summary['dropped']} low-priority samples (writer queue was full)")
         config = meta.get("config") or {}
@@ -151,10 +173,11 @@ def _show(args: argparse.Namespace) -> int:
         out.append("")
         out.append(f"metrics ({len(last)}), last value")
         if order:
-            width = max(len(m) for m in order[:_MAX_METRICS])
-            for m in order[:_MAX_METRICS]:
+            shown_names = {m: printable(m, _MAX_METRIC) for m in order[:_MAX_METRICS]}
+            width = max(len(n) for n in shown_names.values())
+            for m, label in shown_names.items():
                 step, value = last[m]
-                out.append(f"  {m.ljust(width)}  {_fmt(value):>12}  at step {step}")
+                out.append(f"  {label.ljust(width)}  {_fmt(value):>12}  at step {step}")
             if len(order) > _MAX_METRICS:
                 out.append(f"  ... and {len(order) - _MAX_METRICS} more (torchdebug show --json)")
         else:
@@ -175,5 +198,6 @@ def _show(args: argparse.Namespace) -> int:
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
-    print("\n".join(out))
+    # Names, messages and config values come from the run: escape what a terminal would obey.
+    print("\n".join(printable(line) for line in out))
     return 0

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import socket
 import sqlite3
+import tempfile
+import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -175,18 +180,112 @@ def migrate(conn: sqlite3.Connection, path: Path) -> int:
     return version
 
 
+def lock_path(run_dir: Path, rank: int) -> Path:
+    """The lock file a rank's writer holds while it is open (``rank<k>.lock``; removed on close)."""
+    return run_dir / f"rank{rank}.lock"
+
+
+def acquire_writer_lock(run_dir: Path, rank: int) -> int | None:
+    """Take rank ``rank``'s writer lock (``flock``) or refuse: one writer per rank database.
+
+    The kernel drops the lock when the process dies, so a killed writer never leaves a stale lock
+    (its empty file stays; the next writer takes it). Returns the descriptor to keep open, None where
+    ``flock`` does not exist (Windows) or the filesystem refuses it: then nothing is checked.
+
+    Raises:
+        RunStoreError: another writer (this process or another) holds the lock; it names the holder.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    path = lock_path(run_dir, rank)
+    tries = 0
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None  # read-only folder: opening the database will say so
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            tries += 1
+            if tries < 5:  # a reader's writer_is_open() probe holds it for microseconds
+                os.close(fd)
+                time.sleep(0.02)
+                continue
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise RunStoreError(
+                f"{run_dir / f'rank{rank}.sqlite'} is already open for writing ({holder}); a rank has one "
+                f"writer: close the other writer first, or write a new run (create_run without path=)"
+            ) from None
+        except OSError:  # a filesystem without flock
+            os.close(fd)
+            return None
+        # A writer closing between our open() and flock() unlinked the file we locked: lock the new one.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def release_writer_lock(run_dir: Path, rank: int, fd: int | None) -> None:
+    """Remove and release a lock taken by ``acquire_writer_lock`` (unlink first, then unlock)."""
+    if fd is None:
+        return
+    import fcntl
+
+    try:
+        os.unlink(lock_path(run_dir, rank))
+    except OSError:
+        pass
+    # Unlock explicitly: a forked child (a DataLoader worker) shares the descriptor and would keep it.
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def writer_is_open(run_dir: Path, rank: int) -> bool:
+    """True when a live writer holds rank ``rank``'s lock (checked without writing anything)."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fd = os.open(lock_path(run_dir, rank), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops the shared lock we may have taken
+    return False
+
+
 _MAGIC = b"SQLite format 3\x00"
 
 
-def _check_file(path: Path) -> None:
-    """Cheap structural checks that catch garbage and truncated files before SQLite sees them."""
+def _check_file(path: Path) -> bytes:
+    """Cheap structural checks that catch garbage and truncated files before SQLite sees them.
+
+    Returns the 100-byte header. Never advises deleting: a file that fails here cannot be opened at all.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         header = f.read(100)
     if len(header) < 100 or header[:16] != _MAGIC:
         raise RunStoreError(
             f"{path} is not a SQLite database (corrupt or overwritten); the run cannot be read, "
-            "restore it from a backup or delete the run folder"
+            "restore it from a backup"
         )
     page_size = int.from_bytes(header[16:18], "big")
     page_size = 65536 if page_size == 1 else page_size
@@ -198,41 +297,148 @@ def _check_file(path: Path) -> None:
     if not has_wal and (size % page_size or size < pages * page_size):
         raise RunStoreError(
             f"{path} is truncated ({size} bytes, header says {pages * page_size}); the run cannot be read, "
-            "restore it from a backup or delete the run folder"
+            "restore it from a backup"
         )
+    return header
 
 
-def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int]:
-    """Open a rank database read-only (``mode=ro``); returns the connection and its schema version.
+class _ReadConnection(sqlite3.Connection):
+    """A reader's connection; ``close()`` also removes the private copy it may read (see below)."""
 
-    Never writes the database or its WAL. (For a run whose writer was killed, SQLite rebuilds the
-    ``-shm`` index file next to it; that file is scratch space, not data.)
+    scratch: str | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+
+def _connect(path: Path, query: str) -> _ReadConnection:
+    uri = "file:" + urllib.parse.quote(os.fspath(path.resolve())) + "?" + query
+    conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30.0, factory=_ReadConnection)
+    assert isinstance(conn, _ReadConnection)
+    return conn
+
+
+def _read_mode(path: Path, header: bytes) -> str:
+    """How to open ``path`` without writing a byte into its folder: a URI query, or "copy" (read a
+    private copy of the database and its -wal)."""
+    if header[18] != 2:  # rollback journal (every closed run): a read creates no file
+        return "mode=ro"
+    wal, shm = Path(str(path) + "-wal"), Path(str(path) + "-shm")
+    m = _RANK_DB.match(path.name)
+    if m and writer_is_open(path.parent, int(m.group(1))):
+        return "mode=ro"  # a live writer owns the -shm index; readers share it as SQLite intends
+    if wal.exists() and shm.exists():
+        # A killed writer: read the WAL into memory and leave the stale -shm alone (plain mode=ro
+        # would rebuild it, i.e. write into the run).
+        return "mode=ro&readonly_shm=1"
+    if wal.exists():
+        return "copy"  # a -wal without its -shm (a copy): SQLite can only read it by making one
+    # WAL mode but no -wal: nothing newer than the file exists here; opening normally would create
+    # -wal and -shm beside it.
+    return "immutable=1"
+
+
+_RANK_DB = re.compile(r"^rank(\d+)\.sqlite$")
+
+
+def _open_copy(path: Path) -> _ReadConnection:
+    """Read a private copy of a database and its -wal (cost: one copy of the file)."""
+    scratch = tempfile.mkdtemp(prefix="torchdebug-read-")
+    try:
+        copy = Path(scratch) / path.name
+        shutil.copyfile(path, copy)
+        shutil.copyfile(str(path) + "-wal", str(copy) + "-wal")
+        conn = _connect(copy, "mode=ro")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    conn.scratch = scratch
+    return conn
+
+
+def _probe(conn: sqlite3.Connection, path: Path, wal_missing: bool) -> int:
+    """The schema version, after checking the file is a torchdebug database this reader knows."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise newer_version_error(path, version)
+    if version == 0:
+        if wal_missing:
+            raise RunStoreError(
+                f"{path} has no tables yet: it is in WAL mode and its {path.name}-wal is missing (copied "
+                f"without it?); the run's records are in that file: copy {path.name}-wal beside it"
+            )
+        raise RunStoreError(f"{path} is not a torchdebug run database (no schema version)")
+    conn.execute("SELECT count(*) FROM metrics").fetchone()
+    return version
+
+
+def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
+    """Open a rank database for reading; returns the connection, its schema version and a note.
+
+    Never writes into the run folder, not even SQLite's scratch files: a closed run is opened
+    ``mode=ro``; a live run's WAL is shared with its writer; a killed writer's WAL is read with
+    ``readonly_shm`` (its -shm is not rebuilt); a -wal without its -shm is read from a private copy
+    (cost: one copy of the file); a WAL-mode file without a -wal is read ``immutable``. When the
+    folder cannot be opened that way (read-only media), an ``immutable`` read is tried, and the note
+    says what it could not read.
 
     Raises:
-        RunStoreError: missing, not SQLite, truncated, corrupt, or not a torchdebug database.
+        RunStoreError: missing, not SQLite, truncated, corrupt, or not a torchdebug database; the
+            message says what is missing and never advises deleting a file SQLite can open.
         SchemaVersionError: written by a newer torchdebug.
     """
     if not path.is_file():
         raise RunStoreError(f"{path} does not exist; is the run folder complete?")
-    _check_file(path)
-    uri = "file:" + urllib.parse.quote(os.fspath(path.resolve())) + "?mode=ro"
+    header = _check_file(path)
+    how, note = _read_mode(path, header), None
+    wal = Path(str(path) + "-wal")
+    wal_missing = header[18] == 2 and not wal.exists()
+    first_error: Exception | None = None
+    conn: _ReadConnection | None = None
     try:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30.0)
-    except sqlite3.Error as e:
-        raise RunStoreError(f"cannot open {path} read-only: {e}; check file permissions") from e
-    try:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise newer_version_error(path, version)
-        if version == 0:
-            raise RunStoreError(f"{path} is not a torchdebug run database (no schema version)")
-        conn.execute("SELECT count(*) FROM metrics").fetchone()
-    except sqlite3.DatabaseError as e:
-        conn.close()
-        raise RunStoreError(
-            f"{path} is corrupt ({e}); the run cannot be read, restore it from a backup or delete it"
-        ) from e
+        conn = _open_copy(path) if how == "copy" else _connect(path, how)
+        version = _probe(conn, path, wal_missing)
+        if wal_missing and conn.execute("SELECT value FROM meta WHERE key = 'status'").fetchone() == (
+            '"running"',
+        ):
+            # A writer that never closed leaves its last records in the -wal: a copy without it lacks them.
+            note = (
+                f"{wal.name} is missing (copied without it?): records the writer had not yet moved into "
+                f"{path.name} may be missing; copy {wal.name} beside it to read them"
+            )
+        return conn, version, note
     except RunStoreError:
-        conn.close()
+        if conn is not None:
+            conn.close()
         raise
-    return conn, version
+    except (sqlite3.Error, OSError) as e:
+        if conn is not None:
+            conn.close()
+        first_error = e
+    # Read-only media, a lock we may not take, a -shm we may not read: the file itself may be fine.
+    try:
+        conn = _connect(path, "immutable=1")
+        ok = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if ok != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {ok}")
+        version = _probe(conn, path, wal_missing)
+    except RunStoreError:
+        if conn is not None:
+            conn.close()
+        raise
+    except sqlite3.Error as e:
+        if conn is not None:
+            conn.close()
+        raise RunStoreError(
+            f"{path} is corrupt ({first_error}; an immutable read fails too: {e}); the run cannot be read, "
+            "restore it from a backup"
+        ) from e
+    if wal.exists() and wal.stat().st_size > 0:
+        note = (
+            f"read without {wal.name} ({first_error}): records of the last seconds before the writer "
+            "stopped may be missing; copy the run folder to writable storage to read them"
+        )
+    return conn, version, note

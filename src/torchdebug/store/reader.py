@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import re
 import socket
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError, SchemaVersionError
-from . import _rollup
+from . import _rollup, _validate
 from ._schema import SCHEMA_VERSION, open_for_reading
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
@@ -27,9 +26,21 @@ _RAW_DOWNSAMPLE_ROWS = 8192
 _NOT_A_RUN_HINT = "pass a run folder such as runs/demo-20250101-120000 (list them with: torchdebug runs)"
 
 
+# Steps beyond this are clamped in queries: no run gets there, and SQLite integers stop at 2**63 - 1.
+_MAX_STEP = 2**62
+
+
+class _NotANumber(ValueError):
+    pass
+
+
 def _nan(v: Any) -> Any:
     # SQLite stores a bound NaN as NULL; the writer never stores None, so NULL reads back as NaN.
-    return float("nan") if v is None else v
+    if v is None:
+        return float("nan")
+    if type(v) is not float and (type(v) is not int):
+        raise _NotANumber(f"holds {type(v).__name__} {v!r:.40} where a number belongs")
+    return v
 
 
 @dataclass
@@ -73,6 +84,9 @@ class RunInfo:
     anomalies: int
     run_id: str | None = None
     error: str | None = None  # why an "unreadable" run could not be read
+    lost: int = 0  # records that could not be written (disk full ...): the run is incomplete
+    lost_from_step: int | None = None
+    write_error: str | None = None  # why they were lost
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,11 +130,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not meta_file.is_file():
         raise RunStoreError(f"{path} is not a torchdebug run (no meta.json); {_NOT_A_RUN_HINT}")
     try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise RunStoreError(f"{meta_file} is corrupt ({e}); the run cannot be read") from e
-    if not isinstance(meta, dict):
-        raise RunStoreError(f"{meta_file} is corrupt (not a JSON object); the run cannot be read")
+        raw = meta_file.read_bytes()
+    except OSError as e:
+        raise RunStoreError(f"cannot read {meta_file}: {e}") from e
+    meta = _validate.meta(raw, str(meta_file))
     version = meta.get("schema_version")
     if isinstance(version, int) and version > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -128,6 +141,29 @@ def _read_meta(path: Path) -> dict[str, Any]:
             "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
         )
     return meta
+
+
+_RUN_FILE = re.compile(r"^(meta\.json|rank\d+\.sqlite(-wal|-shm)?)$")
+
+
+def outside_root(run_dir: Path, root: Path) -> str | None:
+    """Why ``run_dir`` may not be served from ``root``, or None: it, or one of its files, resolves
+    (through symlinks) outside. A served folder shows only what is inside it.
+
+    Example: ``outside_root(Path("runs/a"), Path("runs"))`` -> None for an ordinary run folder.
+    """
+    real_root = root.resolve()
+    real = run_dir.resolve()
+    if real.parent != real_root:
+        return f"{run_dir} leads outside {root} (to {real}); refused"
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return None  # opening it will say why
+    for f in entries:
+        if _RUN_FILE.match(f.name) and f.resolve().parent != real:
+            return f"{f} links outside its run folder; refused"
+    return None
 
 
 def _ranks(path: Path) -> list[int]:
@@ -147,7 +183,8 @@ class Run:
         self.meta = meta
         self.rank = rank
         self.db_path = path / f"rank{rank}.sqlite"
-        self._conn, self.schema_version = open_for_reading(self.db_path)
+        self._conn, self.schema_version, self.read_note = open_for_reading(self.db_path)
+        # read_note: None, or what this read could not see (e.g. a -wal on read-only media)
         # One query at a time on the shared connection: a dashboard may call from several threads.
         self._lock = threading.Lock()
 
@@ -178,12 +215,11 @@ class Run:
         reported as meta.json says (its process cannot be checked from here).
         """
         meta = self.meta
+        meta_file = self.path / "meta.json"
         try:
-            fresh = json.loads((self.path / "meta.json").read_text(encoding="utf-8"))
-            if isinstance(fresh, dict):
-                meta = self.meta = fresh
-        except (OSError, ValueError):
-            pass
+            meta = self.meta = _validate.meta(meta_file.read_bytes(), str(meta_file))
+        except (OSError, RunStoreError):
+            pass  # mid-replace or damaged since it was opened: the meta.json read at open stands
         if self.rank != meta.get("rank", 0):
             meta = self._db_meta()  # another rank: its own process, recorded in its own database
         status = str(meta.get("status", "unknown"))
@@ -224,20 +260,23 @@ class Run:
         try:
             with self._lock:
                 return self._conn.execute(sql, params).fetchall()
+        except OverflowError as e:  # a step past SQLite's 64-bit integers
+            raise ValueError(f"a step or count out of range: {e}") from None
         except sqlite3.ProgrammingError as e:
             raise RunStoreError(f"{self.db_path}: {e} (was the run closed?)") from e
         except sqlite3.DatabaseError as e:
             raise RunStoreError(
-                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it or delete it"
+                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it from a backup"
             ) from e
 
     def _db_meta(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in self._rows("SELECT key, value FROM meta"):
             try:
-                out[k] = json.loads(v)
-            except ValueError:
-                out[k] = v
+                out[k] = _validate.load(v, f"{self.db_path} meta table key {k!r}")
+            except RunStoreError:
+                out[k] = v  # a bare string; the known keys are checked below
+        _validate.check_fields(out, _validate.META_FIELDS, f"{self.db_path} meta table")
         return out
 
     def metric_names(self) -> list[str]:
@@ -281,7 +320,8 @@ class Run:
         mid = self._metric_id(name)
         if since_step is not None and (isinstance(since_step, bool) or not isinstance(since_step, int)):
             raise TypeError(f"since_step must be an int or None, got {type(since_step).__name__}")
-        since = 0 if since_step is None else max(since_step, 0)  # the writer refuses negative steps
+        # The writer refuses negative steps; a step past _MAX_STEP selects nothing, as it would anyway.
+        since = 0 if since_step is None else min(max(since_step, 0), _MAX_STEP)
         if max_points is not None and (isinstance(max_points, bool) or not isinstance(max_points, int)):
             raise TypeError(f"max_points must be an int, got {type(max_points).__name__}")
         if max_points is not None and max_points < 2:
@@ -305,10 +345,16 @@ class Run:
                 "SELECT step, value, wall_time FROM scalars WHERE metric_id = ? AND step >= ? ORDER BY step, rowid",
                 (mid, since),
             )
+        try:
+            values = [_nan(r[1]) for r in rows]
+        except _NotANumber as e:
+            raise RunStoreError(
+                f"{self.db_path}: metric {name!r} {e}; the run's database was altered"
+            ) from None
         return Series(
             name=name,
             steps=[r[0] for r in rows],
-            values=[_nan(r[1]) for r in rows],
+            values=values,
             wall_times=[r[2] for r in rows],
             downsampled=downsampled,
         )
@@ -448,14 +494,17 @@ class Run:
                    SELECT rowid FROM scalars WHERE metric_id = m.id ORDER BY step DESC, rowid DESC LIMIT 1)
                ORDER BY m.name"""
         )
-        return {name: (step, _nan(value)) for name, step, value in rows}
+        try:
+            return {name: (step, _nan(value)) for name, step, value in rows}
+        except _NotANumber as e:
+            raise RunStoreError(f"{self.db_path}: a metric {e}; the run's database was altered") from None
 
     def _anomaly_rows(self, where: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
         out = []
         for rid, step, wall, data in self._rows(
             f"SELECT id, step, wall_time, data FROM anomalies {where} ORDER BY id", params
         ):
-            doc = json.loads(data)
+            doc = _validate.anomaly(data, f"{self.db_path}: anomalies row {rid}")
             doc.update(id=rid, step=step, wall_time=wall)
             out.append(doc)
         return out
@@ -469,7 +518,12 @@ class Run:
         out = []
         for row in self._rows(f"SELECT {', '.join(cols)} FROM events {where} ORDER BY id", params):
             d = dict(zip(cols, row))
-            d["data"] = None if d["data"] is None else json.loads(d["data"])
+            where = f"{self.db_path}: events row {d['id']}"
+            for key in ("kind", "severity", "message"):
+                if not isinstance(d[key], str):
+                    raise RunStoreError(f"{where}: {key!r} must be text, found {d[key]!r:.40}")
+            if d["data"] is not None:
+                d["data"] = _validate.document(d["data"], where, _validate.EVENT_DATA_FIELDS)
             out.append(d)
         return out
 
@@ -485,13 +539,19 @@ class Run:
         params: list[Any] = []
         if step is not None:
             clauses.append("step = ?")
-            params.append(int(step))
+            params.append(max(min(int(step), _MAX_STEP), -_MAX_STEP))
         if name is not None:
             clauses.append("name = ?")
             params.append(name)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        at = f"{self.db_path}: tensor_stats at step"
         return [
-            {"step": s, "name": n, "wall_time": w, "stats": json.loads(d)}
+            {
+                "step": s,
+                "name": n,
+                "wall_time": w,
+                "stats": _validate.document(d, f"{at} {s} {n!r}", _validate.TENSOR_STATS_FIELDS),
+            }
             for s, n, w, d in self._rows(
                 f"SELECT step, name, wall_time, data FROM tensor_stats {where} ORDER BY step, id",
                 tuple(params),
@@ -523,7 +583,10 @@ class Run:
                 current = {"step": step, "wall_time": wall}
                 last = (step, wall)
             assert current is not None
-            current[rename.get(k, k)] = _nan(v)
+            try:
+                current[rename.get(k, k)] = _nan(v)
+            except _NotANumber as e:
+                raise RunStoreError(f"{self.db_path}: {table} {k!r} at step {step} {e}") from None
         if current is not None:
             yield current
 
@@ -550,22 +613,24 @@ class Run:
         """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
-        scalars = {
-            n: _nan(v)
-            for n, v in self._rows(
-                "SELECT m.name, s.value FROM scalars s JOIN metrics m ON m.id = s.metric_id "
-                "WHERE s.step = ? ORDER BY s.rowid",
-                (step,),
-            )
-        }
-        mem = list(self._samples("memory", "key", "value", "WHERE step = ?", (step,)))
-        tim = list(self._samples("timings", "phase", "seconds", "WHERE step = ?", (step,), _TIMING_RENAME))
+        q = max(min(step, _MAX_STEP), -_MAX_STEP)  # beyond SQLite's integers: no such step anyway
+        rows = self._rows(
+            "SELECT m.name, s.value FROM scalars s JOIN metrics m ON m.id = s.metric_id "
+            "WHERE s.step = ? ORDER BY s.rowid",
+            (q,),
+        )
+        try:
+            scalars = {n: _nan(v) for n, v in rows}
+        except _NotANumber as e:
+            raise RunStoreError(f"{self.db_path}: a metric at step {step} {e}") from None
+        mem = list(self._samples("memory", "key", "value", "WHERE step = ?", (q,)))
+        tim = list(self._samples("timings", "phase", "seconds", "WHERE step = ?", (q,), _TIMING_RENAME))
         return {
             "step": step,
             "scalars": scalars,
-            "anomalies": self._anomaly_rows("WHERE step = ?", (step,)),
-            "events": self._event_rows("WHERE step = ?", (step,)),
-            "tensor_stats": self.tensor_stats(step=step),
+            "anomalies": self._anomaly_rows("WHERE step = ?", (q,)),
+            "events": self._event_rows("WHERE step = ?", (q,)),
+            "tensor_stats": self.tensor_stats(step=q),
             "memory": mem[-1] if mem else None,
             "timings": tim[-1] if tim else None,
         }
@@ -595,6 +660,7 @@ class Run:
             "UNION ALL SELECT max(step) FROM events)"
         )[0][0]
         db_meta = self._db_meta()
+        lost = self._lost(db_meta)
         return {
             "run_id": self.run_id,
             "name": self.name,
@@ -610,9 +676,32 @@ class Run:
             "anomalies": int(self._rows("SELECT count(*) FROM anomalies")[0][0]),
             "events": dict(self._rows("SELECT kind, count(*) FROM events GROUP BY kind ORDER BY kind")),
             "segments": int(self._rows("SELECT count(*) FROM segments")[0][0]),
-            "dropped": int(db_meta.get("dropped", 0)),
+            "dropped": db_meta.get("dropped") or 0,
+            "read_note": self.read_note,
+            **lost,
             "schema_version": self.schema_version,
         }
+
+    def _lost(self, db_meta: dict[str, Any]) -> dict[str, Any]:
+        """``lost``, ``lost_from_step``, ``write_error``: records the writer could not store.
+
+        The writer records them in the meta table when a later batch commits, and in meta.json when
+        it closes; either may have failed on a full disk, so the larger count wins.
+        """
+        sources = [db_meta]
+        if self.rank == self.meta.get("rank", 0):
+            sources.append(self.meta)
+        best: dict[str, Any] = {"lost": 0, "lost_from_step": None, "write_error": None}
+        for src in sources:
+            n = src.get("lost")
+            if type(n) is int and n > best["lost"]:
+                frm, err = src.get("lost_from_step"), src.get("write_error")
+                best = {
+                    "lost": n,
+                    "lost_from_step": frm if type(frm) is int else None,
+                    "write_error": err if isinstance(err, str) else None,
+                }
+        return best
 
 
 def open_run(path: str | os.PathLike[str], rank: int | None = None) -> Run:
@@ -656,22 +745,43 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
     Raises:
         RunStoreError: ``root`` does not exist or is not a folder.
 
+    A folder that leads outside ``root`` through a symlink is neither opened nor listed; a run whose
+    meta.json or database links outside its folder is listed as unreadable, and not opened.
+
     Example: ``[r.name for r in list_runs("runs")]``. Cost: opens each run's rank-0 database.
     """
     base = Path(root)
     if not base.is_dir():
         raise RunStoreError(f"{base} is not a folder of runs (it does not exist or is a file)")
     infos: list[RunInfo] = []
+    real_base = base.resolve()
     for p in sorted(base.iterdir()):
-        if not (p / "meta.json").is_file():
+        if p.resolve().parent != real_base or not (p / "meta.json").is_file():
+            continue
+        why = outside_root(p, base)
+        if why is not None:
+            infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, why))
             continue
         try:
             with open_run(p) as run:
                 s = run.summary()
                 infos.append(
-                    RunInfo(p, run.name, s["status"], run.created, s["steps"], s["anomalies"], run.run_id)
+                    RunInfo(
+                        p,
+                        run.name,
+                        s["status"],
+                        run.created,
+                        s["steps"],
+                        s["anomalies"],
+                        run.run_id,
+                        lost=s["lost"],
+                        lost_from_step=s["lost_from_step"],
+                        write_error=s["write_error"],
+                    )
                 )
         except RunStoreError as e:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, str(e)))
+        except Exception as e:  # a malformed run fails alone, whatever is wrong with it
+            infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, f"{type(e).__name__}: {e}"))
     infos.sort(key=lambda i: (i.created or "", str(i.path)))
     return infos

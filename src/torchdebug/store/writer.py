@@ -18,17 +18,18 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import RunStoreError
+from .._errors import RunStoreError, TorchDebugWarning
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
-from . import _rollup
-from ._schema import SCHEMA_VERSION, open_for_writing
+from . import _rollup, _validate
+from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
 _CLOSE_STATUSES = ("finished", "failed")
@@ -51,8 +52,18 @@ def _torch_version() -> str | None:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON so readers see the old or the new file, never half of one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the old file stays whole and no temp file is left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _record_step(rec: tuple[Any, ...]) -> int | None:
+    """The step of a queued record (scalars and segments carry it second, the rest first)."""
+    return rec[2] if rec[0] in ("s", "g") else rec[1]
 
 
 def _bad_type(arg: str, want: str, value: Any) -> TypeError:
@@ -149,8 +160,10 @@ class _Core:
         max_queue: int,
         batch_size: int,
         flush_interval: float,
+        lock_fd: int | None = None,
     ) -> None:
         self.conn = conn
+        self.lock_fd = lock_fd  # this rank's writer lock, held until close() (or process death)
         self.db_path = db_path
         self.meta_path = meta_path  # None for ranks > 0: rank 0 owns meta.json
         self.meta = meta
@@ -162,6 +175,13 @@ class _Core:
         self.low: deque[tuple[Any, ...]] = deque()  # metrics, tensor stats, memory, timings
         self.high: deque[tuple[Any, ...]] = deque()  # anomalies, events, segments: never dropped
         self.dropped = 0
+        # Records of batches that failed to commit (disk full, file-size limit, I/O error): gone,
+        # counted, and recorded in the meta table and meta.json as soon as anything can be written.
+        self.lost = 0
+        self.lost_from: int | None = None  # the lowest step among them
+        self.write_error: str | None = None  # the first failure
+        self.persisted_lost: tuple[int, int | None] = (0, None)
+        self.warn_pending: str | None = None  # warned on the training thread (warnings are per thread)
         self.closed = False
         self.stopping = False
         self.flush_requested = 0
@@ -188,12 +208,12 @@ class _Core:
                 low, self.low = self.low, deque()
                 high, self.high = self.high, deque()
                 dropped = self.dropped
+                lost = (self.lost, self.lost_from)
                 stopping = self.stopping
             try:
-                self._write(low, high, dropped)
+                self._write(low, high, dropped, lost)
             except BaseException as e:  # keep the thread alive: training must not die with the store
-                with self.lock:
-                    self.error = e
+                self._lose(low, high, e)
                 # The rolled-back batch may have named new metrics: forget ids that were not kept.
                 with contextlib.suppress(sqlite3.Error):
                     self.metric_ids = dict(self.conn.execute("SELECT name, id FROM metrics"))
@@ -203,8 +223,40 @@ class _Core:
             if stopping:
                 return
 
-    def _write(self, low: deque[tuple[Any, ...]], high: deque[tuple[Any, ...]], dropped: int) -> None:
-        if not low and not high and dropped == self.persisted_dropped:
+    def _lose(self, low: deque[tuple[Any, ...]], high: deque[tuple[Any, ...]], error: BaseException) -> None:
+        """Count a failed batch's records as lost (their lowest step too) and arm the one warning."""
+        steps = [s for s in map(_record_step, low) if s is not None]
+        steps += [s for s in map(_record_step, high) if s is not None]
+        with self.lock:
+            self.error = error
+            n = len(low) + len(high)
+            self.lost += n
+            if steps and (self.lost_from is None or min(steps) < self.lost_from):
+                self.lost_from = min(steps)
+            if self.write_error is None:
+                self.write_error = str(error) or type(error).__name__
+                at = f" from step {self.lost_from}" if self.lost_from is not None else ""
+                self.warn_pending = (
+                    f"torchdebug: writing {self.db_path} failed ({self.write_error}); {n} records lost{at}. "
+                    "Training goes on; later records are retried and every lost one is counted "
+                    "(torchdebug show says how many). Free disk space or raise the file-size limit."
+                )
+
+    def warn(self) -> None:
+        """Emit the pending write-failure warning (once per writer), on the calling thread."""
+        with self.lock:
+            msg, self.warn_pending = self.warn_pending, None
+        if msg is not None:
+            warnings.warn(TorchDebugWarning(msg), stacklevel=4)
+
+    def _write(
+        self,
+        low: deque[tuple[Any, ...]],
+        high: deque[tuple[Any, ...]],
+        dropped: int,
+        lost: tuple[int, int | None] = (0, None),
+    ) -> None:
+        if not low and not high and dropped == self.persisted_dropped and lost == self.persisted_lost:
             return
         scalars: list[tuple[Any, ...]] = []
         stats: list[tuple[Any, ...]] = []
@@ -268,12 +320,23 @@ class _Core:
                     )
             if dropped != self.persisted_dropped:
                 conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('dropped', ?)", (str(dropped),))
+            if lost != self.persisted_lost:  # the disk came back: say what the failed batches lost
+                conn.executemany(
+                    "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                    [
+                        ("lost", json.dumps(lost[0])),
+                        ("lost_from_step", json.dumps(lost[1])),
+                        ("write_error", json.dumps(self.write_error)),
+                    ],
+                )
+            conn.execute("COMMIT")  # inside the try: a COMMIT that fails (disk full) must roll back too
         except BaseException:
             if conn.in_transaction:  # SQLite rolls back by itself on some errors (disk full, I/O)
-                conn.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
         self.persisted_dropped = dropped
+        self.persisted_lost = lost
 
     # -- called from the training thread -----------------------------------------------------------
 
@@ -287,6 +350,9 @@ class _Core:
             while self.flush_done < target and self.thread.is_alive():
                 self.flushed.wait(1.0)
             error, self.error = self.error, None
+            if error is not None:
+                self.warn_pending = None  # the exception below is the report
+        self.warn()
         if error is not None:
             raise RunStoreError(f"writing {self.db_path} failed: {error}") from error
 
@@ -303,15 +369,16 @@ class _Core:
             return
         self.thread.join()
         ended = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        final: dict[str, Any] = {"status": status, "ended": ended, "dropped": self.dropped}
+        if self.lost or self.write_error is not None:
+            final.update(lost=self.lost, lost_from_step=self.lost_from, write_error=self.write_error)
         conn = self.conn
+        end_error: BaseException | None = None
         try:
             conn.execute("BEGIN IMMEDIATE")
             conn.executemany(
                 "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                [
-                    (k, json.dumps(v))
-                    for k, v in (("status", status), ("ended", ended), ("dropped", self.dropped))
-                ],
+                [(k, json.dumps(v)) for k, v in final.items()],
             )
             conn.execute("COMMIT")
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -322,14 +389,32 @@ class _Core:
             with contextlib.suppress(sqlite3.OperationalError):
                 conn.execute("PRAGMA journal_mode=DELETE")
         except sqlite3.Error as e:
-            self.error = self.error or e
+            end_error = e
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
         finally:
             conn.close()
+            release_writer_lock(self.db_path.parent, self.meta["rank"], self.lock_fd)
+        where = str(self.db_path)
         if self.meta_path is not None:  # even if the database failed: meta.json says how the run ended
-            self.meta.update(status=status, ended=ended, dropped=self.dropped)
-            write_json_atomic(self.meta_path, self.meta)
-        if self.error is not None:
-            raise RunStoreError(f"writing {self.db_path} failed: {self.error}") from self.error
+            self.meta.update(final)
+            try:
+                write_json_atomic(self.meta_path, self.meta)
+                end_error = None  # rank 0's readers take the status from meta.json
+            except OSError as e:
+                end_error, where = e, str(self.meta_path)
+        self.warn()
+        if end_error is not None:
+            # Never raised into training. meta.json (or the database) still says "running", so the
+            # run reads as "crashed", never as a whole "finished" run.
+            warnings.warn(
+                TorchDebugWarning(
+                    f"torchdebug: cannot record how the run ended in {where} ({end_error}); it will read "
+                    "as crashed. Free disk space to keep later runs whole."
+                ),
+                stacklevel=3,
+            )
 
 
 # Writers not yet closed. At interpreter exit each is closed: "failed" when an uncaught exception
@@ -354,11 +439,21 @@ class RunWriter:
     when ``batch_size`` low-priority records wait, on ``flush()`` and on ``close()``; so a killed process
     loses at most the last ~0.5 s.
 
+    A batch that cannot be written (disk full, file-size limit, I/O error) is lost, never raised into
+    training: its records are counted in ``lost`` (lowest step in ``lost_from_step``), one
+    ``TorchDebugWarning`` names the file and the error, later batches are retried, and the count is
+    stored in the meta table and meta.json as soon as anything can be written, so ``show``, the report
+    and the dashboard say the run is incomplete. When not even meta.json can be written, it keeps
+    saying "running" and the run reads as "crashed", never "finished".
+
     Each commit also folds its metric values into per-bucket rollups (``_rollup.py``), in the same
     transaction, so downsampled reads of long runs stay fast.
 
-    Known limitations: one writer per rank database (SQLite allows one writer at a time); a forked
-    child must create its own writer. A thread that logs in a tight loop doing nothing else starves
+    One writer per rank database: the writer holds ``rank<k>.lock`` (``flock``) until ``close()``
+    or its process dies, and a second writer of the same rank is refused with ``RunStoreError``.
+
+    Known limitations: the lock is advisory and local (``flock``; not enforced on Windows or on
+    network filesystems without ``flock``); a forked child must create its own writer. A thread that logs in a tight loop doing nothing else starves
     the writer thread (sqlite3 releases the GIL around every row and must win it back), so its
     records commit only at ``flush()``/``close()``; a training step's own work leaves room.
     """
@@ -390,11 +485,23 @@ class RunWriter:
         return self._core.dropped
 
     @property
+    def lost(self) -> int:
+        """Records lost because their batch could not be written (disk full, file-size limit, I/O)."""
+        return self._core.lost
+
+    @property
+    def lost_from_step(self) -> int | None:
+        """The lowest step among the lost records (None when nothing was lost)."""
+        return self._core.lost_from
+
+    @property
     def closed(self) -> bool:
         return self._core.closed
 
     def _put_low(self, rec: tuple[Any, ...]) -> None:
         core = self._core
+        if core.warn_pending is not None:
+            core.warn()
         with core.lock:
             if core.closed:
                 raise RunStoreError(f"the run writer for {self.path} is closed")
@@ -409,6 +516,8 @@ class RunWriter:
 
     def _put_low_many(self, recs: list[tuple[Any, ...]]) -> None:
         core = self._core
+        if core.warn_pending is not None:
+            core.warn()
         with core.lock:  # one lock round trip for a whole step's metrics
             if core.closed:
                 raise RunStoreError(f"the run writer for {self.path} is closed")
@@ -426,6 +535,8 @@ class RunWriter:
 
     def _put_high(self, rec: tuple[Any, ...]) -> None:
         core = self._core
+        if core.warn_pending is not None:
+            core.warn()
         with core.lock:
             if core.closed:
                 raise RunStoreError(f"the run writer for {self.path} is closed")
@@ -731,12 +842,12 @@ def create_run(
         run_dir = Path(path)
         meta_file = run_dir / "meta.json"
         try:
-            shared = json.loads(meta_file.read_text(encoding="utf-8"))
+            shared = _validate.meta(meta_file.read_bytes(), str(meta_file))
         except FileNotFoundError:
             raise RunStoreError(
                 f"{run_dir} is not a torchdebug run (no meta.json); let rank 0 create it first"
             ) from None
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise RunStoreError(f"cannot read {meta_file}: {e}") from e
         if shared.get("world_size", world_size) != world_size:
             raise ValueError(f"world_size {world_size} differs from the run's {shared.get('world_size')}")
@@ -748,9 +859,12 @@ def create_run(
     meta["opened"] = now.isoformat(timespec="seconds")
 
     db_path = run_dir / f"rank{rank}.sqlite"
+    lock_fd = None
     try:
+        lock_fd = acquire_writer_lock(run_dir, rank)  # before any write: a second writer changes nothing
         conn = open_for_writing(db_path)
     except BaseException:
+        release_writer_lock(run_dir, rank, lock_fd)
         if path is None:  # a folder we just made holds nothing worth keeping
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
@@ -777,10 +891,18 @@ def create_run(
         conn.execute("COMMIT")
     except sqlite3.Error as e:
         conn.close()
+        release_writer_lock(run_dir, rank, lock_fd)
         raise RunStoreError(f"cannot write {db_path}: {e}") from e
     # meta.json last: a folder is listed as a run only once its database exists.
     if meta_path is not None:
-        write_json_atomic(meta_path, meta)
-    core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval))
+        try:
+            write_json_atomic(meta_path, meta)
+        except OSError as e:
+            conn.close()
+            release_writer_lock(run_dir, rank, lock_fd)
+            if path is None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise RunStoreError(f"cannot write {meta_path}: {e}") from e
+    core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval), lock_fd)
     _LIVE.add(core)
     return RunWriter(core, run_dir)
