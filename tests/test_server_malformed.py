@@ -50,7 +50,7 @@ def test_links_leading_outside_the_served_folder_are_neither_listed_nor_served(t
     )
     assert infos["leak"].name == "leak"  # the outside file's "SECRET" name was never read
 
-    with TestClient(create_app(served, warm=0)) as client:
+    with TestClient(create_app(served, warm=0), base_url="http://127.0.0.1") as client:
         listed = client.get("/api/runs").json()["runs"]
         assert sorted(r["id"] for r in listed) == ["dbleak", good.name, "leak"]
         assert "SECRET" not in client.get("/api/runs").text and "SECRET" not in client.get("/").text
@@ -228,7 +228,7 @@ def test_a_malformed_run_fails_alone(tmp_path: Path, template: Path, damage: str
         else:  # show reads no event data, tensor stats nor the value at step 3; the text report no stats
             assert code == 0, err
 
-    with TestClient(create_app(served, warm=0)) as client:
+    with TestClient(create_app(served, warm=0), base_url="http://127.0.0.1") as client:
         codes = _no_500(client, "bad")
         broken = "/api/runs/bad/views" if damage == "stats_text" else "/api/runs/bad/report.json"
         assert codes["/api/runs"] == 200 and codes[broken] == 422
@@ -238,7 +238,7 @@ def test_a_malformed_run_fails_alone(tmp_path: Path, template: Path, damage: str
 
 def test_a_step_past_sqlite_integers_is_an_empty_answer(tmp_path: Path, template: Path) -> None:
     served, _, _ = _served(tmp_path, template)
-    with TestClient(create_app(served, warm=0)) as client:
+    with TestClient(create_app(served, warm=0), base_url="http://127.0.0.1") as client:
         r = client.get("/api/runs/good/metrics?names=loss&since_step=9223372036854775807")
         assert r.status_code == 200 and r.json()["metrics"]["loss"]["steps"] == []
         r = client.get("/api/runs/good/metrics?names=loss&since_step=99999999999999999999999")
@@ -358,6 +358,6 @@ def test_fuzzed_runs_never_give_a_500_or_a_traceback(tmp_path: Path, template: P
             assert code in (0, 1), (cmd, err)
             assert "Traceback" not in err and "internal error" not in err, (cmd, mutations, err)
             assert err.count("\n") <= 1, err
-        with TestClient(create_app(served, warm=0)) as client:
+        with TestClient(create_app(served, warm=0), base_url="http://127.0.0.1") as client:
             _no_500(client, "bad")
             assert client.get("/api/runs/good/report.json").status_code == 200

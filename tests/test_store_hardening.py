@@ -180,7 +180,7 @@ def test_a_file_size_limit_loses_records_counted_warned_once_and_shown(tmp_path:
 
     from torchdebug.server import create_app
 
-    with TestClient(create_app(tmp_path, warm=0)) as client:
+    with TestClient(create_app(tmp_path, warm=0), base_url="http://127.0.0.1") as client:
         [info] = client.get("/api/runs").json()["runs"]
         assert (info["status"], info["lost"], info["lost_from_step"]) == (
             "finished",
