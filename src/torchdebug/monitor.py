@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import distributed as _distributed
 from ._config import DebugConfig, DebugLevel, coerce_config
 from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
 from ._trees import tensor_leaves
@@ -171,16 +172,7 @@ def _remove_patches() -> None:
 
 
 def _detect_rank(config: DebugConfig) -> int:
-    if config.rank is not None:
-        return int(config.rank)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:
-        pass
-    return int(os.environ.get("RANK", "0") or 0)
+    return _distributed.detect(config)[0]
 
 
 class Monitor:
@@ -225,6 +217,7 @@ class Monitor:
             raise TypeError(
                 f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
             )
+        self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -235,7 +228,8 @@ class Monitor:
         self.param_names: list[str] = [n for n, _ in named]
         self.params: list[torch.Tensor] = [p for _, p in named]
         self._param_ids = {id(p) for p in model.parameters()}
-        self.rank = _detect_rank(self.config)
+        self.rank, self.world_size, self._has_pg = _distributed.detect(self.config)
+        self._coord: Any = None  # the distributed coordinator (world_size > 1 or a hang_timeout)
         self.global_step: int = 0  # completed steps; mon.step() completes one
         self.micro_step = 0
         # who produces the step protocol: None = the plain-loop hooks (optimizer pre/post hooks);
@@ -305,6 +299,9 @@ class Monitor:
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         for name in sorted(self._wanted()):
             self._build_instrument(name)
+        if self.world_size > 1 or self.config.hang_timeout is not None:
+            self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
+            self.instruments.append(self._coord)
 
     def _wanted(self) -> set[str]:
         return set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
@@ -380,7 +377,9 @@ class Monitor:
             name = self.config.run_name or type(self.model).__name__.lower()
             cfg = self.config.to_dict()
             try:
-                self.writer = create_run(root=root, name=name, config=cfg, rank=self.rank)
+                self.writer = _distributed.create_run_for(
+                    create_run, root, name, cfg, self.rank, self.world_size, self._has_pg
+                )
             except (OSError, RunStoreError) as exc:
                 # recording is a convenience: training goes on without a run folder
                 warnings.warn(
@@ -800,7 +799,8 @@ class Monitor:
         return loss_bad or mbad
 
     def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
-        if not self._grads_bad() or self._step_anomaly is not None:
+        bad = self._grads_bad() if self._coord is None else self._coord.step_bad(self)  # same on every rank
+        if not bad or self._step_anomaly is not None:
             return
         if not at_optimizer:
             if self._scaler_ran and self._scaler_skipped:
@@ -809,7 +809,7 @@ class Monitor:
             if self.optimizer is not None or self._adopted:
                 self._mark_skipped("non-finite gradients and the optimizer step was not called")
                 return
-        anomaly = self._build_anomaly()
+        anomaly = self._build_anomaly() if self._coord is None else self._coord.anomaly(self)
         self._record_anomaly(anomaly)
         policy = self.config.policy
         if policy == "skip":

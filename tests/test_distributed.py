@@ -1,0 +1,165 @@
+"""watch() on several ranks: 2 CPU processes over gloo (DDP), each test under a timeout so a hang fails."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torchdebug as td
+from torchdebug.store import open_run
+
+BAD_STEP = 7
+SRC = Path(__file__).read_text().splitlines()
+SQRT_LINE = next(i for i, s in enumerate(SRC, 1) if s.strip().startswith("return torch.cat"))
+SLEEP_LINE = next(i for i, s in enumerate(SRC, 1) if s.strip().startswith("time.sleep(self.hang_s)"))
+
+
+class Feat(nn.Module):
+    """Appends sqrt(w * first feature): NaN in forward for a negative one, Inf in backward at 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return torch.cat([x, torch.sqrt(x[:, :1] * self.w)], dim=1)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat = Feat()
+        self.fc1 = nn.Linear(5, 8)
+        self.fc2 = nn.Linear(8, 1)
+        self.delay_s = 0.0  # every forward (stragglers)
+        self.hang_s = 0.0  # once, at the next forward (hang watchdog)
+
+    def forward(self, x):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.hang_s:
+            time.sleep(self.hang_s)  # the hang
+            self.hang_s = 0.0
+        return self.fc2(torch.relu(self.fc1(self.feat(x))))
+
+
+def _batch(rank: int, step: int, poison: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.rand(8, 4, generator=g) + 0.1  # first feature > 0: sqrt finite, its gradient too
+    y = torch.rand(8, 1, generator=g)
+    if poison and rank == 1 and step == BAD_STEP:
+        x[3, 0] = -1.0 if poison == "forward" else 0.0  # sqrt(-1) = nan; d sqrt(0) = inf
+    return x, y
+
+
+def _worker(rank: int, port: int, out: str, scenario: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    result: dict = {"rank": rank}
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = dict(scenario.get("config", {}))
+        cfg.setdefault("run_dir", str(Path(out) / "runs"))
+        steps = scenario.get("steps", 10)
+        try:
+            with td.watch(model, opt, config=td.DebugConfig(**cfg)) as mon:
+                result["run_dir"] = str(mon.run_dir)
+                for step in range(steps):
+                    if rank == 1:
+                        net.delay_s = scenario.get("delay_rank1", 0.0)
+                        if step == scenario.get("hang_step"):
+                            net.hang_s = scenario["hang_s"]
+                    else:
+                        net.delay_s = scenario.get("delay_rank0", 0.0)
+                    x, y = _batch(rank, step, scenario.get("poison"))
+                    loss = nn.functional.mse_loss(model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    mon.step()
+                    if step == BAD_STEP:
+                        result["params_after_bad"] = [p.detach().tolist() for p in model.parameters()]
+        except td.NonFiniteError as e:
+            result["error"] = "NonFiniteError"
+            result["anomaly"] = e.anomaly.to_dict()
+        result["step"] = mon.global_step
+        result["anomalies"] = [a.to_dict() for a in mon.anomalies]
+        result["params"] = [p.detach().tolist() for p in model.parameters()]
+        result["skipped"] = mon.counters["skipped_steps"]
+    except BaseException:
+        result["crash"] = traceback.format_exc()
+    finally:
+        Path(out, f"result{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, **scenario) -> list[dict]:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), scenario), nprocs=2, join=True)
+    res = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert "crash" not in r, r["crash"]
+    return res
+
+
+@pytest.mark.timeout(60)
+def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(tmp_path):
+    r0, r1 = _run(tmp_path, poison="forward")
+    for r in (r0, r1):
+        assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
+        a = r["anomaly"]
+        assert (a["rank"], a["phase"], a["module"], a["op"]) == (1, "forward", "feat", "aten.sqrt")
+        assert a["location"].endswith(f"test_distributed.py:{SQRT_LINE}")
+        assert a["step"] == BAD_STEP
+        assert "born on rank 1 of 2" in a["symptom"]
+    assert r0["anomaly"]["detected_by"] == "rank 1 (its replay found the origin)"
+    assert r1["anomaly"]["detected_by"] == "sentinel"
+    assert r0["run_dir"] == r1["run_dir"]
+    run = Path(r0["run_dir"])
+    assert sorted(p.name for p in run.glob("rank*.sqlite")) == ["rank0.sqlite", "rank1.sqlite"]
+    with open_run(run, rank=0) as rec:  # rank 0's store says rank 1 found it
+        (stored,) = rec.anomalies()
+        assert (stored["step"], stored["rank"], stored["module"]) == (BAD_STEP, 1, "feat")
+        assert stored["detected_by"] == "rank 1 (its replay found the origin)"
+
+
+@pytest.mark.timeout(60)
+def test_backward_nan_on_rank1_is_caught_before_the_allreduce(tmp_path):
+    # x[3, 0] = 0 on rank 1 only: sqrt(0) = 0 is finite, its gradient 1 / (2 sqrt(0)) = inf is born in
+    # backward on rank 1; DDP's all-reduce then spreads it to rank 0's gradients in the same backward
+    r0, r1 = _run(tmp_path, poison="backward")
+    for r in (r0, r1):
+        assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
+        a = r["anomaly"]
+        assert (a["rank"], a["phase"], a["module"], a["op"]) == (1, "backward", "feat", "SqrtBackward0")
+        assert a["location"].endswith(f"test_distributed.py:{SQRT_LINE}")
+        assert "born on rank 1 of 2" in a["symptom"]
+
+
+@pytest.mark.timeout(60)
+def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(tmp_path):
+    r0, r1 = _run(tmp_path, poison="forward", config={"policy": "skip"})
+    for r in (r0, r1):
+        assert "error" not in r and r["step"] == 10 and r["skipped"] == 1
+        assert [a["rank"] for a in r["anomalies"]] == [1]
+    assert r0["params_after_bad"] == r1["params_after_bad"]
+    assert r0["params"] == r1["params"]
+    flat = [x for p in r0["params"] for x in torch.tensor(p).reshape(-1).tolist()]
+    assert all(x == x for x in flat)  # finite: the poisoned update never reached the weights
