@@ -6,6 +6,7 @@ import json
 import socket
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -62,27 +63,24 @@ def _batch(rank: int, step: int, poison: str | None) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def _worker(rank: int, port: int, out: str, scenario: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _scenario(rank: int, out: Path, name: str, scenario: dict) -> dict:
     result: dict = {"rank": rank}
-    try:
-        torch.manual_seed(0)
-        net = Net()
-        model = DDP(net)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        cfg = dict(scenario.get("config", {}))
-        cfg.setdefault("run_dir", str(Path(out) / "runs"))
-        steps = scenario.get("steps", 10)
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = dict(scenario.get("config", {}))
+    cfg.setdefault("run_dir", str(out / "runs" / name))
+    steps = scenario.get("steps", 10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
             with td.watch(model, opt, config=td.DebugConfig(**cfg)) as mon:
                 result["run_dir"] = str(mon.run_dir)
                 for step in range(steps):
-                    if rank == 1:
-                        net.delay_s = scenario.get("delay_rank1", 0.0)
-                        if step == scenario.get("hang_step"):
-                            net.hang_s = scenario["hang_s"]
-                    else:
-                        net.delay_s = scenario.get("delay_rank0", 0.0)
+                    net.delay_s = scenario.get(f"delay_rank{rank}", 0.0)
+                    if rank == 1 and step == scenario.get("hang_step"):
+                        net.hang_s = scenario["hang_s"]
                     x, y = _batch(rank, step, scenario.get("poison"))
                     loss = nn.functional.mse_loss(model(x), y)
                     opt.zero_grad()
@@ -94,14 +92,26 @@ def _worker(rank: int, port: int, out: str, scenario: dict) -> None:
         except td.NonFiniteError as e:
             result["error"] = "NonFiniteError"
             result["anomaly"] = e.anomaly.to_dict()
-        result["step"] = mon.global_step
-        result["anomalies"] = [a.to_dict() for a in mon.anomalies]
-        result["params"] = [p.detach().tolist() for p in model.parameters()]
-        result["skipped"] = mon.counters["skipped_steps"]
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, td.TorchDebugWarning)]
+    result["step"] = mon.global_step
+    result["anomalies"] = [a.to_dict() for a in mon.anomalies]
+    result["params"] = [p.detach().tolist() for p in model.parameters()]
+    result["skipped"] = mon.counters["skipped_steps"]
+    return result
+
+
+def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results: dict = {}
+    try:
+        for name, scenario in scenarios.items():
+            t0 = time.perf_counter()
+            results[name] = _scenario(rank, Path(out), name, scenario)
+            results[name]["seconds"] = time.perf_counter() - t0
     except BaseException:
-        result["crash"] = traceback.format_exc()
+        results["crash"] = traceback.format_exc()
     finally:
-        Path(out, f"result{rank}.json").write_text(json.dumps(result))
+        Path(out, f"result{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
 
 
@@ -111,17 +121,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, **scenario) -> list[dict]:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), scenario), nprocs=2, join=True)
-    res = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+SCENARIOS = {
+    "forward": {"poison": "forward"},
+    "backward": {"poison": "backward"},
+    "skip": {"poison": "forward", "config": {"policy": "skip"}},
+    "warn": {"poison": "forward", "config": {"policy": "warn"}},
+    # rank 1 sleeps 2.5 s in the forward of step 2; the watchdog looks every 0.25 s
+    "hang": {"steps": 4, "hang_step": 2, "hang_s": 2.5, "config": {"hang_timeout": 1.0}},
+    # rank 1's forward takes 30 ms, rank 0's 10 ms: 3x
+    "straggler": {"steps": 15, "delay_rank0": 0.01, "delay_rank1": 0.03},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every scenario, in one pair of processes (one process-group start for the whole file)."""
+    out = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(_free_port(), str(out), SCENARIOS), nprocs=2, join=True)
+    res = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert "crash" not in r, r["crash"]
-    return res
+    return {name: [res[0][name], res[1][name]] for name in SCENARIOS}
 
 
 @pytest.mark.timeout(60)
-def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(tmp_path):
-    r0, r1 = _run(tmp_path, poison="forward")
+def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
+    r0, r1 = runs["forward"]
     for r in (r0, r1):
         assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
         a = r["anomaly"]
@@ -141,10 +166,10 @@ def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_backward_nan_on_rank1_is_caught_before_the_allreduce(tmp_path):
+def test_backward_nan_on_rank1_is_caught_before_the_allreduce(runs):
     # x[3, 0] = 0 on rank 1 only: sqrt(0) = 0 is finite, its gradient 1 / (2 sqrt(0)) = inf is born in
     # backward on rank 1; DDP's all-reduce then spreads it to rank 0's gradients in the same backward
-    r0, r1 = _run(tmp_path, poison="backward")
+    r0, r1 = runs["backward"]
     for r in (r0, r1):
         assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
         a = r["anomaly"]
@@ -154,8 +179,8 @@ def test_backward_nan_on_rank1_is_caught_before_the_allreduce(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(tmp_path):
-    r0, r1 = _run(tmp_path, poison="forward", config={"policy": "skip"})
+def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(runs):
+    r0, r1 = runs["skip"]
     for r in (r0, r1):
         assert "error" not in r and r["step"] == 10 and r["skipped"] == 1
         assert [a["rank"] for a in r["anomalies"]] == [1]
@@ -163,3 +188,42 @@ def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(tmp_path):
     assert r0["params"] == r1["params"]
     flat = [x for p in r0["params"] for x in torch.tensor(p).reshape(-1).tolist()]
     assert all(x == x for x in flat)  # finite: the poisoned update never reached the weights
+
+
+@pytest.mark.timeout(60)
+def test_warn_goes_on_on_every_rank_and_warns_once(runs):
+    for r in runs["warn"]:
+        assert "error" not in r and r["step"] == 10
+        assert r["anomalies"][0]["rank"] == 1 and r["anomalies"][0]["step"] == BAD_STEP
+        # the NaN reached the weights (warn applies the update): steps 7, 8, 9 are anomalous on both ranks
+        assert [a["step"] for a in r["anomalies"]] == [7, 8, 9]
+        assert len([w for w in r["warnings"] if "policy='warn'" in w]) == 1
+
+
+@pytest.mark.timeout(60)
+def test_hang_watchdog_records_the_sleeping_line_and_the_phase(runs):
+    r0, r1 = runs["hang"]
+    assert r1["step"] == 4 and r0["step"] == 4  # never kills the job
+    with open_run(r1["run_dir"], rank=1) as rec:
+        (hang,) = rec.events("hang")
+    d = hang["data"]
+    assert (d["rank"], d["phase"], d["last_step"]) == (1, "forward", 1)
+    assert d["where"].endswith(f"test_distributed.py:{SLEEP_LINE} in forward")
+    main = next(v for k, v in d["stacks"].items() if k.startswith("MainThread"))
+    assert main[-1].startswith(f"test_distributed.py:{SLEEP_LINE} in forward: time.sleep(self.hang_s)")
+    assert hang["message"].startswith("rank 1 stuck in forward for ")
+    with open_run(r0["run_dir"], rank=0) as rec:
+        (hang0,) = rec.events("hang")  # rank 0 waits for rank 1 in a collective
+    assert hang0["data"]["phase"] in ("backward", "optimizer") and hang0["data"]["last_step"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_3x_slower_rank_is_named_as_the_straggler_once(runs):
+    r0, _ = runs["straggler"]
+    with open_run(r0["run_dir"], rank=0) as rec:
+        (ev,) = rec.events("straggler")
+    assert ev["data"]["evidence"]["rank"] == 1
+    assert (
+        2.0 <= ev["data"]["evidence"]["ratio"] <= 4.5
+    )  # 30 ms vs 10 ms of sleep, plus a little compute each
+    assert ev["message"].startswith("rank 1 is the straggler: its step work takes ")
