@@ -227,3 +227,66 @@ def test_a_3x_slower_rank_is_named_as_the_straggler_once(runs):
         2.0 <= ev["data"]["evidence"]["ratio"] <= 4.5
     )  # 30 ms vs 10 ms of sleep, plus a little compute each
     assert ev["message"].startswith("rank 1 is the straggler: its step work takes ")
+
+
+@pytest.mark.timeout(60)
+def test_show_reads_every_rank(runs, capsys):
+    from torchdebug.cli import main
+
+    assert main(["show", runs["forward"][0]["run_dir"]]) == 0
+    out = capsys.readouterr().out
+    assert "ranks      0, 1 (world size 2), showing rank 0" in out
+    assert "ranks (2 of world size 2)" in out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith(("  0 ", "  1 "))}
+    # both ranks raised at step 7: "failed", with steps 0..6 recorded
+    assert rows["0"][1:3] == ["failed", "7"] and rows["1"][1:3] == ["failed", "7"]
+    assert (
+        f"  rank 1: nan born in forward of feat (Feat): aten.sqrt at tests/test_distributed.py:{SQRT_LINE} "
+        "(step 7)  (recorded by rank 0, 1)"
+    ) in out
+
+    assert main(["show", runs["straggler"][0]["run_dir"], "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ov = doc["all_ranks"]
+    assert [r["rank"] for r in ov["per_rank"]] == [0, 1] and [r["steps"] for r in ov["per_rank"]] == [15, 15]
+    assert all(r["step_time_s"] > 0.01 and r["rss_max"] > 0 for r in ov["per_rank"])
+    assert [s["rank"] for s in ov["stragglers"]] == [1]
+
+    assert main(["report", runs["straggler"][0]["run_dir"]]) == 0
+    text = capsys.readouterr().out
+    assert "ranks (2 of world size 2)" in text and "rank 1 is the straggler" in text
+
+
+@pytest.mark.timeout(60)
+def test_dashboard_api_serves_both_ranks(runs):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from torchdebug.server import serve
+
+    run_dir = Path(runs["straggler"][0]["run_dir"])
+    handle = serve(run_dir.parent, port=0)
+    try:
+        with httpx.Client(base_url=handle.url, timeout=30) as c:
+            rid = run_dir.name
+            assert c.get(f"/api/runs/{rid}").json()["summary"]["ranks"] == [0, 1]
+            ov = c.get(f"/api/runs/{rid}/ranks").json()
+            assert [r["rank"] for r in ov["per_rank"]] == [0, 1]
+            assert [s["rank"] for s in ov["stragglers"]] == [1]
+            loss = {
+                k: c.get(f"/api/runs/{rid}/metrics", params={"names": "loss", "rank": k}).json()["metrics"][
+                    "loss"
+                ]
+                for k in (0, 1)
+            }
+            assert loss[0]["steps"] == loss[1]["steps"] == list(range(15))
+            assert loss[0]["values"] != loss[1]["values"]  # each rank's own batches
+            assert runs["straggler"][1]["run_dir"] == str(run_dir)
+            assert [
+                e["kind"] for e in c.get(f"/api/runs/{rid}/events", params={"rank": 0}).json()["events"]
+            ] == ["straggler"]
+            assert c.get(f"/api/runs/{rid}/events", params={"rank": 1}).json()["events"] == []
+            assert c.get(f"/api/runs/{rid}/report.json", params={"rank": 1}).json()["run"]["rank"] == 0
+            bad = c.get(f"/api/runs/{rid}/anomalies", params={"rank": 5})
+            assert bad.status_code == 422 and "ranks present: [0, 1]" in bad.json()["error"]
+    finally:
+        handle.stop()

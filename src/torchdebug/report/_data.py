@@ -118,6 +118,7 @@ def build_report(
           backward, optimizer, other), ``events_by_kind`` and ``anomalies_by_phase`` (counts).
         - ``anomalies`` (full documents), ``events`` (rule events), ``segments``, ``metrics`` (when
           asked), ``run`` (meta.json identity fields) and ``config``.
+        - ``ranks`` (only for a run with several ranks): ``torchdebug.store._ranks.rank_overview``.
 
     Raises:
         RunStoreError: the run's database cannot be read.
@@ -186,6 +187,10 @@ def build_report(
     }
     if metrics:
         report["metrics"] = metric_table(run)
+    if len(getattr(run, "ranks", [])) > 1:  # several ranks: per-rank columns, anomalies with their rank
+        from ..store._ranks import rank_overview
+
+        report["ranks"] = rank_overview(run)
     return report
 
 

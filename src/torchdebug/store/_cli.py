@@ -111,6 +111,7 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from ._ranks import rank_overview
     from .reader import open_run
 
     path = resolve_run(args.run, args.root)
@@ -118,7 +119,10 @@ def _show(args: argparse.Namespace) -> int:
         summary = run.summary()
         last = run.last_values()
         anomalies = run.anomalies()
+        overview = rank_overview(run) if len(summary["ranks"]) > 1 else None
         if args.json:
+            if overview is not None:
+                summary["all_ranks"] = overview
             summary["meta"] = run.meta
             summary["last_values"] = {k: {"step": s, "value": v} for k, (s, v) in last.items()}
             summary["anomaly_list"] = anomalies
@@ -175,5 +179,10 @@ def _show(args: argparse.Namespace) -> int:
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
+        if overview is not None:  # several ranks: one view of all of them
+            from ._ranks import overview_lines
+
+            out.append("")
+            out += overview_lines(overview)
     print("\n".join(out))
     return 0
