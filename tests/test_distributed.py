@@ -67,7 +67,16 @@ def _scenario(rank: int, out: Path, name: str, scenario: dict) -> dict:
     result: dict = {"rank": rank}
     torch.manual_seed(0)
     net = Net()
-    model = DDP(net)
+    if scenario.get("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for m in (net.fc1, net.fc2, net):
+            fully_shard(m, mesh=mesh)
+        model = net
+    else:
+        model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = dict(scenario.get("config", {}))
     cfg.setdefault("run_dir", str(out / "runs" / name))
@@ -88,16 +97,20 @@ def _scenario(rank: int, out: Path, name: str, scenario: dict) -> dict:
                     opt.step()
                     mon.step()
                     if step == BAD_STEP:
-                        result["params_after_bad"] = [p.detach().tolist() for p in model.parameters()]
+                        result["params_after_bad"] = [_local(p).tolist() for p in model.parameters()]
         except td.NonFiniteError as e:
             result["error"] = "NonFiniteError"
             result["anomaly"] = e.anomaly.to_dict()
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, td.TorchDebugWarning)]
     result["step"] = mon.global_step
     result["anomalies"] = [a.to_dict() for a in mon.anomalies]
-    result["params"] = [p.detach().tolist() for p in model.parameters()]
+    result["params"] = [_local(p).tolist() for p in model.parameters()]
     result["skipped"] = mon.counters["skipped_steps"]
     return result
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
 def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
@@ -128,6 +141,7 @@ SCENARIOS = {
     "warn": {"poison": "forward", "config": {"policy": "warn"}},
     # rank 1 sleeps 2.5 s in the forward of step 2; the watchdog looks every 0.25 s
     "hang": {"steps": 4, "hang_step": 2, "hang_s": 2.5, "config": {"hang_timeout": 1.0}},
+    "fsdp": {"poison": "forward", "fsdp": True},
     # rank 1's forward takes 30 ms, rank 0's 10 ms: 3x
     "straggler": {"steps": 15, "delay_rank0": 0.01, "delay_rank1": 0.03},
 }
@@ -144,7 +158,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return {name: [res[0][name], res[1][name]] for name in SCENARIOS}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
     r0, r1 = runs["forward"]
     for r in (r0, r1):
@@ -165,7 +179,7 @@ def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
         assert stored["detected_by"] == "rank 1 (its replay found the origin)"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_backward_nan_on_rank1_is_caught_before_the_allreduce(runs):
     # x[3, 0] = 0 on rank 1 only: sqrt(0) = 0 is finite, its gradient 1 / (2 sqrt(0)) = inf is born in
     # backward on rank 1; DDP's all-reduce then spreads it to rank 0's gradients in the same backward
@@ -178,7 +192,7 @@ def test_backward_nan_on_rank1_is_caught_before_the_allreduce(runs):
         assert "born on rank 1 of 2" in a["symptom"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(runs):
     r0, r1 = runs["skip"]
     for r in (r0, r1):
@@ -190,7 +204,7 @@ def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(runs):
     assert all(x == x for x in flat)  # finite: the poisoned update never reached the weights
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_warn_goes_on_on_every_rank_and_warns_once(runs):
     for r in runs["warn"]:
         assert "error" not in r and r["step"] == 10
@@ -200,7 +214,7 @@ def test_warn_goes_on_on_every_rank_and_warns_once(runs):
         assert len([w for w in r["warnings"] if "policy='warn'" in w]) == 1
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_hang_watchdog_records_the_sleeping_line_and_the_phase(runs):
     r0, r1 = runs["hang"]
     assert r1["step"] == 4 and r0["step"] == 4  # never kills the job
@@ -217,7 +231,7 @@ def test_hang_watchdog_records_the_sleeping_line_and_the_phase(runs):
     assert hang0["data"]["phase"] in ("backward", "optimizer") and hang0["data"]["last_step"] == 1
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_a_3x_slower_rank_is_named_as_the_straggler_once(runs):
     r0, _ = runs["straggler"]
     with open_run(r0["run_dir"], rank=0) as rec:
@@ -229,7 +243,7 @@ def test_a_3x_slower_rank_is_named_as_the_straggler_once(runs):
     assert ev["message"].startswith("rank 1 is the straggler: its step work takes ")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_show_reads_every_rank(runs, capsys):
     from torchdebug.cli import main
 
@@ -257,7 +271,7 @@ def test_show_reads_every_rank(runs, capsys):
     assert "ranks (2 of world size 2)" in text and "rank 1 is the straggler" in text
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
 def test_dashboard_api_serves_both_ranks(runs):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
@@ -290,3 +304,18 @@ def test_dashboard_api_serves_both_ranks(runs):
             assert bad.status_code == 422 and "ranks present: [0, 1]" in bad.json()["error"]
     finally:
         handle.stop()
+
+
+@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+def test_fsdp2_fully_shard_forward_nan_on_rank1_stops_both_ranks_naming_rank1(runs):
+    # FSDP2 on CPU/gloo: the sentinel reads each rank's local shards; no replay (its forward would
+    # all-gather alone), so the anomaly is the symptom on the rank of birth: rank 1's loss
+    r0, r1 = runs["fsdp"]
+    assert r0["anomaly"]["detected_by"] == "rank 1: sentinel (no replay)"
+    assert r1["anomaly"]["detected_by"] == "sentinel (no replay)"
+    for r in (r0, r1):
+        assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
+        a = r["anomaly"]
+        assert (a["rank"], a["phase"]) == (1, "forward")
+        assert a["symptom"].startswith("non-finite loss") and "born on rank 1 of 2" in a["symptom"]
+        assert r["warnings"] == []

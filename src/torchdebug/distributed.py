@@ -73,6 +73,36 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def local(t: Any) -> Any:
+    """A DTensor's local shard (FSDP2 parameters and gradients); anything else as it is. No copy."""
+    if _DTENSOR is not None and isinstance(t, _DTENSOR):
+        return t._local_tensor  # not to_local(): no autograd node, no communication
+    return t
+
+
+def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``local`` over a list; the list itself when it holds no DTensor (the common case, no copy)."""
+    if _DTENSOR is None or not any(isinstance(t, _DTENSOR) for t in tensors):
+        return tensors
+    return [local(t) for t in tensors]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model with FSDP2 (``fully_shard``) sharded parameters."""
+    return _DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in model.parameters())
+
+
 def split_ddp(model: nn.Module) -> tuple[Any, nn.Module]:
     """``(ddp_wrapper_or_None, module_to_watch)``: a DistributedDataParallel model is watched through
     its wrapped ``.module`` (names without the ``module.`` prefix; the replay runs there, without
@@ -193,6 +223,9 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         if self.collective and ddp is not None:
             self._install_comm_hook(mon, ddp)
+        if is_sharded(mon.model) and mon.config.replay:
+            # a replay re-runs the forward, whose all-gathers the other ranks would not join
+            mon.config = mon.config.replace(replay=False)
         if world > 1 or mon.config.hang_timeout is not None:
             self._thread = threading.Thread(
                 target=self._watchdog, args=(mon,), name="torchdebug-hang", daemon=True
@@ -267,6 +300,10 @@ class Coordinator:
         _dist().all_reduce(vec, op=_dist().ReduceOp.MAX)  # the step's one collective
         return {"_dist": vec}
 
+    def _live(self) -> bool:
+        """Still taking part in the collectives (a coordinator switched off by an error is not)."""
+        return self.collective and not self._stop.is_set()
+
     def _device(self, mon: Any) -> torch.device:
         dist = _dist()
         if dist is not None and dist.get_backend() == "nccl" and torch.cuda.is_available():
@@ -288,6 +325,7 @@ class Coordinator:
         self._phase = "data"
         self._reduced = False
         self._verdict = None
+        self._exact = []
         self._step_start = now
         self._t_forward = self._t_backward = self._last_bucket = None
         self._bucket_sums = []
@@ -311,7 +349,7 @@ class Coordinator:
         exchange their exact verdicts (loss, gradients confirmed, local gradients before DDP's
         all-reduce) in a second small all-reduce, so a probe's false alarm on one rank cannot split them.
         """
-        if not self.collective or "_dist#0" not in mon._values:
+        if not self._live() or "_dist#0" not in mon._values:
             return bool(mon._grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
@@ -343,7 +381,7 @@ class Coordinator:
     def anomaly(self, mon: Any) -> Anomaly:
         """Build this step's anomaly on every rank: the first rank of birth replays (locally, without
         collectives) and broadcasts what it found; the others record that rank k found the origin."""
-        if not self.collective:
+        if not self._live() or not self._exact:
             return mon._build_anomaly()
         births = self.births()
         src = births[0]
@@ -371,7 +409,11 @@ class Coordinator:
             micro_step=d.get("micro_step"),
             symptom=_join(str(d.get("symptom", "")), born),
             hint=str(d.get("hint", "")),
-            detected_by=f"rank {src} (its replay found the origin)",
+            detected_by=(
+                f"rank {src} (its replay found the origin)"
+                if d.get("detected_by") == "sentinel"
+                else f"rank {src}: {d.get('detected_by')}"
+            ),
             stack=tuple(d.get("stack") or ()),
             parameter=d.get("parameter"),
         )

@@ -65,6 +65,7 @@ def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     the fused ``torch._foreach_norm`` elsewhere; anything else through
     :func:`torchdebug.stats.foreach_norms`. Callers confirm non-finite entries exactly.
     """
+    tensors = _distributed.local_shards(tensors)  # FSDP2 DTensors: this rank's shard
     first = tensors[0]
     if all(
         t.dtype is torch.float32 and t.device == first.device and t.layout is torch.strided for t in tensors
@@ -87,6 +88,7 @@ def _finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
     proves every element finite. A sum of finite values that overflows reads as non-finite: the
     caller confirms flagged tensors exactly. Accelerators: the fused foreach norm (one kernel).
     """
+    tensors = _distributed.local_shards(tensors)  # FSDP2 DTensors: this rank's shard
     if tensors[0].device.type != "cpu":
         return _foreach_norms(tensors)
     with torch.no_grad():
@@ -772,7 +774,9 @@ class Monitor:
                 for i, x in enumerate(pn)
                 if not math.isfinite(x)
                 and i < len(self.params)
-                and not bool(torch.isfinite(self.params[i].detach()).all())  # exact: rare path only
+                and not bool(
+                    torch.isfinite(_distributed.local(self.params[i].detach())).all()
+                )  # exact: rare path
             ]
             step = self._deferred_step
             self._deferred.clear()
@@ -789,7 +793,7 @@ class Monitor:
     # -- detection ---------------------------------------------------------------------------------
     def _grad_finite(self, i: int) -> bool:
         """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it)."""
-        g = self.params[i].grad
+        g = _distributed.local(self.params[i].grad)
         return g is None or bool(torch.isfinite(g).all())
 
     def _grads_bad(self) -> bool:
@@ -1027,7 +1031,7 @@ def _read(items: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
     names: list[str] = []
     flat: list[torch.Tensor] = []
     for name, t in items:
-        t = t.detach().reshape(-1).float()
+        t = _distributed.local(t).detach().reshape(-1).float()  # FSDP2 DTensor: this rank's shard
         names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
         flat.append(t)
     dev = flat[0].device
