@@ -20,6 +20,8 @@ import torchdebug as td
 from torchdebug.store import open_run
 
 BAD_STEP = 7
+# a hang fails the test; the first test also pays for the shared 2-process fixture (45 s on 2 busy cores)
+TIMEOUT = pytest.mark.timeout(120)
 SRC = Path(__file__).read_text().splitlines()
 SQRT_LINE = next(i for i, s in enumerate(SRC, 1) if s.strip().startswith("return torch.cat"))
 SLEEP_LINE = next(i for i, s in enumerate(SRC, 1) if s.strip().startswith("time.sleep(self.hang_s)"))
@@ -158,7 +160,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return {name: [res[0][name], res[1][name]] for name in SCENARIOS}
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
     r0, r1 = runs["forward"]
     for r in (r0, r1):
@@ -179,7 +181,7 @@ def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
         assert stored["detected_by"] == "rank 1 (its replay found the origin)"
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_backward_nan_on_rank1_is_caught_before_the_allreduce(runs):
     # x[3, 0] = 0 on rank 1 only: sqrt(0) = 0 is finite, its gradient 1 / (2 sqrt(0)) = inf is born in
     # backward on rank 1; DDP's all-reduce then spreads it to rank 0's gradients in the same backward
@@ -192,7 +194,7 @@ def test_backward_nan_on_rank1_is_caught_before_the_allreduce(runs):
         assert "born on rank 1 of 2" in a["symptom"]
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(runs):
     r0, r1 = runs["skip"]
     for r in (r0, r1):
@@ -204,7 +206,7 @@ def test_skip_skips_on_every_rank_and_parameters_stay_bitwise_equal(runs):
     assert all(x == x for x in flat)  # finite: the poisoned update never reached the weights
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_warn_goes_on_on_every_rank_and_warns_once(runs):
     for r in runs["warn"]:
         assert "error" not in r and r["step"] == 10
@@ -214,7 +216,7 @@ def test_warn_goes_on_on_every_rank_and_warns_once(runs):
         assert len([w for w in r["warnings"] if "policy='warn'" in w]) == 1
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_hang_watchdog_records_the_sleeping_line_and_the_phase(runs):
     r0, r1 = runs["hang"]
     assert r1["step"] == 4 and r0["step"] == 4  # never kills the job
@@ -231,7 +233,7 @@ def test_hang_watchdog_records_the_sleeping_line_and_the_phase(runs):
     assert hang0["data"]["phase"] in ("backward", "optimizer") and hang0["data"]["last_step"] == 1
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_a_3x_slower_rank_is_named_as_the_straggler_once(runs):
     r0, _ = runs["straggler"]
     with open_run(r0["run_dir"], rank=0) as rec:
@@ -243,7 +245,7 @@ def test_a_3x_slower_rank_is_named_as_the_straggler_once(runs):
     assert ev["message"].startswith("rank 1 is the straggler: its step work takes ")
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_show_reads_every_rank(runs, capsys):
     from torchdebug.cli import main
 
@@ -271,7 +273,7 @@ def test_show_reads_every_rank(runs, capsys):
     assert "ranks (2 of world size 2)" in text and "rank 1 is the straggler" in text
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_dashboard_api_serves_both_ranks(runs):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
@@ -306,7 +308,7 @@ def test_dashboard_api_serves_both_ranks(runs):
         handle.stop()
 
 
-@pytest.mark.timeout(120)  # includes the shared 2-process fixture (about 45 s on 2 busy cores)
+@TIMEOUT
 def test_fsdp2_fully_shard_forward_nan_on_rank1_stops_both_ranks_naming_rank1(runs):
     # FSDP2 on CPU/gloo: the sentinel reads each rank's local shards; no replay (its forward would
     # all-gather alone), so the anomaly is the symptom on the rank of birth: rank 1's loss
@@ -319,3 +321,29 @@ def test_fsdp2_fully_shard_forward_nan_on_rank1_stops_both_ranks_naming_rank1(ru
         assert (a["rank"], a["phase"]) == (1, "forward")
         assert a["symptom"].startswith("non-finite loss") and "born on rank 1 of 2" in a["symptom"]
         assert r["warnings"] == []
+
+
+@TIMEOUT
+def test_hang_watchdog_in_one_process_records_once_and_stops_on_exit(tmp_path, capsys):
+    import threading
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    cfg = td.DebugConfig(mode="anomaly_detection", hang_timeout=0.3, run_dir=str(tmp_path))
+    with td.watch(net, opt, config=cfg) as mon:
+        assert [t.name for t in threading.enumerate()].count("torchdebug-hang") == 1
+        for step in range(3):
+            net.hang_s = 1.0 if step == 1 else 0.0  # one episode: a single record
+            x, y = _batch(0, step, None)
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    assert "torchdebug-hang" not in [t.name for t in threading.enumerate()]
+    with open_run(mon.run_dir) as rec:
+        (hang,) = rec.events("hang")
+    assert (hang["data"]["phase"], hang["data"]["last_step"], hang["step"]) == ("forward", 0, 1)
+    assert hang["data"]["where"].endswith(f"test_distributed.py:{SLEEP_LINE} in forward")
+    err = capsys.readouterr().err.splitlines()
+    assert [ln for ln in err if ln.startswith("torchdebug: rank 0 stuck in forward for ")] == err[:1]

@@ -55,22 +55,31 @@ def detect(config: Any = None) -> tuple[int, int, bool]:
     From the initialised default process group, else the torchrun environment (``RANK``,
     ``WORLD_SIZE``); ``config.rank`` overrides the rank. Without either: ``(0, 1, False)``.
     """
+    fixed = getattr(config, "rank", None) if config is not None else None
     dist = _dist()
     if dist is not None:
         rank, world = int(dist.get_rank()), int(dist.get_world_size())
     else:
-        rank = _env_int("RANK", 0)
+        rank = _env_int("RANK", 0) if fixed is None else 0
         world = _env_int("WORLD_SIZE", 1)
-    if config is not None and getattr(config, "rank", None) is not None:
-        rank = int(config.rank)
+    if fixed is not None:
+        rank = int(fixed)
     return rank, max(world, rank + 1), dist is not None
 
 
 def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, "") or default)
-    except ValueError:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
+    try:
+        return int(raw)
+    except ValueError:
+        from ._errors import ConfigError
+
+        raise ConfigError(
+            f"environment variable {name}={raw[:40]!r} is not an integer (launchers set it): fix or unset "
+            f"{name}, or pass config={{'rank': N}}"
+        ) from None
 
 
 def _dtensor_type() -> type | None:
@@ -266,9 +275,6 @@ class Coordinator:
             self._t_backward = time.perf_counter()
         self._phase = "backward"
 
-    def on_backward_end(self, mon: Any) -> None:
-        self._phase = "forward"  # until the next forward or the update: between micro-steps
-
     def before_optimizer_step(self, mon: Any) -> None:
         self._phase = "optimizer"
 
@@ -277,6 +283,7 @@ class Coordinator:
         if self._reduced or not self.collective:
             return {}
         self._reduced = True
+        self._phase = "optimizer"  # the step's check point: the optimizer's step pre-hook (or mon.step())
         now = time.perf_counter()
         t_fwd = self._t_forward if self._t_forward is not None else now
         # busy: local work before waiting on the other ranks (until the last bucket was handed to the
@@ -467,7 +474,8 @@ class Coordinator:
         fixed = mon.config.hang_timeout
         if fixed is not None:
             return float(fixed)
-        med = statistics.median(self._durations) if self._durations else 0.0
+        durations = list(self._durations)  # one C-level copy: the training thread appends meanwhile
+        med = statistics.median(durations) if durations else 0.0
         return max(_HANG_MIN_S, _HANG_STEPS * med)
 
     def _watchdog(self, mon: Any) -> None:
@@ -478,8 +486,10 @@ class Coordinator:
             stuck = time.monotonic() - self._last_done
             if not self._hung and stuck > timeout and not mon._closed:
                 self._hung = True  # one record per episode: re-armed when a step completes
-                with contextlib.suppress(Exception):
+                try:
                     self._record_hang(mon, stuck, timeout)
+                except Exception as exc:  # the watchdog must never take the job down
+                    print(f"torchdebug: the hang watchdog could not record ({exc!r})", file=sys.stderr)
 
     def _record_hang(self, mon: Any, stuck: float, timeout: float) -> None:
         frames = sys._current_frames()
