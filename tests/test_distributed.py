@@ -302,6 +302,10 @@ def test_dashboard_api_serves_both_ranks(runs):
             ] == ["straggler"]
             assert c.get(f"/api/runs/{rid}/events", params={"rank": 1}).json()["events"] == []
             assert c.get(f"/api/runs/{rid}/report.json", params={"rank": 1}).json()["run"]["rank"] == 0
+            page = c.get(f"/runs/{rid}", params={"rank": 1})
+            assert page.status_code == 200 and f"/api/runs/{rid}/views?rank=1" in page.text
+            views = c.get(f"/api/runs/{rid}/views", params={"rank": 1}).json()
+            assert views["status"] == "finished" and views["figures"]
             bad = c.get(f"/api/runs/{rid}/anomalies", params={"rank": 5})
             assert bad.status_code == 422 and "ranks present: [0, 1]" in bad.json()["error"]
     finally:

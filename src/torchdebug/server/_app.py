@@ -247,15 +247,13 @@ def create_app(
         return HTMLResponse(_runs_page(catalog.infos(), token_query(request)))
 
     @app.get("/runs/{run_id}", include_in_schema=False)
-    def run_page(run_id: str, request: Request) -> Response:
-        with opened(run_id) as run:
-            views = views_cache.get(
-                run.path, f"views:{DEFAULT_MAX_POINTS}", lambda: _views(run, DEFAULT_MAX_POINTS)
-            )
+    def run_page(run_id: str, request: Request, rank: int | None = Query(None, ge=0)) -> Response:
+        with opened(run_id, rank) as run:
+            key = f"views:{DEFAULT_MAX_POINTS}" + (f":{run.rank}" if rank is not None else "")
+            views = views_cache.get(run.path, key, lambda: _views(run, DEFAULT_MAX_POINTS))
         back = "" if catalog.single else f'<a href="/{token_query(request)}">all runs</a>'
-        page = render_page(
-            views, plotly_src="/static/plotly.min.js", live_url=f"/api/runs/{run_id}/views", nav=back
-        )
+        live = f"/api/runs/{run_id}/views" + (f"?rank={rank}" if rank is not None else "")
+        page = render_page(views, plotly_src="/static/plotly.min.js", live_url=live, nav=back)
         return HTMLResponse(page)
 
     @app.get("/favicon.ico", include_in_schema=False)
