@@ -351,3 +351,26 @@ def test_hang_watchdog_in_one_process_records_once_and_stops_on_exit(tmp_path, c
     assert hang["data"]["where"].endswith(f"test_distributed.py:{SLEEP_LINE} in forward")
     err = capsys.readouterr().err.splitlines()
     assert [ln for ln in err if ln.startswith("torchdebug: rank 0 stuck in forward for ")] == err[:1]
+
+
+@TIMEOUT
+@pytest.mark.parametrize(
+    "env", [{"RANK": "1"}, {"RANK": "1", "WORLD_SIZE": "2"}], ids=["rank-only", "torchrun-env"]
+)
+def test_rank_from_the_environment_without_a_process_group_records_its_own_run(tmp_path, monkeypatch, env):
+    # issue 11: RANK=1 alone made create_run raise "rank must be in [0, 1), got 1"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with td.watch(net, opt, config=td.DebugConfig(mode="anomaly_detection", run_dir=str(tmp_path))) as mon:
+        for step in range(2):
+            x, y = _batch(0, step, None)
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    assert (mon.rank, mon.world_size) == (1, 2)
+    assert mon.run_dir.name.startswith("net-rank1-")  # no process group: one run per rank
+    with open_run(mon.run_dir) as rec:
+        assert rec.steps() == 2
