@@ -9,6 +9,14 @@ steps and detail steps (every ``detail_every``); and the cost of one replay unde
 (what the sentinel pays once, when something went wrong) against one plain step.
 
     python benchmarks/overhead.py [--repeats 7] [--chunk 20] [--device cpu|cuda] [--only mlp,gpt,cnn]
+
+``--ddp N``: the same workloads under DistributedDataParallel on N CPU processes (gloo, 127.0.0.1),
+each rank with its own batches and ``cpu_count // N`` threads. Variants: plain DDP (its own model
+copy, never watched), DDP with torchdebug's communication hook registered but no session active
+(``hook idle``), the default watch and the sentinel alone (both on that second copy). Rank 0's
+median step times are printed (DDP synchronises the ranks every step). ``copy bias`` is the second
+copy's time against the first's before the hook is registered (both plain DDP): the part of the
+ratios that is memory layout, not torchdebug.
 """
 
 from __future__ import annotations
@@ -232,13 +240,103 @@ def warnings_quiet() -> Any:
         yield
 
 
+def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    import copy
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            print(
+                f"torch {torch.__version__}, DDP over gloo, {world} CPU processes x {torch.get_num_threads()} "
+                f"threads, repeats {args.repeats} x {args.chunk} steps per variant, interleaved"
+            )
+            print(
+                f"{'workload':<8} {'ddp ms':>8} {'copy bias':>10} {'hook idle':>10} {'watch':>7} {'(ordinary':>10} "
+                f"{'detail)':>8} {'sentinel':>9}"
+            )
+        with tempfile.TemporaryDirectory() as tmp, warnings_quiet():
+            writer = create_run(root=tmp, name=f"bench-rank{rank}")
+            wl = workloads("cpu")
+            for name in args.only.split(","):
+                build, make_batch, loss_fn = wl[name]
+                torch.manual_seed(1000 + rank)
+                batches = [make_batch() for _ in range(4)]
+                torch.manual_seed(0)
+                base = build()
+                plain, hooked = DDP(base), DDP(copy.deepcopy(base))
+                opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+                opt_h = torch.optim.AdamW(hooked.parameters(), lr=1e-4)
+                cfgs = {"watch": td.DebugConfig(), "sentinel": td.DebugConfig(mode="anomaly_detection")}
+                variants = ["plain", "hook_idle", "watch", "sentinel"]
+                times: dict[str, list[float]] = {v: [] for v in variants}
+                ordinary: list[float] = []
+                detail: list[float] = []
+                run_chunk(plain, opt_p, batches, loss_fn, 3, "cpu")
+                run_chunk(hooked, opt_h, batches, loss_fn, 3, "cpu")
+                bias_p: list[float] = []
+                bias_h: list[float] = []
+                for _ in range(args.repeats):  # both copies plain DDP: the layout bias between them
+                    bias_p += run_chunk(plain, opt_p, batches, loss_fn, args.chunk, "cpu")
+                    bias_h += run_chunk(hooked, opt_h, batches, loss_fn, args.chunk, "cpu")
+                # the first session registers the communication hook
+                with td.watch(hooked, opt_h, run=writer, config=cfgs["sentinel"]) as mon:
+                    run_chunk(hooked, opt_h, batches, loss_fn, 3, "cpu", mon=mon)
+                for _ in range(args.repeats):
+                    for v in variants:
+                        if v in cfgs:
+                            with td.watch(hooked, opt_h, run=writer, config=cfgs[v]) as mon:
+                                start = mon.global_step
+                                t = run_chunk(hooked, opt_h, batches, loss_fn, args.chunk, "cpu", mon=mon)
+                            if v == "watch":
+                                every = cfgs[v].detail_every
+                                for j, x in enumerate(t):
+                                    (detail if (start + j) % every == 0 else ordinary).append(x)
+                        else:
+                            model, opt = (plain, opt_p) if v == "plain" else (hooked, opt_h)
+                            t = run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu")
+                        times[v].extend(t)
+                med = {v: statistics.median(times[v]) for v in variants}
+                base_s = med["plain"]
+                if rank == 0:
+                    print(
+                        f"{name:<8} {base_s * 1e3:>8.2f} {statistics.median(bias_h) / statistics.median(bias_p):>9.3f}x "
+                        f"{med['hook_idle'] / base_s:>9.3f}x "
+                        f"{med['watch'] / base_s:>6.3f}x {statistics.median(ordinary) / base_s:>9.3f}x "
+                        f"{statistics.median(detail) / base_s:>7.3f}x {med['sentinel'] / base_s:>8.3f}x",
+                        flush=True,
+                    )
+            writer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_main(args: argparse.Namespace) -> int:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(args.ddp, port, args), nprocs=args.ddp, join=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--chunk", type=int, default=20, help="steps per variant per repeat")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--only", default="mlp,gpt,cnn")
+    ap.add_argument("--ddp", type=int, default=0, metavar="N", help="DDP over gloo on N CPU processes")
     args = ap.parse_args(argv)
+    if args.ddp:
+        return ddp_main(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2

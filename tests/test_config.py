@@ -103,6 +103,7 @@ EXPECTED_DEFAULTS = {
     "trace_loss": True,
     "peak_flops": None,
     "rank": None,
+    "hang_timeout": None,
 }
 
 

@@ -303,6 +303,8 @@ class DebugConfig:
       memory_history [False: record CUDA allocation history for OOM snapshots, costs];
       tokens_per_step [None: tokens per step for tokens/s, else inferred from (B, T) integer input];
       on_oom "raise"|"retry_half" ["raise"]; rank [None: from torch.distributed / RANK].
+    - distributed: hang_timeout [None: seconds without a completed step before the hang watchdog
+      records every thread's stack; None = max(300 s, 20 x the median step time), > 0].
 
     Floats must be finite; integers fit 64 bits. Mutating a field validates it
     (``config.policy = "warn"``); change several related fields at once with ``replace``.
@@ -389,6 +391,7 @@ class DebugConfig:
     clip_on_spike: float | None = _opt(None, gt=0)
     on_oom: OnOOM = "raise"
     rank: int | None = _opt(None, ge=0)
+    hang_timeout: float | None = _opt(None, gt=0)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DebugConfig:
         # before the generated __init__, so a typo raises ConfigError with a suggestion, not TypeError

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import distributed as _distributed
 from ._config import DebugConfig, DebugLevel, coerce_config
-from ._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
+from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
 from ._trees import tensor_leaves
 from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
@@ -64,6 +65,7 @@ def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     the fused ``torch._foreach_norm`` elsewhere; anything else through
     :func:`torchdebug.stats.foreach_norms`. Callers confirm non-finite entries exactly.
     """
+    tensors = _distributed.local_shards(tensors)  # FSDP2 DTensors: this rank's shard
     first = tensors[0]
     if all(
         t.dtype is torch.float32 and t.device == first.device and t.layout is torch.strided for t in tensors
@@ -88,6 +90,7 @@ def _finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:  # no trainable parameters (none, or all frozen): nothing to check
         return torch.zeros(0)
+    tensors = _distributed.local_shards(tensors)  # FSDP2 DTensors: this rank's shard
     if tensors[0].device.type != "cpu":
         return _foreach_norms(tensors)
     with torch.no_grad():
@@ -173,23 +176,7 @@ def _remove_patches() -> None:
 
 
 def _detect_rank(config: DebugConfig) -> int:
-    if config.rank is not None:
-        return int(config.rank)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:
-        pass
-    raw = os.environ.get("RANK", "0").strip() or "0"
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(
-            f"environment variable RANK={raw[:40]!r} is not an integer (launchers set it to the process "
-            "rank): fix or unset RANK, or pass config={'rank': N}"
-        ) from None
+    return _distributed.detect(config)[0]
 
 
 class Monitor:
@@ -234,6 +221,7 @@ class Monitor:
             raise TypeError(
                 f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
             )
+        self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -244,7 +232,8 @@ class Monitor:
         self.param_names: list[str] = [n for n, _ in named]
         self.params: list[torch.Tensor] = [p for _, p in named]
         self._param_ids = {id(p) for p in model.parameters()}
-        self.rank = _detect_rank(self.config)
+        self.rank, self.world_size, self._has_pg = _distributed.detect(self.config)
+        self._coord: Any = None  # the distributed coordinator (world_size > 1 or a hang_timeout)
         self.global_step: int = 0  # completed steps; mon.step() completes one
         self.micro_step = 0
         # who produces the step protocol: None = the plain-loop hooks (optimizer pre/post hooks);
@@ -314,6 +303,9 @@ class Monitor:
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         for name in sorted(self._wanted()):
             self._build_instrument(name)
+        if self.world_size > 1 or self.config.hang_timeout is not None:
+            self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
+            self.instruments.append(self._coord)
 
     def _wanted(self) -> set[str]:
         return set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
@@ -389,7 +381,9 @@ class Monitor:
             name = self.config.run_name or type(self.model).__name__.lower()
             cfg = self.config.to_dict()
             try:
-                self.writer = create_run(root=root, name=name, config=cfg, rank=self.rank)
+                self.writer = _distributed.create_run_for(
+                    create_run, root, name, cfg, self.rank, self.world_size, self._has_pg
+                )
             except (OSError, RunStoreError) as exc:
                 # recording is a convenience: training goes on without a run folder
                 warnings.warn(
@@ -795,7 +789,9 @@ class Monitor:
                 for i, x in enumerate(pn)
                 if not math.isfinite(x)
                 and i < len(self.params)
-                and not bool(torch.isfinite(self.params[i].detach()).all())  # exact: rare path only
+                and not bool(
+                    torch.isfinite(_distributed.local(self.params[i].detach())).all()
+                )  # exact: rare path
             ]
             step = self._deferred_step
             self._deferred.clear()
@@ -812,7 +808,7 @@ class Monitor:
     # -- detection ---------------------------------------------------------------------------------
     def _grad_finite(self, i: int) -> bool:
         """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it)."""
-        g = self.params[i].grad
+        g = _distributed.local(self.params[i].grad)
         return g is None or bool(torch.isfinite(g).all())
 
     def _grads_bad(self) -> bool:
@@ -822,7 +818,8 @@ class Monitor:
         return loss_bad or mbad
 
     def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
-        if not self._grads_bad() or self._step_anomaly is not None:
+        bad = self._grads_bad() if self._coord is None else self._coord.step_bad(self)  # same on every rank
+        if not bad or self._step_anomaly is not None:
             return
         if not at_optimizer:
             if self._scaler_ran and self._scaler_skipped:
@@ -831,7 +828,7 @@ class Monitor:
             if self.optimizer is not None or self._adopted:
                 self._mark_skipped("non-finite gradients and the optimizer step was not called")
                 return
-        anomaly = self._build_anomaly()
+        anomaly = self._build_anomaly() if self._coord is None else self._coord.anomaly(self)
         self._record_anomaly(anomaly)
         policy = self.config.policy
         if policy == "skip":
@@ -1049,7 +1046,7 @@ def _read(items: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
     names: list[str] = []
     flat: list[torch.Tensor] = []
     for name, t in items:
-        t = t.detach().reshape(-1).float()
+        t = _distributed.local(t).detach().reshape(-1).float()  # FSDP2 DTensor: this rank's shard
         names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
         flat.append(t)
     dev = flat[0].device

@@ -120,6 +120,7 @@ def build_report(
           asked), ``run`` (meta.json identity fields) and ``config``.
         - ``records_lost`` (only when the writer could not store some records: disk full ...):
           ``count``, ``from_step``, ``error``; the run is incomplete.
+        - ``ranks`` (only for a run with several ranks): ``torchdebug.store._ranks.rank_overview``.
 
     Raises:
         RunStoreError: the run's database cannot be read.
@@ -195,6 +196,10 @@ def build_report(
             "from_step": lost["lost_from_step"],
             "error": lost["write_error"],
         }
+    if len(getattr(run, "ranks", [])) > 1:  # several ranks: per-rank columns, anomalies with their rank
+        from ..store._ranks import rank_overview
+
+        report["ranks"] = rank_overview(run)
     return report
 
 

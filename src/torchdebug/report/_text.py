@@ -90,6 +90,10 @@ def render_text(report: Mapping[str, Any]) -> str:
         out.append(
             f"  step {fmt_num(e.get('step')):>6}  {e.get('severity', ''):<7} {e.get('kind')}{where}: {e.get('message')}"
         )
+    if report.get("ranks"):
+        from ..store._ranks import overview_lines
+
+        out += [_RULE, *overview_lines(report["ranks"])]
     if report.get("segments"):
         out += [_RULE, "History segments"]
         out += [f"  #{g['id']} from step {g['start_step']}: {g['label'] or '-'}" for g in report["segments"]]

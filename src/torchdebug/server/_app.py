@@ -314,10 +314,10 @@ def create_app(
         return _json({"error": f"internal error {type(exc).__name__}: {exc}"}, 500)
 
     @contextmanager
-    def opened(run_id: str) -> Iterator[Any]:
+    def opened(run_id: str, rank: int | None = None) -> Iterator[Any]:
         from ..store import open_run
 
-        run = open_run(catalog.path(run_id))
+        run = open_run(catalog.path(run_id), rank=rank)
         try:
             yield CachedRun(run, series_cache)
         finally:
@@ -342,15 +342,13 @@ def create_app(
         return HTMLResponse(_runs_page(catalog.infos(), token_query(request)))
 
     @app.get("/runs/{run_id}", include_in_schema=False)
-    def run_page(run_id: str, request: Request) -> Response:
-        with opened(run_id) as run:
-            views = views_cache.get(
-                run.path, f"views:{DEFAULT_MAX_POINTS}", lambda: _views(run, DEFAULT_MAX_POINTS)
-            )
+    def run_page(run_id: str, request: Request, rank: int | None = Query(None, ge=0)) -> Response:
+        with opened(run_id, rank) as run:
+            key = f"views:{DEFAULT_MAX_POINTS}" + (f":{run.rank}" if rank is not None else "")
+            views = views_cache.get(run.path, key, lambda: _views(run, DEFAULT_MAX_POINTS))
         back = "" if catalog.single else f'<a href="/{token_query(request)}">all runs</a>'
-        page = render_page(
-            views, plotly_src="/static/plotly.min.js", live_url=f"/api/runs/{run_id}/views", nav=back
-        )
+        live = f"/api/runs/{run_id}/views" + (f"?rank={rank}" if rank is not None else "")
+        page = render_page(views, plotly_src="/static/plotly.min.js", live_url=live, nav=back)
         return HTMLResponse(page)
 
     @app.get("/favicon.ico", include_in_schema=False)
@@ -377,9 +375,11 @@ def create_app(
         return _json({"runs": [info_dict(i) for i in catalog.infos()]})
 
     @app.get("/api/runs/{run_id}", summary="One run: meta, summary, metric names, segments", tags=["runs"])
-    def api_run(run_id: str) -> Response:
+    def api_run(
+        run_id: str, rank: int | None = Query(None, ge=0, description="which rank's database (default 0)")
+    ) -> Response:
         """meta.json, the store's summary counts, metric names and history segments of one run."""
-        with opened(run_id) as run:
+        with opened(run_id, rank) as run:
             summary = run.summary()
             summary.pop("path", None)
             payload = {
@@ -403,13 +403,14 @@ def create_app(
             DEFAULT_MAX_POINTS, ge=2, le=1_000_000, description="points per series (min/max envelopes)"
         ),
         wall_times: bool = Query(False, description="include each point's wall-clock time"),
+        rank: int | None = Query(None, ge=0, description="which rank's database (default 0)"),
     ) -> Response:
         """``{"metrics": {name: {"steps", "values", "downsampled"}}}``; NaN/Inf values as strings.
 
         Downsampling keeps each bucket's lowest and highest point, so spikes and NaN survive.
         An unknown name answers 404 listing known ones.
         """
-        with opened(run_id) as run:
+        with opened(run_id, rank) as run:
             known = run.metric_names()
             wanted = known if not names else [n.strip() for n in names.split(",") if n.strip()]
             missing = [n for n in wanted if n not in known]
@@ -429,35 +430,58 @@ def create_app(
         return _json({"run": run_id, "max_points": max_points, "since_step": since_step, "metrics": out})
 
     @app.get("/api/runs/{run_id}/anomalies", summary="Anomaly documents", tags=["runs"])
-    def api_anomalies(run_id: str) -> Response:
+    def api_anomalies(
+        run_id: str, rank: int | None = Query(None, ge=0, description="which rank's database (default 0)")
+    ) -> Response:
         """Every anomaly (where the first NaN/Inf was born: phase, module, op, line, frames, hint)."""
-        with opened(run_id) as run:
+        with opened(run_id, rank) as run:
             return _json({"anomalies": json_safe(run.anomalies())})
 
     @app.get("/api/runs/{run_id}/events", summary="Rule events", tags=["runs"])
     def api_events(
-        run_id: str, kind: str | None = Query(None, max_length=200, description="only this kind")
+        run_id: str,
+        kind: str | None = Query(None, max_length=200, description="only this kind"),
+        rank: int | None = Query(None, ge=0, description="which rank's database (default 0)"),
     ) -> Response:
         """Rule events and log messages in the order logged: step, kind, severity, message, data."""
-        with opened(run_id) as run:
+        with opened(run_id, rank) as run:
             return _json({"events": json_safe(run.events(kind))})
 
     @app.get("/api/runs/{run_id}/report.json", summary="The JSON report", tags=["runs"])
-    def api_report(run_id: str) -> Response:
+    def api_report(
+        run_id: str, rank: int | None = Query(None, ge=0, description="which rank's database (default 0)")
+    ) -> Response:
         """``torchdebug report --format json``: summary, analyses, anomalies, events, metric table."""
-        with opened(run_id) as run:
-            rep = views_cache.get(run.path, "report", lambda: json_safe(build_report(run)))
+        with opened(run_id, rank) as run:
+            rep = views_cache.get(run.path, f"report:{run.rank}", lambda: json_safe(build_report(run)))
         return _json(rep)
+
+    @app.get(
+        "/api/runs/{run_id}/ranks", summary="Every rank of a run: per-rank columns, anomalies", tags=["runs"]
+    )
+    def api_ranks(run_id: str) -> Response:
+        """Per-rank step time, data wait, memory, grad norm; anomalies with their rank; hangs; stragglers."""
+        from ..store._ranks import rank_overview
+
+        with opened(run_id) as run:
+            ov = views_cache.get(run.path, "ranks", lambda: json_safe(rank_overview(run)))
+        return _json(ov)
 
     @app.get(
         "/api/runs/{run_id}/views",
         summary="Dashboard payload (charts and page fragments)",
         tags=["dashboard"],
     )
-    def api_views(run_id: str, max_points: int = Query(DEFAULT_MAX_POINTS, ge=2, le=100_000)) -> Response:
+    def api_views(
+        run_id: str,
+        max_points: int = Query(DEFAULT_MAX_POINTS, ge=2, le=100_000),
+        rank: int | None = Query(None, ge=0, description="which rank's database (default 0)"),
+    ) -> Response:
         """What the live page redraws every 2 s: plotly figures and server-rendered HTML fragments."""
-        with opened(run_id) as run:
-            views = views_cache.get(run.path, f"views:{max_points}", lambda: _views(run, max_points))
+        with opened(run_id, rank) as run:
+            views = views_cache.get(
+                run.path, f"views:{max_points}:{run.rank}", lambda: _views(run, max_points)
+            )
         payload = {"status": views["status"], "figures": views["figures"], **fragments(views)}
         return _json(payload)
 

@@ -126,6 +126,7 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from ._ranks import rank_overview
     from .reader import open_run
 
     path = resolve_run(args.run, args.root)
@@ -133,7 +134,10 @@ def _show(args: argparse.Namespace) -> int:
         summary = run.summary()
         last = run.last_values()
         anomalies = run.anomalies()
+        overview = rank_overview(run) if len(summary["ranks"]) > 1 else None
         if args.json:
+            if overview is not None:
+                summary["all_ranks"] = overview
             summary["meta"] = run.meta
             summary["last_values"] = {k: {"step": s, "value": v} for k, (s, v) in last.items()}
             summary["anomaly_list"] = anomalies
@@ -198,6 +202,11 @@ def _show(args: argparse.Namespace) -> int:
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
+        if overview is not None:  # several ranks: one view of all of them
+            from ._ranks import overview_lines
+
+            out.append("")
+            out += overview_lines(overview)
     # Names, messages and config values come from the run: escape what a terminal would obey.
     print("\n".join(printable(line) for line in out))
     return 0

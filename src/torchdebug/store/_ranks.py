@@ -1,0 +1,157 @@
+"""All ranks of a run at once: per-rank columns, anomalies with their rank, hangs and stragglers."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+
+def _median(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.median(vals) if vals else None
+
+
+def _max(values: list[Any]) -> int | None:
+    vals = [int(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return max(vals) if vals else None
+
+
+def rank_overview(run: Any) -> dict[str, Any]:
+    """Every rank's database of ``run`` read once (each opened read-only and closed again).
+
+    Returns ``{"ranks", "world_size", "per_rank", "anomalies", "hangs", "stragglers"}``:
+
+    - ``per_rank``: one row per rank: ``rank``, ``status``, ``steps``, ``last_step``,
+      ``step_time_s`` and ``data_wait_s`` (medians over the timed steps), ``rss_max`` and
+      ``cuda_max`` (bytes), ``grad_norm`` (last value), ``anomalies`` and ``hangs`` (counts).
+    - ``anomalies``: each anomaly once (the same one is recorded by every rank), with ``rank`` the
+      rank where it was born and ``recorded_by`` the ranks whose store holds it.
+    - ``hangs``: hang watchdog records (``rank``, ``step``, ``phase``, ``last_step``, ``where``,
+      ``message``); ``stragglers``: straggler events (``rank``, ``ratio``, ``step``, ``message``).
+
+    Example: ``rank_overview(open_run(path))["per_rank"][1]["step_time_s"]``.
+    Cost: reads every rank's timing and memory samples.
+    """
+    rows: list[dict[str, Any]] = []
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    hangs: list[dict[str, Any]] = []
+    stragglers: list[dict[str, Any]] = []
+    for k in run.ranks:
+        r = run if k == run.rank else run.open_rank(k)
+        try:
+            timings, memory = r.timings(), r.memory()
+            anomalies = r.anomalies()
+            hang_events = r.events("hang")
+            last = r.last_values()
+            rows.append(
+                {
+                    "rank": k,
+                    "status": r.status,
+                    "steps": r.steps(),
+                    "last_step": max((s for s, _ in last.values()), default=None),
+                    "step_time_s": _median([t.get("total") for t in timings]),
+                    "data_wait_s": _median([t.get("data") for t in timings]),
+                    "rss_max": _max([m.get("rss") for m in memory]),
+                    "cuda_max": _max([m.get("cuda_allocated") for m in memory]),
+                    "grad_norm": last["grad_norm"][1] if "grad_norm" in last else None,
+                    "anomalies": len(anomalies),
+                    "hangs": len(hang_events),
+                }
+            )
+            for a in anomalies:
+                key = (a.get("step"), a.get("summary"), a.get("rank"))
+                doc = merged.setdefault(key, {**a, "recorded_by": []})
+                doc["recorded_by"].append(k)
+            for e in hang_events:
+                d = e.get("data") or {}
+                hangs.append(
+                    {
+                        "rank": d.get("rank", k),
+                        "step": e.get("step"),
+                        "phase": d.get("phase"),
+                        "last_step": d.get("last_step"),
+                        "where": d.get("where"),
+                        "message": e.get("message"),
+                    }
+                )
+            for e in r.events("straggler"):
+                ev = (e.get("data") or {}).get("evidence") or {}
+                stragglers.append(
+                    {
+                        "rank": ev.get("rank"),
+                        "ratio": ev.get("ratio"),
+                        "step": e.get("step"),
+                        "message": e.get("message"),
+                    }
+                )
+        finally:
+            if r is not run:
+                r.close()
+    return {
+        "ranks": list(run.ranks),
+        "world_size": run.meta.get("world_size", 1),
+        "per_rank": rows,
+        "anomalies": sorted(merged.values(), key=lambda a: (a.get("step") is None, a.get("step") or 0)),
+        "hangs": hangs,
+        "stragglers": stragglers,
+    }
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def _fmt_b(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**20:.1f} MiB"
+
+
+def _fmt_n(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def overview_lines(ov: dict[str, Any]) -> list[str]:
+    """The overview as text lines (``torchdebug show`` and the text report)."""
+    head = (
+        "rank",
+        "status",
+        "steps",
+        "step time",
+        "data wait",
+        "max RSS",
+        "max CUDA",
+        "grad norm",
+        "anomalies",
+        "hangs",
+    )
+    table = [head] + [
+        (
+            str(r["rank"]),
+            str(r["status"]),
+            str(r["steps"]),
+            _fmt_s(r["step_time_s"]),
+            _fmt_s(r["data_wait_s"]),
+            _fmt_b(r["rss_max"]),
+            _fmt_b(r["cuda_max"]),
+            _fmt_n(r["grad_norm"]),
+            str(r["anomalies"]),
+            str(r["hangs"]),
+        )
+        for r in ov["per_rank"]
+    ]
+    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
+    out = [f"ranks ({len(ov['ranks'])} of world size {ov['world_size']})"]
+    out += ["  " + "  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in table]
+    out.append(f"anomalies, all ranks ({len(ov['anomalies'])})")
+    for a in ov["anomalies"]:
+        by = ", ".join(map(str, a["recorded_by"]))
+        out.append(f"  rank {a.get('rank')}: {a.get('summary')}  (recorded by rank {by})")
+    if not ov["anomalies"]:
+        out.append("  none")
+    if ov["stragglers"]:
+        out.append(f"stragglers ({len(ov['stragglers'])})")
+        out += [f"  step {s['step']}: {s['message']}" for s in ov["stragglers"]]
+    if ov["hangs"]:
+        out.append(f"hangs ({len(ov['hangs'])})")
+        out += [f"  step {h['step']}: {h['message']}" for h in ov["hangs"]]
+    return out
