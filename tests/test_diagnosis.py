@@ -139,6 +139,17 @@ OVERFLOWS: dict[str, Overflow] = {
         ("attn", "aten._softmax", "f16softmax"),
         _f16,
     ),
+    "fp16-autocast-matmul-causal-mask": Overflow(
+        lambda: dm.F16AttnNet(explicit_half=False, causal=True),
+        lambda: torch.ones(2, 3, 4),
+        "attn",
+        "aten.bmm",
+        "f16attn",
+        "float16 max is 65504: bmm overflowed (inputs up to 400); use bfloat16, scale down, or compute "
+        "it in float32",
+        ("attn", "aten._softmax", "f16softmax"),
+        _f16,
+    ),
 }
 
 
