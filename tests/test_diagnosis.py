@@ -538,3 +538,20 @@ def test_deterministic_faults_are_reproducible(name: str) -> None:
         _train(model, lambda i: inp, steps=2, loss_fn=lambda out: case.loss(out, inp))
     a = ei.value.anomaly
     assert a.reproducible is True and a.op == case.op, str(a)
+
+
+def test_gradient_sink_hooks_are_removed_on_exit() -> None:
+    from torchdebug.locate import Tracer
+
+    model = fx.MLP()
+    x = torch.randn(2, 8)
+    tracer = Tracer(model)
+    with tracer:
+        model(x).pow(2).mean().backward()
+    assert tracer.symptom is None
+    model.zero_grad()
+    # the same graph nodes (AccumulateGrad is kept per parameter) see a NaN gradient after the trace:
+    # a leftover pre-hook would record it on the finished tracer
+    (model(x) * float("nan")).sum().backward()
+    assert tracer.symptom is None and tracer.internal_errors == []
+    assert _no_hooks(model)

@@ -252,7 +252,7 @@ class _DispatchLayer(TorchDispatchMode):
             dst_dtype = args[0].dtype if name == "aten::copy_" else kwargs.get("dtype", args[0].dtype)
             if isinstance(src, torch.Tensor) and dst_dtype is not None and dst_dtype != src.dtype:
                 tr.resolve_pending()
-                tr.pre_stats = None
+                tr.pre_inputs = None
                 out = func(*args, **kwargs)
                 try:  # the destination's old contents are not an input of the cast
                     tr.check_op(func, args, kwargs, [src] if _checkable(src) else [], None, out)
@@ -267,12 +267,19 @@ class _DispatchLayer(TorchDispatchMode):
         tr.resolve_pending()
         ins = [t for t in tensor_leaves((args, kwargs)) if _checkable(t)]
         pre = [_flags(t) for t in ins] if func._schema.is_mutable else None
-        # An in-place op overwrites its input: keep the input's statistics from before it (a hint and
-        # the printed inputs must describe what went in). Foreach (optimizer) ops are left out: cost.
-        tr.pre_stats = None
-        if pre is not None and not name.startswith("aten::_foreach"):
+        # An in-place op overwrites its input: keep a copy of it from before (the hint and the printed
+        # inputs must describe what went in), analysed only if the op makes an event. A copy is one
+        # memcpy; the optimizer's in-place ops (many, per parameter) are left out.
+        tr.pre_inputs = None
+        if (
+            pre is not None
+            and ins
+            and name.endswith("_")
+            and tr.phase_override is None
+            and not any(f.bad for f in pre)
+        ):
             with torch._C.DisableTorchFunction():
-                tr.pre_stats = tuple(analyze_tensor(x) for x in ins[:4])
+                tr.pre_inputs = [ins[0].detach().clone(), *ins[1:4]]
         out = func(*args, **kwargs)
         if tr.fn_depth == 0 and torch.is_grad_enabled():
             tr.note_recompute(out)
@@ -319,7 +326,7 @@ class Tracer:
         self.symptom_text = ""
         self.noticed: _Event | None = None  # where the origin's Inf became NaN, when it did
         self.backward_ran = False
-        self.pre_stats: tuple[TensorStats, ...] | None = None  # inputs of the running in-place op, before it
+        self.pre_inputs: list[torch.Tensor] | None = None  # the running in-place op's inputs, before it
         self._root_outputs: Any = None  # the model's last forward result: a sink when no backward runs
         self.phase_override: str | None = None
         self.internal_errors: list[str] = []
@@ -582,9 +589,8 @@ class Tracer:
     ) -> _Event:
         with torch._C.DisableTorchFunction():
             tstats = analyze_tensor(t)
-            istats = self.pre_stats if self.pre_stats is not None and ins else None
-            if istats is None:
-                istats = tuple(analyze_tensor(x) for x in ins[:4])
+            before = self.pre_inputs if self.pre_inputs is not None and ins else ins
+            istats = tuple(analyze_tensor(x) for x in before[:4])
         param = None
         if phase == Phase.OPTIMIZER.value:
             param = self._param_for(t, func, args, out_idx)
@@ -663,7 +669,8 @@ class Tracer:
         if self.symptom is not None:
             return
         try:
-            with _disable_current_modes():  # our reductions are not the step's ops
+            # our reductions are not the step's ops
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
                 leaf = getattr(node, "variable", None)
                 name = self._param_names.get(_storage_key(leaf)) if isinstance(leaf, torch.Tensor) else None
                 for g in grads:
@@ -712,7 +719,7 @@ class Tracer:
         """
         if self.symptom is not None:
             return
-        with _disable_current_modes():
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
             if self.model is not None:
                 # only values made bad while tracing count: a stale NaN .grad of an earlier block does not
                 grads = [(n, p.grad) for n, p in self.model.named_parameters()] if self.backward_ran else []
@@ -736,6 +743,7 @@ class Tracer:
                 if live:
                     self._set_symptom(min(live, key=lambda ev: ev.seq), "non-finite value before the error")
         self._root_outputs = None
+        self.pre_inputs = None
 
     def check_inputs(self, args: Any, kwargs: Any) -> None:
         for i, t in enumerate(tensor_leaves((args, kwargs))):
