@@ -19,7 +19,7 @@ from tests.fixtures import models as fx
 from tests.fixtures.diag_models import origin_line
 from tests.test_locate import CASES as LOCATE_CASES
 from tests.test_watch import SENTINEL_ONLY, _train
-from torchdebug.compat import AutogradAnomalyDetector, PyTorchDebugger
+from torchdebug.compat import AutogradAnomalyDetector, PyTorchDebugger, debug_context
 
 
 @pytest.fixture(autouse=True)
@@ -326,6 +326,9 @@ def test_healthy_masked_patterns_are_silent_everywhere(pattern: str) -> None:
     with dbg.debug_context("step", model=model) as info:
         _step_of(model, x)
     assert not info.anomaly_detected and dbg.anomalies == []
+    with debug_context(td.DebugLevel.BASIC, model=model) as seed_dbg:  # warns on an anomaly: errors here
+        _step_of(model, x)
+    assert seed_dbg.anomalies == []
     mon = _train(model, lambda i: (x,), steps=3)
     assert mon.anomalies == [] and mon.counters["anomaly_steps"] == 0
     assert _no_hooks(model)

@@ -722,7 +722,8 @@ class Tracer:
         with _disable_current_modes(), torch._C.DisableTorchFunction():
             if self.model is not None:
                 # only values made bad while tracing count: a stale NaN .grad of an earlier block does not
-                grads = [(n, p.grad) for n, p in self.model.named_parameters()] if self.backward_ran else []
+                named = self.model.named_parameters()
+                grads = [(n, p.grad) for n, p in named if p.grad is not None] if self.backward_ran else []
                 params = [(n, t) for n, t in self.model.named_parameters()]
                 buffers = [(n, t) for n, t in self.model.named_buffers()]
                 for name, t in grads + params + buffers:
@@ -801,7 +802,7 @@ class Tracer:
         nt = self.noticed
         if nt is not None and (nt.phase, nt.op, nt.location) != (ev.phase, ev.op, ev.location):
             noticed = _to_anomaly(
-                self.noticed,
+                nt,
                 "",
                 step=step,
                 rank=rank,
