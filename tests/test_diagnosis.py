@@ -237,12 +237,13 @@ def _train_autocast(model: nn.Module, x: torch.Tensor, ctx: Callable[[], Any], b
 
 
 # -- masks stay: an explicit -inf is never an origin ------------------------------------------------
-MASKS = ["masked_fill", "full", "where", "neg_torch_inf"]
+MASKS = ["masked_fill", "full", "where", "neg_torch_inf", "buffer"]
 MASK_OP = {
     "masked_fill": "aten.masked_fill",
     "full": "aten.full",
     "where": "aten.scalar_tensor",
     "neg_torch_inf": "aten.index_put_",
+    "buffer": "aten.add",  # the buffer's -inf was made before the trace: the add carries it on
 }
 
 
