@@ -235,7 +235,10 @@ def test_float16_overflow_under_autocast_is_named() -> None:
         "inf",
         origin_line("f16"),
     )
-    assert a.hint == "float16 overflow: max 65504; use bfloat16 or scale down"
+    assert a.hint == (
+        "float16 max is 65504: addmm overflowed (inputs up to 300); use bfloat16, scale down, "
+        "or compute it in float32"
+    )
 
 
 def test_optimizer_update_that_makes_nan() -> None:

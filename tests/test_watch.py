@@ -86,6 +86,7 @@ def test_forward_nan_at_known_step_names_module_op_and_line() -> None:
         origin_line("log"),
     )
     assert a.detected_by == "sentinel" and a.hint.startswith("log of negative input")
+    assert a.reproducible is True  # the replay made the same NaN
     assert isinstance(ei.value, RuntimeError)
     assert _no_hooks(model)
     # raised in the optimizer's pre-hook: the corrupted gradients never reached the weights
@@ -121,6 +122,7 @@ def test_sentinel_replays_to_the_exact_origin(
         _train(model, lambda i: (torch.randn(3, 4),), steps=3)
     a = ei.value.anomaly
     assert (a.step, a.phase, a.module, a.op, a.location) == (0, phase, module, op, origin_line(tag))
+    assert a.reproducible is True
 
 
 def test_handwritten_loss_outside_module_is_traced_through_the_loss_tape() -> None:

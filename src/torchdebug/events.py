@@ -90,10 +90,17 @@ class Anomaly:
     node (backward); ``location`` the user's ``path/file.py:LINE`` that ran the op (for backward, the
     forward line that created the node); ``kind`` ``"nan" | "inf" | "-inf"``; ``step`` the count of
     completed ``mon.step()`` calls (``None`` for ``locate_nonfinite``).
+
+    ``noticed``: when the origin is an Inf made by overflow that a later op turned into NaN (an fp16
+    matmul, then a softmax), that later op (phase, module, op, line); else None. ``reproducible``:
+    True when replaying the failing step made the same non-finite values, False when two replays came
+    out finite (then ``module``, ``op`` and ``location`` are None: no origin is claimed, and
+    ``symptom`` says what was non-finite in the step), None when no replay ran. Both keys are left out
+    of ``to_dict()`` when None, as in documents written before they existed.
     """
 
     phase: str
-    module: str
+    module: str | None  # None: no origin traced (a fault the replay did not reproduce)
     op: str | None
     location: str | None
     kind: str
@@ -110,13 +117,31 @@ class Anomaly:
     detected_by: str = "locate"  # "locate" | "sentinel" | "sentinel (no replay)"
     stack: tuple[str, ...] = ()  # user frames, innermost last, capped
     parameter: str | None = None  # for phase "parameter"/"optimizer": the parameter's qualified name
+    # Where the origin's Inf (an overflow) became NaN further on, e.g. the softmax after an fp16 matmul.
+    noticed: Anomaly | None = None
+    # Whether replaying the failing step made the same non-finite values: None when no replay ran.
+    reproducible: bool | None = None
 
     @property
     def where(self) -> str:
+        if self.module is None:
+            return "no traced origin"
         return module_label(self.module, self.module_type)
+
+    def site(self) -> str:
+        """``forward of attn (Attention): aten._softmax at model.py:12``: phase, module, op and line."""
+        s = f"{self.phase} of {self.parameter if self.parameter else self.where}"
+        if self.op:
+            s += f": {self.op}"
+        if self.location:
+            s += f" at {self.location}"
+        return s
 
     def summary(self) -> str:
         """One line: ``nan born in forward of blocks.1.attn (Attention): aten.log at model.py:41``."""
+        if self.reproducible is False:
+            s = f"{self.kind} not reproducible: {self.symptom or 'non-finite values'}, finite on replay"
+            return s + (f" (step {self.step})" if self.step is not None else "")
         what = f"{self.kind} born in {self.phase}"
         where = self.parameter if self.parameter else self.where
         s = f"{what} of {where}"
@@ -145,6 +170,10 @@ class Anomaly:
             lines.append(f"  rank      {self.rank}")
         if self.symptom:
             lines.append(f"  noticed   {self.symptom}")
+        if self.noticed is not None:
+            lines.append(f"  became    {self.noticed.kind} in {self.noticed.site()}")
+        if self.reproducible is False:
+            lines.append("  replay    did not reproduce it (replayed twice, same batch, weights and RNG)")
         if self.hint:
             lines.append(f"  hint      {self.hint}")
         if self.tensor is not None:
@@ -160,6 +189,11 @@ class Anomaly:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for key in ("noticed", "reproducible"):  # newer fields: absent when unset, as in older documents
+            if d[key] is None:
+                del d[key]
+        if self.noticed is not None:
+            d["noticed"]["site"] = self.noticed.site()
         d["summary"] = self.summary()
         return d
 

@@ -8,8 +8,12 @@ The tracer stacks three instruments for the duration of one step:
   call created (so a backward op can be traced to the forward line that made its node);
 * a ``TorchDispatchMode``: every aten op's outputs are checked; an op that makes a non-finite value
   its inputs did not hold is an event. Non-finite storages are tainted with the event that produced
-  them, so a symptom found later (a NaN, an Inf in the loss or a gradient) is traced back to its
-  origin. Writing an explicit +-inf constant (masked_fill, where, full with inf) is not an origin.
+  them; an op whose output is finite (a ``where``, a mask, relu's backward) drops the taint. Only a
+  symptom counts (README glossary): a non-finite loss, a non-finite gradient reaching a leaf (an
+  ``AccumulateGrad`` pre-hook), a weight or buffer made NaN, the optimizer update; its storage's taint
+  names the origin. Writing an explicit +-inf constant (masked_fill, where, full with inf) is not an
+  origin; an Inf made by overflow (exp, a float16 cast or matmul) is, also when a later op turns it
+  into NaN (that op is kept as ``Anomaly.noticed``).
 
 Cost: every op's outputs are reduced and read on the host, so a traced step runs 2-4x a plain step
 on CPU (more on GPU where each read is a sync). It runs only in ``locate_nonfinite`` and in the
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import functools
 import math
 import sys
 import weakref
@@ -70,6 +76,11 @@ _PASS_THROUGH = {
     "aten::new_empty_strided",
     "aten::empty_strided",
 }
+
+
+# Copies that may change dtype: a narrowing cast (float32 -> float16) overflows, so these are checked
+# (not passed through) whenever the dtype changes.
+_CASTS = {"aten::_to_copy", "aten::copy_"}
 
 
 @dataclass
@@ -147,6 +158,9 @@ class _Event:
     inputs: tuple[TensorStats, ...]
     explicit: bool = False  # an explicit +-inf constant written on purpose (masks): never an origin
     related: _Event | None = None
+    # A NaN made from an Inf that an overflow (not a mask) produced: that overflow is the origin and
+    # this event is where the value became NaN (``Anomaly.noticed``).
+    cause: _Event | None = None
     frames: tuple[ModuleFrame, ...] = ()
     parameter: str | None = None
     hint: str = ""
@@ -172,6 +186,7 @@ class _FunctionLayer(TorchFunctionMode):
         tr = self.tracer
         if func in (torch.Tensor.backward, torch.autograd.backward):
             # The engine's own ops are backward ops: do not count them as inside a torch call.
+            tr.backward_ran = True
             tr.on_backward_call(args[0] if args else kwargs.get("tensors"))
             saved, tr.fn_depth = tr.fn_depth, 0
             try:
@@ -231,7 +246,20 @@ class _DispatchLayer(TorchDispatchMode):
         tr = self.tracer
         if tr.symptom is not None:
             return func(*args, **kwargs)
-        if func._schema.name in _PASS_THROUGH:
+        name = func._schema.name
+        if name in _CASTS and isinstance(args[0], torch.Tensor) and _checkable(args[0]):
+            src = args[1] if name == "aten::copy_" else args[0]
+            dst_dtype = args[0].dtype if name == "aten::copy_" else kwargs.get("dtype", args[0].dtype)
+            if isinstance(src, torch.Tensor) and dst_dtype is not None and dst_dtype != src.dtype:
+                tr.resolve_pending()
+                tr.pre_inputs = None
+                out = func(*args, **kwargs)
+                try:  # the destination's old contents are not an input of the cast
+                    tr.check_op(func, args, kwargs, [src] if _checkable(src) else [], None, out)
+                except Exception as exc:  # the tracer must never break the traced step
+                    tr.internal_errors.append(repr(exc))
+                return out
+        if name in _PASS_THROUGH:
             out = func(*args, **kwargs)
             if tr.taint:  # copies and views carry the taint of their input, no reduction needed
                 tr.propagate(args, out)
@@ -239,6 +267,19 @@ class _DispatchLayer(TorchDispatchMode):
         tr.resolve_pending()
         ins = [t for t in tensor_leaves((args, kwargs)) if _checkable(t)]
         pre = [_flags(t) for t in ins] if func._schema.is_mutable else None
+        # An in-place op overwrites its input: keep a copy of it from before (the hint and the printed
+        # inputs must describe what went in), analysed only if the op makes an event. A copy is one
+        # memcpy; the optimizer's in-place ops (many, per parameter) are left out.
+        tr.pre_inputs = None
+        if (
+            pre is not None
+            and ins
+            and name.endswith("_")
+            and tr.phase_override is None
+            and not any(f.bad for f in pre)
+        ):
+            with torch._C.DisableTorchFunction():
+                tr.pre_inputs = [ins[0].detach().clone(), *ins[1:4]]
         out = func(*args, **kwargs)
         if tr.fn_depth == 0 and torch.is_grad_enabled():
             tr.note_recompute(out)
@@ -283,6 +324,10 @@ class Tracer:
         self.events: list[_Event] = []
         self.symptom: _Event | None = None
         self.symptom_text = ""
+        self.noticed: _Event | None = None  # where the origin's Inf became NaN, when it did
+        self.backward_ran = False
+        self.pre_inputs: list[torch.Tensor] | None = None  # the running in-place op's inputs, before it
+        self._root_outputs: Any = None  # the model's last forward result: a sink when no backward runs
         self.phase_override: str | None = None
         self.internal_errors: list[str] = []
         self._param_names: dict[Any, str] = {}
@@ -316,6 +361,10 @@ class Tracer:
 
     def __exit__(self, *exc: Any) -> None:
         try:
+            self.finish(error=exc[0] is not None)
+        except Exception as err:  # the tracer must never break the traced step
+            self.internal_errors.append(repr(err))
+        try:
             self._stack.close()
         finally:
             for h in self._handles:
@@ -330,6 +379,8 @@ class Tracer:
     def _post_hook(self, mod: nn.Module, args: Any, out: Any) -> None:
         if self.module_stack:
             self.module_stack.pop()
+        if mod is self.model:
+            self._root_outputs = out
         if self.symptom is None:
             try:
                 with _disable_current_modes():  # our own reductions are not the model's ops
@@ -387,6 +438,8 @@ class Tracer:
             seen += 1
             self.nodes[id(node)] = info
             self._node_refs.append(node)
+            if type(node).__name__ == "AccumulateGrad":  # a gradient reaching a leaf is a symptom sink
+                self._handles.append(node.register_prehook(functools.partial(self._grad_arrives, node)))
             todo.extend(nf for nf, _ in node.next_functions if nf is not None)
 
     def note_recompute(self, out: Any) -> None:
@@ -460,87 +513,60 @@ class Tracer:
         in_flags = pre if pre is not None else [_flags(t) for t in ins]
         in_nan = any(f.nan for f in in_flags)
         in_inf = any(f.inf for f in in_flags)
-        in_root = next(
-            (
-                self.taint[_storage_key(t)]
-                for t, f in zip(ins, in_flags)
-                if f.bad and _storage_key(t) in self.taint
-            ),
-            None,
-        )
+        nan_root = self._root(ins, in_flags, nan=True)
+        inf_root = self._root(ins, in_flags, nan=False)
         phase, module, mtype, loc, stack, node = self._where()
         op = type(node).__name__ if node is not None else f"aten.{func._schema.name.split('::')[-1]}"
         explicit = not ins or _has_inf_scalar(args) or _has_inf_scalar(kwargs.values())
         is_grad = phase == Phase.BACKWARD.value
         for idx, (t, f) in enumerate(zip(outs, out_flags)):
-            if not f.bad:
-                continue
             key = _storage_key(t)
-            if f.nan and not in_nan:
-                ev = self._event(
-                    phase,
-                    module,
-                    mtype,
-                    op,
-                    loc,
-                    stack,
-                    "nan",
-                    t,
-                    ins,
-                    related=in_root,
-                    func=func,
-                    args=args,
-                    out_idx=idx,
-                )
-                self.taint[key] = ev
-                self._set_symptom(ev, f"first NaN, made by {op}")
-                return
-            if f.nan:  # NaN propagated from a NaN input: the first NaN was already the symptom
+            if not f.bad:
+                self.taint.pop(key, None)
                 continue
-            if not (in_nan or in_inf):
-                ev = self._event(
+
+            def make(kind: str, idx: int = idx, t: torch.Tensor = t, **kw: Any) -> _Event:
+                return self._event(
                     phase,
                     module,
                     mtype,
                     op,
                     loc,
                     stack,
-                    f.kind,
+                    kind,
                     t,
                     ins,
-                    explicit=explicit and not is_grad,
                     func=func,
                     args=args,
                     out_idx=idx,
+                    **kw,
                 )
-                self.taint[key] = ev
-            else:
-                ev = in_root or self._event(
-                    phase, module, mtype, op, loc, stack, f.kind, t, ins, func=func, args=args, out_idx=idx
-                )
-                self.taint[key] = ev
-            if is_grad or phase == Phase.OPTIMIZER.value:
-                origin = (
-                    ev
-                    if not ev.explicit
-                    else self._event(
-                        phase,
-                        module,
-                        mtype,
-                        op,
-                        loc,
-                        stack,
-                        f.kind,
-                        t,
-                        ins,
-                        func=func,
-                        args=args,
-                        out_idx=idx,
-                    )
-                )
-                where = "a gradient" if is_grad else "the optimizer update"
-                self._set_symptom(origin, f"{f.kind} in {where}, made by {op}")
+
+            if f.nan and in_nan:  # carried on from a NaN input
+                ev = nan_root or make("nan")
+            elif f.nan and inf_root is not None and not inf_root.explicit:
+                # an overflow's Inf became NaN here (inf-inf, inf*0): the overflow is the origin
+                ev = make("nan", cause=inf_root)
+            elif f.nan:  # born here; a mask's -inf (explicit) is named as related, never the origin
+                ev = make("nan", related=inf_root)
+            elif in_nan or in_inf:  # an Inf carried on; one the trace did not see made counts as a constant
+                ev = inf_root or nan_root or make(f.kind, explicit=True)
+            else:  # Inf from finite inputs: an overflow, or an explicit +-inf constant (a mask)
+                ev = make(f.kind, explicit=explicit and not is_grad)
+            self.taint[key] = ev
+            if phase == Phase.OPTIMIZER.value:
+                origin = ev if not ev.explicit else make(f.kind)
+                self._set_symptom(origin, f"{f.kind} in the optimizer update, made by {op}")
                 return
+
+    def _root(self, ins: list[torch.Tensor], flags: list[_Flags], *, nan: bool) -> _Event | None:
+        """The origin carried by the inputs holding NaN (``nan``) or Inf: an overflow before a mask."""
+        found = [
+            self.taint[k]
+            for t, f in zip(ins, flags)
+            if (f.nan if nan else f.inf) and (k := _storage_key(t)) in self.taint
+        ]
+        return min(found, key=lambda ev: (ev.explicit, ev.seq), default=None)
 
     def _event(
         self,
@@ -556,13 +582,15 @@ class Tracer:
         *,
         explicit: bool = False,
         related: _Event | None = None,
+        cause: _Event | None = None,
         func: Any = None,
         args: tuple = (),
         out_idx: int = 0,
     ) -> _Event:
         with torch._C.DisableTorchFunction():
             tstats = analyze_tensor(t)
-            istats = tuple(analyze_tensor(x) for x in ins[:4])
+            before = self.pre_inputs if self.pre_inputs is not None and ins else ins
+            istats = tuple(analyze_tensor(x) for x in before[:4])
         param = None
         if phase == Phase.OPTIMIZER.value:
             param = self._param_for(t, func, args, out_idx)
@@ -582,6 +610,7 @@ class Tracer:
             inputs=istats,
             explicit=explicit,
             related=related,
+            cause=cause,
             frames=tuple(self.frames),
             parameter=param,
         )
@@ -609,6 +638,8 @@ class Tracer:
 
     def _set_symptom(self, ev: _Event, text: str) -> None:
         if self.symptom is None:
+            if ev.cause is not None:  # the value became NaN here; the overflow before it is the origin
+                self.noticed, ev = ev, ev.cause
             self.symptom = ev
             self.symptom_text = text
 
@@ -633,6 +664,88 @@ class Tracer:
                 self._set_symptom(root, f"{f.kind} in the loss")
                 return
 
+    def _grad_arrives(self, node: Any, grads: tuple) -> None:
+        """AccumulateGrad pre-hook: a gradient about to land in a leaf's ``.grad`` (a symptom sink)."""
+        if self.symptom is not None:
+            return
+        try:
+            # our reductions are not the step's ops
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                leaf = getattr(node, "variable", None)
+                name = self._param_names.get(_storage_key(leaf)) if isinstance(leaf, torch.Tensor) else None
+                for g in grads:
+                    if isinstance(g, torch.Tensor) and _checkable(g) and (f := _flags(g)).bad:
+                        self._sink(g, f, f"{f.kind} in the gradient of {name or 'a leaf tensor'}", name)
+                        return
+        except Exception as exc:  # the tracer must never break the traced step
+            self.internal_errors.append(repr(exc))
+
+    def _sink(self, t: torch.Tensor, f: _Flags, text: str, param: str | None = None) -> None:
+        """A non-finite value reached a place that is a symptom: name the origin its storage carries."""
+        root = self.taint.get(_storage_key(t))
+        if root is None or root.explicit:  # made where the trace could not see (a hook, another thread)
+            owner = (param or "").rpartition(".")[0]
+            mod = self.model.get_submodule(owner) if self.model is not None and owner else self.model
+            root = self._event(
+                Phase.BACKWARD.value,
+                owner,
+                type(mod).__name__ if mod is not None else "",
+                "",
+                None,
+                (),
+                f.kind,
+                t,
+                [],
+            )
+            root.parameter = param
+            root.hint = (
+                f"{text}, but no traced op made it non-finite: it was written outside the traced ops "
+                "(a tensor hook, an in-place edit under no_grad, another thread)"
+            )
+        self._set_symptom(root, text)
+
+    def _made_bad(self, t: Any) -> bool:
+        """``t`` holds a non-finite value that an op traced here made (not one it held before the trace)."""
+        if not (isinstance(t, torch.Tensor) and _checkable(t)):
+            return False
+        root = self.taint.get(_storage_key(t))
+        return root is not None and not root.explicit and _flags(t).bad
+
+    def finish(self, *, error: bool = False) -> None:
+        """The traced block ended: check what it leaves behind (gradients, weights, buffers, outputs).
+
+        Called by ``__exit__``. With ``error`` (the block raised) and no symptom, the earliest
+        non-finite value the block made (not a mask) is reported: it is the likelier cause.
+        """
+        if self.symptom is not None:
+            return
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            if self.model is not None:
+                # only values made bad while tracing count: a stale NaN .grad of an earlier block does not
+                named = self.model.named_parameters()
+                grads = [(n, p.grad) for n, p in named if p.grad is not None] if self.backward_ran else []
+                params = [(n, t) for n, t in self.model.named_parameters()]
+                buffers = [(n, t) for n, t in self.model.named_buffers()]
+                for name, t in grads + params + buffers:
+                    if self.symptom is None and self._made_bad(t):
+                        f = _flags(t)
+                        if f.nan or not any(t is b for _, b in buffers):  # a buffer's +-Inf is a mask
+                            what = "the gradient of " + name if any(t is g for _, g in grads) else name
+                            self._sink(t, f, f"{f.kind} in {what} after the step", name)
+            if self.symptom is None and not self.backward_ran and self._root_outputs is not None:
+                for t in tensor_leaves(self._root_outputs):
+                    if _checkable(t) and (f := _flags(t)).bad:
+                        root = self.taint.get(_storage_key(t))
+                        if root is not None and not root.explicit:
+                            self._set_symptom(root, f"{f.kind} in the model's output")
+                            break
+            if self.symptom is None and error:
+                live = [ev for ev in self.taint.values() if not ev.explicit]
+                if live:
+                    self._set_symptom(min(live, key=lambda ev: ev.seq), "non-finite value before the error")
+        self._root_outputs = None
+        self.pre_inputs = None
+
     def check_inputs(self, args: Any, kwargs: Any) -> None:
         for i, t in enumerate(tensor_leaves((args, kwargs))):
             if self.symptom is not None:
@@ -648,13 +761,14 @@ class Tracer:
     def _check_params(self, when: str) -> None:
         if self.model is None:
             return
-        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+        params = dict(self.model.named_parameters())
+        for name, t in list(params.items()) + list(self.model.named_buffers()):
             if self.symptom is not None:
                 return
             if not _checkable(t):
                 continue
             f = _flags(t)
-            if f.bad:
+            if f.nan or (f.bad and name in params):  # a buffer's +-Inf is a mask, kept on purpose
                 owner = name.rpartition(".")[0]
                 mod = self.model.get_submodule(owner) if owner else self.model
                 ev = self._event(
@@ -682,9 +796,22 @@ class Tracer:
         ev = self.symptom
         if ev is None:
             return None
-        return _to_anomaly(
+        a = _to_anomaly(
             ev, self.symptom_text, step=step, rank=rank, micro_step=micro_step, detected_by=detected_by
         )
+        nt = self.noticed
+        if nt is not None and (nt.phase, nt.op, nt.location) != (ev.phase, ev.op, ev.location):
+            noticed = _to_anomaly(
+                nt,
+                "",
+                step=step,
+                rank=rank,
+                micro_step=micro_step,
+                detected_by=detected_by,
+                depth=1,
+            )
+            a = dataclasses.replace(a, noticed=noticed)
+        return a
 
 
 def _to_anomaly(
@@ -731,22 +858,39 @@ def _to_anomaly(
 
 
 # -- hints ---------------------------------------------------------------------------------------
-_F16_MAX = {"float16": 65504.0, "bfloat16": 3.39e38, "float32": 3.40e38}
+_DTYPE_MAX = {"float16": "65504", "bfloat16": "3.39e38", "float32": "3.4e38", "float64": "1.8e308"}
+# exp(x) overflows above log(max): float16 11.09, bfloat16 and float32 88.72, float64 709.78
+_EXP_LIMIT = {"float16": 11.09, "bfloat16": 88.72, "float32": 88.72, "float64": 709.78}
+_CAST_OPS = ("_to_copy", "copy_")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
 
 
 def make_hint(ev: _Event) -> str:
-    """Plain words for the likely cause of an event, from its op and input statistics."""
+    """Plain words for the likely cause of an event, from its op and input statistics.
+
+    Never contradicts the statistics printed beside it: "from finite inputs" only when every input
+    shown is finite.
+    """
     op = ev.op.removeprefix("aten.")
     ins = ev.inputs
     mins = [s.min for s in ins if s.min is not None]
     maxs = [s.max for s in ins if s.max is not None]
     lo = min(mins) if mins else None
     hi = max(maxs) if maxs else None
+    absmax = max((s.abs_max for s in ins if s.abs_max is not None), default=None)
     zero_in = any((s.zero_fraction or 0) > 0 or (s.abs_min is None and s.numel) for s in ins)
+    in_inf = any(s.posinf_count or s.neginf_count for s in ins)
+    in_nan = any(s.nan_count for s in ins)
     out_dtype = ev.tensor.dtype if ev.tensor is not None else ""
     related_inf = ev.related is not None and ev.related.kind != "nan"
+    overflow = ev.kind in ("inf", "-inf") and not in_inf and not in_nan and not ev.explicit
     if ev.phase == Phase.BACKWARD.value:
         node = ev.op
+        if ev.kind == "nan" and (in_inf or ev.cause is not None):
+            return f"{node} turned an Inf into NaN (inf*0 or inf-inf)"
         if node.startswith("Sqrt"):
             return "sqrt at 0 in backward: add eps inside the sqrt (sqrt(x + eps))"
         if node.startswith(("Norm", "LinalgVectorNorm")):
@@ -756,13 +900,23 @@ def make_hint(ev: _Event) -> str:
         if node.startswith("Log"):
             return "log at 0 in backward (the gradient is 1/x): clamp the input or add eps"
         if node.startswith("Div"):
-            return "division by (near) zero in backward: add eps to the denominator"
+            return (
+                "division by zero in backward: the gradient of x / d is NaN/Inf where d == 0 even when "
+                "torch.where or a mask drops that forward result (0 * inf = NaN); make the denominator "
+                "safe before dividing: x / torch.where(d != 0, d, 1), or add eps"
+            )
         if node.startswith(("Acos", "Asin")):
             return f"{node[:4].lower()} at +-1 in backward: clamp the input to (-1+eps, 1-eps)"
         if ev.kind == "nan" and related_inf:
             return f"{node} turned an Inf into NaN (inf*0 or inf-inf); the Inf was born earlier (see related)"
-        return f"{node} produced {ev.kind} from finite gradients"
-    if op in ("log", "log2", "log10") and lo is not None:
+        if overflow and out_dtype in _DTYPE_MAX:
+            return f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {node} overflowed in backward; scale the loss or gradients down"
+        return (
+            f"{node} produced {ev.kind} from finite gradients"
+            if not (in_inf or in_nan)
+            else f"{node} produced {ev.kind}"
+        )
+    if op in ("log", "log2", "log10") and lo is not None and not in_nan:
         if lo < 0:
             return f"log of negative input (min {lo:.3g})"
         return "log of 0 gives -inf: add eps (log(x + eps)) or clamp the input"
@@ -770,7 +924,7 @@ def make_hint(ev: _Event) -> str:
         return f"log1p of input <= -1 (min {lo:.3g})"
     if op in ("sqrt", "rsqrt") and lo is not None and lo < 0:
         return f"{op} of negative input (min {lo:.3g})"
-    if op in ("div", "div_", "reciprocal"):
+    if op in ("div", "div_", "reciprocal") and not in_inf:
         if ev.kind == "nan":
             return "0/0: numerator and denominator are both zero somewhere; add eps to the denominator"
         return "division by zero: add eps to the denominator"
@@ -782,17 +936,38 @@ def make_hint(ev: _Event) -> str:
         )
     if op in ("pow",) and lo is not None and lo < 0:
         return f"pow of negative base with a fractional exponent (min {lo:.3g})"
-    if op in ("_softmax", "_log_softmax", "softmax", "log_softmax") and ev.kind == "nan":
+    if op in ("_softmax", "_log_softmax", "softmax", "log_softmax") and ev.kind == "nan" and not in_nan:
+        if ev.related is not None and ev.related.explicit:
+            return "softmax over a row whose entries are all -inf (a fully masked row)"
+        if in_inf and any(s.posinf_count for s in ins):
+            return f"softmax over a row holding +Inf: exp(inf - inf) is NaN ({sum(s.posinf_count for s in ins)} +Inf in the input)"
         return "softmax over a row whose entries are all -inf (a fully masked row)"
-    if op == "exp" and ev.kind == "inf" and hi is not None:
-        limit = {"float16": 11.09, "bfloat16": 88.7, "float32": 88.7, "float64": 709.8}.get(out_dtype, 88.7)
+    if op == "exp" and overflow and hi is not None:
+        limit = _EXP_LIMIT.get(out_dtype, 88.72)
         return (
-            f"exp overflow: max input {hi:.3g} > {limit} for {out_dtype}; subtract the max first (logsumexp)"
+            f"exp overflows {out_dtype} above ~{limit}: the largest input was {_fmt(hi)}; subtract the "
+            "max first (softmax/logsumexp do) or clamp the input"
         )
-    if ev.kind in ("inf", "-inf") and out_dtype == "float16":
-        return "float16 overflow: max 65504; use bfloat16 or scale down"
-    if ev.kind == "nan" and related_inf:
-        return f"{op} made NaN from an Inf input (inf-inf, inf*0 or inf/inf); the Inf was born earlier (see related)"
+    if op in _CAST_OPS and overflow and out_dtype in _DTYPE_MAX:
+        big = f" of values up to {_fmt(absmax)}" if absmax is not None else ""
+        return (
+            f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: the cast to {out_dtype}{big} overflowed to Inf; "
+            "scale or clamp before casting, or keep float32 / use bfloat16"
+        )
+    if overflow and out_dtype == "float16":
+        big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
+        return (
+            f"float16 max is 65504: {op} overflowed{big}; use bfloat16, scale down, or compute it in float32"
+        )
+    if overflow and out_dtype in _DTYPE_MAX:
+        big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
+        return f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {op} overflowed{big}; scale the values down"
+    if ev.kind == "nan" and (in_inf or ev.cause is not None):
+        return f"{op} made NaN from an Inf input (inf-inf, inf*0 or inf/inf)" + (
+            "; the Inf was born earlier (see related)" if related_inf else ""
+        )
+    if in_nan or in_inf:
+        return f"{op} produced {ev.kind} from a non-finite input"
     if ev.kind == "nan":
         return f"{op} produced NaN from finite inputs" + (" (a zero input is involved)" if zero_in else "")
     return f"{op} produced {ev.kind} from finite inputs"
@@ -811,8 +986,12 @@ def locate_nonfinite(
 
     Typically ``fn`` does forward + loss + backward (+ ``optimizer.step()``). Inputs (the tensors in
     ``args``/``kwargs``) and the model's parameters and buffers are checked first (phases "input" and
-    "parameter"). A symptom is the first NaN anywhere, or a +-Inf in the loss (the tensor ``backward``
-    is called on, or ``fn``'s returned tensors), in a gradient, or made by the optimizer update.
+    "parameter"). A symptom is a NaN/Inf in the loss (the tensor ``backward`` is called on, or ``fn``'s
+    returned tensors), in a gradient reaching a leaf (a parameter's ``.grad``), in a weight or buffer
+    (NaN) the step wrote, or made by the optimizer update; without a backward, in the model's output.
+    A non-finite value that a ``where``/mask/relu drops before it reaches one is not an anomaly. The
+    origin is the first op on the symptom's causal path that made a non-finite value from finite
+    inputs; an explicit +-inf (a mask) never is.
 
     Args:
         fn: the step to run.

@@ -12,6 +12,7 @@ to name the phase, module, op and source line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import math
@@ -897,48 +898,89 @@ class Monitor:
             self.counters["replays"] += 1
             self._replaying = True
             try:
-                tracer = replay_capture(
-                    self.model,
-                    self._captures[idx],
-                    names=self.names,
-                    frames=self.config.frames,
-                    uses_cuda=self._uses_cuda,
-                )
-                a = tracer.anomaly(
-                    step=self.global_step, rank=self.rank, micro_step=micro, detected_by="sentinel"
-                )
-                if a is not None:
-                    return a
+                # A fault that does not come back when the step is re-run is information (a one-off
+                # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
+                for _ in range(2):
+                    tracer = replay_capture(
+                        self.model,
+                        self._captures[idx],
+                        names=self.names,
+                        frames=self.config.frames,
+                        uses_cuda=self._uses_cuda,
+                    )
+                    a = tracer.anomaly(
+                        step=self.global_step, rank=self.rank, micro_step=micro, detected_by="sentinel"
+                    )
+                    if a is not None:
+                        return dataclasses.replace(a, reproducible=True)
+                return self._symptom_anomaly(micro, losses_bad, reproduced=False)
             except Exception as exc:
                 self._warn_once(
                     "replay",
                     f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only",
                 )
+                return self._symptom_anomaly(micro, losses_bad, why="the replay failed")
             finally:
                 self._replaying = False
-        return self._symptom_anomaly(micro, losses_bad)
+        why = "only the first anomaly of a session is replayed"
+        if not self.config.replay:
+            why = "replay is off (config.replay=False)"
+        elif first_replay:
+            why = "the failing micro-step was not captured"
+        return self._symptom_anomaly(micro, losses_bad, why=why)
 
-    def _symptom_anomaly(self, micro: int | None, losses_bad: list[int]) -> Anomaly:
+    def _symptom_anomaly(
+        self, micro: int | None, losses_bad: list[int], reproduced: bool | None = None, why: str = ""
+    ) -> Anomaly:
         per = self.grad_norms_host or []
         bad = [self.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
         loss_bad = bool(losses_bad)
+        kind = "nan" if any(math.isnan(x) for x in per) else "inf"
+        if reproduced is False:
+            # Say what was seen and what was compared; name no origin the replay could not confirm.
+            v = self._values
+            loss_kinds = sorted(
+                {"nan" if math.isnan(v[f"_loss#{i}"]) else "inf" for i in losses_bad if f"_loss#{i}" in v}
+            )
+            if loss_kinds == ["nan"] or (not per and loss_kinds):
+                kind = loss_kinds[0]
+            seen = []
+            if loss_bad:
+                seen.append(f"the loss ({'/'.join(loss_kinds) or 'non-finite'})")
+            if bad:
+                more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+                seen.append(f"the gradients of {', '.join(bad[:4])}{more}")
+            observed = " and ".join(seen) or "a non-finite value"
+            return Anomaly(
+                phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
+                module=None,
+                op=None,
+                location=None,
+                kind=kind,
+                step=self.global_step,
+                rank=self.rank,
+                micro_step=micro,
+                symptom=f"{observed} held NaN/Inf in the step",
+                detected_by="sentinel",
+                hint=(
+                    f"not reproducible: in the step, {observed} held NaN/Inf; replayed twice with the same "
+                    "batch, weights, buffers and RNG state, the loss and every gradient came out finite. "
+                    "Likely a one-off fault: hardware or silent data corruption, a nondeterministic "
+                    "kernel or race, a hook or state that changed between the step and the replay, or "
+                    "loss code the replay did not capture"
+                ),
+                reproducible=False,
+            )
         first = bad[0] if bad else None
         owner = first.rpartition(".")[0] if first else ""
         mod = self.model.get_submodule(owner) if owner else self.model
         symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"
-        why = (
-            "only the first anomaly is replayed"
-            if self.counters["replays"]
-            else "the replay did not reproduce it"
-        )
-        if not self.config.replay:
-            why = "replay is off (config.replay=False)"
         return Anomaly(
             phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
             module=owner if not loss_bad else "",
             op=None,
             location=None,
-            kind="nan" if any(math.isnan(x) for x in per) else "inf",
+            kind=kind,
             step=self.global_step,
             rank=self.rank,
             module_type=type(mod).__name__,

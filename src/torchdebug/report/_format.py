@@ -64,14 +64,27 @@ def json_safe(obj: Any) -> Any:
 
 
 def anomaly_rows(a: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """The rows every anomaly card starts with: phase, module (labelled), parameter, op, line."""
-    return [
+    """The rows every anomaly card starts with: phase, module (labelled), parameter, op, line; then
+    where the origin's Inf became NaN and whether the replay reproduced it, when the document says."""
+    module = a.get("module")
+    rows = [
         ("phase", a.get("phase")),
-        ("module", module_label(str(a.get("module") or ""), str(a.get("module_type") or "") or None)),
+        (
+            "module",
+            "no traced origin"
+            if module is None and "module" in a
+            else module_label(str(module or ""), str(a.get("module_type") or "") or None),
+        ),
         ("parameter", a.get("parameter")),
         ("op", a.get("op")),
         ("line", a.get("location")),
     ]
+    noticed = a.get("noticed")
+    if isinstance(noticed, Mapping) and noticed.get("site"):
+        rows.append(("became", f"{noticed.get('kind')} in {noticed.get('site')}"))
+    if a.get("reproducible") is False:
+        rows.append(("reproducible", "no: finite when the step was replayed twice"))
+    return rows
 
 
 def fmt_num(x: Any) -> str:
