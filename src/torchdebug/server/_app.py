@@ -104,7 +104,7 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
 
     ``total_steps``: steps recorded since the segment started; ``anomaly_steps``: distinct steps
     with an anomaly; ``gradient_explosions`` / ``gradient_vanishing`` / ``loss_anomalies``: rule
-    events whose kind mentions "explod" / "vanish" / starts with "loss"; rates divide by total_steps.
+    events of the kinds the rules emit (``events.rule_counts``); rates divide by total_steps.
     """
     segments = run.segments()
     start = segments[-1]["start_step"] if segments else 0
@@ -146,16 +146,23 @@ def create_app(
 
     Args:
         target: a run folder or a folder of runs; None with ``monitor`` serves the monitor's run.
-        monitor: a live ``Monitor`` that the seed POST endpoints (level, clear) act on.
+        monitor: a live ``Monitor`` (or a seed-era ``TrainingDebugger``) that the seed endpoints
+            read and the seed POST endpoints (level, clear) act on.
         token: when set, every request needs ``Authorization: Bearer <token>`` (or ``?token=``).
         warm: precompute the pages of this many newest runs in a background thread, so the first
             visit to a big run is fast (its series are read once, then only new steps are read).
+
+    Raises:
+        TypeError: ``monitor`` is neither a ``Monitor`` nor a ``TrainingDebugger``.
 
     Returns:
         The FastAPI app; its OpenAPI schema is at ``/openapi.json``, docs at ``/docs``.
 
     Example: ``uvicorn.run(create_app("runs"), port=6007)``.
     """
+    from ..compat._serving import live_session
+
+    monitor = live_session(monitor)  # a TrainingDebugger is served through its own summaries
     if target is None and monitor is not None and getattr(monitor, "run_dir", None) is not None:
         target = monitor.run_dir
     catalog = Catalog(None if target is None else Path(target))
@@ -389,11 +396,14 @@ def create_app(
 
         torchdebug has no diffusion debugger: that block is all zeros, kept for the response shape.
         """
-        ts = training_summary(run)
-        if monitor is not None and run is None and catalog.target is None:  # a live session without a store
-            anomalies, events = len(getattr(monitor, "anomalies", ())), len(getattr(monitor, "events", ()))
+        # one source per response: the live session's own counts, or the stored run's (never a mix:
+        # the store lags the live session by its unflushed batch)
+        if monitor is not None and run is None:
+            ts = dict(monitor.training_summary())
+            anomalies, events = len(list(monitor.anomalies)), len(list(monitor.events))
         else:
             with opened(seed_run_id(run)) as r:
+                ts = training_summary_from_run(r)
                 anomalies, events = len(r.anomalies()), len(r.events())
         payload = {
             "training_debugger": {
