@@ -168,6 +168,9 @@ INSTRUMENTS_BY_LEVEL: dict[DebugLevel, frozenset[str]] = {
 # Instruments a mode keeps at every level: PROFILING exists to run the profiler.
 _MODE_CORE: dict[DebugMode, frozenset[str]] = {DebugMode.PROFILING: frozenset({"profiler"})}
 
+# Instruments that look at gradients: any of them brings the NaN/Inf sentinel along.
+GRADIENT_INSTRUMENTS = frozenset({"gradients", "gradient_details"})
+
 # Explicit switches that add an instrument whatever the mode and level. Seed flags that default to
 # True (log_memory, log_performance, save_debug_info) are deliberately absent: they would switch
 # areas on in every config.
@@ -268,7 +271,10 @@ class DebugConfig:
     memory; enable_performance_profiling / debug_data_loading -> timing; enable_autograd_profiler /
     enable_tensorboard_profiler -> profiler; flops; activation_stats / log_activations /
     debug_forward_pass -> activations; per_module_memory -> module_memory; per_module_time ->
-    module_time. ``log_memory`` and ``log_performance`` default to True in the seeds, so they switch
+    module_time. A gradient instrument (gradients, gradient_details) always brings nonfinite along:
+    a NaN/Inf gradient never passes silently while gradients are watched. Each switch records on
+    its own: activations and gradient_details run as instruments of their own when gradients is
+    off. ``log_memory`` and ``log_performance`` default to True in the seeds, so they switch
     nothing on. debug_device_placement, debug_validation, debug_early_stopping and
     debug_lr_scheduling are accepted for the seed-era facades and start no instrument.
 
@@ -437,11 +443,13 @@ class DebugConfig:
         """Names of the instruments this config runs: the mode/level table plus explicit switches.
 
         Example:
-            >>> sorted(DebugConfig(mode="anomaly_detection", log_gradients=True).instruments())
+            >>> sorted(DebugConfig(mode="none", log_gradients=True).instruments())
             ['gradients', 'nonfinite']
         """
         names = set(_instruments(self.mode, self.level))
         names.update(name for switch, name in INSTRUMENTS_BY_SWITCH.items() if getattr(self, switch))
+        if names & GRADIENT_INSTRUMENTS:
+            names.add("nonfinite")  # a NaN/Inf gradient never passes silently while gradients are watched
         return frozenset(names)
 
     def to_dict(self) -> dict[str, Any]:

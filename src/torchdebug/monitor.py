@@ -43,6 +43,9 @@ _MAX_EVENTS = 10_000
 # instrument name -> (module, class); each class is constructed with no arguments
 _INSTRUMENTS: dict[str, tuple[str, str]] = {
     "gradients": ("torchdebug.instruments.health", "GradientHealth"),
+    # alone (no "gradients"): GradientHealth records these itself when it runs, see _wanted()
+    "activations": ("torchdebug.instruments.standalone", "ActivationInstrument"),
+    "gradient_details": ("torchdebug.instruments.standalone", "WeightInstrument"),
     "memory": ("torchdebug.instruments.memory", "MemoryInstrument"),
     "module_memory": ("torchdebug.instruments.memory", "ModuleMemoryInstrument"),
     "timing": ("torchdebug.instruments.timing", "TimingInstrument"),
@@ -307,12 +310,15 @@ class Monitor:
             self._build_instrument(name)
 
     def _wanted(self) -> set[str]:
-        return set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
+        wanted = set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
+        if "gradients" in wanted:
+            wanted -= {"activations", "gradient_details"}  # GradientHealth records them (one set of hooks)
+        return wanted
 
     def _build_instrument(self, name: str) -> None:
         spec = _INSTRUMENTS.get(name)
         if spec is None:
-            return  # handled inside another instrument (gradient_details, activations) or by the monitor
+            return  # handled by the monitor (nonfinite)
         try:
             cls = getattr(importlib.import_module(spec[0]), spec[1])
         except (ImportError, AttributeError):
