@@ -35,10 +35,10 @@ EXPECTED_DEFAULTS = {
     "enable_memory_profiling": False,
     "enable_performance_profiling": False,
     "anomaly_detection_mode": "warn",
-    "gradient_checking_frequency": 100,
+    "gradient_checking_frequency": 10,  # = detail_every (one schedule)
     "memory_profiling_frequency": 50,
     "performance_profiling_frequency": 10,
-    "save_debug_info": True,
+    "save_debug_info": False,  # opt-in: writes into debug_output_dir
     "debug_output_dir": "debug_outputs",
     "log_gradients": False,
     "log_activations": False,

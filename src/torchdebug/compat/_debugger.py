@@ -25,7 +25,7 @@ from ..instruments._robust import RunningMedian
 from ..instruments.health import ExplosionRule, top_params
 from ..locate import Tracer
 from ..memory import debug_memory_usage, memory_sample
-from ..stats import analyze_tensor, total_norm
+from ..stats import analyze_tensor, foreach_norms, total_norm
 from ._common import (
     HISTORY_SIZE,
     DebugInfo,
@@ -321,6 +321,30 @@ class PyTorchDebugger:
                 info.anomaly_detected = True
             self._note_time(info)
             self.debug_history.append(info)
+            if self.config.save_debug_info:
+                self._save_debug_info(info)
+
+    def _save_debug_info(self, info: DebugInfo) -> None:
+        """Append ``info`` as one JSON line to ``<debug_output_dir>/debug_info.jsonl`` (seed 001's save).
+
+        An unwritable folder warns once and switches saving off: debugging never breaks training.
+        """
+        import json
+        import warnings
+
+        from .._errors import TorchDebugWarning
+
+        path = Path(self.config.debug_output_dir) / "debug_info.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(info.to_dict(), sort_keys=True) + "\n")
+        except OSError as exc:
+            self.config = self.config.replace(save_debug_info=False)
+            warnings.warn(
+                TorchDebugWarning(f"torchdebug: cannot save debug info to {path} ({exc}); saving is off"),
+                stacklevel=4,
+            )
 
     def _note_time(self, info: DebugInfo) -> None:
         """Flag an operation slower than ``slowdown_factor`` x its running median (robust, per operation)."""
@@ -420,10 +444,18 @@ class PyTorchDebugger:
         Raises:
             NonFiniteError: mode "raise" and the input or output holds a NaN/Inf.
 
+        With ``config.log_activations`` each leaf module's output statistics (mean, std, zero
+        fraction, dead/saturated fraction) land in ``info.details["activations"]`` (one more transfer).
+
         Cost: one fused NaN/Inf count and one host transfer; the traced replay only on a NaN/Inf.
         """
         with self.debug_context("forward_pass", type(model).__name__, model=model, **kwargs) as info:
-            output = self._checked_forward(model, input_data, info, grad=torch.is_grad_enabled())
+            if self.config.log_activations:
+                with _activation_capture(model) as act:
+                    output = self._checked_forward(model, input_data, info, grad=torch.is_grad_enabled())
+                info.details["activations"] = act.read()
+            else:
+                output = self._checked_forward(model, input_data, info, grad=torch.is_grad_enabled())
         return output
 
     def _checked_forward(self, model: nn.Module, input_data: Any, info: DebugInfo, *, grad: bool) -> Any:
@@ -457,6 +489,9 @@ class PyTorchDebugger:
         Raises:
             NonFiniteError: mode "raise" and the loss or a gradient is non-finite.
 
+        ``config.log_gradients`` / ``config.log_weights`` put every parameter's gradient / weight L2
+        norm in ``info.details["gradients"]`` / ``["weights"]`` (in the same transfer).
+
         Cost: fused norms of all gradients and one host transfer.
         """
         with self.debug_context("backward_pass", type(model).__name__, model=model, **kwargs) as info:
@@ -469,10 +504,17 @@ class PyTorchDebugger:
             parts = [loss_value.reshape(1), total.reshape(1).to(dev)]
             if norms is not None:
                 parts.append(norms.to(dev))
+            if self.config.log_weights and params:
+                with torch.no_grad():
+                    parts.append(foreach_norms([p.detach() for p in params]).to(dev))
             host = torch.cat([p.float() for p in parts]).tolist()  # the one host transfer
             loss_f, norm = host[0], host[1]
-            per = host[2:]
+            per = host[2 : 2 + len(idx)]
             info.gradient_norm = norm
+            if self.config.log_gradients:
+                info.details["gradients"] = {names[i]: v for i, v in zip(idx, per)}
+            if self.config.log_weights and params:
+                info.details["weights"] = dict(zip(names, host[2 + len(idx) :]))
             bad = [names[idx[j]] for j, v in enumerate(per) if not math.isfinite(v)]
             if (bad or not math.isfinite(loss_f)) and not tracing_active():
                 kind = "nan" if math.isnan(loss_f) or any(math.isnan(v) for v in per) else "inf"
@@ -732,6 +774,48 @@ def debug_context(
     debugger = PyTorchDebugger(level)
     with debugger.autograd_anomaly_detection(model):
         yield debugger
+
+
+class _ActivationCapture:
+    """Activation statistics of each leaf module's first output in one forward (device tensors until read)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from ..instruments.health import activation_stats
+
+        self.stats: dict[str, dict[str, torch.Tensor]] = {}
+        self.handles: list[Any] = []
+        for name, mod in model.named_modules():
+            if next(iter(mod.children()), None) is not None:
+                continue
+
+            def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
+                if name not in self.stats and isinstance(out, torch.Tensor) and out.is_floating_point():
+                    if out.numel() > 0:
+                        self.stats[name] = activation_stats(module, out)
+
+            self.handles.append(mod.register_forward_hook(hook))
+
+    def read(self) -> dict[str, dict[str, float]]:
+        """Every statistic in one host transfer: ``{module: {"mean", "std", "zero", ("dead"|"saturated")}}``."""
+        flat = [(m, k, t) for m, ks in self.stats.items() for k, t in ks.items()]
+        if not flat:
+            return {}
+        dev = flat[0][2].device
+        host = torch.stack([t.to(dev, torch.float32) for _, _, t in flat]).tolist()  # one transfer
+        out: dict[str, dict[str, float]] = {}
+        for (m, k, _), v in zip(flat, host):
+            out.setdefault(m, {})[k] = v
+        return out
+
+
+@contextlib.contextmanager
+def _activation_capture(model: nn.Module) -> Iterator[_ActivationCapture]:
+    cap = _ActivationCapture(model)
+    try:
+        yield cap
+    finally:
+        for h in cap.handles:
+            h.remove()
 
 
 def _trainable(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:

@@ -34,7 +34,14 @@ from ._common import (
     rng_state,
     symptom_anomaly,
 )
-from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, log, tracing_active
+from ._debugger import (
+    AutogradAnomalyDetector,
+    PyTorchDebugger,
+    _activation_capture,
+    _trainable,
+    log,
+    tracing_active,
+)
 
 
 @dataclass
@@ -471,10 +478,18 @@ class PyTorchDebugManager:
             t0 = time.perf_counter()
             rng = rng_state(any(p.is_cuda for p in model.parameters()))
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(call_model(model, data_batch), target_batch)
+            if self.config.log_activations:
+                with _activation_capture(model) as act:
+                    output = call_model(model, data_batch)
+                info.details["activations"] = act.read()
+            else:
+                output = call_model(model, data_batch)
+            loss = loss_fn(output, target_batch)
             loss.backward()
             n = step_numbers(model, loss, with_params=True)
             info.gradient_norm = n.grad_norm
+            if self.config.log_gradients:
+                info.details["gradients"] = dict(zip(n.names, n.norms))
             anomaly: Anomaly | None = None
             # inside a traced block the tracer reports the origin when the block ends
             if n.nonfinite and not tracing_active():
@@ -489,6 +504,12 @@ class PyTorchDebugManager:
                 self.debugger._report(info, anomaly)
             if not n.nonfinite:
                 optimizer.step()
+            if self.config.log_weights:
+                names, params = _trainable(model)
+                with torch.no_grad():  # the weights after the update: a second transfer, only when asked
+                    info.details["weights"] = dict(
+                        zip(names, foreach_norms([p.detach() for p in params]).tolist())
+                    )
             sample = memory_sample()
             elapsed = time.perf_counter() - t0
         metrics: dict[str, Any] = {
