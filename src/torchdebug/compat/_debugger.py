@@ -789,9 +789,10 @@ class _ActivationCapture:
                 continue
 
             def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
-                if name not in self.stats and isinstance(out, torch.Tensor) and out.is_floating_point():
-                    if out.numel() > 0:
-                        self.stats[name] = activation_stats(module, out)
+                if name in self.stats or not isinstance(out, torch.Tensor):
+                    return
+                if out.is_floating_point() and out.numel() > 0:
+                    self.stats[name] = activation_stats(module, out)
 
             self.handles.append(mod.register_forward_hook(hook))
 
