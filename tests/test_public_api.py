@@ -17,10 +17,10 @@ PUBLIC = [
     "analyze_model_parameters", "analyze_tensor", "build_report", "check_gradient_anomalies",
     "check_gradient_anomalies_async", "check_gradients", "check_tensor_anomalies",
     "check_tensor_anomalies_async", "count_flops", "debug_memory_usage", "debug_performance",
-    "export_tensorboard", "foreach_norms", "inspect_model", "list_runs", "live_tensors", "locate_nonfinite",
+    "detect_model_anomalies", "export_tensorboard", "foreach_norms", "inspect_model", "list_runs", "live_tensors", "locate_nonfinite",
     "measure_module_memory", "monitor_resources", "nonfinite_count", "oom_report", "open_run", "profile",
     "profile_memory", "profile_model_performance", "render_report", "run_step_with_oom_retry", "serve",
-    "total_norm", "watch",
+    "total_norm", "validate_model_input", "watch",
 ]  # fmt: skip
 
 

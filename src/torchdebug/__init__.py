@@ -41,6 +41,8 @@ from .compat import (
     check_gradient_anomalies_async,
     check_tensor_anomalies,
     check_tensor_anomalies_async,
+    detect_model_anomalies,
+    validate_model_input,
 )
 from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
 from .gradients import (
@@ -77,7 +79,7 @@ from .store import list_runs, open_run
 
 
 def serve(target: Any, host: str = "127.0.0.1", port: int = 6007, token: str | None = None) -> Any:
-    """Start the dashboard for a live ``Monitor`` or a run folder in a background thread.
+    """Start the dashboard for a live ``Monitor``, a ``TrainingDebugger`` or a run folder in a background thread.
 
     Needs ``pip install 'torchdebug[dashboard]'``. Returns a handle with ``.url`` and ``.stop()``.
     See :func:`torchdebug.server.serve` for the details.
@@ -144,6 +146,7 @@ __all__ = [
     "count_flops",
     "debug_memory_usage",
     "debug_performance",
+    "detect_model_anomalies",
     "export_tensorboard",
     "foreach_norms",
     "inspect_model",
@@ -162,5 +165,6 @@ __all__ = [
     "run_step_with_oom_retry",
     "serve",
     "total_norm",
+    "validate_model_input",
     "watch",
 ]

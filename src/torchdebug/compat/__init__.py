@@ -27,6 +27,7 @@ from ._checks import (
 )
 from ._common import ANOMALY_MODES, DebugInfo, TensorInfo
 from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, debug_context, debug_operation
+from ._inputs import detect_model_anomalies, prediction_problems, validate_model_input
 from ._seedconfig import PyTorchDebugConfig
 from ._training import GradientDebugger, ModelDebugger, PyTorchDebugManager, TrainingDebugger, step_numbers
 
@@ -48,5 +49,8 @@ __all__ = [
     "check_tensor_anomalies_async",
     "debug_context",
     "debug_operation",
+    "detect_model_anomalies",
+    "prediction_problems",
     "step_numbers",
+    "validate_model_input",
 ]

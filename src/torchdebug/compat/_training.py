@@ -42,6 +42,7 @@ from ._debugger import (
     log,
     tracing_active,
 )
+from ._inputs import prediction_problems
 
 
 @dataclass
@@ -542,8 +543,10 @@ class PyTorchDebugManager:
 
         Returns:
             ``{"output", "execution_time" (s), "cpu_memory", "gpu_memory" (bytes), "anomaly_detected",
-            "anomaly"}``; on a NaN/Inf the forward is replayed under the tracer to name its origin,
-            then recorded, warned or raised per the config.
+            "anomaly", "prediction_problems"}``; on a NaN/Inf the forward is replayed under the tracer
+            to name its origin, then recorded, warned or raised per the config.
+            ``prediction_problems`` lists constant or uniform predictions and one class always
+            predicted (``prediction_problems``; each also a warning-level event on the record).
 
         Raises:
             NonFiniteError: mode "raise" and the input or output holds a NaN/Inf.
@@ -551,8 +554,13 @@ class PyTorchDebugManager:
         with self.debugger.debug_context("inference", type(model).__name__, model=model) as info:
             t0 = time.perf_counter()
             output = self.debugger._checked_forward(model, input_data, info, grad=False)
-            sample = memory_sample()
             elapsed = time.perf_counter() - t0
+            sample = memory_sample()
+            problems = prediction_problems(output) if info.anomaly is None else []
+            for text in problems:
+                kind = "one_class_predictions" if text.startswith("one class") else "constant_predictions"
+                info.events.append(RuleEvent(kind, None, text, "warning"))
+                log.warning("%s", text)
         return {
             "output": output,
             "execution_time": elapsed,
@@ -560,6 +568,7 @@ class PyTorchDebugManager:
             "gpu_memory": sample.get("cuda_allocated", 0),
             "anomaly_detected": info.anomaly_detected,
             "anomaly": info.anomaly,
+            "prediction_problems": problems,
         }
 
     def create_comprehensive_report(self) -> dict[str, Any]:
