@@ -219,6 +219,7 @@ INSTRUMENTS_BY_SWITCH: dict[str, str] = {
     "debug_forward_pass": "activations",
     "per_module_memory": "module_memory",
     "per_module_time": "module_time",
+    "debug_device_placement": "device_placement",
 }
 
 
@@ -299,8 +300,10 @@ class DebugConfig:
     instruments away again. A gradient instrument (gradients, gradient_details) always brings nonfinite along:
     a NaN/Inf gradient never passes silently while gradients are watched. Each switch records on
     its own: activations and gradient_details run as instruments of their own when gradients is
-    off. debug_device_placement, debug_validation, debug_early_stopping and
-    debug_lr_scheduling are accepted for the seed-era facades and start no instrument.
+    off. debug_device_placement -> device_placement (devices of
+    parameters, buffers and the first inputs, CUDA name/capability/memory; a mix is a warning).
+    debug_validation, debug_early_stopping and debug_lr_scheduling are accepted for the seed-era
+    facades and start no instrument.
 
     Options (defaults in brackets):
 
