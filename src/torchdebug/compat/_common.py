@@ -203,6 +203,13 @@ class DebugInfo:
     # "gradients" {parameter: L2 norm}, "weights" {parameter: L2 norm}
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    @property
+    def gradient_anomalies(self) -> list[str]:
+        """Seed 004's list: a NaN/Inf gradient (the anomaly's summary) and gradient rule events, as text."""
+        out = [self.anomaly.summary()] if self.anomaly is not None and self.anomaly.phase != "forward" else []
+        out += [str(e) for e in self.events if e.kind in ("gradient_explosion", "vanishing_gradient")]
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (timestamp as ISO text, enums as strings, NaN/Inf as text)."""
         d = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -18,7 +18,8 @@ from torch import nn
 
 from .._config import DebugLevel, DebugMode
 from .._errors import NonFiniteError
-from ..events import Anomaly, plain
+from .._trees import tensor_leaves
+from ..events import Anomaly, Phase, plain
 from ..gradients import GradientReport, analyze_model_parameters, check_gradients
 from ..inspection import call_model
 from ..instruments._robust import RunningMedian
@@ -230,6 +231,28 @@ class PyTorchDebugger:
     def anomaly_detection_active(self) -> bool:
         """True when ``debug_context`` blocks are traced op by op (seed 001's flag)."""
         return bool(self.config.enable_anomaly_detection or self.config.enable_autograd_anomaly)
+
+    @property
+    def gradient_checking_active(self) -> bool:
+        """True when the config runs gradient checks (``"gradients"`` in ``config.instruments()``)."""
+        return "gradients" in self.config.instruments()
+
+    @property
+    def memory_profiling_active(self) -> bool:
+        """True when the config runs memory profiling (``"memory"`` in ``config.instruments()``)."""
+        return "memory" in self.config.instruments()
+
+    @property
+    def performance_profiling_active(self) -> bool:
+        """True when the config runs step timing (``"timing"`` in ``config.instruments()``)."""
+        return "timing" in self.config.instruments()
+
+    @property
+    def debug_metrics(self) -> list[DebugInfo]:
+        """Seed 004's per-operation metrics: the ``DebugInfo`` records of ``debug_history``, oldest first
+        (``.mode``, ``.execution_time`` in s, ``.memory_usage``/``.gpu_memory`` in bytes,
+        ``.gradient_anomalies``)."""
+        return list(self.debug_history)
 
     def set_level(self, level: DebugLevel | str) -> DebugLevel:
         """Change the debug level (seed 002's ``POST /debug/level``)."""
@@ -461,10 +484,16 @@ class PyTorchDebugger:
     def _checked_forward(self, model: nn.Module, input_data: Any, info: DebugInfo, *, grad: bool) -> Any:
         """Forward with one fused NaN/Inf count of input and output; on a hit, replay under the tracer."""
         rng = rng_state(any(p.is_cuda for p in model.parameters()))
+        if tracing_active():
+            # the enclosing trace checks every op and reports what is born inside the block; a NaN/Inf
+            # that arrives in the input was born outside it, so it is checked here, before the forward
+            bad_input = _input_nonfinite(input_data)
+            if bad_input is not None:
+                self._report(info, _input_anomaly(model, bad_input))
+            with torch.set_grad_enabled(grad):
+                return call_model(model, input_data)
         with torch.set_grad_enabled(grad):
             output = call_model(model, input_data)
-        if tracing_active():
-            return output  # the enclosing trace checks every op and reports
         flags = [f for f in (nonfinite_flag(input_data), nonfinite_flag(output)) if f is not None]
         if flags and int(torch.stack([f.to(flags[0].device) for f in flags]).sum()) > 0:  # the one transfer
 
@@ -531,6 +560,61 @@ class PyTorchDebugger:
                     info.anomaly_detected = True
                     log.warning("%s", event)
         return norm
+
+    def debug_optimization_step(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, **kwargs: Any
+    ) -> float:
+        """Seed 001's optimizer step in a ``debug_context``: check the gradients, step, return the parameter norm.
+
+        The gradients are checked as they are when the update starts (after any clipping or
+        unscaling the caller did): a NaN/Inf gradient skips the update (the weights stay finite) and is
+        recorded, warned or raised per the config. Returns the total L2 norm of the trainable
+        parameters after the update (``kwargs``: ``epoch``, ``batch``).
+
+        Raises:
+            NonFiniteError: mode "raise" and a gradient, or a parameter after the update, is NaN/Inf.
+
+        Cost: two host transfers (the gradient check before the update, the norm after it).
+        """
+        with self.debug_context("optimization_step", type(model).__name__, model=model, **kwargs) as info:
+            names, params = _trainable(model)
+            idx, norms = grad_norms(params)
+            per = (
+                norms.tolist() if norms is not None else []
+            )  # transfer 1: the gradients as the update sees them
+            bad = [names[idx[j]] for j, v in enumerate(per) if not math.isfinite(v)]
+            if bad:
+                kind = "nan" if any(math.isnan(v) for v in per) else "inf"
+                self._report(
+                    info,
+                    symptom_anomaly(
+                        model,
+                        loss_bad=False,
+                        bad_params=bad,
+                        kind=kind,
+                        where="the gradients entering the update (update skipped)",
+                    ),
+                )
+            else:
+                optimizer.step()
+            with torch.no_grad():
+                pn = foreach_norms([p.detach() for p in params]) if params else torch.zeros(1)
+                host = pn.tolist()  # transfer 2: the parameters after the update
+            total = math.sqrt(sum(v * v for v in host)) if all(math.isfinite(v) for v in host) else math.nan
+            info.details["param_norm"] = {"total": total}
+            nonfinite = [n for n, v in zip(names, host) if not math.isfinite(v)]
+            if nonfinite and not bad:
+                self._report(
+                    info,
+                    symptom_anomaly(
+                        model,
+                        loss_bad=False,
+                        bad_params=nonfinite,
+                        kind="nan",
+                        where="the parameters after the update",
+                    ),
+                )
+        return total
 
     # -- memory and time --------------------------------------------------------------------------------
     def debug_memory_usage(self, **kwargs: Any) -> tuple[int, int]:
@@ -776,6 +860,34 @@ def debug_context(
         yield debugger
 
 
+def _input_nonfinite(data: Any) -> str | None:
+    """``"nan"`` / ``"inf"`` when a floating tensor in ``data`` holds one (NaN first), else None; one transfer."""
+    ts = [t for t in tensor_leaves(data) if t.is_floating_point() or t.is_complex()]
+    if not ts:
+        return None
+    dev = ts[0].device
+    with torch.no_grad():
+        flags = torch.stack(
+            [torch.stack([torch.isnan(t).any(), (~torch.isfinite(t)).any()]).to(dev) for t in ts]
+        ).any(0)
+        nan, bad = flags.tolist()  # one transfer
+    return "nan" if nan else ("inf" if bad else None)
+
+
+def _input_anomaly(model: nn.Module, kind: str) -> Anomaly:
+    return Anomaly(
+        phase=Phase.INPUT.value,
+        module="",
+        op=None,
+        location=None,
+        kind=kind,
+        module_type=type(model).__name__,
+        symptom="non-finite value in the model input",
+        detected_by="sentinel (no replay)",
+        hint="the data arrived non-finite: check the data pipeline (td.validate_model_input names the index)",
+    )
+
+
 class _ActivationCapture:
     """Activation statistics of each leaf module's first output in one forward (device tensors until read)."""
 
@@ -829,7 +941,10 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def debug_operation(
-    debug_mode: DebugMode | str = DebugMode.ANOMALY_DETECTION, debugger: PyTorchDebugger | None = None
+    debug_mode: DebugMode | str = DebugMode.ANOMALY_DETECTION,
+    debugger: PyTorchDebugger | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> Any:
     """Seed 004's decorator: run each call of the function inside ``debugger.debug_context(<name>)``.
 
@@ -838,6 +953,9 @@ def debug_operation(
             ``ANOMALY_DETECTION``/``FULL_DEBUG`` trace each call op by op (costly: see
             ``AutogradAnomalyDetector``).
         debugger: an existing debugger whose history receives the records.
+        model: the model whose modules and parameters an origin is named after; without it, the
+            first ``nn.Module`` among the call's positional arguments is used (``training_step(model,
+            ...)`` as in the seed), else origins name only the op and line.
 
     The wrapped function has ``.debugger`` set to the debugger used.
 
@@ -853,7 +971,8 @@ def debug_operation(
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            with dbg.debug_context(getattr(fn, "__name__", "operation")):
+            named = model if model is not None else next((a for a in args if isinstance(a, nn.Module)), None)
+            with dbg.debug_context(getattr(fn, "__name__", "operation"), model=named):
                 return fn(*args, **kwargs)
 
         call.debugger = dbg  # type: ignore[attr-defined]
