@@ -179,8 +179,7 @@ class PyTorchDebugger:
         norm = dbg.debug_backward_pass(loss_fn(out, y), model)
         print(dbg.create_debug_report()["gradient_analysis"])
 
-    Known limitations: memory numbers are bytes and times seconds (the seeds printed MB); there is
-    no ``optimize_model`` (seed 004's AMP/compile helpers are out of torchdebug's scope).
+    Known limitations: memory numbers are bytes and times seconds (the seeds printed MB).
     """
 
     def __init__(
@@ -217,6 +216,7 @@ class PyTorchDebugger:
         self._explosion = self._new_explosion_rule()
         self._leaks: Any = None
         self._profiles = 0
+        self.optimization_metrics: list[Any] = []  # OptimizationMetrics, one per optimize_model call
 
     # -- configuration -------------------------------------------------------------------------------
     @property
@@ -616,6 +616,23 @@ class PyTorchDebugger:
                 )
         return total
 
+    def optimize_model(self, model: nn.Module, optimization_mode: Any = "full_optimization") -> nn.Module:
+        """Seed 004's ``optimize_model``: apply an ``OptimizationMode`` and return the model to call.
+
+        AMP wraps the model in ``torch.autocast`` (bf16 on CPU; float outputs come back float32),
+        COMPILATION returns ``torch.compile(model)``, MEMORY_EFFICIENT checkpoints repeated blocks in
+        place (and channels_last for conv nets), FULL_OPTIMIZATION all three; NONE returns ``model``.
+        The record (``OptimizationMetrics``: mode, seconds to apply, what was applied) is appended to
+        ``optimization_metrics``; its ``speedup_factor`` stays None here: measure it with
+        ``td.compare_modes`` or ``PyTorchOptimizer.optimize_training_loop``.
+
+        Raises:
+            ValueError: unknown mode (lists the allowed ones).
+        """
+        from ._optimize import optimize_model_in_place
+
+        return optimize_model_in_place(model, optimization_mode, self.optimization_metrics)
+
     # -- memory and time --------------------------------------------------------------------------------
     def debug_memory_usage(self, **kwargs: Any) -> tuple[int, int]:
         """Seed 001's ``(cpu_memory, gpu_memory)``: process RSS and CUDA allocated bytes (0 without CUDA)."""
@@ -731,6 +748,7 @@ class PyTorchDebugger:
             "avg_memory_usage": _mean([float(i.memory_usage) for i in hist]),
             "level": self.config.level.value,
             "mode": self.config.mode.value,
+            "total_optimizations": len(self.optimization_metrics),
         }
 
     def create_debug_report(self) -> dict[str, Any]:
@@ -835,6 +853,7 @@ class PyTorchDebugger:
         self._explosion = self._new_explosion_rule()
         self._leaks = None
         self._profiles = 0
+        self.optimization_metrics.clear()
 
 
 @contextlib.contextmanager
