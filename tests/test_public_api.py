@@ -8,12 +8,12 @@ import sys
 import torchdebug as td
 
 PUBLIC = [
-    "Anomaly", "AutogradAnomalyDetector", "ConfigError", "DebugConfig", "DebugInfo", "DebugLevel",
-    "DebugMode", "FlopReport", "GradientDebugger", "GradientFlow", "GradientReport", "InstrumentError",
+    "Anomaly", "AsyncTrainingLogger", "AutogradAnomalyDetector", "ConfigError", "DebugConfig", "DebugInfo", "DebugLevel",
+    "DebugMode", "DiffusionModelDebugger", "FlopReport", "GradientDebugger", "GradientFlow", "GradientReport", "InstrumentError",
     "ModeComparison", "ModeResult", "ModelDebugger", "ModelSummary", "ModuleFrame", "ModuleMemoryTable", "Monitor", "NonFiniteError",
     "OomReport", "OptimizationMode", "Phase", "ProfileSummary", "PyTorchDebugConfig", "PyTorchDebugManager", "PyTorchDebugger",
     "PyTorchMemoryDebugger", "PyTorchOptimizer", "RuleEvent", "RunStoreError", "SchemaVersionError", "StepRecord", "TensorStats",
-    "TorchDebugError", "TorchDebugWarning", "TrainingDebugger", "__version__", "analyze_gradient_flow",
+    "TorchDebugError", "TorchDebugWarning", "TrainingDebugger", "TrainingPhase", "__version__", "analyze_gradient_flow",
     "analyze_model_parameters", "analyze_tensor", "build_report", "check_gradient_anomalies",
     "check_gradient_anomalies_async", "check_gradients", "check_tensor_anomalies",
     "check_tensor_anomalies_async", "compare_modes", "count_flops", "debug_memory_usage", "debug_performance",

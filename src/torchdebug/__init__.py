@@ -29,8 +29,10 @@ from ._errors import (
 )
 from ._version import __version__
 from .compat import (
+    AsyncTrainingLogger,
     AutogradAnomalyDetector,
     DebugInfo,
+    DiffusionModelDebugger,
     GradientDebugger,
     ModelDebugger,
     OptimizationMode,
@@ -39,6 +41,7 @@ from .compat import (
     PyTorchDebugManager,
     PyTorchOptimizer,
     TrainingDebugger,
+    TrainingPhase,
     check_gradient_anomalies,
     check_gradient_anomalies_async,
     check_tensor_anomalies,
@@ -104,12 +107,14 @@ def export_tensorboard(run: Any, logdir: Any) -> Any:
 
 __all__ = [
     "Anomaly",
+    "AsyncTrainingLogger",
     "AutogradAnomalyDetector",
     "ConfigError",
     "DebugConfig",
     "DebugInfo",
     "DebugLevel",
     "DebugMode",
+    "DiffusionModelDebugger",
     "FlopReport",
     "GradientDebugger",
     "GradientFlow",
@@ -140,6 +145,7 @@ __all__ = [
     "TorchDebugError",
     "TorchDebugWarning",
     "TrainingDebugger",
+    "TrainingPhase",
     "__version__",
     "analyze_gradient_flow",
     "analyze_model_parameters",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..memory import PyTorchMemoryDebugger
 from ..optimize import OptimizationMode
+from ._async import AsyncTrainingLogger, TrainingPhase
 from ._checks import (
     check_gradient_anomalies,
     check_gradient_anomalies_async,
@@ -28,6 +29,7 @@ from ._checks import (
 )
 from ._common import ANOMALY_MODES, DebugInfo, TensorInfo
 from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, debug_context, debug_operation
+from ._diffusion import DiffusionModelDebugger
 from ._inputs import detect_model_anomalies, prediction_problems, validate_model_input
 from ._optimize import OptimizationMetrics, PyTorchOptimizer, optimize_model
 from ._runtime import disable_debugging, enable_debugging, get_debugging_status
@@ -36,8 +38,10 @@ from ._training import GradientDebugger, ModelDebugger, PyTorchDebugManager, Tra
 
 __all__ = [
     "ANOMALY_MODES",
+    "AsyncTrainingLogger",
     "AutogradAnomalyDetector",
     "DebugInfo",
+    "DiffusionModelDebugger",
     "GradientDebugger",
     "ModelDebugger",
     "OptimizationMetrics",
@@ -49,6 +53,7 @@ __all__ = [
     "PyTorchOptimizer",
     "TensorInfo",
     "TrainingDebugger",
+    "TrainingPhase",
     "check_gradient_anomalies",
     "check_gradient_anomalies_async",
     "check_tensor_anomalies",

@@ -34,6 +34,10 @@ class TrainingDebuggerSession:
         # list() of a deque is one C call under the GIL: a step appending meanwhile cannot break it
         return [e for info in list(self.debugger.debug_history) for e in list(info.events)]
 
+    @property
+    def diffusion_debugger(self) -> Any:
+        return getattr(self.debugger, "diffusion_debugger", None)
+
     def training_summary(self) -> dict[str, Any]:
         return dict(self.debugger.get_training_summary())
 

@@ -133,6 +133,8 @@ class TrainingDebugger(PyTorchDebugger):
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
+        # a DiffusionModelDebugger attached here is counted in td.serve()'s diffusion_debugger block
+        self.diffusion_debugger: Any = None
         self._reset_rules()
 
     def _reset_rules(self) -> None:

@@ -394,7 +394,9 @@ def create_app(
     ) -> Response:
         """Seed shape: training_debugger / diffusion_debugger / general_debugger counts.
 
-        torchdebug has no diffusion debugger: that block is all zeros, kept for the response shape.
+        ``diffusion_debugger`` counts the live session's ``diffusion_debugger`` attribute (a
+        ``DiffusionModelDebugger`` attached to the served ``TrainingDebugger`` or ``Monitor``); zeros
+        without one, and for stored runs.
         """
         # one source per response: the live session's own counts, or the stored run's (never a mix:
         # the store lags the live session by its unflushed batch)
@@ -405,6 +407,7 @@ def create_app(
             with opened(seed_run_id(run)) as r:
                 ts = training_summary_from_run(r)
                 anomalies, events = len(r.anomalies()), len(r.events())
+        diff = getattr(monitor, "diffusion_debugger", None) if monitor is not None and run is None else None
         payload = {
             "training_debugger": {
                 "total_anomalies": ts["anomaly_steps"],
@@ -413,7 +416,10 @@ def create_app(
                 "anomaly_rate": ts["anomaly_rate"],
                 "gradient_explosion_rate": ts["gradient_explosion_rate"],
             },
-            "diffusion_debugger": {"total_anomalies": 0, "debug_history_length": 0},
+            "diffusion_debugger": {
+                "total_anomalies": 0 if diff is None else int(diff.diffusion_anomalies),
+                "debug_history_length": 0 if diff is None else len(list(diff.diffusion_history)),
+            },
             "general_debugger": {"total_anomalies": anomalies, "debug_history_length": events},
         }
         return _json(json_safe(payload))
