@@ -8,19 +8,19 @@ import sys
 import torchdebug as td
 
 PUBLIC = [
-    "Anomaly", "AutogradAnomalyDetector", "ConfigError", "DebugConfig", "DebugInfo", "DebugLevel",
-    "DebugMode", "FlopReport", "GradientDebugger", "GradientFlow", "GradientReport", "InstrumentError",
-    "ModelDebugger", "ModelSummary", "ModuleFrame", "ModuleMemoryTable", "Monitor", "NonFiniteError",
-    "OomReport", "Phase", "ProfileSummary", "PyTorchDebugConfig", "PyTorchDebugManager", "PyTorchDebugger",
-    "PyTorchMemoryDebugger", "RuleEvent", "RunStoreError", "SchemaVersionError", "StepRecord", "TensorStats",
-    "TorchDebugError", "TorchDebugWarning", "TrainingDebugger", "__version__", "analyze_gradient_flow",
+    "Anomaly", "AsyncTrainingLogger", "AutogradAnomalyDetector", "ConfigError", "DebugConfig", "DebugInfo", "DebugLevel",
+    "DebugMode", "DiffusionModelDebugger", "FlopReport", "GradientDebugger", "GradientFlow", "GradientReport", "InstrumentError",
+    "ModeComparison", "ModeResult", "ModelDebugger", "ModelSummary", "ModuleFrame", "ModuleMemoryTable", "Monitor", "NonFiniteError",
+    "OomReport", "OptimizationMode", "Phase", "ProfileSummary", "PyTorchDebugConfig", "PyTorchDebugManager", "PyTorchDebugger",
+    "PyTorchMemoryDebugger", "PyTorchOptimizer", "RuleEvent", "RunStoreError", "SchemaVersionError", "StepRecord", "TensorStats",
+    "TorchDebugError", "TorchDebugWarning", "TrainingDebugger", "TrainingPhase", "__version__", "analyze_gradient_flow",
     "analyze_model_parameters", "analyze_tensor", "build_report", "check_gradient_anomalies",
     "check_gradient_anomalies_async", "check_gradients", "check_tensor_anomalies",
-    "check_tensor_anomalies_async", "count_flops", "debug_memory_usage", "debug_performance",
-    "export_tensorboard", "foreach_norms", "inspect_model", "list_runs", "live_tensors", "locate_nonfinite",
+    "check_tensor_anomalies_async", "compare_modes", "count_flops", "debug_memory_usage", "debug_performance",
+    "detect_model_anomalies", "export_tensorboard", "foreach_norms", "inspect_model", "list_runs", "live_tensors", "locate_nonfinite",
     "measure_module_memory", "monitor_resources", "nonfinite_count", "oom_report", "open_run", "profile",
     "profile_memory", "profile_model_performance", "render_report", "run_step_with_oom_retry", "serve",
-    "total_norm", "watch",
+    "total_norm", "validate_model_input", "watch",
 ]  # fmt: skip
 
 

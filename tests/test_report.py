@@ -92,14 +92,14 @@ def test_build_report_numbers_worked_by_hand(run: Any) -> None:
     assert grad["average_gradient_norm"] == 76 / 7
     assert grad["max_gradient_norm"] == 64.0
     assert grad["nonfinite_gradient_steps"] == 1
-    assert grad["gradient_anomalies"] == 2  # exploding_gradients, nonfinite_gradients (not loss_spike)
+    assert grad["gradient_anomalies"] == 2  # gradient_explosion, nonfinite_gradients (not loss_spike)
     ops = rep["operation_breakdown"]
     # 8 steps total 0.72 s: data and forward 1/4 each, backward 3/8, optimizer and other 1/16 each
     assert ops["time_by_phase"] == pytest.approx(
         {"data": 0.18, "forward": 0.18, "backward": 0.27, "optimizer": 0.045, "other": 0.045}, rel=1e-12
     )
     assert ops["events_by_kind"] == {
-        "exploding_gradients": 1,
+        "gradient_explosion": 1,
         "input_bound": 1,
         "loss_spike": 1,
         "memory_leak": 1,

@@ -154,7 +154,7 @@ def test_anomalies_events_report(client: Any, small_id: str, runs_dir: Path) -> 
     ev = client.get(f"/api/runs/{small_id}/events").json()["events"]
     assert [e["kind"] for e in ev] == [
         "input_bound",
-        "exploding_gradients",
+        "gradient_explosion",
         "loss_spike",
         "nonfinite_gradients",
         "memory_leak",
@@ -201,7 +201,7 @@ def test_openapi_documents_the_api(client: Any) -> None:
 
 def test_seed_endpoints_on_a_stored_run(client: Any, small_id: str) -> None:
     ts = client.get("/training-logs/debug/training/summary", params={"run": small_id}).json()
-    # 8 steps; 1 anomaly step; exploding_gradients (explosion), loss_spike (loss anomaly); rates / 8
+    # 8 steps; 1 anomaly step; gradient_explosion (explosion), loss_spike (loss anomaly); rates / 8
     assert ts == {
         "total_steps": 8,
         "anomaly_steps": 1,

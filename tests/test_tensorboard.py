@@ -83,8 +83,8 @@ def test_export_texts(exported: tuple[dict[str, int], EventAccumulator]) -> None
     assert list(an) == [6]
     assert "nan born in forward of fc2 (Linear): aten.addmm at train.py:42 (step 6)" in an[6]
     assert "**hint**: `fc1 output reached 1.5e38" in an[6]
-    assert _text(ea, "events/exploding_gradients") == {
-        5: "**warning** `exploding_gradients` [fc1]: grad norm 64 is 32x its running median"
+    assert _text(ea, "events/gradient_explosion") == {
+        5: "**warning** `gradient_explosion` [fc1]: grad norm 64 is 32x its running median"
     }
 
 

@@ -29,18 +29,25 @@ from ._errors import (
 )
 from ._version import __version__
 from .compat import (
+    AsyncTrainingLogger,
     AutogradAnomalyDetector,
     DebugInfo,
+    DiffusionModelDebugger,
     GradientDebugger,
     ModelDebugger,
+    OptimizationMode,
     PyTorchDebugConfig,
     PyTorchDebugger,
     PyTorchDebugManager,
+    PyTorchOptimizer,
     TrainingDebugger,
+    TrainingPhase,
     check_gradient_anomalies,
     check_gradient_anomalies_async,
     check_tensor_anomalies,
     check_tensor_anomalies_async,
+    detect_model_anomalies,
+    validate_model_input,
 )
 from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
 from .gradients import (
@@ -63,6 +70,7 @@ from .memory import (
     profile_memory,
 )
 from .monitor import Monitor, watch
+from .optimize import ModeComparison, ModeResult, compare_modes
 from .profiling import (
     ProfileSummary,
     debug_performance,
@@ -77,7 +85,7 @@ from .store import list_runs, open_run
 
 
 def serve(target: Any, host: str = "127.0.0.1", port: int = 6007, token: str | None = None) -> Any:
-    """Start the dashboard for a live ``Monitor`` or a run folder in a background thread.
+    """Start the dashboard for a live ``Monitor``, a ``TrainingDebugger`` or a run folder in a background thread.
 
     Needs ``pip install 'torchdebug[dashboard]'``. Returns a handle with ``.url`` and ``.stop()``.
     See :func:`torchdebug.server.serve` for the details.
@@ -99,17 +107,21 @@ def export_tensorboard(run: Any, logdir: Any) -> Any:
 
 __all__ = [
     "Anomaly",
+    "AsyncTrainingLogger",
     "AutogradAnomalyDetector",
     "ConfigError",
     "DebugConfig",
     "DebugInfo",
     "DebugLevel",
     "DebugMode",
+    "DiffusionModelDebugger",
     "FlopReport",
     "GradientDebugger",
     "GradientFlow",
     "GradientReport",
     "InstrumentError",
+    "ModeComparison",
+    "ModeResult",
     "ModelDebugger",
     "ModelSummary",
     "ModuleFrame",
@@ -117,12 +129,14 @@ __all__ = [
     "Monitor",
     "NonFiniteError",
     "OomReport",
+    "OptimizationMode",
     "Phase",
     "ProfileSummary",
     "PyTorchDebugConfig",
     "PyTorchDebugManager",
     "PyTorchDebugger",
     "PyTorchMemoryDebugger",
+    "PyTorchOptimizer",
     "RuleEvent",
     "RunStoreError",
     "SchemaVersionError",
@@ -131,6 +145,7 @@ __all__ = [
     "TorchDebugError",
     "TorchDebugWarning",
     "TrainingDebugger",
+    "TrainingPhase",
     "__version__",
     "analyze_gradient_flow",
     "analyze_model_parameters",
@@ -141,9 +156,11 @@ __all__ = [
     "check_gradients",
     "check_tensor_anomalies",
     "check_tensor_anomalies_async",
+    "compare_modes",
     "count_flops",
     "debug_memory_usage",
     "debug_performance",
+    "detect_model_anomalies",
     "export_tensorboard",
     "foreach_norms",
     "inspect_model",
@@ -162,5 +179,6 @@ __all__ = [
     "run_step_with_oom_retry",
     "serve",
     "total_norm",
+    "validate_model_input",
     "watch",
 ]

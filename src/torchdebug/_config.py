@@ -168,9 +168,36 @@ INSTRUMENTS_BY_LEVEL: dict[DebugLevel, frozenset[str]] = {
 # Instruments a mode keeps at every level: PROFILING exists to run the profiler.
 _MODE_CORE: dict[DebugMode, frozenset[str]] = {DebugMode.PROFILING: frozenset({"profiler"})}
 
+# Instruments that look at gradients: any of them brings the NaN/Inf sentinel along.
+GRADIENT_INSTRUMENTS = frozenset({"gradients", "gradient_details"})
+
+# Seed-era schedule names and the engine schedule each one is (setting either sets both).
+SEED_SCHEDULES: dict[str, str] = {
+    "gradient_checking_frequency": "detail_every",
+    "memory_profiling_frequency": "memory_every",
+}
+# What log_memory=False / log_performance=False keep from running, and the switches they contradict.
+_SILENCED: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "log_memory": (
+        frozenset({"memory", "module_memory"}),
+        ("enable_memory_profiling", "debug_memory_usage", "per_module_memory"),
+    ),
+    "log_performance": (
+        frozenset({"timing", "flops", "module_time", "profiler"}),
+        (
+            "enable_performance_profiling",
+            "debug_data_loading",
+            "enable_autograd_profiler",
+            "enable_tensorboard_profiler",
+            "flops",
+            "per_module_time",
+        ),
+    ),
+}
+
 # Explicit switches that add an instrument whatever the mode and level. Seed flags that default to
-# True (log_memory, log_performance, save_debug_info) are deliberately absent: they would switch
-# areas on in every config.
+# True (log_memory, log_performance) are deliberately absent: they would switch areas on in every
+# config; False switches areas off instead (_SILENCED).
 INSTRUMENTS_BY_SWITCH: dict[str, str] = {
     "enable_anomaly_detection": "nonfinite",
     "enable_autograd_anomaly": "nonfinite",
@@ -192,6 +219,7 @@ INSTRUMENTS_BY_SWITCH: dict[str, str] = {
     "debug_forward_pass": "activations",
     "per_module_memory": "module_memory",
     "per_module_time": "module_time",
+    "debug_device_placement": "device_placement",
 }
 
 
@@ -268,19 +296,31 @@ class DebugConfig:
     memory; enable_performance_profiling / debug_data_loading -> timing; enable_autograd_profiler /
     enable_tensorboard_profiler -> profiler; flops; activation_stats / log_activations /
     debug_forward_pass -> activations; per_module_memory -> module_memory; per_module_time ->
-    module_time. ``log_memory`` and ``log_performance`` default to True in the seeds, so they switch
-    nothing on. debug_device_placement, debug_validation, debug_early_stopping and
-    debug_lr_scheduling are accepted for the seed-era facades and start no instrument.
+    module_time; ``log_memory=False`` / ``log_performance=False`` take the memory / performance
+    instruments away again. A gradient instrument (gradients, gradient_details) always brings nonfinite along:
+    a NaN/Inf gradient never passes silently while gradients are watched. Each switch records on
+    its own: activations and gradient_details run as instruments of their own when gradients is
+    off. debug_device_placement -> device_placement (devices of
+    parameters, buffers and the first inputs, CUDA name/capability/memory; a mix is a warning).
+    debug_validation, debug_early_stopping and debug_lr_scheduling are accepted for the seed-era
+    facades and start no instrument.
 
     Options (defaults in brackets):
 
     - mode [full_debug], level [intermediate]: see above.
     - seed ``DebugConfig`` options, kept for the facades: enable_anomaly_detection,
       enable_gradient_checking, enable_memory_profiling, enable_performance_profiling [False];
-      anomaly_detection_mode "warn"|"raise" ["warn"]; gradient_checking_frequency [100],
-      memory_profiling_frequency [50], performance_profiling_frequency [10] (>= 1);
-      save_debug_info [True]; debug_output_dir ["debug_outputs"]; log_gradients, log_activations,
-      log_weights [False]; log_memory, log_performance [True].
+      anomaly_detection_mode "warn"|"raise" ["warn"]; gradient_checking_frequency [10] is
+      ``detail_every`` and memory_profiling_frequency [50] is ``memory_every`` (one schedule, two
+      names: setting either sets both; two different values raise); performance_profiling_frequency
+      [10] cannot mean anything (step timing runs every step) and any other value raises;
+      save_debug_info [False: the seed's True wrote into the working folder unasked] makes the
+      seed-era facades append each operation's ``DebugInfo`` as a JSON line to
+      ``<debug_output_dir>/debug_info.jsonl``; debug_output_dir ["debug_outputs"] (also where
+      ``create_debug_plots`` writes); log_gradients, log_activations, log_weights [False] (switches,
+      below); log_memory, log_performance [True]: False keeps the memory (memory, module_memory) /
+      performance (timing, flops, module_time, profiler) instruments from running, and contradicts a
+      switch that turns one of them on (ConfigError).
     - seed engine flags, all [False]: enable_autograd_anomaly, enable_autograd_profiler,
       enable_tensorboard_profiler, debug_memory_usage, debug_gradient_norms, debug_forward_pass,
       debug_backward_pass, debug_device_placement, debug_mixed_precision, debug_data_loading,
@@ -325,10 +365,10 @@ class DebugConfig:
     enable_memory_profiling: bool = False
     enable_performance_profiling: bool = False
     anomaly_detection_mode: AnomalyMode = "warn"
-    gradient_checking_frequency: int = _opt(100, ge=1)
+    gradient_checking_frequency: int = _opt(10, ge=1)
     memory_profiling_frequency: int = _opt(50, ge=1)
     performance_profiling_frequency: int = _opt(10, ge=1)
-    save_debug_info: bool = True
+    save_debug_info: bool = False
     debug_output_dir: str = "debug_outputs"
     log_gradients: bool = False
     log_activations: bool = False
@@ -412,18 +452,48 @@ class DebugConfig:
             object.__setattr__(self, name, value)  # inside __init__: __post_init__ checks relations
             return
         previous = self.__dict__[name]
+        partner = _SCHEDULE_PARTNER.get(name)
+        partner_before = self.__dict__[partner] if partner else None
         object.__setattr__(self, name, value)
+        if partner:
+            object.__setattr__(self, partner, value)  # one schedule, two names
         try:
             self._check_relations()
         except ConfigError:
             object.__setattr__(self, name, previous)  # a failed assignment leaves the config as it was
+            if partner:
+                object.__setattr__(self, partner, partner_before)
             raise
 
     def __post_init__(self) -> None:
+        for seed, engine in SEED_SCHEDULES.items():
+            a, b = getattr(self, seed), getattr(self, engine)
+            if a != b and a != _DEFAULTS[seed] and b != _DEFAULTS[engine]:
+                raise ConfigError(
+                    f"{seed}={a} and {engine}={b} name the same schedule ({seed} is the seed-era name "
+                    f"of {engine}); set one of them"
+                )
+            value = a if a != _DEFAULTS[seed] else b
+            object.__setattr__(self, seed, value)
+            object.__setattr__(self, engine, value)
         self._check_relations()
         self._ready = True
 
     def _check_relations(self) -> None:
+        if self.performance_profiling_frequency != _DEFAULTS["performance_profiling_frequency"]:
+            raise ConfigError(
+                f"performance_profiling_frequency={self.performance_profiling_frequency} cannot mean anything "
+                "in torchdebug: step timing runs on every step (a few clock reads, no schedule to thin); "
+                "per-module timing (per_module_time) measures steps 1..3 and the profiler has its own "
+                "schedule. Leave the option out"
+            )
+        for flag, (_, switches) in _SILENCED.items():
+            on = [sw for sw in switches if getattr(self, sw)]
+            if not getattr(self, flag) and on:
+                raise ConfigError(
+                    f"{flag}=False contradicts {', '.join(f'{sw}=True' for sw in on)}: {flag}=False keeps "
+                    f"those instruments from running; drop one of the two"
+                )
         if self.update_ratio_min >= self.update_ratio_max:
             raise ConfigError(
                 f"update_ratio_min ({self.update_ratio_min}) must be below update_ratio_max "
@@ -433,18 +503,27 @@ class DebugConfig:
 
     def __repr__(self) -> str:
         # only what differs from the defaults, enums as their strings: eval-able and short
-        changed = [f"{name}={value!r}" for name, value in self.to_dict().items() if value != _DEFAULTS[name]]
+        changed = [
+            f"{name}={value!r}"
+            for name, value in self.to_dict().items()
+            if value != _DEFAULTS[name] and name not in SEED_SCHEDULES  # aliases follow their engine name
+        ]
         return f"DebugConfig({', '.join(changed)})"
 
     def instruments(self) -> frozenset[str]:
         """Names of the instruments this config runs: the mode/level table plus explicit switches.
 
         Example:
-            >>> sorted(DebugConfig(mode="anomaly_detection", log_gradients=True).instruments())
+            >>> sorted(DebugConfig(mode="none", log_gradients=True).instruments())
             ['gradients', 'nonfinite']
         """
         names = set(_instruments(self.mode, self.level))
         names.update(name for switch, name in INSTRUMENTS_BY_SWITCH.items() if getattr(self, switch))
+        for flag, (silenced, _) in _SILENCED.items():
+            if not getattr(self, flag):
+                names -= silenced
+        if names & GRADIENT_INSTRUMENTS:
+            names.add("nonfinite")  # a NaN/Inf gradient never passes silently while gradients are watched
         return frozenset(names)
 
     def to_dict(self) -> dict[str, Any]:
@@ -736,6 +815,7 @@ _DEFAULTS: dict[str, Any] = {
     f.name: f.default.value if isinstance(f.default, enum.Enum) else f.default
     for f in dataclasses.fields(DebugConfig)
 }
+_SCHEDULE_PARTNER: dict[str, str] = {**SEED_SCHEDULES, **{v: k for k, v in SEED_SCHEDULES.items()}}
 
 
 def _unknown_message(key: str, *, env: bool = False) -> str:

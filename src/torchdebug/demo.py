@@ -180,6 +180,13 @@ def run_demo(
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the torchdebug command line."""
     p = subparsers.add_parser("demo", help="train a small GPT until a bad batch makes a NaN, and explain it")
+    p.add_argument(
+        "scenario",
+        nargs="?",
+        default=None,
+        choices=["autograd", "gradient", "memory", "training", "comprehensive"],
+        help="a quick-start scenario (default: this GPT demo, also called 'autograd')",
+    )
     from .cli import int_in_range
 
     p.add_argument("--steps", type=int_in_range(1), default=300, help="training steps (default 300)")
@@ -200,4 +207,8 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     bad = None if args.bad_step is None or args.bad_step < 0 else args.bad_step
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    if getattr(args, "scenario", None) not in (None, "autograd"):
+        from .demos import run_scenario
+
+        return run_scenario(args.scenario, run_dir=args.runs, seed=args.seed)
     return run_demo(steps=args.steps, bad_step=bad, policy=args.policy, run_dir=args.runs, seed=args.seed)

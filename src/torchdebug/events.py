@@ -267,16 +267,31 @@ class StepRecord:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+# The rule-event kinds the seed-era summaries count, exactly as the engine's rules emit them
+# (instruments/health.py: ExplosionRule, VanishingRule, LossSpikeRule, LossPlateauRule). A test drives
+# each rule with a real model and checks its kind is one of these, so the two cannot drift apart.
+GRADIENT_EXPLOSION = "gradient_explosion"
+VANISHING_GRADIENT = "vanishing_gradient"
+LOSS_SPIKE = "loss_spike"
+LOSS_PLATEAU = "loss_plateau"
+LOSS_KINDS = frozenset({LOSS_SPIKE, LOSS_PLATEAU})
+
+
 def rule_counts(kinds: Iterable[str]) -> tuple[int, int, int]:
     """(gradient explosions, gradient vanishing, loss anomalies) among rule-event kinds.
 
-    Kinds mentioning "explod" / "vanish", or starting with "loss" (spike, plateau), count.
+    Counts the exact kinds the rules emit: ``gradient_explosion``, ``vanishing_gradient``, and
+    ``loss_spike`` + ``loss_plateau``; any other kind counts nowhere.
+
+    Example:
+        >>> rule_counts(["gradient_explosion", "loss_spike", "memory_leak"])
+        (1, 0, 1)
     """
     kinds = list(kinds)
     return (
-        sum("explod" in k for k in kinds),
-        sum("vanish" in k for k in kinds),
-        sum(k.startswith("loss") for k in kinds),
+        sum(k == GRADIENT_EXPLOSION for k in kinds),
+        sum(k == VANISHING_GRADIENT for k in kinds),
+        sum(k in LOSS_KINDS for k in kinds),
     )
 
 

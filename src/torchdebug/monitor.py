@@ -45,6 +45,10 @@ _MAX_EVENTS = 10_000
 # instrument name -> (module, class); each class is constructed with no arguments
 _INSTRUMENTS: dict[str, tuple[str, str]] = {
     "gradients": ("torchdebug.instruments.health", "GradientHealth"),
+    # alone (no "gradients"): GradientHealth records these itself when it runs, see _wanted()
+    "activations": ("torchdebug.instruments.standalone", "ActivationInstrument"),
+    "gradient_details": ("torchdebug.instruments.standalone", "WeightInstrument"),
+    "device_placement": ("torchdebug.instruments.placement", "DevicePlacementInstrument"),
     "memory": ("torchdebug.instruments.memory", "MemoryInstrument"),
     "module_memory": ("torchdebug.instruments.memory", "ModuleMemoryInstrument"),
     "timing": ("torchdebug.instruments.timing", "TimingInstrument"),
@@ -266,6 +270,7 @@ class Monitor:
         self._adopted: set[int] = set()
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
         self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
+        self._pending_changes: dict[str, Any] = {}  # reconfigure() from any thread, applied in step()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -309,12 +314,15 @@ class Monitor:
             self.instruments.append(self._coord)
 
     def _wanted(self) -> set[str]:
-        return set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
+        wanted = set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
+        if "gradients" in wanted:
+            wanted -= {"activations", "gradient_details"}  # GradientHealth records them (one set of hooks)
+        return wanted
 
     def _build_instrument(self, name: str) -> None:
         spec = _INSTRUMENTS.get(name)
         if spec is None:
-            return  # handled inside another instrument (gradient_details, activations) or by the monitor
+            return  # handled by the monitor (nonfinite)
         try:
             cls = getattr(importlib.import_module(spec[0]), spec[1])
         except (ImportError, AttributeError):
@@ -329,9 +337,9 @@ class Monitor:
         self.instruments.append(inst)
         self._call(inst, "install")
 
-    def _apply_level(self, level: DebugLevel) -> None:
-        """Switch the instruments to a new level (on the training thread, between steps)."""
-        self.config = self.config.replace(level=level)
+    def _apply_level(self, level: DebugLevel, **changes: Any) -> None:
+        """Switch the instruments to a new level and options (on the training thread, between steps)."""
+        self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
         self._sentinel = "nonfinite" in self._enabled
         ours = {spec[1] for spec in _INSTRUMENTS.values()}
@@ -504,6 +512,45 @@ class Monitor:
                 {"level": lv.value},
             )
         return lv
+
+    def reconfigure(self, **changes: Any) -> DebugConfig:
+        """Change options of the live session; instruments follow at the end of the next step.
+
+        Validated now (``ConfigError`` naming the option), applied on the training thread inside
+        ``mon.step()`` like ``set_level``, and recorded as a ``config_change`` event. Returns the
+        config the session will run with. Runtime switches of the seed-era names:
+        ``enable_debugging`` / ``disable_debugging`` / ``get_debugging_status``.
+        """
+        new = self.config.replace(**{**self._pending_changes, **changes})
+        self._pending_changes.update(changes)
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.log_event(
+                    self.global_step,
+                    "config_change",
+                    "info",
+                    "options changed: " + ", ".join(f"{k}={v!r}" for k, v in sorted(changes.items())),
+                    {"changes": {k: getattr(v, "value", v) for k, v in changes.items()}},
+                )
+        return new
+
+    def enable_debugging(self, options: Any = None) -> dict[str, Any]:
+        """Seed 000's runtime switch; see ``torchdebug.compat.enable_debugging``."""
+        from .compat._runtime import enable_debugging
+
+        return enable_debugging(self, options)
+
+    def disable_debugging(self, options: Any = None) -> dict[str, Any]:
+        """Seed 000's runtime switch; see ``torchdebug.compat.disable_debugging``."""
+        from .compat._runtime import disable_debugging
+
+        return disable_debugging(self, options)
+
+    def get_debugging_status(self) -> dict[str, Any]:
+        """Seed 000's status; see ``torchdebug.compat.get_debugging_status``."""
+        from .compat._runtime import get_debugging_status
+
+        return get_debugging_status(self)
 
     def clear(self) -> None:
         """Start a new history segment (the dashboard's "clear"); nothing stored is deleted."""
@@ -1074,9 +1121,10 @@ class Monitor:
                 self.writer.log_scalars(self.global_step, scalars)
         self._each("on_step_end", record, v)
         self.records.append(record)
-        if self._pending_level is not None:
+        if self._pending_level is not None or self._pending_changes:
             level, self._pending_level = self._pending_level, None
-            self._apply_level(level)
+            changes, self._pending_changes = self._pending_changes, {}
+            self._apply_level(level if level is not None else self.config.level, **changes)
         self.global_step += 1
         self._reset_step_state()
         self._last_step_end = time.perf_counter()

@@ -12,13 +12,15 @@ users of the seeds:
   (median/MAD), not fixed thresholds; histories are bounded;
 - ``torch.autograd.set_detect_anomaly`` is never switched on: the tracer replaces it.
 
-Known limitations: seed 004's optimisation helpers (``optimize_model``, ``PyTorchOptimizer``) and
-seed 002's diffusion debugger are not provided.
+Seed 004's optimisation helpers (``optimize_model``, ``PyTorchOptimizer``, ``benchmark_optimizations``)
+measure with ``td.compare_modes``: the same batches and seeds under each mode against a plain baseline.
 """
 
 from __future__ import annotations
 
 from ..memory import PyTorchMemoryDebugger
+from ..optimize import OptimizationMode
+from ._async import AsyncTrainingLogger, TrainingPhase
 from ._checks import (
     check_gradient_anomalies,
     check_gradient_anomalies_async,
@@ -27,26 +29,43 @@ from ._checks import (
 )
 from ._common import ANOMALY_MODES, DebugInfo, TensorInfo
 from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, debug_context, debug_operation
+from ._diffusion import DiffusionModelDebugger
+from ._inputs import detect_model_anomalies, prediction_problems, validate_model_input
+from ._optimize import OptimizationMetrics, PyTorchOptimizer, optimize_model
+from ._runtime import disable_debugging, enable_debugging, get_debugging_status
 from ._seedconfig import PyTorchDebugConfig
 from ._training import GradientDebugger, ModelDebugger, PyTorchDebugManager, TrainingDebugger, step_numbers
 
 __all__ = [
     "ANOMALY_MODES",
+    "AsyncTrainingLogger",
     "AutogradAnomalyDetector",
     "DebugInfo",
+    "DiffusionModelDebugger",
     "GradientDebugger",
     "ModelDebugger",
+    "OptimizationMetrics",
+    "OptimizationMode",
     "PyTorchDebugConfig",
     "PyTorchDebugManager",
     "PyTorchDebugger",
     "PyTorchMemoryDebugger",
+    "PyTorchOptimizer",
     "TensorInfo",
     "TrainingDebugger",
+    "TrainingPhase",
     "check_gradient_anomalies",
     "check_gradient_anomalies_async",
     "check_tensor_anomalies",
     "check_tensor_anomalies_async",
     "debug_context",
     "debug_operation",
+    "detect_model_anomalies",
+    "disable_debugging",
+    "enable_debugging",
+    "get_debugging_status",
+    "optimize_model",
+    "prediction_problems",
     "step_numbers",
+    "validate_model_input",
 ]

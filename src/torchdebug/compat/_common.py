@@ -174,6 +174,7 @@ class DebugInfo:
     ``memory_usage`` and ``gpu_memory`` in bytes (int: the change of process RSS and of CUDA
     allocated bytes over the block; 0 without CUDA). ``gradient_norm`` is None when the
     operation computed none. ``anomaly`` is the engine's record when a NaN/Inf was found.
+    ``details`` holds what ``log_activations`` / ``log_gradients`` / ``log_weights`` recorded.
     """
 
     timestamp: datetime
@@ -194,6 +195,16 @@ class DebugInfo:
     anomaly: Anomaly | None = None
     events: list[RuleEvent] = field(default_factory=list)
     error: str | None = None
+    # what the config's log_* switches asked for: "activations" {module: {mean, std, zero, ...}},
+    # "gradients" {parameter: L2 norm}, "weights" {parameter: L2 norm}
+    details: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def gradient_anomalies(self) -> list[str]:
+        """Seed 004's list: a NaN/Inf gradient (the anomaly's summary) and gradient rule events, as text."""
+        out = [self.anomaly.summary()] if self.anomaly is not None and self.anomaly.phase != "forward" else []
+        out += [str(e) for e in self.events if e.kind in ("gradient_explosion", "vanishing_gradient")]
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (timestamp as ISO text, enums as strings, NaN/Inf as text)."""

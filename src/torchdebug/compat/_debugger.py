@@ -18,14 +18,15 @@ from torch import nn
 
 from .._config import DebugLevel, DebugMode
 from .._errors import NonFiniteError
-from ..events import Anomaly, plain
+from .._trees import tensor_leaves
+from ..events import Anomaly, Phase, plain
 from ..gradients import GradientReport, analyze_model_parameters, check_gradients
 from ..inspection import call_model
 from ..instruments._robust import RunningMedian
 from ..instruments.health import ExplosionRule, top_params
 from ..locate import Tracer
 from ..memory import debug_memory_usage, memory_sample
-from ..stats import analyze_tensor, total_norm
+from ..stats import analyze_tensor, foreach_norms, total_norm
 from ._common import (
     HISTORY_SIZE,
     DebugInfo,
@@ -178,8 +179,7 @@ class PyTorchDebugger:
         norm = dbg.debug_backward_pass(loss_fn(out, y), model)
         print(dbg.create_debug_report()["gradient_analysis"])
 
-    Known limitations: memory numbers are bytes and times seconds (the seeds printed MB); there is
-    no ``optimize_model`` (seed 004's AMP/compile helpers are out of torchdebug's scope).
+    Known limitations: memory numbers are bytes and times seconds (the seeds printed MB).
     """
 
     def __init__(
@@ -216,6 +216,7 @@ class PyTorchDebugger:
         self._explosion = self._new_explosion_rule()
         self._leaks: Any = None
         self._profiles = 0
+        self.optimization_metrics: list[Any] = []  # OptimizationMetrics, one per optimize_model call
 
     # -- configuration -------------------------------------------------------------------------------
     @property
@@ -230,6 +231,28 @@ class PyTorchDebugger:
     def anomaly_detection_active(self) -> bool:
         """True when ``debug_context`` blocks are traced op by op (seed 001's flag)."""
         return bool(self.config.enable_anomaly_detection or self.config.enable_autograd_anomaly)
+
+    @property
+    def gradient_checking_active(self) -> bool:
+        """True when the config runs gradient checks (``"gradients"`` in ``config.instruments()``)."""
+        return "gradients" in self.config.instruments()
+
+    @property
+    def memory_profiling_active(self) -> bool:
+        """True when the config runs memory profiling (``"memory"`` in ``config.instruments()``)."""
+        return "memory" in self.config.instruments()
+
+    @property
+    def performance_profiling_active(self) -> bool:
+        """True when the config runs step timing (``"timing"`` in ``config.instruments()``)."""
+        return "timing" in self.config.instruments()
+
+    @property
+    def debug_metrics(self) -> list[DebugInfo]:
+        """Seed 004's per-operation metrics: the ``DebugInfo`` records of ``debug_history``, oldest first
+        (``.mode``, ``.execution_time`` in s, ``.memory_usage``/``.gpu_memory`` in bytes,
+        ``.gradient_anomalies``)."""
+        return list(self.debug_history)
 
     def set_level(self, level: DebugLevel | str) -> DebugLevel:
         """Change the debug level (seed 002's ``POST /debug/level``)."""
@@ -321,6 +344,30 @@ class PyTorchDebugger:
                 info.anomaly_detected = True
             self._note_time(info)
             self.debug_history.append(info)
+            if self.config.save_debug_info:
+                self._save_debug_info(info)
+
+    def _save_debug_info(self, info: DebugInfo) -> None:
+        """Append ``info`` as one JSON line to ``<debug_output_dir>/debug_info.jsonl`` (seed 001's save).
+
+        An unwritable folder warns once and switches saving off: debugging never breaks training.
+        """
+        import json
+        import warnings
+
+        from .._errors import TorchDebugWarning
+
+        path = Path(self.config.debug_output_dir) / "debug_info.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(info.to_dict(), sort_keys=True) + "\n")
+        except OSError as exc:
+            self.config = self.config.replace(save_debug_info=False)
+            warnings.warn(
+                TorchDebugWarning(f"torchdebug: cannot save debug info to {path} ({exc}); saving is off"),
+                stacklevel=4,
+            )
 
     def _note_time(self, info: DebugInfo) -> None:
         """Flag an operation slower than ``slowdown_factor`` x its running median (robust, per operation)."""
@@ -420,19 +467,33 @@ class PyTorchDebugger:
         Raises:
             NonFiniteError: mode "raise" and the input or output holds a NaN/Inf.
 
+        With ``config.log_activations`` each leaf module's output statistics (mean, std, zero
+        fraction, dead/saturated fraction) land in ``info.details["activations"]`` (one more transfer).
+
         Cost: one fused NaN/Inf count and one host transfer; the traced replay only on a NaN/Inf.
         """
         with self.debug_context("forward_pass", type(model).__name__, model=model, **kwargs) as info:
-            output = self._checked_forward(model, input_data, info, grad=torch.is_grad_enabled())
+            if self.config.log_activations:
+                with _activation_capture(model) as act:
+                    output = self._checked_forward(model, input_data, info, grad=torch.is_grad_enabled())
+                info.details["activations"] = act.read()
+            else:
+                output = self._checked_forward(model, input_data, info, grad=torch.is_grad_enabled())
         return output
 
     def _checked_forward(self, model: nn.Module, input_data: Any, info: DebugInfo, *, grad: bool) -> Any:
         """Forward with one fused NaN/Inf count of input and output; on a hit, replay under the tracer."""
         rng = rng_state(any(p.is_cuda for p in model.parameters()))
+        if tracing_active():
+            # the enclosing trace checks every op and reports what is born inside the block; a NaN/Inf
+            # that arrives in the input was born outside it, so it is checked here, before the forward
+            bad_input = _input_nonfinite(input_data)
+            if bad_input is not None:
+                self._report(info, _input_anomaly(model, bad_input))
+            with torch.set_grad_enabled(grad):
+                return call_model(model, input_data)
         with torch.set_grad_enabled(grad):
             output = call_model(model, input_data)
-        if tracing_active():
-            return output  # the enclosing trace checks every op and reports
         flags = [f for f in (nonfinite_flag(input_data), nonfinite_flag(output)) if f is not None]
         if flags and int(torch.stack([f.to(flags[0].device) for f in flags]).sum()) > 0:  # the one transfer
 
@@ -457,6 +518,9 @@ class PyTorchDebugger:
         Raises:
             NonFiniteError: mode "raise" and the loss or a gradient is non-finite.
 
+        ``config.log_gradients`` / ``config.log_weights`` put every parameter's gradient / weight L2
+        norm in ``info.details["gradients"]`` / ``["weights"]`` (in the same transfer).
+
         Cost: fused norms of all gradients and one host transfer.
         """
         with self.debug_context("backward_pass", type(model).__name__, model=model, **kwargs) as info:
@@ -469,10 +533,17 @@ class PyTorchDebugger:
             parts = [loss_value.reshape(1), total.reshape(1).to(dev)]
             if norms is not None:
                 parts.append(norms.to(dev))
+            if self.config.log_weights and params:
+                with torch.no_grad():
+                    parts.append(foreach_norms([p.detach() for p in params]).to(dev))
             host = torch.cat([p.float() for p in parts]).tolist()  # the one host transfer
             loss_f, norm = host[0], host[1]
-            per = host[2:]
+            per = host[2 : 2 + len(idx)]
             info.gradient_norm = norm
+            if self.config.log_gradients:
+                info.details["gradients"] = {names[i]: v for i, v in zip(idx, per)}
+            if self.config.log_weights and params:
+                info.details["weights"] = dict(zip(names, host[2 + len(idx) :]))
             bad = [names[idx[j]] for j, v in enumerate(per) if not math.isfinite(v)]
             if (bad or not math.isfinite(loss_f)) and not tracing_active():
                 kind = "nan" if math.isnan(loss_f) or any(math.isnan(v) for v in per) else "inf"
@@ -489,6 +560,78 @@ class PyTorchDebugger:
                     info.anomaly_detected = True
                     log.warning("%s", event)
         return norm
+
+    def debug_optimization_step(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, **kwargs: Any
+    ) -> float:
+        """Seed 001's optimizer step in a ``debug_context``: check the gradients, step, return the parameter norm.
+
+        The gradients are checked as they are when the update starts (after any clipping or
+        unscaling the caller did): a NaN/Inf gradient skips the update (the weights stay finite) and is
+        recorded, warned or raised per the config. Returns the total L2 norm of the trainable
+        parameters after the update (``kwargs``: ``epoch``, ``batch``).
+
+        Raises:
+            NonFiniteError: mode "raise" and a gradient, or a parameter after the update, is NaN/Inf.
+
+        Cost: two host transfers (the gradient check before the update, the norm after it).
+        """
+        with self.debug_context("optimization_step", type(model).__name__, model=model, **kwargs) as info:
+            names, params = _trainable(model)
+            idx, norms = grad_norms(params)
+            per = (
+                norms.tolist() if norms is not None else []
+            )  # transfer 1: the gradients as the update sees them
+            bad = [names[idx[j]] for j, v in enumerate(per) if not math.isfinite(v)]
+            if bad:
+                kind = "nan" if any(math.isnan(v) for v in per) else "inf"
+                self._report(
+                    info,
+                    symptom_anomaly(
+                        model,
+                        loss_bad=False,
+                        bad_params=bad,
+                        kind=kind,
+                        where="the gradients entering the update (update skipped)",
+                    ),
+                )
+            else:
+                optimizer.step()
+            with torch.no_grad():
+                pn = foreach_norms([p.detach() for p in params]) if params else torch.zeros(1)
+                host = pn.tolist()  # transfer 2: the parameters after the update
+            total = math.sqrt(sum(v * v for v in host)) if all(math.isfinite(v) for v in host) else math.nan
+            info.details["param_norm"] = {"total": total}
+            nonfinite = [n for n, v in zip(names, host) if not math.isfinite(v)]
+            if nonfinite and not bad:
+                self._report(
+                    info,
+                    symptom_anomaly(
+                        model,
+                        loss_bad=False,
+                        bad_params=nonfinite,
+                        kind="nan",
+                        where="the parameters after the update",
+                    ),
+                )
+        return total
+
+    def optimize_model(self, model: nn.Module, optimization_mode: Any = "full_optimization") -> nn.Module:
+        """Seed 004's ``optimize_model``: apply an ``OptimizationMode`` and return the model to call.
+
+        AMP wraps the model in ``torch.autocast`` (bf16 on CPU; float outputs come back float32),
+        COMPILATION returns ``torch.compile(model)``, MEMORY_EFFICIENT checkpoints repeated blocks in
+        place (and channels_last for conv nets), FULL_OPTIMIZATION all three; NONE returns ``model``.
+        The record (``OptimizationMetrics``: mode, seconds to apply, what was applied) is appended to
+        ``optimization_metrics``; its ``speedup_factor`` stays None here: measure it with
+        ``td.compare_modes`` or ``PyTorchOptimizer.optimize_training_loop``.
+
+        Raises:
+            ValueError: unknown mode (lists the allowed ones).
+        """
+        from ._optimize import optimize_model_in_place
+
+        return optimize_model_in_place(model, optimization_mode, self.optimization_metrics)
 
     # -- memory and time --------------------------------------------------------------------------------
     def debug_memory_usage(self, **kwargs: Any) -> tuple[int, int]:
@@ -605,6 +748,7 @@ class PyTorchDebugger:
             "avg_memory_usage": _mean([float(i.memory_usage) for i in hist]),
             "level": self.config.level.value,
             "mode": self.config.mode.value,
+            "total_optimizations": len(self.optimization_metrics),
         }
 
     def create_debug_report(self) -> dict[str, Any]:
@@ -709,6 +853,7 @@ class PyTorchDebugger:
         self._explosion = self._new_explosion_rule()
         self._leaks = None
         self._profiles = 0
+        self.optimization_metrics.clear()
 
 
 @contextlib.contextmanager
@@ -734,6 +879,77 @@ def debug_context(
         yield debugger
 
 
+def _input_nonfinite(data: Any) -> str | None:
+    """``"nan"`` / ``"inf"`` when a floating tensor in ``data`` holds one (NaN first), else None; one transfer."""
+    ts = [t for t in tensor_leaves(data) if t.is_floating_point() or t.is_complex()]
+    if not ts:
+        return None
+    dev = ts[0].device
+    with torch.no_grad():
+        flags = torch.stack(
+            [torch.stack([torch.isnan(t).any(), (~torch.isfinite(t)).any()]).to(dev) for t in ts]
+        ).any(0)
+        nan, bad = flags.tolist()  # one transfer
+    return "nan" if nan else ("inf" if bad else None)
+
+
+def _input_anomaly(model: nn.Module, kind: str) -> Anomaly:
+    return Anomaly(
+        phase=Phase.INPUT.value,
+        module="",
+        op=None,
+        location=None,
+        kind=kind,
+        module_type=type(model).__name__,
+        symptom="non-finite value in the model input",
+        detected_by="sentinel (no replay)",
+        hint="the data arrived non-finite: check the data pipeline (td.validate_model_input names the index)",
+    )
+
+
+class _ActivationCapture:
+    """Activation statistics of each leaf module's first output in one forward (device tensors until read)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from ..instruments.health import activation_stats
+
+        self.stats: dict[str, dict[str, torch.Tensor]] = {}
+        self.handles: list[Any] = []
+        for name, mod in model.named_modules():
+            if next(iter(mod.children()), None) is not None:
+                continue
+
+            def hook(module: nn.Module, args: Any, out: Any, name: str = name) -> None:
+                if name in self.stats or not isinstance(out, torch.Tensor):
+                    return
+                if out.is_floating_point() and out.numel() > 0:
+                    self.stats[name] = activation_stats(module, out)
+
+            self.handles.append(mod.register_forward_hook(hook))
+
+    def read(self) -> dict[str, dict[str, float]]:
+        """Every statistic in one host transfer: ``{module: {"mean", "std", "zero", ("dead"|"saturated")}}``."""
+        flat = [(m, k, t) for m, ks in self.stats.items() for k, t in ks.items()]
+        if not flat:
+            return {}
+        dev = flat[0][2].device
+        host = torch.stack([t.to(dev, torch.float32) for _, _, t in flat]).tolist()  # one transfer
+        out: dict[str, dict[str, float]] = {}
+        for (m, k, _), v in zip(flat, host):
+            out.setdefault(m, {})[k] = v
+        return out
+
+
+@contextlib.contextmanager
+def _activation_capture(model: nn.Module) -> Iterator[_ActivationCapture]:
+    cap = _ActivationCapture(model)
+    try:
+        yield cap
+    finally:
+        for h in cap.handles:
+            h.remove()
+
+
 def _trainable(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [n for n, _ in named], [p for _, p in named]
@@ -744,7 +960,10 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def debug_operation(
-    debug_mode: DebugMode | str = DebugMode.ANOMALY_DETECTION, debugger: PyTorchDebugger | None = None
+    debug_mode: DebugMode | str = DebugMode.ANOMALY_DETECTION,
+    debugger: PyTorchDebugger | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> Any:
     """Seed 004's decorator: run each call of the function inside ``debugger.debug_context(<name>)``.
 
@@ -753,6 +972,9 @@ def debug_operation(
             ``ANOMALY_DETECTION``/``FULL_DEBUG`` trace each call op by op (costly: see
             ``AutogradAnomalyDetector``).
         debugger: an existing debugger whose history receives the records.
+        model: the model whose modules and parameters an origin is named after; without it, the
+            first ``nn.Module`` among the call's positional arguments is used (``training_step(model,
+            ...)`` as in the seed), else origins name only the op and line.
 
     The wrapped function has ``.debugger`` set to the debugger used.
 
@@ -768,7 +990,8 @@ def debug_operation(
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            with dbg.debug_context(getattr(fn, "__name__", "operation")):
+            named = model if model is not None else next((a for a in args if isinstance(a, nn.Module)), None)
+            with dbg.debug_context(getattr(fn, "__name__", "operation"), model=named):
                 return fn(*args, **kwargs)
 
         call.debugger = dbg  # type: ignore[attr-defined]

@@ -34,7 +34,15 @@ from ._common import (
     rng_state,
     symptom_anomaly,
 )
-from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, log, tracing_active
+from ._debugger import (
+    AutogradAnomalyDetector,
+    PyTorchDebugger,
+    _activation_capture,
+    _trainable,
+    log,
+    tracing_active,
+)
+from ._inputs import prediction_problems
 
 
 @dataclass
@@ -125,6 +133,8 @@ class TrainingDebugger(PyTorchDebugger):
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
+        # a DiffusionModelDebugger attached here is counted in td.serve()'s diffusion_debugger block
+        self.diffusion_debugger: Any = None
         self._reset_rules()
 
     def _reset_rules(self) -> None:
@@ -471,10 +481,18 @@ class PyTorchDebugManager:
             t0 = time.perf_counter()
             rng = rng_state(any(p.is_cuda for p in model.parameters()))
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(call_model(model, data_batch), target_batch)
+            if self.config.log_activations:
+                with _activation_capture(model) as act:
+                    output = call_model(model, data_batch)
+                info.details["activations"] = act.read()
+            else:
+                output = call_model(model, data_batch)
+            loss = loss_fn(output, target_batch)
             loss.backward()
             n = step_numbers(model, loss, with_params=True)
             info.gradient_norm = n.grad_norm
+            if self.config.log_gradients:
+                info.details["gradients"] = dict(zip(n.names, n.norms))
             anomaly: Anomaly | None = None
             # inside a traced block the tracer reports the origin when the block ends
             if n.nonfinite and not tracing_active():
@@ -489,6 +507,12 @@ class PyTorchDebugManager:
                 self.debugger._report(info, anomaly)
             if not n.nonfinite:
                 optimizer.step()
+            if self.config.log_weights:
+                names, params = _trainable(model)
+                with torch.no_grad():  # the weights after the update: a second transfer, only when asked
+                    info.details["weights"] = dict(
+                        zip(names, foreach_norms([p.detach() for p in params]).tolist())
+                    )
             sample = memory_sample()
             elapsed = time.perf_counter() - t0
         metrics: dict[str, Any] = {
@@ -521,8 +545,10 @@ class PyTorchDebugManager:
 
         Returns:
             ``{"output", "execution_time" (s), "cpu_memory", "gpu_memory" (bytes), "anomaly_detected",
-            "anomaly"}``; on a NaN/Inf the forward is replayed under the tracer to name its origin,
-            then recorded, warned or raised per the config.
+            "anomaly", "prediction_problems"}``; on a NaN/Inf the forward is replayed under the tracer
+            to name its origin, then recorded, warned or raised per the config.
+            ``prediction_problems`` lists constant or uniform predictions and one class always
+            predicted (``prediction_problems``; each also a warning-level event on the record).
 
         Raises:
             NonFiniteError: mode "raise" and the input or output holds a NaN/Inf.
@@ -530,8 +556,13 @@ class PyTorchDebugManager:
         with self.debugger.debug_context("inference", type(model).__name__, model=model) as info:
             t0 = time.perf_counter()
             output = self.debugger._checked_forward(model, input_data, info, grad=False)
-            sample = memory_sample()
             elapsed = time.perf_counter() - t0
+            sample = memory_sample()
+            problems = prediction_problems(output) if info.anomaly is None else []
+            for text in problems:
+                kind = "one_class_predictions" if text.startswith("one class") else "constant_predictions"
+                info.events.append(RuleEvent(kind, None, text, "warning"))
+                log.warning("%s", text)
         return {
             "output": output,
             "execution_time": elapsed,
@@ -539,6 +570,7 @@ class PyTorchDebugManager:
             "gpu_memory": sample.get("cuda_allocated", 0),
             "anomaly_detected": info.anomaly_detected,
             "anomaly": info.anomaly,
+            "prediction_problems": problems,
         }
 
     def create_comprehensive_report(self) -> dict[str, Any]:

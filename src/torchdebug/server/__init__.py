@@ -132,7 +132,8 @@ def serve(
 
     Args:
         monitor_or_path: a live ``Monitor`` (its run is shown and the seed POST endpoints act on it),
-            a run folder, or a folder of runs.
+            a seed-era ``TrainingDebugger`` (the seed endpoints answer from its summaries), a run
+            folder, or a folder of runs.
         host: bind address; anything but loopback requires ``token``.
         port: TCP port; 0 picks a free one (see ``handle.port``).
         token: bearer token required on every request (``Authorization: Bearer <token>``; pages
@@ -151,6 +152,7 @@ def serve(
     Raises:
         ImportError: fastapi/uvicorn missing (names ``pip install 'torchdebug[dashboard]'``).
         ValueError: non-loopback host without a token; an empty or whitespace token.
+        TypeError: an object that is none of those (refused before the server starts).
         RuntimeError: the server did not start (port in use ...).
 
     Example::

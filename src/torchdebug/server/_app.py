@@ -164,7 +164,7 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
 
     ``total_steps``: steps recorded since the segment started; ``anomaly_steps``: distinct steps
     with an anomaly; ``gradient_explosions`` / ``gradient_vanishing`` / ``loss_anomalies``: rule
-    events whose kind mentions "explod" / "vanish" / starts with "loss"; rates divide by total_steps.
+    events of the kinds the rules emit (``events.rule_counts``); rates divide by total_steps.
     """
     segments = run.segments()
     start = segments[-1]["start_step"] if segments else 0
@@ -213,7 +213,8 @@ def create_app(
 
     Args:
         target: a run folder or a folder of runs; None with ``monitor`` serves the monitor's run.
-        monitor: a live ``Monitor`` that the seed POST endpoints (level, clear) act on.
+        monitor: a live ``Monitor`` (or a seed-era ``TrainingDebugger``) that the seed endpoints
+            read and the seed POST endpoints (level, clear) act on.
         token: when set, every request needs ``Authorization: Bearer <token>`` (or ``?token=``).
         warm: precompute the pages of this many newest runs in a background thread, so the first
             visit to a big run is fast (its series are read once, then only new steps are read).
@@ -221,6 +222,9 @@ def create_app(
             see :class:`RequestGuard`.
         allowed_origins: other pages (``"https://tools.example"``) trusted to POST and to read the
             API from a browser (CORS); none by default.
+
+    Raises:
+        TypeError: ``monitor`` is neither a ``Monitor`` nor a ``TrainingDebugger``.
 
     Returns:
         The FastAPI app; its OpenAPI schema is at ``/openapi.json``, docs at ``/docs``.
@@ -233,6 +237,9 @@ def create_app(
     if token is not None and not token.strip():
         raise ValueError("the dashboard token is empty or whitespace: pass a real secret, or no token")
     guard = RequestGuard(allowed_hosts, allowed_origins)
+    from ..compat._serving import live_session
+
+    monitor = live_session(monitor)  # a TrainingDebugger is served through its own summaries
     if target is None and monitor is not None and getattr(monitor, "run_dir", None) is not None:
         target = monitor.run_dir
     catalog = Catalog(None if target is None else Path(target))
@@ -506,14 +513,20 @@ def create_app(
     ) -> Response:
         """Seed shape: training_debugger / diffusion_debugger / general_debugger counts.
 
-        torchdebug has no diffusion debugger: that block is all zeros, kept for the response shape.
+        ``diffusion_debugger`` counts the live session's ``diffusion_debugger`` attribute (a
+        ``DiffusionModelDebugger`` attached to the served ``TrainingDebugger`` or ``Monitor``); zeros
+        without one, and for stored runs.
         """
-        ts = training_summary(run)
-        if monitor is not None and run is None and catalog.target is None:  # a live session without a store
-            anomalies, events = len(getattr(monitor, "anomalies", ())), len(getattr(monitor, "events", ()))
+        # one source per response: the live session's own counts, or the stored run's (never a mix:
+        # the store lags the live session by its unflushed batch)
+        if monitor is not None and run is None:
+            ts = dict(monitor.training_summary())
+            anomalies, events = len(list(monitor.anomalies)), len(list(monitor.events))
         else:
             with opened(seed_run_id(run)) as r:
+                ts = training_summary_from_run(r)
                 anomalies, events = len(r.anomalies()), len(r.events())
+        diff = getattr(monitor, "diffusion_debugger", None) if monitor is not None and run is None else None
         payload = {
             "training_debugger": {
                 "total_anomalies": ts["anomaly_steps"],
@@ -522,7 +535,10 @@ def create_app(
                 "anomaly_rate": ts["anomaly_rate"],
                 "gradient_explosion_rate": ts["gradient_explosion_rate"],
             },
-            "diffusion_debugger": {"total_anomalies": 0, "debug_history_length": 0},
+            "diffusion_debugger": {
+                "total_anomalies": 0 if diff is None else int(diff.diffusion_anomalies),
+                "debug_history_length": 0 if diff is None else len(list(diff.diffusion_history)),
+            },
             "general_debugger": {"total_anomalies": anomalies, "debug_history_length": events},
         }
         return _json(json_safe(payload))

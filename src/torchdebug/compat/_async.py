@@ -1,0 +1,211 @@
+"""Seed 002's ``AsyncTrainingLogger`` and ``TrainingPhase``: progress, warnings and errors into the run store."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..events import plain
+from ._checks import check_gradient_anomalies, check_tensor_anomalies
+
+
+class TrainingPhase(str, enum.Enum):
+    """Where in training a warning or error happened (seed 002)."""
+
+    INITIALIZATION = "initialization"
+    DATA_LOADING = "data_loading"
+    TRAINING = "training"
+    VALIDATION = "validation"
+    CHECKPOINTING = "checkpointing"
+    EVALUATION = "evaluation"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AsyncTrainingLogger:
+    """Seed 002's training logger: progress, warnings, errors and anomaly checks into a run folder.
+
+    Writes go through the run store's writer, which queues them for its own thread: ``log_warning``
+    and ``log_error`` never wait on disk, and the ``*_async`` methods move their host transfers to a
+    worker thread (``asyncio.to_thread``), so an event loop is never blocked.
+
+    Args:
+        user_id, model_name: recorded in the run's meta (``config``).
+        enable_autograd_debug: the anomaly checks also record what they find as events.
+        run_dir: runs root (default ``"runs"``); the folder is ``<run_dir>/<run_name>-<time>``.
+        run_name: default ``model_name`` with ``/`` replaced.
+
+    Example::
+
+        logger = AsyncTrainingLogger(user_id=123, model_name="tiny-gpt", run_dir=tmp)
+        logger.start_training(total_epochs=10, total_steps=1000)
+        await logger.update_progress_async(epoch=0, step=0, loss=2.3, learning_rate=1e-3)
+        logger.log_warning("Loss tensor contains NaN values")
+        logger.end_training()
+
+    Cost: ``start_training`` creates the run folder (a few ms); each record is a queue put.
+    """
+
+    def __init__(
+        self,
+        user_id: Any = None,
+        model_name: str = "model",
+        enable_autograd_debug: bool = False,
+        *,
+        run_dir: str = "runs",
+        run_name: str | None = None,
+    ) -> None:
+        self.user_id = user_id
+        self.model_name = str(model_name)
+        self.enable_autograd_debug = bool(enable_autograd_debug)
+        self.run_dir = run_dir
+        self.run_name = run_name or self.model_name.replace("/", "-").replace("\\", "-")
+        self.writer: Any = None
+        self.step: int | None = None
+        self.epoch: int | None = None
+        self.total_epochs: int | None = None
+        self.total_steps: int | None = None
+        self.warnings = 0
+        self.errors = 0
+
+    @property
+    def path(self) -> Any:
+        """The run folder (None before ``start_training``)."""
+        return None if self.writer is None else self.writer.path
+
+    def start_training(self, total_epochs: int | None = None, total_steps: int | None = None) -> Any:
+        """Open the run (its meta holds user, model, totals); returns the run folder.
+
+        Raises:
+            RuntimeError: training already started (call ``end_training`` first).
+        """
+        from ..store import create_run
+
+        if self.writer is not None:
+            raise RuntimeError("start_training was already called: end_training() first")
+        self.total_epochs, self.total_steps = total_epochs, total_steps
+        self.writer = create_run(
+            root=self.run_dir,
+            name=self.run_name,
+            config={
+                "user_id": plain(self.user_id),
+                "model_name": self.model_name,
+                "total_epochs": total_epochs,
+                "total_steps": total_steps,
+                "enable_autograd_debug": self.enable_autograd_debug,
+            },
+        )
+        self._event(
+            "training_started",
+            "info",
+            f"training {self.model_name}: {total_epochs} epochs, {total_steps} steps",
+        )
+        return self.writer.path
+
+    def _need(self) -> Any:
+        if self.writer is None:
+            raise RuntimeError("call start_training(...) before logging")
+        return self.writer
+
+    def _event(self, kind: str, severity: str, message: str, data: dict[str, Any] | None = None) -> None:
+        self._need().log_event(self.step, kind, severity, message, plain(data) if data else None)
+
+    def log_warning(self, message: str, phase: TrainingPhase | str = TrainingPhase.TRAINING) -> None:
+        """Record a warning event with its phase and the current epoch/step (queued, returns at once)."""
+        self.warnings += 1
+        self._event(
+            "warning", "warning", str(message), {"phase": str(TrainingPhase(phase)), "epoch": self.epoch}
+        )
+
+    def log_error(
+        self, error: BaseException, phase: TrainingPhase | str = TrainingPhase.TRAINING, context: Any = None
+    ) -> None:
+        """Record an error event: type, message, phase, the context mapping (tensors summarized), traceback."""
+        self.errors += 1
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
+        self._event(
+            "error",
+            "error",
+            f"{type(error).__name__}: {error}",
+            {
+                "phase": str(TrainingPhase(phase)),
+                "type": type(error).__name__,
+                "context": _summarize(context),
+                "traceback": tb,
+                "epoch": self.epoch,
+            },
+        )
+
+    async def update_progress_async(
+        self, epoch: int, step: int, loss: Any = None, learning_rate: float | None = None, **metrics: Any
+    ) -> None:
+        """Record progress: ``loss``, ``learning_rate`` and ``metrics`` as scalars at ``step``.
+
+        A tensor loss is read in a worker thread (its host transfer never blocks the loop).
+        """
+        writer = self._need()
+        self.epoch, self.step = int(epoch), int(step)
+        values: dict[str, float] = {"epoch": float(epoch)}
+        if loss is not None:
+            values["loss"] = float(await asyncio.to_thread(_as_float, loss))
+        if learning_rate is not None:
+            values["lr/0"] = float(learning_rate)
+        for k, v in metrics.items():
+            values[str(k)] = float(await asyncio.to_thread(_as_float, v))
+        writer.log_scalars(self.step, values)  # queued for the writer's thread
+
+    async def check_tensor_anomalies_async(
+        self, tensor: torch.Tensor, name: str | None = None
+    ) -> dict[str, Any]:
+        """``check_tensor_anomalies`` in a worker thread; with ``enable_autograd_debug`` a NaN/Inf is an event."""
+        info = await asyncio.to_thread(check_tensor_anomalies, tensor, name)
+        if self.enable_autograd_debug and self.writer is not None and (info["has_nan"] or info["has_inf"]):
+            self._event("tensor_anomaly", "warning", f"non-finite values in {name or 'tensor'}", info)
+        return info
+
+    async def check_gradient_anomalies_async(self, model: nn.Module) -> dict[str, Any]:
+        """``check_gradient_anomalies`` in a worker thread; with ``enable_autograd_debug`` NaN/Inf is an event."""
+        info = await asyncio.to_thread(check_gradient_anomalies, model)
+        bad = info["params_with_nan_grad"] or info["params_with_inf_grad"]
+        if self.enable_autograd_debug and self.writer is not None and bad:
+            self._event("gradient_anomaly", "warning", "NaN/Inf gradients", info)
+        return info
+
+    def end_training(self, status: str = "finished") -> None:
+        """Close the run (flushes the queue); idempotent."""
+        if self.writer is not None:
+            self.writer.close(status)
+            self.writer = None
+
+    close = end_training
+
+    async def __aenter__(self) -> AsyncTrainingLogger:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        await asyncio.to_thread(self.end_training, "finished" if exc is None else "failed")
+
+
+def _as_float(v: Any) -> float:
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().float().mean())
+    return float(v)
+
+
+def _summarize(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return {"tensor": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, dict):
+        return {str(k): _summarize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_summarize(v) for v in obj]
+    return plain(obj)
+
+
+__all__ = ["AsyncTrainingLogger", "TrainingPhase"]
