@@ -251,3 +251,14 @@ def test_bad_options_fail_at_construction():
         TorchDebugCallback(optimizer=None)
     with pytest.raises(TypeError, match="unknown option"):
         TorchDebugCallback(polcy="raise")
+
+
+def test_missing_framework_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    for mod in ("lightning.pytorch", "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import of it raises ImportError
+    monkeypatch.delitem(sys.modules, "torchdebug.integrations.lightning")
+    with pytest.raises(ImportError, match=r"pip install 'torchdebug\[lightning\]'"):
+        importlib.import_module("torchdebug.integrations.lightning")

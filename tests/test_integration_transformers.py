@@ -285,3 +285,14 @@ def test_bad_options_fail_at_construction():
         TorchDebugCallback(policy="ignore")
     with pytest.raises(TypeError, match="the trainer supplies the model"):
         TorchDebugCallback(model=None)
+
+
+def test_missing_framework_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    for mod in ("transformers",):
+        monkeypatch.setitem(sys.modules, mod, None)  # import of it raises ImportError
+    monkeypatch.delitem(sys.modules, "torchdebug.integrations.transformers")
+    with pytest.raises(ImportError, match=r"pip install 'torchdebug\[transformers\]'"):
+        importlib.import_module("torchdebug.integrations.transformers")

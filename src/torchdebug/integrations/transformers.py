@@ -38,6 +38,12 @@ except ImportError as exc:
         "pip install 'torchdebug[transformers]'"
     ) from exc
 
+if not hasattr(TrainerCallback, "on_pre_optimizer_step"):
+    raise ImportError(
+        "torchdebug.integrations.transformers needs transformers>=4.46 (TrainerCallback.on_pre_optimizer_step): "
+        "pip install -U 'torchdebug[transformers]'"
+    )
+
 __all__ = ["TorchDebugCallback"]
 
 
