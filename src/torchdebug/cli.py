@@ -50,7 +50,7 @@ _COMMAND_MODULES = [
     "torchdebug.demo",
     "torchdebug.report._cli",
     "torchdebug.server._cli",
-    "torchdebug.integrations.script",
+    "torchdebug.integrations._run_cli",
 ]
 
 
