@@ -30,7 +30,7 @@ try:
     from lightning.pytorch import Callback
 except ImportError:
     try:
-        from pytorch_lightning import Callback  # the older package name, same hooks
+        from pytorch_lightning import Callback  # type: ignore[assignment]  # the older package name, same hooks
     except ImportError as exc:
         raise ImportError(
             "torchdebug.integrations.lightning needs Lightning: pip install 'torchdebug[lightning]'"

@@ -69,7 +69,7 @@ class ScriptSession:
                 except Exception as exc:  # never break the script: it runs unwatched, and says so
                     session.notes.append(f"finding the model failed ({exc!r}); nothing is watched")
 
-        torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         return self
 
     def _found(self, opt: torch.optim.Optimizer) -> None:

@@ -49,7 +49,7 @@ __all__ = ["TorchDebugCallback"]
 
 def _find_trainer(depth: int = 12) -> Any:
     """The ``Trainer`` whose code called this callback (a few frames up), or None."""
-    f = sys._getframe(2)
+    f: Any = sys._getframe(2)
     while f is not None and depth > 0:
         obj = f.f_locals.get("self")
         if isinstance(obj, Trainer):
