@@ -2,8 +2,8 @@
 
 ``Trainer._inner_training_loop`` order this callback relies on (transformers 5.x, trainer.py):
 
-- per micro-batch ``training_step`` (1921): ``compute_loss`` (2081, the model's forward), the loss
-  divided by the accumulation steps (2112), ``accelerator.backward`` (2118; ``scaler.scale(loss).backward()``
+- per micro-batch ``training_step`` (1909): ``compute_loss`` (2082, the model's forward), the loss
+  divided by the accumulation steps (2111), ``accelerator.backward`` (2118; ``scaler.scale(loss).backward()``
   under fp16, accelerate/accelerator.py:2856-2857);
 - on the last micro-batch of a step: gradient clipping (1931; unscales a GradScaler first), then
   ``on_pre_optimizer_step`` (1934), ``optimizer.step()`` (1935: accelerate's ``AcceleratedOptimizer.step``,
