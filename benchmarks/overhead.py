@@ -8,7 +8,11 @@ Printed: median step time per variant and its ratio to plain; the watch variant 
 steps and detail steps (every ``detail_every``); and the cost of one replay under op-level tracing
 (what the sentinel pays once, when something went wrong) against one plain step.
 
+With ``--lightning`` / ``--transformers``: the GPT workload under that framework's own loop, the
+framework alone against the same loop with ``TorchDebugCallback()`` (default watch), interleaved.
+
     python benchmarks/overhead.py [--repeats 7] [--chunk 20] [--device cpu|cuda] [--only mlp,gpt,cnn]
+                                  [--lightning] [--transformers] [--ddp N]
 
 ``--ddp N``: the same workloads under DistributedDataParallel on N CPU processes (gloo, 127.0.0.1),
 each rank with its own batches and ``cpu_count // N`` threads. Variants: plain DDP (its own model
@@ -230,6 +234,140 @@ def bench(name: str, spec: tuple, args: argparse.Namespace, writer: Any) -> dict
     return out
 
 
+# -- framework loops: the same trainer with and without the torchdebug callback ----------------------
+class _StepTimer:
+    """Times each optimizer step between two framework hooks (start first, end last in the callbacks)."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.times: list[float] = []
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def _lightning_chunk(model: nn.Module, batches: list, steps: int, cb: Any, timer: _StepTimer) -> None:
+    import lightning.pytorch as L
+
+    class Start(L.Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            timer.start()
+
+    class Stop(L.Callback):
+        def on_train_batch_end(self, *a: Any) -> None:
+            timer.stop()
+
+    callbacks = [Start(), *([cb] if cb is not None else []), Stop()]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    loader = torch.utils.data.DataLoader(batches * (steps // len(batches) + 1), batch_size=None)
+    trainer.fit(model, loader)
+
+
+def _transformers_chunk(
+    model: nn.Module, data: list, batch_size: int, steps: int, cb: Any, timer: _StepTimer, tmp: str
+) -> None:
+    import transformers
+
+    class Start(transformers.TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            timer.start()
+
+    class Stop(transformers.TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            timer.stop()
+
+    args = transformers.TrainingArguments(
+        output_dir=tmp,
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=batch_size,
+        max_steps=steps,
+        learning_rate=1e-4,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
+    callbacks = [Start(), *([cb] if cb is not None else []), Stop()]
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+
+
+def bench_framework(kind: str, args: argparse.Namespace, writer: Any, tmp: str) -> dict[str, Any]:
+    """A workload under Lightning's or HF's own loop: the framework alone vs with TorchDebugCallback.
+
+    One model shared by both variants, chunks interleaved; each step timed from the framework's
+    step-begin hook (first callback) to its step-end hook (last callback, after ours).
+    """
+    build, make_batch, loss_fn = workloads("cpu")[args.framework_workload]
+    batches = [make_batch() for _ in range(4)]
+    torch.manual_seed(0)
+    gpt = build()
+    if kind == "lightning":
+        import lightning.pytorch as L
+
+        from torchdebug.integrations.lightning import TorchDebugCallback
+
+        class Lit(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = gpt
+
+            def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+                x, y = batch
+                return loss_fn(self.model(x), y)
+
+            def configure_optimizers(self) -> torch.optim.Optimizer:
+                return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        lit = Lit()
+        run = lambda cb, timer: _lightning_chunk(lit, batches, args.chunk, cb, timer)  # noqa: E731
+    else:
+        from torchdebug.integrations.transformers import TorchDebugCallback
+
+        class HFGPT(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = gpt
+
+            def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+                return {"loss": loss_fn(self.model(input_ids), labels)}
+
+        hf = HFGPT()
+        data = [{"input_ids": x[i], "labels": y[i]} for x, y in batches for i in range(x.size(0))]
+        bs = batches[0][0].size(0)
+        run = lambda cb, timer: _transformers_chunk(hf, data, bs, args.chunk, cb, timer, tmp)  # noqa: E731
+    plain, with_cb = _StepTimer(), _StepTimer()
+    ordinary: list[float] = []
+    every = td.DebugConfig().detail_every
+    with warnings_quiet():
+        run(None, _StepTimer())  # warm-up
+        for _ in range(args.repeats):
+            run(None, plain)
+            cb = TorchDebugCallback(run=writer)
+            n0 = len(with_cb.times)
+            run(cb, with_cb)
+            ordinary += [t for j, t in enumerate(with_cb.times[n0:]) if j % every]
+    med = statistics.median(plain.times)
+    return {
+        "workload": f"{kind}-{args.framework_workload}",
+        "plain_ms": med * 1e3,
+        "ratio": statistics.median(with_cb.times) / med,
+        "ordinary_ratio": statistics.median(ordinary) / med,
+    }
+
+
 @contextlib.contextmanager
 def warnings_quiet() -> Any:
     import warnings
@@ -237,6 +375,9 @@ def warnings_quiet() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", td.TorchDebugWarning)
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        # the frameworks' own advice for toy data loaders and deprecations (not torchdebug's)
+        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
         yield
 
 
@@ -332,7 +473,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--chunk", type=int, default=20, help="steps per variant per repeat")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--only", default="mlp,gpt,cnn")
+    ap.add_argument("--only", default="mlp,gpt,cnn", help="workloads; '' for none (with a framework flag)")
+    ap.add_argument(
+        "--lightning",
+        action="store_true",
+        help="--framework-workload under lightning.Trainer, with/without the callback",
+    )
+    ap.add_argument(
+        "--transformers",
+        action="store_true",
+        help="--framework-workload under transformers.Trainer, with/without the callback",
+    )
+    ap.add_argument("--framework-workload", default="gpt", choices=["mlp", "gpt"])
     ap.add_argument("--ddp", type=int, default=0, metavar="N", help="DDP over gloo on N CPU processes")
     args = ap.parse_args(argv)
     if args.ddp:
@@ -350,13 +502,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         writer = create_run(root=tmp, name="bench")
         wl = workloads(args.device)
-        for name in args.only.split(","):
+        for name in [n for n in args.only.split(",") if n]:
             r = bench(name, wl[name], args, writer)
             ra = r["ratio"]
             print(
                 f"{name:<8} {r['plain_ms']:>9.2f} {ra['watch']:>6.3f}x {r['watch_ordinary_ratio']:>9.3f}x "
                 f"{r['watch_detail_ratio']:>7.3f}x {ra['sentinel']:>8.3f}x {ra['detect_anomaly']:>14.3f}x "
                 f"{r['replay_ratio']:>11.2f}x",
+                flush=True,
+            )
+        frameworks = [k for k in ("lightning", "transformers") if getattr(args, k)]
+        if frameworks:
+            print(f"{'framework loop':<18} {'plain ms':>9} {'callback':>9} {'(ordinary)':>11}")
+        for kind in frameworks:
+            r = bench_framework(kind, args, writer, tmp)
+            print(
+                f"{r['workload']:<18} {r['plain_ms']:>9.2f} {r['ratio']:>8.3f}x {r['ordinary_ratio']:>10.3f}x",
                 flush=True,
             )
         writer.close()

@@ -117,10 +117,11 @@ def test_command_discovery_imports_no_heavy_dependency() -> None:
         "torchdebug.demo",
         "torchdebug.report._cli",
         "torchdebug.server._cli",
+        "torchdebug.integrations._run_cli",
     ]
     code = (
         "import sys; from torchdebug.cli import build_parser; build_parser(); "
-        "print(sorted(m for m in ('fastapi', 'uvicorn', 'matplotlib', 'plotly', 'tensorboard') if m in sys.modules))"
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'matplotlib', 'plotly', 'tensorboard', 'lightning', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr

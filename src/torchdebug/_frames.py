@@ -17,13 +17,37 @@ _PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
 _STACK_DEPTH = 8
 
 _USER_CODE_IN_PACKAGE = (os.path.join(_OWN_DIR, "demo.py"),)  # the demo's model is user code
+# installed packages whose lines are never the user's: the training frameworks that call user code
+_LIBRARIES = frozenset(
+    {
+        "torch",
+        "torchdebug",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "lightning_utilities",
+        "transformers",
+        "accelerate",
+    }
+)
 
 
+def _installed_library(filename: str) -> bool:
+    for d in _PACKAGE_DIRS:
+        i = filename.find(d)
+        if i >= 0:
+            return filename[i + len(d) :].split(os.sep, 1)[0] in _LIBRARIES
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
 def skip_frame(filename: str) -> bool:
-    """True for frames that are not the user's: torch, torchdebug (but the demo), the stdlib, ``<string>``."""
+    """True for frames that are not the user's: torch, torchdebug (but the demo), the stdlib,
+    ``<string>``, and installed Lightning, transformers and accelerate (other installed libraries,
+    a model from timm say, are user code). Cached per file name."""
     if filename in _USER_CODE_IN_PACKAGE:
         return False
-    if filename.startswith((_TORCH_DIR, _OWN_DIR, "<")):
+    if filename.startswith((_TORCH_DIR, _OWN_DIR, "<")) or _installed_library(filename):
         return True
     # the stdlib (contextlib, functools ...), but not libraries installed under it (system Pythons
     # put site-packages inside the stdlib folder; a model from an installed library is user code)

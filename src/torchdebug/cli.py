@@ -50,6 +50,7 @@ _COMMAND_MODULES = [
     "torchdebug.demo",
     "torchdebug.report._cli",
     "torchdebug.server._cli",
+    "torchdebug.integrations._run_cli",
 ]
 
 

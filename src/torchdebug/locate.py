@@ -29,7 +29,7 @@ import functools
 import math
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1055,6 +1055,8 @@ class StepCapture:
     tape_complete: bool = False
     loss: torch.Tensor | None = None
     loss_grad: torch.Tensor | None = None
+    module: nn.Module | None = None  # the module whose forward was captured; None: the watched model
+    batch: Any = None  # the whole batch as a framework driver saw it (names tensors the loss alone used)
 
     @staticmethod
     def take(args: tuple, kwargs: dict, uses_cuda: bool) -> StepCapture:
@@ -1127,7 +1129,7 @@ def replay_capture(
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
         with tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
-            out = model(*cap.args, **cap.kwargs)
+            out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
             if tracer.symptom is not None:
                 return tracer
             loss = _rerun_tape(cap, out, tracer) if cap.tape_complete else None
@@ -1155,6 +1157,9 @@ def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | No
     sub = lambda t: mapping.get(id(t), t)  # noqa: E731
     try:
         for func, _types, args, kwargs, raw, res in cap.tape:
+            _check_loss_inputs(cap, args, kwargs, mapping, raw, tracer)
+            if tracer.symptom is not None:
+                break
             tracer.location_override = format_frames(raw)
             try:
                 new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
@@ -1168,6 +1173,49 @@ def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | No
         tracer.internal_errors.append(f"loss tape replay failed: {exc!r}")
         return None
     return mapping.get(id(cap.loss))  # None: the loss was not made by recorded calls
+
+
+def _check_loss_inputs(
+    cap: StepCapture, args: tuple, kwargs: dict, made: dict[int, torch.Tensor], raw: Any, tracer: Tracer
+) -> None:
+    """A NaN in a tensor the loss code used that neither the model nor the loss code made (a per-token
+    weight from the batch) entered with the batch: phase ``input``, named by its place in the batch.
+    Only NaN: an explicit +-Inf (a mask) is ordinary and left to the tracer."""
+    for t in tensor_leaves((args, kwargs)):
+        if id(t) in made or not _checkable(t) or t.requires_grad:
+            continue  # made by the replay, not floating point, or a parameter (checked before the replay)
+        f = _flags(t)
+        if not f.nan:
+            continue
+        name = _batch_path(cap.batch, t) or "a tensor the loss code used (not made by the model)"
+        loc, stack = format_frames(raw)
+        ev = tracer._event(Phase.INPUT.value, "", "", "", loc, stack, f.kind, t, [])
+        with torch._C.DisableTorchFunction():
+            ev.tensor = analyze_tensor(t, name)
+        ev.hint = (
+            f"the batch already holds NaN in {name} ({f.nan} NaN), used only by the loss code at "
+            f"{loc or 'an unknown line'}; check the data pipeline"
+        )
+        tracer._set_symptom(ev, f"nan in {name}")
+        return
+
+
+def _batch_path(batch: Any, t: torch.Tensor, path: str = "batch", depth: int = 0) -> str | None:
+    """Where ``t`` sits in ``batch`` (``batch[3]``, ``batch['weight']``), by identity; None if absent."""
+    if batch is t:
+        return path
+    if depth > 4:
+        return None
+    items: Iterable[tuple[Any, Any]] = ()
+    if isinstance(batch, Mapping):
+        items = batch.items()
+    elif isinstance(batch, (list, tuple)):
+        items = enumerate(batch)
+    for k, v in items:
+        found = _batch_path(v, t, f"{path}[{k!r}]", depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 _ACCESSORS = ("__get__", "__set__", "__delete__")

@@ -203,6 +203,7 @@ class Monitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+        optimizer = _unwrap_optimizer(optimizer)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"watch(..., optimizer=): expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -244,6 +245,7 @@ class Monitor:
         # who produces the step protocol: None = the plain-loop hooks (optimizer pre/post hooks);
         # a framework adapter sets its name and calls update_starting()/update_done() itself
         self.driver: str | None = None
+        self.batch: Any = None  # a driver's current batch; kept (a reference) with the micro-step's capture
         self.writer: Any = None
         self.run_dir: Path | None = None
         self.instruments: list[Any] = []
@@ -606,6 +608,9 @@ class Monitor:
             self._need_new_capture = False
             if self._sentinel and self.config.replay and len(self._captures) < _MAX_CAPTURES:
                 self._cap = StepCapture.take(args, kwargs, self._uses_cuda)
+                if module is not self.model:
+                    self._cap.module = module  # a driver hooked the submodule the training step calls
+                self._cap.batch = self.batch
                 self._captures.append(self._cap)
             else:
                 self._cap = None
@@ -674,6 +679,7 @@ class Monitor:
 
     # -- hot path: optimizer ---------------------------------------------------------------------
     def _owns_optimizer(self, opt: Any) -> bool:
+        opt = _unwrap_optimizer(opt)
         if self.optimizer is not None:
             return opt is self.optimizer
         if id(opt) in self._adopted:
@@ -702,7 +708,11 @@ class Monitor:
             self._scaler_skipped = True
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._replaying or self.driver is not None or not self._owns_optimizer(opt):
+        if self._replaying or not self._owns_optimizer(opt):
+            return
+        if self.driver is not None:
+            # the driver called update_starting() earlier; the update really runs (not skipped by a scaler)
+            self._opt_ran_in_scaler = True
             return
         self.update_starting(opt)
 
@@ -881,7 +891,7 @@ class Monitor:
         policy = self.config.policy
         if policy == "skip":
             if at_optimizer and opt is not None:
-                for g in opt.param_groups:
+                for g in _unwrap_optimizer(opt).param_groups:
                     for p in g["params"]:
                         p.grad = (
                             None  # the optimizer skips parameters without grads: no update, no state change
@@ -1129,6 +1139,18 @@ class Monitor:
         self._reset_step_state()
         self._last_step_end = time.perf_counter()
         return record
+
+
+def _unwrap_optimizer(opt: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Lightning's ``LightningOptimizer._optimizer``,
+    accelerate's ``AcceleratedOptimizer.optimizer``); anything else unchanged."""
+    for _ in range(4):  # wrappers nest at most a few deep
+        attrs = getattr(opt, "__dict__", None) or {}  # not getattr: LightningOptimizer forwards lookups
+        inner = attrs.get("_optimizer", attrs.get("optimizer"))
+        if not isinstance(inner, torch.optim.Optimizer):
+            return opt
+        opt = inner
+    return opt
 
 
 def _read(items: list[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -1,0 +1,179 @@
+"""The Lightning driver of watch(): a ``Callback`` that runs the step protocol where Lightning owns the loop.
+
+Lightning 2.x hook order this callback relies on (lightning/pytorch, 2.6):
+
+- automatic optimization: ``LightningModule.optimizer_step`` -> ``optimizer.step(closure)``; the
+  precision plugin's ``_wrap_closure`` runs the closure (``training_step``, ``zero_grad``, backward)
+  and then ``on_before_optimizer_step`` (plugins/precision/precision.py:109-110, 87), all inside
+  ``optimizer.step``: the optimizer's step pre-hook fires before the forward, so the check runs at
+  ``on_before_optimizer_step`` instead. With a GradScaler (``16-mixed``) the closure runs, then
+  ``scaler.unscale_``, then ``on_before_optimizer_step``, then ``scaler.step`` (plugins/precision/amp.py:79-96).
+- gradient accumulation: the closure runs without ``optimizer.step`` on accumulating batches
+  (loops/optimization/automatic.py:183-190); ``on_before_optimizer_step`` fires on the stepping batch only.
+- manual optimization: ``LightningOptimizer.step`` -> ``strategy.optimizer_step`` -> the same
+  precision plugin path (core/optimizer.py:146-156), so ``on_before_optimizer_step`` fires there too.
+- ``on_train_batch_end`` comes after the batch's optimizer step (loops/training_epoch_loop.py:350-374).
+- an exception in ``fit`` calls ``on_exception`` and re-raises (trainer/call.py:67-78).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..monitor import Monitor, _unwrap_optimizer
+from ._session import check_watch_kwargs, close_session, open_session
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    try:
+        from pytorch_lightning import Callback  # type: ignore[assignment]  # the older package name, same hooks
+    except ImportError as exc:
+        raise ImportError(
+            "torchdebug.integrations.lightning needs Lightning: pip install 'torchdebug[lightning]'"
+        ) from exc
+
+__all__ = ["TorchDebugCallback"]
+
+
+class TorchDebugCallback(Callback):  # type: ignore[misc]
+    """Watch a LightningModule under ``Trainer.fit``: the NaN/Inf sentinel and instruments of :func:`watch`.
+
+    Args:
+        **watch_kwargs: the options of :func:`torchdebug.watch` (``policy``, ``run``, ``config`` ...);
+            the model and optimizer come from the trainer.
+
+    Module names are relative to the LightningModule (``model.blocks.0.attn`` when ``training_step``
+    calls ``self.model(x)``). The gradients are checked at ``on_before_optimizer_step``, after the
+    closure's forward and backward and before the update, in automatic and manual optimization, with
+    gradient accumulation and the AMP precision plugins. ``policy="skip"`` drops the bad step's
+    gradients so the update does nothing and training goes on; ``"raise"`` stops ``fit`` with
+    :class:`torchdebug.NonFiniteError` and the run is marked ``failed``.
+
+    Raises:
+        TypeError / ValueError: an unknown option, ``model=``/``optimizer=``, or a bad policy.
+        ImportError: Lightning is not installed (``pip install 'torchdebug[lightning]'``).
+
+    Example::
+
+        from torchdebug.integrations.lightning import TorchDebugCallback
+        trainer = L.Trainer(callbacks=[TorchDebugCallback(policy="raise")])
+        trainer.fit(model, loader)
+
+    Cost: that of :func:`watch` (one host transfer per optimizer step), plus on the first training
+    batch a forward pre-hook on each module to find the one ``training_step`` calls.
+    """
+
+    def __init__(self, **watch_kwargs: Any) -> None:
+        super().__init__()
+        self.watch_kwargs = check_watch_kwargs("TorchDebugCallback", watch_kwargs)
+        self.monitor: Monitor | None = None
+        self._handles: list[Any] = []
+        self._finding: list[Any] = []
+        self._in_batch = False
+        self._root_depth = 0
+        self._stepped = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        close_session(self.monitor, None)  # a previous fit that ended without our hooks
+        self.monitor = open_session(pl_module, "lightning", self.watch_kwargs)
+        self._stepped = False
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed": known from step 0
+        if scaler is not None and self.monitor.scaler is None:
+            self.monitor.scaler = scaler
+        for opt in trainer.optimizers:
+            raw = _unwrap_optimizer(opt)
+            self.monitor._owns_optimizer(raw)  # adopt it: the skipped-step rules know an optimizer exists
+            self._handles.append(raw.register_step_post_hook(self._after_update))
+        self._find_entry(pl_module)
+
+    def on_fit_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._close(None)
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        self._close(exception)
+
+    def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+        self._close(None)  # no-op after on_fit_end / on_exception
+
+    def _close(self, exc: BaseException | None) -> None:
+        self._unhook()
+        close_session(self.monitor, exc)  # the monitor stays readable: .anomalies, .records, .run_dir
+
+    def _live(self) -> Monitor | None:
+        mon = self.monitor
+        return None if mon is None or mon._closed else mon
+
+    def _unhook(self) -> None:
+        for h in self._handles + self._finding:
+            h.remove()
+        self._handles.clear()
+        self._finding.clear()
+
+    # -- the step protocol -----------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
+        self._in_batch = True
+        mon = self._live()
+        if mon is not None:
+            mon.batch = batch  # names a batch tensor that only the loss code used, in a replay
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
+        mon = self._live()
+        if mon is None:
+            return
+        self._stepped = True
+        raw = _unwrap_optimizer(optimizer)
+        mon._owns_optimizer(raw)
+        mon.update_starting(raw)  # the step's one transfer + the check; may raise NonFiniteError
+
+    def _after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        # the optimizer's own step post-hook: the update ran (not skipped by a GradScaler)
+        mon = self._live()
+        if mon is not None and self._stepped:
+            mon.update_done(opt)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._in_batch = False
+        mon = self._live()
+        if mon is not None and self._stepped:
+            self._stepped = False
+            mon.step()  # accumulating batches end without an optimizer step: not a step
+
+    # -- which module training_step calls --------------------------------------------------------
+    def _find_entry(self, pl_module: nn.Module) -> None:
+        """Hook the module ``training_step`` calls first: the LightningModule itself (``self(x)``, the
+        session's own hooks) or a submodule (``self.model(x)``, which the root's hooks never see)."""
+
+        def root_pre(mod: nn.Module, args: Any) -> None:
+            self._root_depth += 1
+
+        def root_post(mod: nn.Module, args: Any, out: Any) -> None:
+            self._root_depth -= 1
+            if self._in_batch and torch.is_grad_enabled():
+                self._stop_finding()  # self(x): the session's root hooks capture it
+
+        def child_pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            mon = self._live()
+            if mon is None or self._root_depth or not self._in_batch or not torch.is_grad_enabled():
+                return
+            self._stop_finding()
+            self._handles.append(mod.register_forward_pre_hook(mon._root_pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(mon._root_post))
+            mon._root_pre(mod, args, kwargs)  # this call's pre-hooks were gathered before ours was added
+
+        self._finding.append(pl_module.register_forward_pre_hook(root_pre))
+        self._finding.append(pl_module.register_forward_hook(root_post))
+        for mod in pl_module.modules():
+            if mod is not pl_module:
+                self._finding.append(mod.register_forward_pre_hook(child_pre, with_kwargs=True))
+
+    def _stop_finding(self) -> None:
+        for h in self._finding:
+            h.remove()
+        self._finding.clear()

@@ -1,0 +1,60 @@
+"""`torchdebug run SCRIPT ...`: an unmodified nanoGPT-style script watched from outside."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import torchdebug as td
+from tests.fixtures.models import origin_line
+from torchdebug.cli import main
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fixtures", "nanogpt_script.py")
+
+
+def meta(run_root) -> dict:
+    (run,) = [p for p in run_root.iterdir() if p.is_dir()]
+    return json.loads((run / "meta.json").read_text())
+
+
+def assert_clean_exit() -> None:
+    assert td.monitor._ACTIVE == [] and td.monitor._ORIGINALS == {}
+    assert torch.optim.Optimizer.__init__.__qualname__ == "Optimizer.__init__"
+
+
+def test_run_finds_model_and_optimizer_and_names_the_injected_fault(tmp_path, capsys):
+    code = main(["run", "--run-dir", str(tmp_path), SCRIPT, "--iters", "6", "--bad-iter", "3"])
+    err = capsys.readouterr().err
+    assert code == 1
+    # iteration 3 is step 3; the first block's attention softmax over an all-padding row
+    assert "nan born in forward of transformer.h.0.attn (CausalSelfAttention): aten._softmax" in err
+    assert f"at {origin_line('script_softmax', SCRIPT)} (step 3)" in err
+    assert "watched GPT with AdamW: 3 steps, 1 anomalies" in err
+    assert meta(tmp_path)["status"] == "failed"
+    assert_clean_exit()
+
+
+def test_run_clean_script_counts_its_optimizer_steps(tmp_path, capsys):
+    code = main(["run", "--run-dir", str(tmp_path), SCRIPT, "--iters", "5"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("done: loss ")
+    assert "watched GPT with AdamW: 5 steps, 0 anomalies" in err
+    assert meta(tmp_path)["status"] == "finished"
+    assert_clean_exit()
+
+
+def test_run_says_what_it_cannot_find(tmp_path, capsys):
+    script = tmp_path / "no_opt.py"
+    script.write_text("import torch\nm = torch.nn.Linear(2, 2)\nm(torch.ones(1, 2)).sum().backward()\n")
+    assert main(["run", "--run-dir", str(tmp_path / "runs"), str(script)]) == 0
+    err = capsys.readouterr().err
+    assert "created no torch.optim optimizer, so no model was found; nothing was watched" in err
+    assert "`with td.watch(model, optimizer) as mon:`" in err
+    assert_clean_exit()
+
+
+def test_run_missing_script_is_a_one_line_error(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.py")]) == 1
+    assert "no such script" in capsys.readouterr().err
