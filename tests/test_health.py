@@ -230,10 +230,14 @@ def test_dead_units_and_update_ratio_rules() -> None:
     assert dead.update(20, {"act1": 0.95, "act2": 0.99}) is None  # same episode
     ratio = UpdateRatioRule(1e-5, 1e-1)
     ndims = {"fc.weight": 2, "fc.bias": 1, "out.weight": 2}
-    e = ratio.update(0, {"fc.weight": 0.5, "fc.bias": 3.0, "out.weight": 1e-3}, ndims)
-    assert e is not None and e.modules == ("fc",) and e.evidence["ratios"] == {"fc.weight": 0.5}
+    # two checks in a row (patience 2): one check, such as an optimizer's first update, is not enough
+    assert ratio.update(0, {"fc.weight": 0.5, "fc.bias": 3.0, "out.weight": 1e-3}, ndims) is None
+    e = ratio.update(10, {"fc.weight": 0.4, "fc.bias": 3.0, "out.weight": 1e-3}, ndims)
+    assert e is not None and e.modules == ("fc",) and e.evidence["ratios"] == {"fc.weight": 0.4}
     assert "too high" in e.message
-    assert ratio.update(10, {"fc.weight": 0.0, "out.weight": 1e-7}, ndims).modules == ("out",)
+    assert ratio.update(20, {"fc.weight": 0.0, "out.weight": 1e-7}, ndims) is None
+    assert ratio.update(30, {"fc.weight": 0.3, "out.weight": 1e-7}, ndims).modules == ("out",)
+    assert ratio.update(40, {"fc.weight": 0.3, "out.weight": 1e-7}, ndims) is None  # same episodes
 
 
 def test_activation_stats_hand_worked() -> None:

@@ -525,26 +525,42 @@ class DeadUnitRule:
 
 
 class UpdateRatioRule:
-    """Update/weight ratio ``|Δθ| / |θ|`` of a matrix parameter outside ``[lo, hi]``.
+    """Update/weight ratio ``|Δθ| / |θ|`` of a matrix parameter outside ``[lo, hi]`` at ``patience``
+    detail checks in a row.
 
     Only parameters with >= 2 dimensions are judged (biases and norm scales start near 0, so their
     ratio says little); a ratio of exactly 0 (the parameter was not updated) is left to the
-    vanishing rule. Once per parameter per episode.
+    vanishing rule. One check is never enough: an optimizer's first update is not its steady size
+    (Adadelta's first step moves every element by ~sqrt(eps / 0.1) = 3.2e-3 whatever the gradient:
+    0.15 of a small Linear(2304, 32) weight, 0.05 ten steps later; Adam's first steps are
+    ``lr * sign(g)``). Once per parameter per episode.
 
     Example:
-        >>> UpdateRatioRule(1e-5, 1e-1).update(0, {"fc.weight": 0.5}, {"fc.weight": 2}).kind
+        >>> rule = UpdateRatioRule(1e-5, 1e-1)
+        >>> rule.update(0, {"fc.weight": 0.5}, {"fc.weight": 2}) is None
+        True
+        >>> rule.update(10, {"fc.weight": 0.5}, {"fc.weight": 2}).kind
         'update_ratio'
     """
 
-    def __init__(self, lo: float = 1e-5, hi: float = 1e-1) -> None:
+    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2) -> None:
         self.lo, self.hi = float(lo), float(hi)
+        self.patience = int(patience)
+        self.streaks: dict[str, Streak] = {}
         self.active: set[str] = set()
         self.count = 0
 
     def update(self, step: int, ratios: Mapping[str, float], ndims: Mapping[str, int]) -> RuleEvent | None:
         """Feed per-parameter update/weight ratios of one detail check and the parameters' ``ndim``."""
         judged = {n: r for n, r in ratios.items() if ndims.get(n, 0) >= 2 and r != 0 and r == r}  # no NaN
-        fired = fire_once(self.active, judged, lambda r: r < self.lo or r > self.hi)
+
+        def sustained(name: str, r: float) -> bool:
+            streak = self.streaks.setdefault(name, Streak(self.patience))
+            streak.update(r < self.lo or r > self.hi)
+            return streak.count >= self.patience
+
+        flags = {n: float(sustained(n, r)) for n, r in judged.items()}
+        fired = {n: judged[n] for n in fire_once(self.active, flags, bool)}
         if not fired:
             return None
         self.count += len(fired)
@@ -827,7 +843,6 @@ class GradientHealth:
         step = int(record.step)
         handed, self._handed = self._handed, {}
         self.counters["total_steps"] += 1
-        self._step_had_anomaly = False
         loss = values.get("loss")
         norm = values.get("grad_norm")
         norms_host = mon.grad_norms_host
@@ -876,8 +891,9 @@ class GradientHealth:
         if "act" in handed:
             self._act_insight(mon, step, handed["act"], values)
         self._early_stopping(mon, step)
-        if self._step_had_anomaly:
+        if self._step_had_anomaly:  # also set before the update (an explosion judged pre-update)
             self.counters["anomaly_steps"] += 1
+        self._step_had_anomaly = False
 
     # ----------------------------------------------------------------- pieces of on_step_end
 
