@@ -30,6 +30,7 @@ from torch import nn
 
 from ._config import DebugConfig, DebugLevel, coerce_config
 from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
+from ._frames import warn_at_user
 from ._trees import tensor_leaves
 from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
@@ -437,7 +438,7 @@ class Monitor:
                 self.writer.log_event(event.step, event.kind, event.severity, event.message, event.to_dict())
         if event.severity != "info" and event.kind not in self._warned:
             self._warned.add(event.kind)
-            warnings.warn(TorchDebugWarning(f"torchdebug: {event}"), stacklevel=3)
+            warn_at_user(TorchDebugWarning(f"torchdebug: {event}"))  # the user's line, not ours
 
     def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
         if self.writer is not None:

@@ -162,7 +162,7 @@ class SlowdownRule:
     def __init__(
         self,
         factor: float = 1.5,
-        recent: int = 5,
+        recent: int = 9,
         window: int = 100,
         min_baseline: int = 10,
         min_s: float = 0.002,
