@@ -336,3 +336,39 @@ def test_real_random_label_loop_with_jittery_loader_is_quiet(tmp_path, one_threa
     assert kinds.count("loss_plateau_end") == 0
     assert kinds.count("slowdown") == 0
     assert [str(w.message) for w in record] == []
+
+
+def test_policy_skip_said_once_per_episode_with_the_count(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bad = {2, 3, 4, 8}  # two episodes: steps 2-4 and step 8
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with tdm.watch(model, opt, config={"run_dir": str(tmp_path), "policy": "skip"}) as mon:
+            for step in range(11):
+                x = torch.randn(4, 8)
+                if step in bad:
+                    x[0, 0] = float("nan")
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+                mon.step()
+                line = sys._getframe().f_lineno - 1
+        ends = [e for e in mon.events if e.kind == "skipped_steps"]
+    said = [
+        (str(w.message), w.filename, w.lineno) for w in record if issubclass(w.category, TorchDebugWarning)
+    ]
+    assert mon.counters["skipped_steps"] == 4
+    assert [(e.step, e.evidence["count"]) for e in ends] == [(5, 3), (9, 1)]
+    # start of each episode (attributed to the optimizer's step, where the skip happens, or to
+    # mon.step()) and its end with the count, at the mon.step() line: 4 lines for 4 skipped steps
+    assert len(said) == 4
+    assert said[0][0].startswith("torchdebug: step 2 skipped by policy: nan born in input")
+    assert (
+        said[1][0] == "torchdebug: 3 steps skipped by policy='skip' (steps 2-4); training resumed at step 5"
+    )
+    assert said[2][0].startswith("torchdebug: step 8 skipped by policy")
+    assert said[3][0] == "torchdebug: 1 step skipped by policy='skip' (step 8); training resumed at step 9"
+    assert all(f == THIS_FILE for _, f, _ in said)
+    assert said[1][2] == line and said[3][2] == line
