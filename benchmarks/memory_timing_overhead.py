@@ -4,7 +4,9 @@ Modes (each is what the instrument does on a step it measures; they run on a few
 module_memory (saved-tensor hook + module stack + the per-module table), module_time (forward
 pre/post hooks + multi-grad hooks per module, one read per step), flops_step (FlopCounterMode +
 op recorder over forward and backward, then the report). Also the always-on pieces per call:
-memory_sample() and a LeakDetector.add() over a full window.
+memory_sample() and a LeakDetector.add() over a full window, and the leak test's detection
+latency under the default watch: a loop that, from step 50 (or 500) on, keeps each step's
+evaluation output with its graph (64 KiB and 170 KiB a step), and the step the "memory_leak" event names.
 
 Workloads: MLP 784-1024-1024-10 batch 256 (few, big modules) and a 24-block residual MLP of width
 128 batch 32 (many small modules: the worst case for per-module hooks). Modes are interleaved in
@@ -12,19 +14,24 @@ chunks so machine noise hits them alike; printed: median ms/step and the median 
 ratios to the plain step of the same repeat.
 
     python benchmarks/memory_timing_overhead.py [--repeats 5] [--chunk 5] [--only mlp,deep24]
+        [--latency-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torchdebug.monitor as tdm
+from torchdebug._config import DebugConfig
 from torchdebug.instruments.flops import _FlopSession
 from torchdebug.instruments.memory import LeakDetector
 from torchdebug.instruments.timing import ModuleTimer
@@ -147,17 +154,68 @@ def micro() -> None:
     print(f"  LeakDetector.add, growing, window 50 {grow_us:7.1f} us  (Theil–Sen runs)")
 
 
+def leak_latency(hidden: int, start: int = 50, steps: int = 600) -> tuple[int | None, float | None, str]:
+    """Steps from the leak's start to the memory_leak event under the default watch, and its bytes/step.
+
+    The leak: each step's evaluation output kept with its graph; the graph holds the (64, hidden)
+    float32 Tanh output: 64 * hidden * 4 bytes a step (hidden 256: 64 KiB; 680: 170 KiB).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    x_val = torch.randn(64, 16, generator=g)
+    kept = []
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tdm.watch(model, opt, config={"run_dir": d}) as mon:
+            for step in range(steps):
+                out = model(x_val)
+                if step >= start:
+                    kept.append(out)
+                x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+                loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                mon.step()
+                leaks = next(i for i in mon.instruments if i.name == "memory").leaks
+                if leaks:
+                    return leaks[0].step - start, leaks[0].bytes_per_step, leaks[0].series
+    return None, None, ""
+
+
+def latency() -> None:
+    cfg = DebugConfig()
+    print(
+        f"\nleak detection latency, default watch (memory_every={cfg.memory_every}, leak_every="
+        f"{cfg.leak_every}, leak_window={cfg.leak_window} samples = "
+        f"{cfg.leak_every * cfg.leak_window} steps)"
+    )
+    print(f"  {'leak from':>9} {'kept/step':>10} {'reported after':>15} {'measured':>12}  series")
+    for start in (50, 500):
+        for hidden in (256, 680):
+            after, per_step, series = leak_latency(hidden, start=start, steps=start + 400)
+            size = f"{64 * hidden * 4 / 1024:.0f} KiB"
+            got = f"{after} steps" if after is not None else "not found"
+            rate = f"{per_step / 1024:.1f} KiB" if per_step is not None else "-"
+            print(f"  {start:>9} {size:>10} {got:>15} {rate:>12}  {series}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=5)
     ap.add_argument("--only", default="mlp,deep24")
+    ap.add_argument("--latency-only", action="store_true", help="only the leak detection latency")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
-    for name in args.only.split(","):
-        bench(name, args.repeats, args.chunk)
-    micro()
+    if not args.latency_only:
+        for name in args.only.split(","):
+            bench(name, args.repeats, args.chunk)
+        micro()
+    latency()
 
 
 if __name__ == "__main__":

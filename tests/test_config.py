@@ -93,6 +93,7 @@ EXPECTED_DEFAULTS = {
     "input_bound_fraction": 0.3,
     "slowdown_factor": 1.5,
     "leak_window": 50,
+    "leak_every": 4,
     "leak_min_bytes_per_step": 65536,
     "leak_warmup": 5,
     "memory_history": False,

@@ -183,9 +183,17 @@ def test_loss_plateau_window_and_rearm() -> None:
     events = {s: e for s, v in enumerate(losses) if (e := rule.update(s, v)) is not None}
     # 1/(1+19) = 0.05: the flat stretch starts at step 19; the older half (steps s-9..s-5) has median
     # 0.05 once 3 of its 5 values are 0.05 (the others are larger): s-5 = 21 -> step 26.
-    # The decline 0.04 .. 0.029 (steps 35..46) re-arms it; 0.01 from step 47: s-5 = 49 -> step 54.
-    assert sorted(events) == [26, 54]
+    # The decline 0.04 .. 0.029 (steps 35..46) ends it: at step 37 the newer half (33..37) is
+    # 0.05, 0.05, 0.04, 0.039, 0.038 -> median 0.04, the older half 0.05; the noise of this smooth
+    # series is 0 (its successive differences are mostly 0: MAD 0) -> "loss_plateau_end" after
+    # 37 - 26 = 11 steps; 0.01 from step 47: s-5 = 49 -> the next plateau at step 54.
+    assert {s: e.kind for s, e in events.items()} == {
+        26: "loss_plateau",
+        37: "loss_plateau_end",
+        54: "loss_plateau",
+    }
     assert events[26].severity == "info" and events[26].evidence["relative_change"] == 0.0
+    assert events[37].evidence["steps"] == 11 and events[37].severity == "info"
     with pytest.raises(ValueError, match="window"):
         LossPlateauRule(window=1)
 
@@ -230,10 +238,14 @@ def test_dead_units_and_update_ratio_rules() -> None:
     assert dead.update(20, {"act1": 0.95, "act2": 0.99}) is None  # same episode
     ratio = UpdateRatioRule(1e-5, 1e-1)
     ndims = {"fc.weight": 2, "fc.bias": 1, "out.weight": 2}
-    e = ratio.update(0, {"fc.weight": 0.5, "fc.bias": 3.0, "out.weight": 1e-3}, ndims)
-    assert e is not None and e.modules == ("fc",) and e.evidence["ratios"] == {"fc.weight": 0.5}
+    # two checks in a row (patience 2): one check, such as an optimizer's first update, is not enough
+    assert ratio.update(0, {"fc.weight": 0.5, "fc.bias": 3.0, "out.weight": 1e-3}, ndims) is None
+    e = ratio.update(10, {"fc.weight": 0.4, "fc.bias": 3.0, "out.weight": 1e-3}, ndims)
+    assert e is not None and e.modules == ("fc",) and e.evidence["ratios"] == {"fc.weight": 0.4}
     assert "too high" in e.message
-    assert ratio.update(10, {"fc.weight": 0.0, "out.weight": 1e-7}, ndims).modules == ("out",)
+    assert ratio.update(20, {"fc.weight": 0.0, "out.weight": 1e-7}, ndims) is None
+    assert ratio.update(30, {"fc.weight": 0.3, "out.weight": 1e-7}, ndims).modules == ("out",)
+    assert ratio.update(40, {"fc.weight": 0.3, "out.weight": 1e-7}, ndims) is None  # same episodes
 
 
 def test_activation_stats_hand_worked() -> None:

@@ -218,7 +218,10 @@ def test_policy_skip_leaves_parameters_and_optimizer_state_unchanged() -> None:
     model = fx.MLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     records = []
-    with td.watch(model, opt, run=False, policy="skip", config=SENTINEL_ONLY) as mon:
+    with (
+        pytest.warns(td.TorchDebugWarning, match="skipped by policy") as said,
+        td.watch(model, opt, run=False, policy="skip", config=SENTINEL_ONLY) as mon,
+    ):
         for i in range(5):
             x = torch.randn(4, 8)
             if i == 2:
@@ -238,6 +241,12 @@ def test_policy_skip_leaves_parameters_and_optimizer_state_unchanged() -> None:
     assert records[2].anomaly is not None and records[2].anomaly.phase == "input"
     assert mon.counters["skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # said once when the run of skips starts and once, with its count, when it ends (issue 12.5)
+    assert [str(w.message)[:37] for w in said] == [
+        "torchdebug: step 2 skipped by policy:",
+        "torchdebug: 1 step skipped by policy=",
+    ]
+    assert str(said[1].message).endswith("(step 2); training resumed at step 3")
 
 
 def test_gradscaler_overflow_is_a_skipped_step_not_an_anomaly() -> None:

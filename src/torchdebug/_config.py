@@ -338,8 +338,11 @@ class DebugConfig:
       to on a spike].
     - loss rules: loss_spike_mads [10.0], loss_plateau_window [200, 2..10000], loss_plateau_rel [1e-4].
     - mixed precision: scale_floor [1.0], scale_shrink_steps [5].
-    - input_bound_fraction [0.3, in (0, 1]]; slowdown_factor [1.5, > 1]; leak_window [50, 2..1000];
-      leak_min_bytes_per_step [65536: smaller growth is not a leak]; leak_warmup [5 samples ignored];
+    - input_bound_fraction [0.3, in (0, 1]]; slowdown_factor [1.5, > 1]; leak_window [50 samples, 2..1000];
+      leak_every [4: steps between leak-test samples, or memory_every when smaller; the window spans
+      leak_window * leak_every = 200 steps, so a 64 KiB/step leak is reported ~150 steps after it
+      starts]; leak_min_bytes_per_step [65536: smaller growth is not a leak]; leak_warmup [5 samples
+      ignored];
       memory_history [False: record CUDA allocation history for OOM snapshots, costs];
       tokens_per_step [None: tokens per step for tokens/s, else inferred from (B, T) integer input];
       on_oom "raise"|"retry_half" ["raise"]; rank [None: from torch.distributed / RANK].
@@ -424,6 +427,7 @@ class DebugConfig:
     input_bound_fraction: float = _opt(0.3, gt=0, le=1)
     slowdown_factor: float = _opt(1.5, gt=1)
     leak_window: int = _opt(50, ge=2, le=1_000)  # Theil-Sen slope: O(window**2) when memory grows
+    leak_every: int = _opt(4, ge=1)
     leak_min_bytes_per_step: int = _opt(65536, ge=0)
     leak_warmup: int = _opt(5, ge=0)
     memory_history: bool = False

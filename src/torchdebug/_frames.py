@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -115,3 +116,29 @@ def user_stack(start: Any = None, depth: int = _STACK_DEPTH) -> tuple[str | None
         f = f.f_back
     frames.reverse()  # innermost last
     return first, tuple(frames)
+
+
+def warn_at_user(message: Warning, start: Any = None) -> None:
+    """Issue ``message`` attributed to the innermost user frame (not torch's, not torchdebug's).
+
+    ``warnings.warn(stacklevel=N)`` points at whatever frame sits N levels up, which inside hooks
+    and wrapped optimizers is torch's or torchdebug's own line; this walks to the user's line (the
+    ``opt.step()`` or ``mon.step()`` call) and honours the filters and "once" registry of that
+    frame's module, as ``warnings.warn`` would. Falls back to the caller when no user frame exists.
+    """
+    f = start if start is not None else sys._getframe(1)
+    first = f
+    while f is not None and skip_frame(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        f = first
+    g = f.f_globals
+    warnings.warn_explicit(
+        message,
+        type(message),
+        f.f_code.co_filename,
+        f.f_lineno,
+        module=g.get("__name__"),
+        registry=g.setdefault("__warningregistry__", {}),
+        module_globals=g,
+    )

@@ -32,6 +32,7 @@ from torch import nn
 from . import distributed as _distributed
 from ._config import DebugConfig, DebugLevel, coerce_config
 from ._errors import NonFiniteError, RunStoreError, TorchDebugWarning
+from ._frames import warn_at_user
 from ._trees import tensor_leaves
 from .events import Anomaly, Phase, RuleEvent, StepRecord, rule_counts, training_summary
 from .locate import LossTape, StepCapture, replay_capture
@@ -253,6 +254,7 @@ class Monitor:
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
         self.counters: dict[str, int] = {"anomaly_steps": 0, "skipped_steps": 0, "replays": 0}
+        self._skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
         self.grad_norm_host: float | None = None
         self.grad_norms_host: list[float] | None = None
         self.level_overrides: list[str] = []
@@ -296,6 +298,7 @@ class Monitor:
         if exc is None and self._sentinel:
             with contextlib.suppress(Exception):
                 self._final_check()
+        self._say_skips(at_exit=True)
         for inst in list(self.instruments):
             self._call(inst, "on_exit")
         self._teardown(exc)
@@ -451,7 +454,7 @@ class Monitor:
                 self.writer.log_event(event.step, event.kind, event.severity, event.message, event.to_dict())
         if event.severity != "info" and event.kind not in self._warned:
             self._warned.add(event.kind)
-            warnings.warn(TorchDebugWarning(f"torchdebug: {event}"), stacklevel=3)
+            warn_at_user(TorchDebugWarning(f"torchdebug: {event}"))  # the user's line, not ours
 
     def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
         if self.writer is not None:
@@ -1064,6 +1067,36 @@ class Monitor:
         if not scaler:
             self.emit(RuleEvent("skipped_step", self.global_step, reason, severity))
 
+    def _say_skips(self, at_exit: bool = False) -> None:
+        """policy="skip": say a run of skipped steps once when it starts and once, with its count, when it ends."""
+        run = self._skip_run
+        if not at_exit and self._skipped and self._skip_reason.startswith("skipped by policy"):
+            if run is not None:
+                run[1] += 1
+                return
+            self._skip_run = [self.global_step, 1]
+            warn_at_user(
+                TorchDebugWarning(
+                    f"torchdebug: step {self.global_step} {self._skip_reason}; the parameters and the "
+                    "optimizer state are unchanged (policy='skip'). Skipped steps in a row are counted "
+                    "and said once when they stop"
+                )
+            )
+            return
+        if run is None:
+            return
+        self._skip_run = None
+        first, n = run
+        span = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
+        after = "when the run ended" if at_exit else f"training resumed at step {self.global_step}"
+        message = f"{n} step{'s' if n != 1 else ''} skipped by policy='skip' ({span}); {after}"
+        self.emit(
+            RuleEvent(
+                "skipped_steps", self.global_step, message, "info", evidence={"first": first, "count": n}
+            )
+        )
+        warn_at_user(TorchDebugWarning(f"torchdebug: {message}"))
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -1129,6 +1162,7 @@ class Monitor:
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 self.writer.log_scalars(self.global_step, scalars)
+        self._say_skips()
         self._each("on_step_end", record, v)
         self.records.append(record)
         if self._pending_level is not None or self._pending_changes:

@@ -8,6 +8,7 @@ to the monitor's single host transfer per step.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ from torch import nn
 
 from ..events import RuleEvent, training_summary
 from ..stats import foreach_norms
-from ._robust import RunningMedian, Streak
+from ._robust import MAD_TO_SIGMA, RunningMedian, Streak
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
 WINDOW = 200
@@ -26,6 +27,11 @@ WINDOW = 200
 LOG_SIGMA_FLOOR = 0.05
 # A relative explosion must also be this many times the running median norm.
 MIN_EXPLODE_RATIO = 3.0
+# Inside the warm-up: judged after this many norms, and only a blow-up this many times the median.
+EARLY_HISTORY = 5
+EARLY_RATIO = 10.0
+# Exploding norms stay out of the running range for this many steps of an episode (then it adapts).
+FREEZE = 50
 # Floor of the loss sigma relative to |median loss| (a flat loss is not a license to flag 0.1 % bumps).
 LOSS_REL_FLOOR = 1e-2
 TOP_K = 3
@@ -94,6 +100,12 @@ class ExplosionRule:
     Working in log space makes the rule scale-free (a model whose norm is 1e-3 and one whose norm
     is 50 are judged alike) and keeps the slow drift of a healthy run inside the range. The two
     triggers are OR-ed: a 1 -> 1000 blow-up is an explosion even if it stays below 1e4.
+    During the warm-up, after ``EARLY_HISTORY`` observations, only a blow-up of at least
+    ``EARLY_RATIO`` (10) times the median so far counts (early norms move a lot, but not 10x at
+    once): a run that diverges in its first steps is not missed.
+
+    The message says what grew, how fast and since when: "total gradient norm 2.9e+09 at step 12
+    grew 4e+09x in 7 steps since step 5 (0.73 then, about 24x a step)".
     ``count`` counts exploding steps (not episodes). Non-finite norms are ignored here: NaN/Inf
     is the non-finite sentinel's job (and an AMP skip is the scaler's).
 
@@ -118,13 +130,18 @@ class ExplosionRule:
         self.warmup = int(warmup)
         self.min_ratio = float(min_ratio)
         self.history = RunningMedian(window)  # log10 norms
+        self.recent: deque[tuple[int, float]] = deque(maxlen=64)  # (step, norm): "since when"
+        self._exploding = 0  # consecutive exploding steps
         self.seen = 0
         self.active = False
         self.count = 0
 
     def check(self, norm: float) -> dict[str, float] | None:
         """Evidence if ``norm`` is exploding now (no state change), else None."""
-        if not math.isfinite(norm) or norm <= 0 or self.seen < self.warmup:
+        if not math.isfinite(norm) or norm <= 0:
+            return None
+        early = self.seen < self.warmup
+        if early and self.seen < EARLY_HISTORY:
             return None
         evidence: dict[str, float] = {"grad_norm": norm}
         rel = False
@@ -133,9 +150,9 @@ class ExplosionRule:
             sigma = self.history.sigma(abs_floor=LOG_SIGMA_FLOOR)
             z = (math.log10(norm) - med) / sigma
             ratio = norm / 10**med
-            rel = z > self.mads and ratio >= self.min_ratio
+            rel = z > self.mads and ratio >= (EARLY_RATIO if early else self.min_ratio)
             evidence.update(median=10**med, mads=z, ratio=ratio, threshold=10 ** (med + self.mads * sigma))
-        if rel or norm > self.abs_threshold:
+        if rel or (norm > self.abs_threshold and not early):
             evidence["abs_threshold"] = self.abs_threshold
             return evidence
         return None
@@ -155,11 +172,20 @@ class ExplosionRule:
                 callable returning them (called only when the event fires: no sort per step).
         """
         evidence = self.check(norm)
+        typical = 10 ** self.history.median() if len(self.history) else math.nan
+        judged_on = len(self.history)
+        # an exploding norm stays out of the baseline for the first FREEZE steps of its episode, so
+        # a run-away growth stays one episode instead of widening the range it is judged against
+        frozen = evidence is not None and self._exploding < FREEZE
+        self._exploding = self._exploding + 1 if evidence is not None else 0
         if math.isfinite(norm) and norm > 0:
-            self.history.push(math.log10(norm))
+            if not frozen:
+                self.history.push(math.log10(norm))
             self.seen += 1
         if evidence is None:
             self.active = False
+            if math.isfinite(norm) and norm > 0:
+                self.recent.append((step, norm))
             return None
         self.count += 1
         if self.active:
@@ -170,15 +196,25 @@ class ExplosionRule:
         # name the layers that matter: top parameters within 10x of the largest (or non-finite)
         lead = top[0][1] if top else 0.0
         modules = tuple(dict.fromkeys(owner(n) for n, v in top if not math.isfinite(v) or v >= 0.1 * lead))
+        why = f"total gradient norm {_fmt(norm)} at step {step}"
+        # since when: the last step whose norm was still typical (at most 2x the median then)
+        base = next(
+            ((s, v) for s, v in reversed(self.recent) if not (v > 2 * typical)),  # NaN typical: any
+            self.recent[0] if self.recent else None,
+        )
+        if base is not None:
+            since, was = base
+            n = step - since
+            grew = norm / was
+            rate = f", about {_fmt(grew ** (1 / n))}x a step" if n > 1 else ""
+            in_steps = "in one step" if n == 1 else f"in {n} steps"
+            why += f" grew {_fmt(grew)}x {in_steps} since step {since} ({_fmt(was)} then{rate})"
+            evidence.update(since=since, norm_then=was, growth=grew)
         if "median" in evidence:
-            why = (
-                f"total gradient norm {_fmt(norm)} is {_fmt(evidence['ratio'])}x the running median "
-                f"{_fmt(evidence['median'])} ({_fmt(evidence['mads'])} robust sigmas)"
-            )
-        else:
-            why = f"total gradient norm {_fmt(norm)}"
+            why += f"; typical before: {_fmt(evidence['median'])} (median of the last {judged_on} steps)"
         if norm > self.abs_threshold:
-            why += f", above the absolute bound {_fmt(self.abs_threshold)}"
+            why += f"; above the absolute bound {_fmt(self.abs_threshold)}"
+        self.recent.clear()  # the next episode measures from the norms after this one
         if top:
             why += "; largest: " + ", ".join(f"{n} {_fmt(v)}" for n, v in top)
         return RuleEvent(
@@ -289,9 +325,17 @@ class LossSpikeRule:
 
 
 class LossPlateauRule:
-    """Loss plateau: the median of the newer half of the last ``window`` losses moved by less than
-    ``rel`` (relative) from the median of the older half. Fires once per plateau, severity info
-    (a converged run plateaus too).
+    """Loss plateau: over the last ``window`` losses, the median of the newer half moved from the
+    median of the older half by less than ``rel`` (relative) or by less than the loss's own noise.
+    Fires once per plateau, severity info (a converged run plateaus too); "loss_plateau_end" (info)
+    when the loss moves again, with the plateau's length.
+
+    Noise: the robust sigma of successive differences (1.4826 MAD / sqrt 2: a trend's differences
+    are all alike, so a smooth decline is not noise), turned into the standard error of the
+    difference of two half-window medians (1.2533 sigma sqrt(2 / half)). A plateau starts when the
+    medians differ by less than ``max(rel, 2 se)`` and ends only when they differ by at least
+    ``max(rel, 4 se)``: a noisy flat loss (random labels, small batches) is one episode, not one
+    per crossing of the threshold. Judged every ``max(1, window // 20)`` steps (cost).
 
     Example:
         >>> rule = LossPlateauRule(window=4, rel=1e-3)
@@ -306,38 +350,74 @@ class LossPlateauRule:
             raise ValueError(f"window must be >= 2, got {window}")
         self.window = int(window)
         self.rel = float(rel)
+        self.every = max(1, self.window // 20)
         self.losses: deque[float] = deque(maxlen=self.window)
         self.active = False
+        self.start: int | None = None
         self.count = 0
+        self._seen = 0
 
     def update(self, step: int, loss: float) -> RuleEvent | None:
-        """Feed the loss of ``step``; an event when a plateau starts."""
+        """Feed the loss of ``step``; an event when a plateau starts (or, info, when it ends)."""
         if not math.isfinite(loss):
             return None
         self.losses.append(loss)
-        if len(self.losses) < self.window:
+        self._seen += 1
+        if len(self.losses) < self.window or self._seen % self.every:
             return None
         vals = list(self.losses)
         half = self.window // 2
         old = _median(vals[:half])
         new = _median(vals[-half:])
-        change = abs(new - old) / max(abs(old), 1e-12)
-        if change >= self.rel:
-            self.active = False
-            return None
+        diff = abs(new - old)
+        floor = self.rel * max(abs(old), 1e-12)
+        change = diff / max(abs(old), 1e-12)
+        if diff >= floor:  # beyond the relative floor: is the move within the noise?
+            d = [b - a for a, b in itertools.pairwise(vals)]
+            md = _median(d)
+            noise = MAD_TO_SIGMA * _median([abs(x - md) for x in d]) / math.sqrt(2)
+            se = 1.2533 * noise * math.sqrt(2 / half)
+        else:
+            se = 0.0
         if self.active:
+            if diff >= max(floor, 4 * se):
+                start, self.start, self.active = self.start, None, False
+                return RuleEvent(
+                    kind="loss_plateau_end",
+                    step=step,
+                    message=f"loss moving again (median {_fmt(old)} -> {_fmt(new)}) after a plateau of {step - (start or step)} steps",
+                    severity="info",
+                    evidence={
+                        "since": start,
+                        "steps": step - (start or step),
+                        "old_median": old,
+                        "new_median": new,
+                    },
+                )
+            return None
+        if diff >= max(floor, 2 * se):
             return None
         self.active = True
+        self.start = step
         self.count += 1
+        within = (
+            f" (within its noise, {_fmt(100 * 2 * se / max(abs(old), 1e-12))} %)" if diff >= floor else ""
+        )
         return RuleEvent(
             kind="loss_plateau",
             step=step,
             message=(
-                f"loss changed by {_fmt(100 * change)} % over the last {self.window} steps "
+                f"loss changed by {_fmt(100 * change)} %{within} over the last {self.window} steps "
                 f"(median {_fmt(old)} -> {_fmt(new)}); training has stalled or converged"
             ),
             severity="info",
-            evidence={"relative_change": change, "old_median": old, "new_median": new, "window": self.window},
+            evidence={
+                "relative_change": change,
+                "old_median": old,
+                "new_median": new,
+                "window": self.window,
+                "noise_se": se,
+            },
         )
 
 
@@ -354,7 +434,9 @@ class LRRule:
     step, i.e. once at the start of each stretch of changes: a step schedule or a manual change
     gives one event per jump, a smooth per-step schedule (cosine, linear warm-up) one event when
     it starts moving, not one per step. ``lr_zero`` fires when an LR that was positive becomes 0
-    (a warm-up from 0 does not fire); ``lr_nonfinite`` when an LR is NaN/Inf. Once per episode each.
+    by a jump (a warm-up from 0 does not fire, nor does a schedule that decays to 0: a drop to 0
+    that follows a decrease at the step before and is at most twice that decrease, as at the last
+    step of a linear or cosine decay); ``lr_nonfinite`` when an LR is NaN/Inf. Once per episode each.
 
     Example:
         >>> rule = LRRule()
@@ -366,6 +448,7 @@ class LRRule:
 
     def __init__(self) -> None:
         self.prev: tuple[float, ...] | None = None
+        self.prev2: tuple[float, ...] | None = None  # the step before prev: is a drop to 0 scheduled?
         self.changing: list[bool] = []
         self.zero: set[int] = set()
         self.bad: set[int] = set()
@@ -376,8 +459,9 @@ class LRRule:
         lrs = tuple(float(x) for x in lrs)
         prev = self.prev
         if prev is None or len(prev) != len(lrs):
-            self.prev, self.changing = lrs, [False] * len(lrs)
+            self.prev, self.prev2, self.changing = lrs, None, [False] * len(lrs)
             prev = None
+        prev2 = self.prev2
         for g, lr in enumerate(lrs):
             if not math.isfinite(lr):
                 if g not in self.bad:
@@ -396,7 +480,10 @@ class LRRule:
             if prev is None:
                 continue
             before = prev[g]
-            if lr == 0 and before > 0 and g not in self.zero:
+            # the end of a decay to 0: the step before also decreased, by at least half this drop
+            last_drop = prev2[g] - before if prev2 is not None and self.changing[g] else 0.0
+            scheduled = last_drop > 0 and before <= 2.0 * last_drop * (1 + 1e-6)
+            if lr == 0 and before > 0 and g not in self.zero and not scheduled:
                 self.zero.add(g)
                 out.append(
                     RuleEvent(
@@ -421,7 +508,7 @@ class LRRule:
                     )
                 )
             self.changing[g] = moved
-        self.prev = lrs
+        self.prev2, self.prev = prev, lrs
         return out
 
 
@@ -525,26 +612,42 @@ class DeadUnitRule:
 
 
 class UpdateRatioRule:
-    """Update/weight ratio ``|Δθ| / |θ|`` of a matrix parameter outside ``[lo, hi]``.
+    """Update/weight ratio ``|Δθ| / |θ|`` of a matrix parameter outside ``[lo, hi]`` at ``patience``
+    detail checks in a row.
 
     Only parameters with >= 2 dimensions are judged (biases and norm scales start near 0, so their
     ratio says little); a ratio of exactly 0 (the parameter was not updated) is left to the
-    vanishing rule. Once per parameter per episode.
+    vanishing rule. One check is never enough: an optimizer's first update is not its steady size
+    (Adadelta's first step moves every element by ~sqrt(eps / 0.1) = 3.2e-3 whatever the gradient:
+    0.15 of a small Linear(2304, 32) weight, 0.05 ten steps later; Adam's first steps are
+    ``lr * sign(g)``). Once per parameter per episode.
 
     Example:
-        >>> UpdateRatioRule(1e-5, 1e-1).update(0, {"fc.weight": 0.5}, {"fc.weight": 2}).kind
+        >>> rule = UpdateRatioRule(1e-5, 1e-1)
+        >>> rule.update(0, {"fc.weight": 0.5}, {"fc.weight": 2}) is None
+        True
+        >>> rule.update(10, {"fc.weight": 0.5}, {"fc.weight": 2}).kind
         'update_ratio'
     """
 
-    def __init__(self, lo: float = 1e-5, hi: float = 1e-1) -> None:
+    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2) -> None:
         self.lo, self.hi = float(lo), float(hi)
+        self.patience = int(patience)
+        self.streaks: dict[str, Streak] = {}
         self.active: set[str] = set()
         self.count = 0
 
     def update(self, step: int, ratios: Mapping[str, float], ndims: Mapping[str, int]) -> RuleEvent | None:
         """Feed per-parameter update/weight ratios of one detail check and the parameters' ``ndim``."""
         judged = {n: r for n, r in ratios.items() if ndims.get(n, 0) >= 2 and r != 0 and r == r}  # no NaN
-        fired = fire_once(self.active, judged, lambda r: r < self.lo or r > self.hi)
+
+        def sustained(name: str, r: float) -> bool:
+            streak = self.streaks.setdefault(name, Streak(self.patience))
+            streak.update(r < self.lo or r > self.hi)
+            return streak.count >= self.patience
+
+        flags = {n: float(sustained(n, r)) for n, r in judged.items()}
+        fired = {n: judged[n] for n in fire_once(self.active, flags, bool)}
         if not fired:
             return None
         self.count += len(fired)
@@ -827,7 +930,6 @@ class GradientHealth:
         step = int(record.step)
         handed, self._handed = self._handed, {}
         self.counters["total_steps"] += 1
-        self._step_had_anomaly = False
         loss = values.get("loss")
         norm = values.get("grad_norm")
         norms_host = mon.grad_norms_host
@@ -876,8 +978,9 @@ class GradientHealth:
         if "act" in handed:
             self._act_insight(mon, step, handed["act"], values)
         self._early_stopping(mon, step)
-        if self._step_had_anomaly:
+        if self._step_had_anomaly:  # also set before the update (an explosion judged pre-update)
             self.counters["anomaly_steps"] += 1
+        self._step_had_anomaly = False
 
     # ----------------------------------------------------------------- pieces of on_step_end
 
@@ -914,20 +1017,43 @@ class GradientHealth:
             "shares": dict(shares),
         }
         if not finite and not record.skipped:
+            # per-parameter norms the monitor read (confirmed exactly when not finite): Inf/NaN here
+            # means a gradient really held Inf/NaN (an Inf times clip_coef 0 is NaN, so clipping
+            # cannot hide it)
             bad = [n for n, v in zip(names, norms_host or ()) if not math.isfinite(v)]
-            self._emit(
-                mon,
-                RuleEvent(
-                    "clip_nonfinite",
-                    step,
-                    f"clip_grad_norm_ got a non-finite total norm ({total})"
-                    + (f"; Inf/NaN in the gradients of {', '.join(bad)}" if bad else "")
-                    + ": clipping cannot repair it, the update will be NaN",
-                    "error",
-                    modules=tuple(dict.fromkeys(owner(n) for n in bad)),
-                    evidence={"total_norm": total, "max_norm": max_norm, "params": bad},
-                ),
-            )
+            if bad or norms_host is None or math.isnan(total):
+                self._emit(
+                    mon,
+                    RuleEvent(
+                        "clip_nonfinite",
+                        step,
+                        f"clip_grad_norm_ got a non-finite total norm ({total})"
+                        + (f"; Inf/NaN in the gradients of {', '.join(bad)}" if bad else "")
+                        + ": clipping cannot repair it, the update will be NaN",
+                        "error",
+                        modules=tuple(dict.fromkeys(owner(n) for n in bad)),
+                        evidence={"total_norm": total, "max_norm": max_norm, "params": bad},
+                    ),
+                )
+            else:
+                # every gradient finite, but their norm overflowed in the gradients' dtype: clip_coef
+                # = max_norm / (inf + 1e-6) = 0 and clip_grad_norm_ multiplied every gradient by 0
+                big = [(n, p) for n, p in zip(names, mon.params) if p.grad is not None]
+                dtype = str(big[0][1].grad.dtype).replace("torch.", "") if big else "float32"
+                self._emit(
+                    mon,
+                    RuleEvent(
+                        "clip_overflow",
+                        step,
+                        f"clip_grad_norm_'s total norm overflowed to {total} in {dtype} although every "
+                        f"gradient was finite: it scaled them by max_norm / inf = 0, so this step's "
+                        "gradients are all zero and the update carries no gradient (only momentum or "
+                        "weight decay move the weights). Gradients this large mean the run is "
+                        "diverging: lower the learning rate (or the loss scale) rather than clip",
+                        "warning",
+                        evidence={"total_norm": total, "max_norm": max_norm, "dtype": dtype},
+                    ),
+                )
 
     def _update_insight(self, mon: Any, update: tuple[int, int], values: Mapping[str, float]) -> None:
         step, n = update

@@ -128,6 +128,7 @@ class LeakDetector:
         self._seen = 0
         self._steps: deque[int] = deque(maxlen=window)
         self._values: dict[str, deque[float]] = {}
+        self.checked: set[str] = set()  # the series judged at the last add (full window): ended episodes
 
     def reset(self) -> None:
         """Forget the window (after a report, so one leak alarms once per window)."""
@@ -137,6 +138,7 @@ class LeakDetector:
     def add(self, step: int, sample: Mapping[str, int]) -> list[Trend]:
         """Add one sample; returns the trends of the series suspected of leaking (empty when healthy)."""
         self._seen += 1
+        self.checked = set()
         if self._seen <= self.warmup:
             return []
         self._steps.append(step)
@@ -151,6 +153,7 @@ class LeakDetector:
             if len(vals) < self.window:
                 continue
             v = list(vals)
+            self.checked.add(name)
             # O(n) pre-check first: the O(n²) Theil–Sen slope only runs for a series that mostly grows
             inc = sum(1 for a, b in itertools.pairwise(v) if b > a) / (len(v) - 1)
             if inc < self.min_increasing or v[-1] <= v[0]:
@@ -493,13 +496,18 @@ class MemoryInstrument:
     peak/retries/OOMs (see :func:`~torchdebug.memory.memory_sample`) go to ``writer.log_memory``;
     CUDA peaks are reset every step, so ``cuda_peak`` is the step's peak.
 
-    Leak test (see :class:`LeakDetector`) over the last ``leak_window`` samples. After a suspicion
+    Leak test (see :class:`LeakDetector`) over the last ``leak_window`` samples, taken every
+    ``leak_every`` steps (or every ``memory_every`` when that is smaller): the window is sized in
+    steps (50 x 4 = 200 by default), so a leak of 64 KiB/step is reported about 140-170 steps
+    after it starts (``benchmarks/memory_timing_overhead.py``), for ~5 µs a step. After a suspicion
     (the expensive path, once per suspicion): a gc census of live tensors; the next step's forward
     and loss run under a :class:`CreationCapture` (weak references + module + line for every tensor
     an op returns); one step later, the tensors made then that are still alive (what the user
     holds from a step dies when the next step replaces it) give the category (autograd history vs
     plain tensors vs host-only vs untracked), the bytes kept per step and the largest leaked
-    tensors with the module and line that made them; one "memory_leak" event per window.
+    tensors with the module and line that made them; one "memory_leak" event per leak episode
+    and series (again only after a full window in which that series stopped growing). The steps
+    the census and capture slow are reported by :meth:`costly_step`, so the timing rules skip them.
 
     On an out-of-memory error leaving the watch block, ``oom-<step>.json``/``.txt`` (and on CUDA a
     snapshot) are written to the run folder and an "oom" event is recorded (see :func:`oom_report`).
@@ -508,7 +516,7 @@ class MemoryInstrument:
         leak_min_bytes_per_step: slope floor of the leak test (default ``config.leak_min_bytes_per_step``
             or 64 KiB/step: RSS moves by pages and Python-object noise; malloc and CUDA counters are
             exact, but a floor keeps caches that grow slowly for a while from alarming).
-        leak_warmup: samples ignored at the start.
+        leak_warmup: leak-test samples ignored at the start.
         record_history: on CUDA, record allocation stacks for the OOM snapshot
             (``torch.cuda.memory._record_memory_history``; costs on every allocation: opt-in;
             default ``config.memory_history`` or off).
@@ -516,6 +524,10 @@ class MemoryInstrument:
     Known limitations:
         - On CPU the exact signal is glibc's ``mallinfo2`` (Linux); elsewhere only RSS, which moves
           by pages and hides leaks that reuse freed memory. Leaks below the slope floor go unseen.
+        - The first report needs one full window after the warm-up samples: with defaults no leak
+          is reported before step 218, whenever it started.
+        - The CUDA series (``cuda_allocated``) goes through the same test and schedule; it is
+          tested on CPU only through the detector (no GPU in CI).
         - The creation capture sees tensors made through torch's Python API; tensors made inside C++
           (the autograd engine's ``.grad``, extensions) survive without a line. The gc census sees
           only tensors with a live Python object.
@@ -542,6 +554,8 @@ class MemoryInstrument:
         self.samples: list[tuple[int, dict[str, int]]] = []  # bounded to the leak window
         self.oom: OomReport | None = None
         self._leak = _LeakState()
+        self._reported: set[str] = set()  # series whose leak was reported and still grows
+        self._costly: deque[int] = deque(maxlen=16)  # steps slowed by the leak census/capture
         self._unpopped: list[CreationCapture] = []
         self._phase = "input"
         self._batch_shape: tuple[int, ...] | None = None
@@ -599,15 +613,24 @@ class MemoryInstrument:
         self._stop_capture()
         step = int(getattr(record, "step", getattr(mon, "global_step", 0)))
         every = int(getattr(mon.config, "memory_every", 50))
+        log_due = mon.due(every)
+        # the leak test samples on its own, denser schedule: a window sized in steps, not in
+        # memory_every-spaced samples, so a leak is found within ~leak_window * leak_every steps
+        leak_due = mon.due(min(every, int(getattr(mon.config, "leak_every", 4))))
         self._advance_leak(mon, step)
-        if mon.due(every):
-            sample = memory_sample()
-            if mon.writer is not None:
+        if log_due or leak_due:
+            sample = memory_sample()  # ~10-20 us: a /proc read, mallinfo2, the CUDA allocator's counters
+            if log_due and mon.writer is not None:
                 mon.writer.log_memory(step, sample)
+        if leak_due:
             assert self.detector is not None
             self.samples.append((step, sample))
             del self.samples[: -self.detector.window]
             suspects = self.detector.add(step, sample)
+            # one report per leak episode and series: a series already reported stays quiet until a
+            # full window shows it no longer grows
+            self._reported -= self.detector.checked - {t.series for t in suspects}
+            suspects = [t for t in suspects if t.series not in self._reported]
             if suspects and self._leak.phase == "idle":
                 self._arm(mon, suspects, sample)
         if self._cuda:
@@ -647,9 +670,18 @@ class MemoryInstrument:
     def on_exit(self, mon: Any) -> None:
         self._stop_capture()
 
+    def costly_step(self, step: int) -> bool:
+        """True for a step this instrument slowed on purpose (leak census, creation capture): the
+        timing rules leave it out, so the debugger's own work never reads as the user's slowdown."""
+        return step in self._costly
+
     # ---- leak state machine
     def _arm(self, mon: Any, suspects: list[Trend], sample: dict[str, int]) -> None:
         st = self._leak
+        step = int(mon.global_step)
+        # census at this step's end (counted in this step or the next one's wait, by hook order),
+        # the capture over the next step, the verdict's census at the end of the one after
+        self._costly.extend(range(step, step + 4))
         st.phase = "armed"
         st.suspects = suspects
         st.sample_at_suspect = dict(sample)
@@ -740,6 +772,7 @@ class MemoryInstrument:
             hint=_HINTS[category],
         )
         self.leaks.append(rep)
+        self._reported |= {t.series for t in st.suspects}
         modules = tuple(sorted({r.module for r in surv if r.module is not None}))
         mon.emit(
             RuleEvent(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -15,7 +14,7 @@ from torch import nn
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label
 from ._gradhooks import when_all_grads
-from ._robust import RunningMedian, Streak
+from ._robust import RunningMedian
 
 PHASES = ("data", "forward", "backward", "optimizer", "other", "step")
 
@@ -125,6 +124,131 @@ class StepTiming:
         return d
 
 
+def _never(step: int) -> bool:
+    return False
+
+
+_RULE_PHASES = ("data", "forward", "backward", "optimizer", "other")
+
+
+class SlowdownRule:
+    """Sustained slowdown: the median step time of the last ``recent`` steps stands well above the
+    median of the ``window`` steps before them. Pure: fed with :class:`StepTiming`, returns events.
+
+    Slow means both ``recent median > factor * baseline median`` and ``recent median - baseline
+    median >= max(min_s, mads * 1.4826 MAD of the baseline)``: a median over ``recent`` steps ignores
+    a few slow steps (a gc pause, the debugger's own leak census, scheduler noise) and the MAD test
+    ignores jitter the run always had. A step joins the baseline once it leaves the recent window;
+    inside an episode the baseline is frozen, so a slowdown that lasts does not become the norm and
+    fire again. Sustained means in time too: the median must stay slow for ``min_duration_s`` of
+    steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` warning when an episode starts (naming the phase whose median grew
+    most), one ``slowdown_end`` info event when it ends, with its length in steps.
+
+    Args:
+        factor: how many times the baseline a slow median is (> 1).
+        recent: steps in the judged window (odd; the median needs ``recent // 2 + 1`` slow steps).
+        window: steps in the baseline. min_baseline: baseline steps needed before judging.
+        min_s: smallest rise in seconds that counts (sub-millisecond steps jitter by more than 1.5x).
+        mads: robust sigmas of the baseline a rise must exceed.
+        min_duration_s: seconds of slow steps (after the median turned) before it is an episode.
+
+    Example:
+        >>> rule = SlowdownRule(recent=3, min_baseline=5, min_duration_s=0.1)
+        >>> fast = [StepTiming(s, 0.0, 0.01, 0.01, 0.0, 0.0, 0.02) for s in range(10)]
+        >>> slow = [StepTiming(s, 0.0, 0.05, 0.01, 0.0, 0.0, 0.06) for s in range(10, 14)]
+        >>> [(e.kind, e.step, e.evidence["phase"]) for t in fast + slow for e in rule.update(t)]
+        [('slowdown', 12, 'forward')]
+    """
+
+    def __init__(
+        self,
+        factor: float = 1.5,
+        recent: int = 9,
+        window: int = 100,
+        min_baseline: int = 10,
+        min_s: float = 0.002,
+        mads: float = 5.0,
+        min_duration_s: float = 0.5,
+    ) -> None:
+        if factor <= 1:
+            raise ValueError(f"factor must be > 1, got {factor}")
+        if recent < 1 or window < 1:
+            raise ValueError(f"recent and window must be >= 1, got {recent}, {window}")
+        self.factor, self.min_s, self.mads = float(factor), float(min_s), float(mads)
+        self.min_baseline = int(min_baseline)
+        self.min_duration_s = float(min_duration_s)
+        self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
+        self.recent: deque[StepTiming] = deque(maxlen=int(recent))
+        self.baseline = RunningMedian(int(window))
+        self._phases = {k: RunningMedian(int(window)) for k in _RULE_PHASES}
+        self.start: int | None = None  # first step of the current episode
+        self.count = 0  # episodes
+
+    def update(self, t: StepTiming) -> list[RuleEvent]:
+        """Feed one step's timing; the episode's start or end event, or nothing."""
+        if len(self.recent) == self.recent.maxlen and self.start is None and self._pending is None:
+            old = self.recent[0]  # leaves the recent window: part of the normal from now on
+            self.baseline.push(old.total)
+            for k, m in self._phases.items():
+                m.push(getattr(old, k))
+        self.recent.append(t)
+        if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
+            return []
+        med = _median([r.total for r in self.recent])
+        base = self.baseline.median()
+        sigma = self.baseline.sigma()
+        slow = med > self.factor * base and med - base >= max(self.min_s, self.mads * sigma)
+        if slow and self.start is None:
+            turned, slow_s = self._pending or (t.step, 0.0)
+            slow_s += t.total
+            if slow_s < self.min_duration_s:  # sustained in time too: a burst of machine load is not
+                self._pending = (turned, slow_s)
+                return []
+            self._pending = None
+            self.start = turned - len(self.recent) // 2  # the median turned: about half the window ago
+            self.count += 1
+            grown = {
+                k: _median([getattr(r, k) for r in self.recent]) - m.median() for k, m in self._phases.items()
+            }
+            phase = max(grown, key=lambda k: grown[k])
+            now = _median([getattr(r, phase) for r in self.recent])
+            return [
+                RuleEvent(
+                    kind="slowdown",
+                    step=t.step,
+                    message=(
+                        f"steps got slower since about step {self.start}: median step time "
+                        f"{med * 1e3:.1f} ms over the last {len(self.recent)} steps, {med / base:.1f}x the "
+                        f"median {base * 1e3:.1f} ms before; {phase} grew most "
+                        f"({(now - grown[phase]) * 1e3:.1f} -> {now * 1e3:.1f} ms)"
+                    ),
+                    evidence={
+                        "step_s": med,
+                        "median_s": base,
+                        "factor": self.factor,
+                        "phase": phase,
+                        "since": self.start,
+                        **{f"{k}_grown_s": v for k, v in grown.items()},
+                        **t.as_log(),
+                    },
+                )
+            ]
+        if not slow:
+            self._pending = None
+        if not slow and self.start is not None:
+            start, self.start = self.start, None
+            return [
+                RuleEvent(
+                    kind="slowdown_end",
+                    step=t.step,
+                    message=f"step time back to normal ({med * 1e3:.1f} ms) after a slowdown of {t.step - start} steps",
+                    severity="info",
+                    evidence={"since": start, "steps": t.step - start, "step_s": med, "median_s": base},
+                )
+            ]
+        return []
+
+
 class TimingInstrument:
     """Step time breakdown every step, throughput, and the "input_bound" and "slowdown" rules.
 
@@ -139,10 +263,11 @@ class TimingInstrument:
     from ``config.tokens_per_step`` or, for an integer (B, T) input, B*T.
 
     Rules: "input_bound" when the median share of data wait over the last ``window`` steps exceeds
-    ``config.input_bound_fraction``; "slowdown" when the step time stays above
-    ``config.slowdown_factor`` x the running median for ``patience`` steps in a row (one slow step,
-    such as a gc pause, is not a slowdown; nor is a rise under ``min_slowdown_s``, the jitter of
-    sub-millisecond steps). Each rule fires once per episode. The first ``warmup``
+    ``config.input_bound_fraction``; "slowdown" (:class:`SlowdownRule`) when the median step time of
+    the last ``2 * patience - 1`` steps stays above ``config.slowdown_factor`` x the median of the
+    steps before and above their jitter (a few slow steps, such as a gc pause, are not a slowdown;
+    nor is a rise under ``min_slowdown_s``, the jitter of sub-millisecond steps); it names the phase
+    that grew, and "slowdown_end" (info) says how long it lasted. Each rule fires once per episode. The first ``warmup``
     steps (lazy init, allocator warm-up) are not fed to the rules.
 
     Attributes:
@@ -158,15 +283,15 @@ class TimingInstrument:
     name = "timing"
 
     def __init__(
-        self, *, window: int = 20, warmup: int = 2, patience: int = 3, min_slowdown_s: float = 0.002
+        self, *, window: int = 20, warmup: int = 2, patience: int = 5, min_slowdown_s: float = 0.002
     ) -> None:
         self.window = window
         self.min_slowdown_s = min_slowdown_s
         self.warmup = warmup
         self.history: deque[StepTiming] = deque(maxlen=window)
         self._data_share = RunningMedian(window)
-        self._step_time = RunningMedian(window)
-        self._slow = Streak(patience)
+        self._patience = patience
+        self._slowdown = SlowdownRule(recent=2 * patience - 1, min_s=min_slowdown_s)
         self._input_bound_on = False
         self._pending: deque[_StepMarks] = deque()
         self._cur = _StepMarks()
@@ -180,6 +305,11 @@ class TimingInstrument:
     def install(self, mon: Any) -> None:
         cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
         self._clock = _Clock(cuda)
+        self._slowdown = SlowdownRule(
+            factor=float(getattr(mon.config, "slowdown_factor", 1.5)),
+            recent=2 * self._patience - 1,
+            min_s=self.min_slowdown_s,
+        )
         tps = getattr(mon.config, "tokens_per_step", None)
         self._tokens_per_step = int(tps) if tps else None
         self._begin(mon.global_step)
@@ -315,29 +445,10 @@ class TimingInstrument:
                 )
             elif med_share <= frac:
                 self._input_bound_on = False
-        factor = float(getattr(cfg, "slowdown_factor", 1.5))
-        med = self._step_time.median()
-        slow = (
-            len(self._step_time) >= min(10, self.window)
-            and not math.isnan(med)
-            and t.total > factor * med
-            and t.total - med >= self.min_slowdown_s  # sub-millisecond steps jitter by more than 1.5x
-        )
-        if self._slow.update(slow):
-            mon.emit(
-                RuleEvent(
-                    kind="slowdown",
-                    step=t.step,
-                    message=(
-                        f"step time {t.total * 1e3:.1f} ms is above {factor:g}x its running median "
-                        f"{med * 1e3:.1f} ms for {self._slow.patience} steps (data {t.data * 1e3:.1f} ms, "
-                        f"forward {t.forward * 1e3:.1f} ms, backward {t.backward * 1e3:.1f} ms, "
-                        f"optimizer {t.optimizer * 1e3:.1f} ms)"
-                    ),
-                    evidence={"step_s": t.total, "median_s": med, "factor": factor, **t.as_log()},
-                )
-            )
-        self._step_time.push(t.total)
+        if any(getattr(i, "costly_step", _never)(t.step) for i in mon.instruments):
+            return  # the debugger's own expensive step (a leak census): not the user's slowdown
+        for event in self._slowdown.update(t):
+            mon.emit(event)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -608,6 +719,7 @@ __all__ = [
     "ModuleTimeRow",
     "ModuleTimeTable",
     "ModuleTimer",
+    "SlowdownRule",
     "StepTiming",
     "TimingInstrument",
     "batch_size_and_tokens",
