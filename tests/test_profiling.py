@@ -37,8 +37,9 @@ def test_profile_summary_data_share_modules_and_trace(tmp_path):
     sleep = 0.02
     s = profile(model, _step_fn(model), sleepy_batches(6, sleep), steps=4, run_dir=tmp_path)
     assert s.steps == 4
-    # the four profiled steps each waited `sleep` in the iterator: within 20%
-    assert 4 * sleep <= s.data_s <= 1.2 * 4 * sleep
+    # the four profiled steps each waited `sleep` in the iterator: at least that, and not the step's
+    # compute (a sleep overshoots by milliseconds on a loaded machine: the upper bound leaves 2x)
+    assert 4 * sleep <= s.data_s <= 2 * 4 * sleep
     assert s.data_fraction == pytest.approx(s.data_s / s.wall_s)
     assert 0 <= s.cpu_idle_fraction <= 1 and s.gpu_idle_fraction is None
     # idle includes the sleep: at least the data share (minus the profiler's own bookkeeping)
