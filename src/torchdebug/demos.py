@@ -128,13 +128,13 @@ def run_scenario(name: str, *, run_dir: str = "runs", seed: int = 0, out: Any = 
             "torchdebug demo gradient: 60 steps; from step 45 the gradient of `inp` is amplified 1e4x",
             file=out,
         )
-        model = _GradientNet()
+        net = _GradientNet()
 
         def fault(step: int) -> None:
-            model.fault = step >= 45
+            net.fault = step >= 45
 
-        cfg = td.DebugConfig(mode="gradient_checking", run_name="demo-gradient", policy="warn")
-        mon, noticed = _watched(model, cfg, run_dir, 60, seed, fault, out)
+        cfg = td.DebugConfig(mode=td.DebugMode.GRADIENT_CHECKING, run_name="demo-gradient", policy="warn")
+        mon, noticed = _watched(net, cfg, run_dir, 60, seed, fault, out)
         return _finish(out, mon.run_dir, t0, noticed)
     if name == "memory":
         print(
@@ -142,7 +142,11 @@ def run_scenario(name: str, *, run_dir: str = "runs", seed: int = 0, out: Any = 
         )
         model = _LeakyNet()
         cfg = td.DebugConfig(
-            mode="memory_profiling", level="basic", memory_every=1, leak_window=10, run_name="demo-memory"
+            mode=td.DebugMode.MEMORY_PROFILING,
+            level=td.DebugLevel.BASIC,
+            memory_every=1,
+            leak_window=10,
+            run_name="demo-memory",
         )
         mon, noticed = _watched(model, cfg, run_dir, 40, seed, lambda step: None, out)
         return _finish(out, mon.run_dir, t0, noticed)
@@ -174,7 +178,11 @@ def run_scenario(name: str, *, run_dir: str = "runs", seed: int = 0, out: Any = 
     print("torchdebug demo comprehensive: full_debug at expert depth on a small MLP, 30 steps", file=out)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     cfg = td.DebugConfig(
-        mode="full_debug", level="advanced", detail_every=5, memory_every=5, run_name="demo-comprehensive"
+        mode=td.DebugMode.FULL_DEBUG,
+        level=td.DebugLevel.ADVANCED,
+        detail_every=5,
+        memory_every=5,
+        run_name="demo-comprehensive",
     )
     mon, noticed = _watched(model, cfg, run_dir, 30, seed, lambda step: None, out)
     print(

@@ -96,7 +96,7 @@ _DTENSOR = _dtensor_type()
 def local(t: Any) -> Any:
     """A DTensor's local shard (FSDP2 parameters and gradients); anything else as it is. No copy."""
     if _DTENSOR is not None and isinstance(t, _DTENSOR):
-        return t._local_tensor  # not to_local(): no autograd node, no communication
+        return t._local_tensor  # type: ignore[attr-defined]  # not to_local(): no autograd node, no communication
     return t
 
 

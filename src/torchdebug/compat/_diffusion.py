@@ -183,15 +183,15 @@ class DiffusionModelDebugger(PyTorchDebugger):
                     self._first_std = std
                 elif self._first_std > 0:
                     ratio = std / self._first_std
-                    kind = (
+                    trend: str | None = (
                         "latent_collapse"
                         if ratio < self.collapse_ratio
                         else ("latent_explosion" if ratio > self.explode_ratio else None)
                     )
-                    if kind is not None:
+                    if trend is not None:
                         self.diffusion_anomalies += 1
                         ev = RuleEvent(
-                            kind,
+                            trend,
                             int(step),
                             f"latent std {std:.3g} is {ratio:.3g}x the first step's {self._first_std:.3g}"
                             + (f" (timestep {t:g})" if t is not None else ""),

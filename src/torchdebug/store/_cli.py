@@ -61,7 +61,7 @@ def _runs(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no runs in {root}")
         return 0
-    rows = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
+    rows: list[tuple[str, ...]] = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
     for i in infos:
         created = (i.created or "-").replace("T", " ")[:19]
         status = f"{i.status}, incomplete" if i.lost else i.status
@@ -70,8 +70,8 @@ def _runs(args: argparse.Namespace) -> int:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     numeric = {2, 3}
     for r in rows:
-        cells = [r[c].rjust(widths[c]) if c in numeric else r[c].ljust(widths[c]) for c in range(len(r))]
-        print("  ".join(cells).rstrip())
+        padded = [r[c].rjust(widths[c]) if c in numeric else r[c].ljust(widths[c]) for c in range(len(r))]
+        print("  ".join(padded).rstrip())
     for i in infos:
         if i.error:
             print(printable(f"  {i.path}: {i.error}"))
