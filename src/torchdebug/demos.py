@@ -140,7 +140,7 @@ def run_scenario(name: str, *, run_dir: str = "runs", seed: int = 0, out: Any = 
         print(
             "torchdebug demo memory: 40 steps of a model that keeps every activation with its graph", file=out
         )
-        model = _LeakyNet()
+        model: nn.Module = _LeakyNet()
         cfg = td.DebugConfig(
             mode=td.DebugMode.MEMORY_PROFILING,
             level=td.DebugLevel.BASIC,
