@@ -541,19 +541,19 @@ class Monitor:
 
     def enable_debugging(self, options: Any = None) -> dict[str, Any]:
         """Seed 000's runtime switch; see ``torchdebug.compat.enable_debugging``."""
-        from .compat._runtime import enable_debugging
+        from .runtime_control import enable_debugging
 
         return enable_debugging(self, options)
 
     def disable_debugging(self, options: Any = None) -> dict[str, Any]:
         """Seed 000's runtime switch; see ``torchdebug.compat.disable_debugging``."""
-        from .compat._runtime import disable_debugging
+        from .runtime_control import disable_debugging
 
         return disable_debugging(self, options)
 
     def get_debugging_status(self) -> dict[str, Any]:
         """Seed 000's status; see ``torchdebug.compat.get_debugging_status``."""
-        from .compat._runtime import get_debugging_status
+        from .runtime_control import get_debugging_status
 
         return get_debugging_status(self)
 

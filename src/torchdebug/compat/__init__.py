@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..memory import PyTorchMemoryDebugger
 from ..optimize import OptimizationMode
+from ..runtime_control import disable_debugging, enable_debugging, get_debugging_status
 from ._async import AsyncTrainingLogger, TrainingPhase
 from ._checks import (
     check_gradient_anomalies,
@@ -32,7 +33,6 @@ from ._debugger import AutogradAnomalyDetector, PyTorchDebugger, debug_context, 
 from ._diffusion import DiffusionModelDebugger
 from ._inputs import detect_model_anomalies, prediction_problems, validate_model_input
 from ._optimize import OptimizationMetrics, PyTorchOptimizer, optimize_model
-from ._runtime import disable_debugging, enable_debugging, get_debugging_status
 from ._seedconfig import PyTorchDebugConfig
 from ._training import GradientDebugger, ModelDebugger, PyTorchDebugManager, TrainingDebugger, step_numbers
 

@@ -48,34 +48,4 @@ class TrainingDebuggerSession:
         self.debugger.clear_debug_history()
 
 
-def live_session(obj: Any) -> Any:
-    """The live session ``serve``/``create_app`` talk to for ``obj``, or None for None.
-
-    Accepted: a ``Monitor`` (``td.watch``) or anything with its ``training_summary``/``set_level``/
-    ``clear`` methods, and a seed-era ``TrainingDebugger`` (its summaries, level and history).
-
-    Raises:
-        TypeError: anything else (a ``PyTorchDebugger`` or ``PyTorchDebugManager`` keeps no training
-            summary to serve), naming what to pass instead.
-    """
-    if obj is None:
-        return None
-    from ._training import TrainingDebugger
-
-    if isinstance(obj, TrainingDebugger):
-        return TrainingDebuggerSession(obj)
-    if all(callable(getattr(obj, m, None)) for m in ("training_summary", "set_level", "clear")):
-        return obj
-    hint = ""
-    if type(obj).__name__ == "PyTorchDebugManager":
-        hint = (
-            "; a PyTorchDebugManager's steps go to the run folder opened by "
-            "setup_training_logging(): serve that folder (manager.training_logger.path)"
-        )
-    raise TypeError(
-        f"cannot serve a {type(obj).__name__}: pass a td.watch() Monitor, a TrainingDebugger, "
-        f"a run folder or a folder of runs{hint}"
-    )
-
-
-__all__ = ["TrainingDebuggerSession", "live_session"]
+__all__ = ["TrainingDebuggerSession"]

@@ -257,6 +257,12 @@ class TrainingDebugger(PyTorchDebugger):
         out["skipped"] = bad
         return out
 
+    def __torchdebug_session__(self) -> Any:
+        """The live-session view ``td.serve()`` talks to: this debugger's summaries, level and history."""
+        from ._serving import TrainingDebuggerSession
+
+        return TrainingDebuggerSession(self)
+
     def get_training_summary(self) -> dict[str, Any]:
         """Seed 002's summary: counts and rates since the last ``clear_debug_history()``.
 

@@ -237,8 +237,6 @@ def create_app(
     if token is not None and not token.strip():
         raise ValueError("the dashboard token is empty or whitespace: pass a real secret, or no token")
     guard = RequestGuard(allowed_hosts, allowed_origins)
-    from ..compat._serving import live_session
-
     monitor = live_session(monitor)  # a TrainingDebugger is served through its own summaries
     if target is None and monitor is not None and getattr(monitor, "run_dir", None) is not None:
         target = monitor.run_dir
@@ -604,3 +602,33 @@ def create_app(
     if warm > 0 and catalog.target is not None:
         threading.Thread(target=_warm_up, name="torchdebug-dashboard-warm", daemon=True).start()
     return app
+
+
+def live_session(obj: Any) -> Any:
+    """The live session ``serve``/``create_app`` talk to for ``obj``, or None for None.
+
+    Accepted: a ``Monitor`` (``td.watch``) or anything with its ``training_summary``/``set_level``/
+    ``clear`` methods, and an object that offers such a view through ``__torchdebug_session__()``
+    (the seed-era ``TrainingDebugger``: its summaries, level and history). The server knows no facade.
+
+    Raises:
+        TypeError: anything else (a ``PyTorchDebugger`` or ``PyTorchDebugManager`` keeps no training
+            summary to serve), naming what to pass instead.
+    """
+    if obj is None:
+        return None
+    adapter = getattr(obj, "__torchdebug_session__", None)
+    if callable(adapter):
+        return adapter()
+    if all(callable(getattr(obj, m, None)) for m in ("training_summary", "set_level", "clear")):
+        return obj
+    hint = ""
+    if type(obj).__name__ == "PyTorchDebugManager":
+        hint = (
+            "; a PyTorchDebugManager's steps go to the run folder opened by "
+            "setup_training_logging(): serve that folder (manager.training_logger.path)"
+        )
+    raise TypeError(
+        f"cannot serve a {type(obj).__name__}: pass a td.watch() Monitor, a TrainingDebugger, "
+        f"a run folder or a folder of runs{hint}"
+    )

@@ -1,11 +1,11 @@
-"""Seed 000's runtime control of a live ``watch()`` session: enable_debugging, disable_debugging, status."""
+"""Runtime control of a live ``watch()`` session (seed 000's names): enable_debugging, disable_debugging, status."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from .._config import INSTRUMENTS_BY_SWITCH, DebugMode
+from ._config import INSTRUMENTS_BY_SWITCH, DebugMode
 
 # Seed 000's option names (``engine.enable_debugging(['memory_usage', 'gradient_norms'])``) and the
 # DebugConfig switch each one is. ``enable_debugging()`` with no names turns on the debug_* ten.
