@@ -172,8 +172,17 @@ def test_clean_run_warns_nothing_and_records_every_step(tmp_path):
 
 def test_skip_policy_keeps_weights_finite_and_training_goes_on(tmp_path):
     lit, cb = Lit(), TorchDebugCallback(run=tmp_path, policy="skip")
-    fit(lit, cb, fault="mask")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", td.TorchDebugWarning)
+        fit(lit, cb, fault="mask")
     mon = cb.monitor
+    # policy="skip" says a run of skipped steps once when it starts and once when it ends
+    said = [str(w.message) for w in record if issubclass(w.category, td.TorchDebugWarning)]
+    assert len(said) == 2 and said[0].startswith(f"torchdebug: step {BAD} skipped by policy: nan born in")
+    assert (
+        said[1]
+        == f"torchdebug: 1 step skipped by policy='skip' (step {BAD}); training resumed at step {BAD + 1}"
+    )
     assert [r.step for r in mon.records] == [0, 1, 2, 3, 4]
     assert [r.skipped for r in mon.records] == [False, False, True, False, False]
     assert [(a.step, a.module, a.op) for a in mon.anomalies] == [(BAD, "model.attn", "aten._softmax")]

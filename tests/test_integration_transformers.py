@@ -218,8 +218,17 @@ def test_clean_gpt2_run(tmp_path):
 
 def test_skip_policy_keeps_weights_finite_and_training_goes_on(tmp_path):
     cb = TorchDebugCallback(run=tmp_path, policy="skip")
-    trainer = train(tmp_path, cb, fault="mask")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", td.TorchDebugWarning)
+        trainer = train(tmp_path, cb, fault="mask")
     mon = cb.monitor
+    # policy="skip" says a run of skipped steps once when it starts and once when it ends
+    said = [str(w.message) for w in record if issubclass(w.category, td.TorchDebugWarning)]
+    assert len(said) == 2 and said[0].startswith(f"torchdebug: step {BAD} skipped by policy: nan born in")
+    assert (
+        said[1]
+        == f"torchdebug: 1 step skipped by policy='skip' (step {BAD}); training resumed at step {BAD + 1}"
+    )
     assert [r.step for r in mon.records] == [0, 1, 2, 3, 4]
     assert [r.skipped for r in mon.records] == [False, False, True, False, False]
     assert [(a.step, a.module, a.op) for a in mon.anomalies] == [(BAD, "attn", "aten._softmax")]
