@@ -130,10 +130,14 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         for m in mons:
             m._scaler_step_begin(self)
         try:
-            return orig(self, optimizer, *args, **kwargs)
-        finally:
+            out = orig(self, optimizer, *args, **kwargs)
+        except BaseException:
             for m in mons:
-                m._scaler_step_end(self)
+                m._scaler_step_end(self, failed=True)
+            raise
+        for m in mons:
+            m._scaler_step_end(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
+        return out
 
     step.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return step
@@ -265,6 +269,9 @@ class Monitor:
         self._tape: LossTape | None = None
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
+        # manual update (no optimizer object, e.g. p.data.add_(p.grad, alpha=-lr)): known after a step
+        # ended with no optimizer hook; from then on the check runs at the end of each backward()
+        self._manual = False
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
         self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
 
@@ -530,6 +537,11 @@ class Monitor:
         self._norms: torch.Tensor | None = None
         self._norm_index: list[int] = []
         self._norms_probe = False
+        self._norms_scaled = False  # measured before the GradScaler unscaled the gradients
+        self._grads_pending = False  # a backward ran since the gradients were last measured
+        self._synced_at_backward = False  # manual mode: the transfer ran at the end of backward()
+        self._grad_anomaly = False  # this step's anomaly came from the gradient check
+        self._params_bad_now = False  # the parameter probe read with this step's transfer was non-finite
         self._micro_bad_cleared = False  # the probe flagged an overflowing sum that the exact check cleared
         self._synced = False
         self._values: dict[str, float] = {}
@@ -595,6 +607,7 @@ class Monitor:
     # -- hot path: backward ----------------------------------------------------------------------
     def _on_backward_start(self, loss: Any, gradient: Any) -> None:
         self._pop_tape()
+        self._measure_grads()  # the previous micro-step's gradients, before this backward adds to them
         cap = self._cap
         if cap is not None and isinstance(loss, torch.Tensor):
             cap.loss = loss
@@ -611,15 +624,43 @@ class Monitor:
         self.micro_step += 1
         self._need_new_capture = True
         if self._sentinel or "gradients" in self._enabled:
-            idx = [i for i, p in enumerate(self.params) if p.grad is not None]
-            if idx:
-                grads = [self.params[i].grad for i in idx]
-                # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
-                probe = "gradients" not in self._enabled
-                norms = _finite_probe(grads) if probe else _foreach_norms(grads)  # type: ignore[arg-type]
-                self._norms, self._norm_index, self._norms_probe = norms, idx, probe
-                self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+            # measured lazily, when the gradients are final for a purpose: the next backward (this
+            # micro-step's flag), the update start, a GradScaler skip, or mon.step(). One pass per micro-step.
+            self._grads_pending = True
         self._each("on_backward_end")
+        if self._manual and self._sentinel and self.driver is None and not self._replaying:
+            # no optimizer hook will run before the user's update: check here, before it
+            self._measure_grads()
+            self._sync()
+            self._synced_at_backward = True
+            self._check_gradients(at_optimizer=False)
+
+    def _measure_grads(self, opt: Any = None) -> None:
+        """Reduce the gradients as they are now on the device (no host sync): the step's flag and norms."""
+        if not self._grads_pending:
+            return
+        self._grads_pending = False
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if idx:
+            grads = [self.params[i].grad for i in idx]
+            # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
+            probe = "gradients" not in self._enabled
+            norms = _finite_probe(grads) if probe else _foreach_norms(grads)  # type: ignore[arg-type]
+            self._norms, self._norm_index, self._norms_probe = norms, idx, probe
+            self._norms_scaled = self._grads_scaled(opt)
+            self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+
+    def _grads_scaled(self, opt: Any) -> bool:
+        """True while the gradients still carry the GradScaler's loss scale (not yet unscaled)."""
+        sc = self.scaler
+        if sc is None or not getattr(sc, "is_enabled", lambda: True)() or self._scaler_ran:
+            return False  # scaler.step() unscales before it calls the optimizer (or skips it)
+        states = getattr(sc, "_per_optimizer_states", {})
+        for o in (opt, self.optimizer):
+            st = states.get(id(o)) if o is not None else None  # .get: the defaultdict must not grow
+            if st and int(getattr(st.get("stage"), "value", 0)) != 0:  # OptState.READY = 0
+                return False  # the user called scaler.unscale_(optimizer)
+        return True
 
     # -- hot path: optimizer ---------------------------------------------------------------------
     def _owns_optimizer(self, opt: Any) -> bool:
@@ -646,9 +687,17 @@ class Monitor:
         self._scaler_ran = True
         self._opt_ran_in_scaler = False
 
-    def _scaler_step_end(self, scaler: Any) -> None:
-        if not getattr(self, "_opt_ran_in_scaler", False):
-            self._scaler_skipped = True
+    def _scaler_step_end(self, scaler: Any, failed: bool = False) -> None:
+        if failed or getattr(self, "_opt_ran_in_scaler", False):
+            return
+        self._scaler_skipped = True
+        if self._sentinel and not self._replaying:
+            # the scaler found Inf/NaN and skipped the update: judge it now, while the (unscaled) gradients
+            # are still there (users zero them before mon.step()); this is the step's transfer
+            self._measure_grads()
+            if not self._synced:
+                self._sync()
+            self._check_gradients(at_optimizer=False)
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._replaying or self.driver is not None or not self._owns_optimizer(opt):
@@ -667,6 +716,11 @@ class Monitor:
             return
         self._opt_ran = True
         self._opt_ran_in_scaler = True
+        self._manual = False
+        if self._synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
+            self._grads_pending, self._synced, self._synced_at_backward = True, False, False
+        # the gradients as they are now, after any clipping, normalisation or unscaling since backward()
+        self._measure_grads(opt)
         if self._sentinel:
             if not self._synced:  # a second optimizer in the same step reuses this step's transfer
                 self._sync()
@@ -747,7 +801,9 @@ class Monitor:
                     per[i] = (
                         0.0 if self._norms_probe or g is None else float(torch.linalg.vector_norm(g.double()))
                     )
-            if scale and scaler_on:  # measured after backward on the scaled gradients: report true norms
+            if (
+                scale and scaler_on and self._norms_scaled
+            ):  # measured on the scaled gradients: report true norms
                 per = [x / scale for x in per]
             gn = [per[i] for i in self._norm_index]
             self.grad_norms_host = per
@@ -779,7 +835,9 @@ class Monitor:
             self._deferred.clear()
             for k in [k for k in v if k.startswith("_def_")]:
                 del v[k]
-            if bad:
+            self._params_bad_now = bool(bad)
+            if bad and not (step == self.global_step and self._grads_bad()):
+                # blamed on the update only when the gradients it used were finite; else they are the cause
                 self._optimizer_anomaly(bad, step)
 
     def _final_check(self) -> None:
@@ -799,27 +857,51 @@ class Monitor:
         mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self._micro_bad_cleared
         return loss_bad or mbad
 
+    def _scaler_cannot_fix(self) -> str | None:
+        """Why a GradScaler overflow step is an anomaly rather than an ordinary skipped step, or None.
+
+        Ordinary: the loss is finite and the scale is at least ``config.scale_floor`` (1.0): the scaler
+        halves the scale and the step is retried with the next batch. An anomaly: a non-finite loss (no
+        scale can fix it), or an overflow at a scale below the floor (the scale collapsed: even
+        unscaled, the fp16 backward overflows).
+        """
+        v = self._values
+        if any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#")):
+            return "non-finite loss under the GradScaler"
+        scale = v.get("_scale")
+        floor = float(getattr(self.config, "scale_floor", 1.0))
+        if scale is not None and scale < floor:
+            return f"the gradients overflow at loss scale {scale:g} (below {floor:g}): the scale collapsed"
+        return None
+
     def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
-        if not self._grads_bad() or self._step_anomaly is not None:
+        if self._step_anomaly is not None:
+            if at_optimizer and opt is not None and self._grad_anomaly and self.config.policy == "skip":
+                self._drop_grads(opt)  # flagged at the end of backward(), before an optimizer turned up
             return
+        if not self._grads_bad():
+            return
+        scaler_skip = self._scaler_ran and self._scaler_skipped
         if not at_optimizer:
-            if self._scaler_ran and self._scaler_skipped:
-                self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
-                return
-            if self.optimizer is not None or self._adopted:
+            if scaler_skip:
+                if self._scaler_cannot_fix() is None:
+                    self._mark_skipped(
+                        "GradScaler found inf/NaN gradients (loss scale too high)", scaler=True
+                    )
+                    return
+            elif (self.optimizer is not None or self._adopted) and not self._synced_at_backward:
                 self._mark_skipped("non-finite gradients and the optimizer step was not called")
                 return
-        anomaly = self._build_anomaly()
+        late = not at_optimizer and not scaler_skip and not self._synced_at_backward
+        anomaly = self._build_anomaly(late=late)
+        self._grad_anomaly = True
         self._record_anomaly(anomaly)
         policy = self.config.policy
         if policy == "skip":
             if at_optimizer and opt is not None:
-                for g in opt.param_groups:
-                    for p in g["params"]:
-                        p.grad = (
-                            None  # the optimizer skips parameters without grads: no update, no state change
-                        )
-                self._mark_skipped(f"skipped by policy: {anomaly.summary()}", severity="info")
+                self._drop_grads(opt)
+            elif scaler_skip:
+                self._mark_skipped(f"skipped by the GradScaler: {anomaly.summary()}", severity="info")
             else:
                 self._warn_once(
                     "skip-needs-opt", "policy='skip' needs the optimizer's step to skip it; recorded only"
@@ -830,6 +912,12 @@ class Monitor:
             return
         self._flush_store()
         raise NonFiniteError(anomaly)
+
+    def _drop_grads(self, opt: Any) -> None:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = None  # the optimizer skips parameters without grads: no update, no state change
+        self._mark_skipped(f"skipped by policy: {self._step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
 
     def _optimizer_anomaly(self, bad: list[str], step: int | None) -> None:
         first = bad[0]
@@ -867,14 +955,20 @@ class Monitor:
             raise NonFiniteError(anomaly)
         self._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
 
-    def _build_anomaly(self) -> Anomaly:
+    def _build_anomaly(self, late: bool = False) -> Anomaly:
+        """The anomaly of this step's bad gradients or loss: replayed (the first one) to its origin.
+
+        ``late``: checked at ``mon.step()`` after an update the monitor did not see start; when that
+        update already made the parameters non-finite a replay would blame them, so it is not replayed.
+        """
         v = self._values
         bad_micro = next((i for i in range(len(self._micro_bad)) if v.get(f"_mbad#{i}", 0) > 0), None)
         losses_bad = [i for i in range(len(self._loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
         idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
         micro = idx if len(self._micro_bad) > 1 else None
         first_replay = self.counters["replays"] == 0
-        if self.config.replay and first_replay and idx < len(self._captures):
+        replayable = not (late and self._params_bad_now)
+        if self.config.replay and first_replay and replayable and idx < len(self._captures):
             self.counters["replays"] += 1
             self._replaying = True
             try:
@@ -890,6 +984,10 @@ class Monitor:
                 )
                 if a is not None:
                     return a
+                if not losses_bad and not late:
+                    # the exact replay of forward + backward gave finite gradients: they turned
+                    # non-finite after backward(), before the update (clipping, normalisation, unscaling)
+                    return self._gradient_edit_anomaly(micro)
             except Exception as exc:
                 self._warn_once(
                     "replay",
@@ -898,6 +996,34 @@ class Monitor:
             finally:
                 self._replaying = False
         return self._symptom_anomaly(micro, losses_bad)
+
+    def _gradient_edit_anomaly(self, micro: int | None) -> Anomaly:
+        per = self.grad_norms_host or []
+        bad = [self.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
+        first = bad[0] if bad else None
+        owner = first.rpartition(".")[0] if first else ""
+        mod = self.model.get_submodule(owner) if owner else self.model
+        kind = "nan" if any(math.isnan(x) for x in per) else "inf"
+        more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+        return Anomaly(
+            phase=Phase.GRADIENT_EDIT.value,
+            module=owner,
+            op=None,
+            location=None,
+            kind=kind,
+            step=self.global_step,
+            rank=self.rank,
+            module_type=type(mod).__name__,
+            micro_step=micro,
+            symptom=f"non-finite gradient of {first} when the update started{more}",
+            detected_by="sentinel",
+            hint=(
+                "backward() made finite gradients (the replay reproduced them); code between backward() and "
+                "the update made them non-finite: gradient clipping (a NaN max_norm), a manual normalisation "
+                "(0/0), GradScaler.unscale_ with a zero scale, or a gradient hook"
+            ),
+            parameter=first,
+        )
 
     def _symptom_anomaly(self, micro: int | None, losses_bad: list[int]) -> Anomaly:
         per = self.grad_norms_host or []
@@ -912,6 +1038,11 @@ class Monitor:
             if self.counters["replays"]
             else "the replay did not reproduce it"
         )
+        if self._params_bad_now and not self.counters["replays"]:
+            why = (
+                "your update (no optimizer object) ran before the check and made the parameters non-finite; "
+                "call mon.update_starting() before it"
+            )
         if not self.config.replay:
             why = "replay is off (config.replay=False)"
         return Anomaly(
@@ -968,11 +1099,14 @@ class Monitor:
     def _do_step(self) -> StepRecord:
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        manual = self._sentinel and not self._opt_ran and self.optimizer is None and not self._adopted
+        if manual and self._step_anomaly is None:
+            # no optimizer hook: the user's update already ran; check the parameters on the device, read
+            # with this transfer, or the next one when this step's already ran (at the end of backward())
+            self._deferred["param_norms"] = _finite_probe(self.params)
+            self._deferred_step = self.global_step
         if self._sentinel and not self._synced:
-            if not self._opt_ran and self.optimizer is None and not self._adopted:
-                # no optimizer hook: the user's update already ran, check the parameters in this same transfer
-                self._deferred["param_norms"] = _finite_probe(self.params)
-                self._deferred_step = self.global_step
+            self._measure_grads()
             self._sync()
             self._check_gradients(at_optimizer=False)
         elif self._synced:
@@ -980,6 +1114,7 @@ class Monitor:
             if items:
                 self._values.update(_read(items))  # detail steps only: one more transfer
         elif not self._sentinel:
+            self._measure_grads()
             self._sync()
         if self._scaler_ran and self._scaler_skipped and not self._skipped:
             self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
@@ -1013,6 +1148,8 @@ class Monitor:
                 self.writer.log_scalars(self.global_step, scalars)
         self._each("on_step_end", record, v)
         self.records.append(record)
+        if manual and self.driver is None and not self._scaler_ran and self._micro_bad:
+            self._manual = True  # from the next step on, the check runs at the end of backward()
         if self._pending_level is not None:
             level, self._pending_level = self._pending_level, None
             self._apply_level(level)
