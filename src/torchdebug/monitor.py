@@ -143,9 +143,48 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+def _is_ours(hook: Any) -> bool:
+    """True for a hook torchdebug registered (a bound method, closure or partial from its modules)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    fn = getattr(hook, "__func__", hook)
+    owner = getattr(hook, "__self__", None)
+    names = (getattr(fn, "__module__", None) or "", type(owner).__module__ if owner is not None else "")
+    return any(n == "torchdebug" or n.startswith("torchdebug.") for n in names)
+
+
+def _getstate_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.__getstate__`` without torchdebug's hooks: pickling, ``copy.deepcopy``,
+    ``torch.save(model)`` and ``AveragedModel`` see the module as it is without ``watch``."""
+
+    @functools.wraps(orig)
+    def __getstate__(self: nn.Module) -> dict:
+        state = orig(self)
+        for key, hooks in list(state.items()):
+            if not (key.startswith("_") and "hooks" in key and isinstance(hooks, dict) and hooks):
+                continue
+            ours = {k for k, h in hooks.items() if callable(h) and _is_ours(h)}
+            if ours:
+                state[key] = type(hooks)((k, h) for k, h in hooks.items() if k not in ours)
+                for flags in (
+                    "_forward_pre_hooks_with_kwargs",
+                    "_forward_hooks_with_kwargs",
+                    "_forward_hooks_always_called",
+                ):  # keyed by the same handle ids
+                    d = state.get(flags)
+                    if isinstance(d, dict) and ours & d.keys():
+                        state[flags] = type(d)((k, v) for k, v in d.items() if k not in ours)
+        return state
+
+    __getstate__.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return __getstate__
+
+
 def _install_patches() -> None:
     if _ORIGINALS:
         return
+    _ORIGINALS["Module.__getstate__"] = nn.Module.__getstate__
+    nn.Module.__getstate__ = _getstate_wrapper(nn.Module.__getstate__)  # type: ignore[method-assign]
     _ORIGINALS["Tensor.backward"] = torch.Tensor.backward
     _ORIGINALS["autograd.backward"] = torch.autograd.backward
     torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
@@ -166,6 +205,8 @@ def _remove_patches() -> None:
         torch.Tensor.backward = _ORIGINALS["Tensor.backward"]  # type: ignore[method-assign]
     if getattr(torch.autograd.backward, "__torchdebug_wrapper__", False):
         torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
+    if getattr(nn.Module.__getstate__, "__torchdebug_wrapper__", False):
+        nn.Module.__getstate__ = _ORIGINALS["Module.__getstate__"]  # type: ignore[method-assign]
     if "GradScaler.step" in _ORIGINALS:
         from torch.amp.grad_scaler import GradScaler
 
