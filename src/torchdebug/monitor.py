@@ -270,6 +270,12 @@ class Monitor:
             raise TypeError(
                 f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
             )
+        # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
+        # names, parameters and the instruments see the original (no "_orig_mod." prefix anywhere)
+        self._called: nn.Module = model
+        orig = getattr(model, "_orig_mod", None)
+        if type(model).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
+            model = orig
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -314,6 +320,7 @@ class Monitor:
         # ended with no optimizer hook; from then on the check runs at the end of each backward()
         self._manual = False
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
+        self._in_compiled_call = False
         self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -345,14 +352,78 @@ class Monitor:
     def _install(self) -> None:
         _ACTIVE.append(self)
         _install_patches()
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post))
+        self._handles.append(self._called.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(self._called.register_forward_hook(self._root_post))
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         for name in sorted(self._wanted()):
             self._build_instrument(name)
+        self._guard_module_hooks()
+        self._wrap_compiled()
+
+    # -- torch.compile / model.compile() -------------------------------------------------------------
+    def _guard_module_hooks(self) -> None:
+        """Make every torchdebug module hook a no-op while Dynamo traces (``model.compile()`` compiles
+        ``_call_impl`` with its hooks): no graph break, no Dynamo warning, the same graphs as without
+        watch. Per-module instruments then record nothing inside compiled regions; the root's work runs
+        outside them (:meth:`_wrap_compiled`)."""
+        for mod in {*self._called.modules(), *self.model.modules()}:
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(mod, attr, None)
+                if not isinstance(hooks, dict):
+                    continue
+                for k, h in list(hooks.items()):
+                    if _is_ours(h) and not getattr(h, "__torchdebug_guard__", False):
+                        hooks[k] = _compile_guard(h)
+
+    def _wrap_compiled(self) -> None:
+        """``model.compile()`` in place: run the root's capture around the compiled call, outside Dynamo.
+
+        Called at enter and at each backward (a model compiled after ``watch`` began is picked up one
+        micro-step later). Restored at exit.
+        """
+        root = self._called
+        impl = root.__dict__.get("_compiled_call_impl")
+        if impl is None or getattr(impl, "__torchdebug_compiled__", None) is not None:
+            return
+        ref = weakref.ref(self)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            mon = ref()
+            if mon is None or mon._closed:
+                return impl(*args, **kwargs)
+            mon._root_pre(root, args, kwargs, outside=True)
+            mon._in_compiled_call = True  # the hooks inside (eager fallback) must not run twice
+            try:
+                out = impl(*args, **kwargs)
+            finally:
+                mon._in_compiled_call = False
+            mon._root_post(root, args, out, outside=True)
+            return out
+
+        call.__torchdebug_compiled__ = impl  # type: ignore[attr-defined]
+        root._compiled_call_impl = call  # type: ignore[assignment]
+
+    def _unwrap_compiled(self) -> None:
+        impl = self._called.__dict__.get("_compiled_call_impl")
+        orig = getattr(impl, "__torchdebug_compiled__", None)
+        if orig is not None:
+            self._called._compiled_call_impl = orig
+
+    @contextlib.contextmanager
+    def _eager(self) -> Any:
+        """Run the model eagerly (the replay traces ops one by one): bypass an in-place compile."""
+        impl = self._called.__dict__.get("_compiled_call_impl")
+        if impl is None or self.model is not self._called:
+            yield
+            return
+        self._called._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            self._called._compiled_call_impl = impl
 
     def _wanted(self) -> set[str]:
         return set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
@@ -388,12 +459,14 @@ class Monitor:
                     inst.remove(self)
         for name in sorted(self._wanted()):
             self._build_instrument(name)
+        self._guard_module_hooks()
 
     def _teardown(self, exc: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
         self._pop_tape(force=True)
+        self._unwrap_compiled()
         for h in self._handles:
             with contextlib.suppress(Exception):
                 h.remove()
@@ -600,8 +673,8 @@ class Monitor:
     def _accepts_backward(self) -> bool:
         return not self._replaying and not self._closed
 
-    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
+        if self._replaying or not torch.is_grad_enabled() or (self._in_compiled_call and not outside):
             return
         self._pop_tape()
         if self._need_new_capture:
@@ -612,9 +685,11 @@ class Monitor:
             else:
                 self._cap = None
             self._each("on_forward_start", module, args, kwargs)
+            if outside or self._called is not self.model:
+                self._guard_module_hooks()  # compiled: hooks an instrument added just now (on a schedule)
 
-    def _root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+    def _root_post(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
+        if self._replaying or not torch.is_grad_enabled() or (self._in_compiled_call and not outside):
             return
         cap = self._cap
         if cap is not None:
@@ -648,6 +723,7 @@ class Monitor:
     # -- hot path: backward ----------------------------------------------------------------------
     def _on_backward_start(self, loss: Any, gradient: Any) -> None:
         self._pop_tape()
+        self._wrap_compiled()
         self._measure_grads()  # the previous micro-step's gradients, before this backward adds to them
         cap = self._cap
         if cap is not None and isinstance(loss, torch.Tensor):
@@ -1013,13 +1089,14 @@ class Monitor:
             self.counters["replays"] += 1
             self._replaying = True
             try:
-                tracer = replay_capture(
-                    self.model,
-                    self._captures[idx],
-                    names=self.names,
-                    frames=self.config.frames,
-                    uses_cuda=self._uses_cuda,
-                )
+                with self._eager():
+                    tracer = replay_capture(
+                        self.model,
+                        self._captures[idx],
+                        names=self.names,
+                        frames=self.config.frames,
+                        uses_cuda=self._uses_cuda,
+                    )
                 a = tracer.anomaly(
                     step=self.global_step, rank=self.rank, micro_step=micro, detected_by="sentinel"
                 )
@@ -1230,6 +1307,19 @@ def _suffix(key: str) -> int:
         return int(key.rsplit("#", 1)[1])
     except (IndexError, ValueError):
         return 0
+
+
+def _compile_guard(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` that does nothing while Dynamo traces (``is_compiling()`` folds to a constant: no break)."""
+
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        return hook(*args, **kwargs)
+
+    guarded.__torchdebug_guard__ = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def _store_grad(cap_ref: Any, i: int, grad: torch.Tensor) -> None:
