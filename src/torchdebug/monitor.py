@@ -1,9 +1,11 @@
 """watch(): the always-on session. Installs the sentinel and instruments, counts steps, removes all on exit.
 
 The sentinel's hot path, per micro-step: a reference to the batch and the RNG state at the model's
-first forward; a foreach norm of the gradients after each backward (device only); and, once per step,
-ONE host transfer of every number the step produced (at the optimizer's step pre-hook, so corrupted
-gradients never reach the weights; else at ``mon.step()``). Parameters are checked after each
+first forward; a foreach norm of the gradients as they are when final (device only: at the next
+backward, as the update starts, or when the GradScaler skips it); and, once per step, ONE host
+transfer of every number the step produced (as the update starts, after any clipping or unscaling,
+so corrupted gradients never reach the weights; else at ``mon.step()``, or at the end of each
+backward once the loop is known to update by hand). Parameters are checked after each
 optimizer update on the device; that flag travels with the next step's transfer. When the transfer
 shows a NaN/Inf, the failing micro-step is replayed under op-level tracing (``locate.replay_capture``)
 to name the phase, module, op and source line.
@@ -1354,7 +1356,9 @@ def watch(
         policy: ``"raise"`` (default: raise :class:`NonFiniteError`), ``"warn"`` (warn, record, go on)
             or ``"skip"`` (skip the optimizer update: parameters and optimizer state unchanged).
         scaler: the ``torch.amp.GradScaler``, if any (detected when ``scaler.step`` is called). Its
-            overflow steps are recorded as skipped steps, never raised.
+            overflow steps are recorded as skipped steps, never raised, while the loss is finite and
+            the scale is at least ``config.scale_floor``; a NaN/Inf loss or a collapsed scale is an
+            anomaly.
         run: where to record: ``None`` (a new run folder under ``config.run_dir``), a folder path
             (the runs root), an open run writer, or ``False`` (no store).
         config: a :class:`DebugConfig`, a dict, or a YAML/TOML path (``None`` honours ``TORCHDEBUG_*``).
