@@ -137,3 +137,33 @@ def test_overflow_below_the_scale_floor_is_a_collapse_anomaly() -> None:
     a = ei.value.anomaly
     assert (a.step, a.phase, a.module, a.kind, a.op) == (2, "backward", "fc", "inf", "AddmmBackward0")
     assert mon.counters["anomaly_steps"] == 1
+
+
+def test_driver_announcing_the_update_after_unscale_sees_ordinary_overflow_as_a_skip() -> None:
+    # Lightning's MixedPrecision order: closure (backward), scaler.unscale_(opt), on_before_optimizer_step
+    # (the driver's update_starting), scaler.step(opt) (skips on Inf/NaN), then the step ends
+    torch.manual_seed(0)
+    model = CausalAttention(gain=30.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14)
+    records = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with td.watch(model, opt, run=False, scaler=scaler) as mon:
+            mon.driver = "test"
+            for _ in range(6):
+                idx = torch.randint(0, 16, (2, 6))
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(idx)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                mon.update_starting(opt)
+                scaler.step(opt)
+                mon.update_done(opt)
+                scaler.update()
+                records.append(mon.step())
+    assert not mon.anomalies
+    assert [r.skipped for r in records] == [True, True, False, True, False, False]  # as the plain loop
+    assert mon.counters["skipped_steps"] == 3

@@ -819,7 +819,10 @@ class Monitor:
             self._check_gradients(at_optimizer=False)
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._replaying or self.driver is not None or not self._owns_optimizer(opt):
+        if self._replaying or not self._owns_optimizer(opt):
+            return
+        self._opt_ran_in_scaler = True  # inside GradScaler.step: the update was not skipped
+        if self.driver is not None:
             return
         self.update_starting(opt)
 
@@ -993,14 +996,32 @@ class Monitor:
             return f"the gradients overflow at loss scale {scale:g} (below {floor:g}): the scale collapsed"
         return None
 
+    def _scaler_will_skip(self, opt: Any) -> bool:
+        """True when ``scaler.unscale_(opt)`` already found Inf/NaN (``scaler.step`` will skip the update).
+
+        Reads the scaler's flag from the device: called only on the rare path where gradients are bad.
+        """
+        sc = self.scaler
+        if sc is None or opt is None or not getattr(sc, "is_enabled", lambda: True)():
+            return False
+        st = getattr(sc, "_per_optimizer_states", {}).get(id(opt))
+        found = st.get("found_inf_per_device") if st else None
+        return bool(found) and any(float(v) > 0 for v in found.values())
+
     def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
         if self._step_anomaly is not None:
             if at_optimizer and opt is not None and self._grad_anomaly and self.config.policy == "skip":
                 self._drop_grads(opt)  # flagged at the end of backward(), before an optimizer turned up
             return
-        if not self._grads_bad():
+        if not self._grads_bad() or (self._skipped and not at_optimizer):
             return
-        scaler_skip = self._scaler_ran and self._scaler_skipped
+        scaler_skip = (self._scaler_ran and self._scaler_skipped) or (
+            at_optimizer and self.driver is not None and self._scaler_will_skip(opt)
+        )
+        if scaler_skip and at_optimizer and self._scaler_cannot_fix() is None:
+            # a driver announced the update after scaler.unscale_() found Inf/NaN: scaler.step() skips it
+            self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
+            return
         if not at_optimizer:
             if scaler_skip:
                 if self._scaler_cannot_fix() is None:
