@@ -141,7 +141,8 @@ def test_gradient_made_nan_after_backward_is_a_gradient_edit_anomaly_under_raise
         "fc1",
         "nan",
     )
-    assert "SGD" not in a.summary() and mons[0].counters["replays"] == 1
+    assert "SGD" not in a.summary() and a.detected_by == "sentinel"
+    assert mons[0].counters["replays"] == 0  # backward() was measured finite: nothing to replay
 
 
 @pytest.mark.parametrize("edit", list(EDITS))
@@ -157,3 +158,21 @@ def test_gradient_made_nan_after_backward_never_reaches_the_weights_under_skip(e
     assert all(torch.isfinite(p).all() for p in snaps["model"].parameters())
     assert [r.skipped for r in snaps["records"]] == [False, False, True, False]
     assert [(a.step, a.phase, a.parameter) for a in mon.anomalies] == [(2, "gradient_edit", "fc1.weight")]
+
+
+def test_manual_update_with_a_gradient_edit_after_the_backward_check_blames_the_edit() -> None:
+    # from step 1 on the check runs at the end of backward(); the clip after it (NaN max_norm at
+    # step 2) is probed at mon.step() and read with step 3's transfer: the edit, not the update
+    model = GatedSqrt()
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, run=False, config=SENTINEL_ONLY) as mon:
+        torch.manual_seed(0)
+        for i in range(5):
+            model.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("nan") if i == 2 else 0.25)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.parameter, a.module, a.kind) == (2, "gradient_edit", "fc.weight", "fc", "nan")
+    assert mon.global_step == 3  # raised from step 3's backward(), at its transfer

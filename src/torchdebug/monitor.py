@@ -14,6 +14,7 @@ to name the phase, module, op and source line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import math
@@ -315,6 +316,9 @@ class Monitor:
         self._reset_step_state()
         self._deferred: dict[str, torch.Tensor] = {}
         self._deferred_step: int | None = None
+        self._deferred_edit_index: list[
+            int
+        ] = []  # manual updates: gradients an edit changed (probe in _deferred)
         self._tape: LossTape | None = None
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
@@ -653,8 +657,11 @@ class Monitor:
         self._norms: torch.Tensor | None = None
         self._norm_index: list[int] = []
         self._norms_probe = False
-        self._norms_scaled = False  # measured before the GradScaler unscaled the gradients
-        self._grads_pending = False  # a backward ran since the gradients were last measured
+        # what backward() left, for the edit check as the update starts: index -> (grad, its _version)
+        self._grad_seen: dict[int, tuple[torch.Tensor, int]] = {}
+        self._edit_index: list[int] = []  # gradients changed since backward() measured them
+        self._edit_probe: torch.Tensor | None = None
+        self._edit_bad: list[int] = []  # ... and non-finite when the update started (confirmed exactly)
         self._synced_at_backward = False  # manual mode: the transfer ran at the end of backward()
         self._grad_anomaly = False  # this step's anomaly came from the gradient check
         self._params_bad_now = False  # the parameter probe read with this step's transfer was non-finite
@@ -726,7 +733,6 @@ class Monitor:
     def _on_backward_start(self, loss: Any, gradient: Any) -> None:
         self._pop_tape()
         self._wrap_compiled()
-        self._measure_grads()  # the previous micro-step's gradients, before this backward adds to them
         cap = self._cap
         if cap is not None and isinstance(loss, torch.Tensor):
             cap.loss = loss
@@ -743,43 +749,53 @@ class Monitor:
         self.micro_step += 1
         self._need_new_capture = True
         if self._sentinel or "gradients" in self._enabled:
-            # measured lazily, when the gradients are final for a purpose: the next backward (this
-            # micro-step's flag), the update start, a GradScaler skip, or mon.step(). One pass per micro-step.
-            self._grads_pending = True
+            idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if idx:
+                grads = [self.params[i].grad for i in idx]
+                # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
+                probe = "gradients" not in self._enabled
+                norms = _finite_probe(grads) if probe else _foreach_norms(grads)  # type: ignore[arg-type]
+                self._norms, self._norm_index, self._norms_probe = norms, idx, probe
+                self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                if self._sentinel:  # a Python attribute read per gradient: no device work
+                    self._grad_seen = {i: (g, g._version) for i, g in zip(idx, grads)}  # type: ignore[union-attr]
         self._each("on_backward_end")
         if self._manual and self._sentinel and self.driver is None and not self._replaying:
             # no optimizer hook will run before the user's update: check here, before it
-            self._measure_grads()
             self._sync()
             self._synced_at_backward = True
             self._check_gradients(at_optimizer=False)
 
-    def _measure_grads(self, opt: Any = None) -> None:
-        """Reduce the gradients as they are now on the device (no host sync): the step's flag and norms."""
-        if not self._grads_pending:
-            return
-        self._grads_pending = False
-        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
-        if idx:
-            grads = [self.params[i].grad for i in idx]
-            # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
-            probe = "gradients" not in self._enabled
-            norms = _finite_probe(grads) if probe else _foreach_norms(grads)  # type: ignore[arg-type]
-            self._norms, self._norm_index, self._norms_probe = norms, idx, probe
-            self._norms_scaled = self._grads_scaled(opt)
-            self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
-
-    def _grads_scaled(self, opt: Any) -> bool:
-        """True while the gradients still carry the GradScaler's loss scale (not yet unscaled)."""
+    def _scaler_unscaled(self, opt: Any) -> bool:
+        """True once the GradScaler unscaled this step's gradients (``unscale_`` bumps no ``_version``)."""
         sc = self.scaler
-        if sc is None or not getattr(sc, "is_enabled", lambda: True)() or self._scaler_ran:
-            return False  # scaler.step() unscales before it calls the optimizer (or skips it)
+        if sc is None or not getattr(sc, "is_enabled", lambda: True)():
+            return False
+        if self._scaler_ran:
+            return True  # scaler.step() unscales before it calls the optimizer or skips it
         states = getattr(sc, "_per_optimizer_states", {})
         for o in (opt, self.optimizer):
             st = states.get(id(o)) if o is not None else None  # .get: the defaultdict must not grow
             if st and int(getattr(st.get("stage"), "value", 0)) != 0:  # OptState.READY = 0
-                return False  # the user called scaler.unscale_(optimizer)
-        return True
+                return True
+        return False
+
+    def _probe_edits(self, opt: Any = None) -> None:
+        """Gradients changed since backward() measured them (clipping, normalisation, unscaling, a hook):
+        a finiteness probe of those only, on the device, read with this step's transfer. Unedited
+        gradients cost a Python comparison each (the same tensor, the same ``_version``)."""
+        seen = {} if self._scaler_unscaled(opt) else self._grad_seen  # unscaled: every gradient changed
+        edited = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue  # dropped: nothing reaches the weight
+            prev = seen.get(i)
+            if prev is None or prev[0] is not g or prev[1] != g._version:
+                edited.append(i)
+        if edited:
+            self._edit_index = edited
+            self._edit_probe = _finite_probe([self.params[i].grad for i in edited])  # type: ignore[misc]
 
     # -- hot path: optimizer ---------------------------------------------------------------------
     def _owns_optimizer(self, opt: Any) -> bool:
@@ -813,8 +829,8 @@ class Monitor:
         if self._sentinel and not self._replaying:
             # the scaler found Inf/NaN and skipped the update: judge it now, while the (unscaled) gradients
             # are still there (users zero them before mon.step()); this is the step's transfer
-            self._measure_grads()
             if not self._synced:
+                self._probe_edits()
                 self._sync()
             self._check_gradients(at_optimizer=False)
 
@@ -840,11 +856,10 @@ class Monitor:
         self._opt_ran_in_scaler = True
         self._manual = False
         if self._synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
-            self._grads_pending, self._synced, self._synced_at_backward = True, False, False
-        # the gradients as they are now, after any clipping, normalisation or unscaling since backward()
-        self._measure_grads(opt)
+            self._synced, self._synced_at_backward = False, False
         if self._sentinel:
             if not self._synced:  # a second optimizer in the same step reuses this step's transfer
+                self._probe_edits(opt)  # clipping, normalisation, unscaling since backward()
                 self._sync()
             self._check_gradients(at_optimizer=True, opt=opt)
         self._each("before_optimizer_step")
@@ -863,6 +878,7 @@ class Monitor:
             # step's gradients were already flagged: non-finite weights are then their consequence.
             self._deferred["param_norms"] = _finite_probe(self.params)
             self._deferred_step = self.global_step
+        self._grad_seen = {}  # the references are not needed after the update
         self._each("after_optimizer_step")
 
     # -- the one transfer --------------------------------------------------------------------------
@@ -885,6 +901,8 @@ class Monitor:
         if self._norms is not None:
             items.append(("_gnorm", self._norms))
         items += [(f"_mbad#{i}", b) for i, b in enumerate(self._micro_bad)]
+        if self._edit_probe is not None:
+            items.append(("_edit", self._edit_probe))
         items += [(f"_def_{k}", v) for k, v in self._deferred.items()]
         scale_t = self._scale_used
         if scale_t is None and self.scaler is not None:
@@ -907,6 +925,17 @@ class Monitor:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
         scale = v.get("_scale")
         scaler_on = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
+        if self._edit_probe is not None:
+            ep = [
+                v[f"_edit#{j}"] if f"_edit#{j}" in v else v.get("_edit", 0.0)
+                for j in range(len(self._edit_index))
+            ]
+            self._edit_bad = [
+                i
+                for j, i in enumerate(self._edit_index)
+                if not math.isfinite(ep[j]) and not self._grad_finite(i, now=True)
+            ]
+            self._edit_probe = None
         if self._norms is not None:
             gn = [
                 v[f"_gnorm#{i}"] if f"_gnorm#{i}" in v else v.get("_gnorm", 0.0)
@@ -923,15 +952,15 @@ class Monitor:
                     per[i] = (
                         0.0 if self._norms_probe or g is None else float(torch.linalg.vector_norm(g.double()))
                     )
-            if (
-                scale and scaler_on and self._norms_scaled
-            ):  # measured on the scaled gradients: report true norms
+            if scale and scaler_on:  # measured after backward on the scaled gradients: report true norms
                 per = [x / scale for x in per]
             gn = [per[i] for i in self._norm_index]
             self.grad_norms_host = per
-            v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
-            if not v["grad_nonfinite"]:
+            bad_after_backward = {i for i in self._norm_index if not math.isfinite(per[i])}
+            if not bad_after_backward:
                 self._micro_bad_cleared = True
+            # the parameters whose gradient was non-finite after backward() or when the update started
+            v["grad_nonfinite"] = float(len(bad_after_backward | set(self._edit_bad)))
             if self._norms_probe:
                 gn = []  # sums, not norms: nothing to report beyond finiteness
             if gn:
@@ -954,11 +983,26 @@ class Monitor:
                 and not bool(torch.isfinite(self.params[i].detach()).all())  # exact: rare path only
             ]
             step = self._deferred_step
+            de = [v[k] for k in sorted((k for k in v if k.startswith("_def_edit")), key=_suffix)]
+            edited, self._deferred_edit_index = self._deferred_edit_index, []
             self._deferred.clear()
             for k in [k for k in v if k.startswith("_def_")]:
                 del v[k]
             self._params_bad_now = bool(bad)
-            if bad and not (step == self.global_step and self._grads_bad()):
+            # (probe values, not confirmed: the gradients are gone by now; they only choose the phase)
+            edit_bad = [i for j, i in enumerate(edited) if j < len(de) and not math.isfinite(de[j])]
+            if bad and edit_bad:
+                # a manual update used gradients that an edit after backward() made non-finite
+                self._edit_bad = edit_bad
+                nan = any(math.isnan(x) for x in de)
+                anomaly = self._gradient_edit_anomaly(None, kind="nan" if nan else "inf")
+                self._edit_bad = []
+                self._record_anomaly(dataclasses.replace(anomaly, step=step))
+                if self.config.policy == "raise":
+                    self._flush_store()
+                    raise NonFiniteError(self._step_anomaly)  # type: ignore[arg-type]
+                self._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
+            elif bad and not (step == self.global_step and self._grads_bad()):
                 # blamed on the update only when the gradients it used were finite; else they are the cause
                 self._optimizer_anomaly(bad, step)
 
@@ -968,16 +1012,21 @@ class Monitor:
             self._sync()
 
     # -- detection ---------------------------------------------------------------------------------
-    def _grad_finite(self, i: int) -> bool:
-        """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it)."""
-        g = self.params[i].grad
+    def _grad_finite(self, i: int, now: bool = False) -> bool:
+        """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it).
+
+        The tensor backward() left (kept: users may set ``.grad`` to None before ``mon.step()``), or with
+        ``now`` the gradient as it is.
+        """
+        seen = None if now else self._grad_seen.get(i)
+        g = seen[0] if seen is not None else self.params[i].grad
         return g is None or bool(torch.isfinite(g).all())
 
     def _grads_bad(self) -> bool:
         v = self._values
         loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
         mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self._micro_bad_cleared
-        return loss_bad or mbad
+        return loss_bad or mbad or bool(self._edit_bad)
 
     def _scaler_cannot_fix(self) -> str | None:
         """Why a GradScaler overflow step is an anomaly rather than an ordinary skipped step, or None.
@@ -1106,6 +1155,10 @@ class Monitor:
         losses_bad = [i for i in range(len(self._loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
         idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
         micro = idx if len(self._micro_bad) > 1 else None
+        mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self._micro_bad_cleared
+        if self._edit_bad and not mbad and not losses_bad:
+            # backward() made finite gradients (measured then); code before the update made them non-finite
+            return self._gradient_edit_anomaly(micro)
         first_replay = self.counters["replays"] == 0
         replayable = not (late and self._params_bad_now)
         if self.config.replay and first_replay and replayable and idx < len(self._captures):
@@ -1125,10 +1178,6 @@ class Monitor:
                 )
                 if a is not None:
                     return a
-                if not losses_bad and not late:
-                    # the exact replay of forward + backward gave finite gradients: they turned
-                    # non-finite after backward(), before the update (clipping, normalisation, unscaling)
-                    return self._gradient_edit_anomaly(micro)
             except Exception as exc:
                 self._warn_once(
                     "replay",
@@ -1138,13 +1187,14 @@ class Monitor:
                 self._replaying = False
         return self._symptom_anomaly(micro, losses_bad)
 
-    def _gradient_edit_anomaly(self, micro: int | None) -> Anomaly:
-        per = self.grad_norms_host or []
-        bad = [self.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
+    def _gradient_edit_anomaly(self, micro: int | None, kind: str | None = None) -> Anomaly:
+        bad = [self.param_names[i] for i in self._edit_bad]
         first = bad[0] if bad else None
         owner = first.rpartition(".")[0] if first else ""
         mod = self.model.get_submodule(owner) if owner else self.model
-        kind = "nan" if any(math.isnan(x) for x in per) else "inf"
+        g = self.params[self._edit_bad[0]].grad if self._edit_bad else None
+        if kind is None:
+            kind = "nan" if g is not None and bool(torch.isnan(g).any()) else "inf"  # exact: rare path only
         more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
         return Anomaly(
             phase=Phase.GRADIENT_EDIT.value,
@@ -1159,7 +1209,7 @@ class Monitor:
             symptom=f"non-finite gradient of {first} when the update started{more}",
             detected_by="sentinel",
             hint=(
-                "backward() made finite gradients (the replay reproduced them); code between backward() and "
+                "backward() made finite gradients (measured right after it); code between backward() and "
                 "the update made them non-finite: gradient clipping (a NaN max_norm), a manual normalisation "
                 "(0/0), GradScaler.unscale_ with a zero scale, or a gradient hook"
             ),
@@ -1246,8 +1296,16 @@ class Monitor:
             # with this transfer, or the next one when this step's already ran (at the end of backward())
             self._deferred["param_norms"] = _finite_probe(self.params)
             self._deferred_step = self.global_step
+            if self._synced_at_backward:
+                # checked at the end of backward(): an edit after it (clipping, normalisation) is seen
+                # here, read with the next transfer, so a NaN it made is not blamed on the update
+                self._probe_edits()
+                if self._edit_probe is not None:
+                    self._deferred["edit"] = self._edit_probe
+                    self._deferred_edit_index = list(self._edit_index)
+                    self._edit_probe = None
         if self._sentinel and not self._synced:
-            self._measure_grads()
+            self._probe_edits()
             self._sync()
             self._check_gradients(at_optimizer=False)
         elif self._synced:
@@ -1255,7 +1313,6 @@ class Monitor:
             if items:
                 self._values.update(_read(items))  # detail steps only: one more transfer
         elif not self._sentinel:
-            self._measure_grads()
             self._sync()
         if self._scaler_ran and self._scaler_skipped and not self._skipped:
             self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
