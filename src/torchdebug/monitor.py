@@ -1,11 +1,11 @@
 """watch(): the always-on session. Installs the sentinel and instruments, counts steps, removes all on exit.
 
 The sentinel's hot path, per micro-step: a reference to the batch and the RNG state at the model's
-first forward; a foreach norm of the gradients as they are when final (device only: at the next
-backward, as the update starts, or when the GradScaler skips it); and, once per step, ONE host
-transfer of every number the step produced (as the update starts, after any clipping or unscaling,
-so corrupted gradients never reach the weights; else at ``mon.step()``, or at the end of each
-backward once the loop is known to update by hand). Parameters are checked after each
+first forward; a foreach norm of the gradients after each backward (device only), plus, as the
+update starts, a finiteness probe of the gradients changed since (clipping, normalisation,
+unscaling); and, once per step, ONE host transfer of every number the step produced (as the update
+starts, so corrupted gradients never reach the weights; else at ``mon.step()``, or at the end of
+each backward once the loop is known to update by hand). Parameters are checked after each
 optimizer update on the device; that flag travels with the next step's transfer. When the transfer
 shows a NaN/Inf, the failing micro-step is replayed under op-level tracing (``locate.replay_capture``)
 to name the phase, module, op and source line.
