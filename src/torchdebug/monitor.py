@@ -316,9 +316,8 @@ class Monitor:
         self._reset_step_state()
         self._deferred: dict[str, torch.Tensor] = {}
         self._deferred_step: int | None = None
-        self._deferred_edit_index: list[
-            int
-        ] = []  # manual updates: gradients an edit changed (probe in _deferred)
+        # manual updates: the gradients an edit changed after the backward check (their probe: _deferred)
+        self._deferred_edit_index: list[int] = []
         self._tape: LossTape | None = None
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
