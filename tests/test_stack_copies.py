@@ -45,6 +45,7 @@ def _session(tmp_path: Path, level: str, body: object) -> tuple[nn.Module, td.Mo
     torch.manual_seed(0)
     model = fx.TinyGPT()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    getstate = nn.Module.__getstate__
     with td.watch(model, opt, run=tmp_path, config=td.DebugConfig(level=level)) as mon:
         for _ in range(2):
             idx = torch.randint(0, 16, (2, 6))
@@ -55,6 +56,7 @@ def _session(tmp_path: Path, level: str, body: object) -> tuple[nn.Module, td.Mo
             mon.step()
         assert _hooks(model) > 0  # the session's hooks are on the model
         out = body(model, mon)  # type: ignore[operator]
+    assert nn.Module.__getstate__ is getstate and _hooks(model) == 0  # restored on exit
     return model, mon, out
 
 
