@@ -19,6 +19,7 @@ class Phase(str, enum.Enum):
     PARAMETER = "parameter"
     FORWARD = "forward"
     BACKWARD = "backward"
+    GRADIENT_EDIT = "gradient_edit"  # between backward() and the update: clipping, normalisation, unscaling
     OPTIMIZER = "optimizer"
 
     def __str__(self) -> str:

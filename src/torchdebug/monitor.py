@@ -1,9 +1,11 @@
 """watch(): the always-on session. Installs the sentinel and instruments, counts steps, removes all on exit.
 
 The sentinel's hot path, per micro-step: a reference to the batch and the RNG state at the model's
-first forward; a foreach norm of the gradients after each backward (device only); and, once per step,
-ONE host transfer of every number the step produced (at the optimizer's step pre-hook, so corrupted
-gradients never reach the weights; else at ``mon.step()``). Parameters are checked after each
+first forward; a foreach norm of the gradients after each backward (device only), plus, as the
+update starts, a finiteness probe of the gradients changed since (clipping, normalisation,
+unscaling); and, once per step, ONE host transfer of every number the step produced (as the update
+starts, so corrupted gradients never reach the weights; else at ``mon.step()``, or at the end of
+each backward once the loop is known to update by hand). Parameters are checked after each
 optimizer update on the device; that flag travels with the next step's transfer. When the transfer
 shows a NaN/Inf, the failing micro-step is replayed under op-level tracing (``locate.replay_capture``)
 to name the phase, module, op and source line.
@@ -141,18 +143,61 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         for m in mons:
             m._scaler_step_begin(self)
         try:
-            return orig(self, optimizer, *args, **kwargs)
-        finally:
+            out = orig(self, optimizer, *args, **kwargs)
+        except BaseException:
             for m in mons:
-                m._scaler_step_end(self)
+                m._scaler_step_end(self, failed=True)
+            raise
+        for m in mons:
+            m._scaler_step_end(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
+        return out
 
     step.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return step
 
 
+def _is_ours(hook: Any) -> bool:
+    """True for a hook torchdebug registered (a bound method, closure or partial from its modules)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    fn = getattr(hook, "__func__", hook)
+    owner = getattr(hook, "__self__", None)
+    names = (getattr(fn, "__module__", None) or "", type(owner).__module__ if owner is not None else "")
+    return any(n == "torchdebug" or n.startswith("torchdebug.") for n in names)
+
+
+def _getstate_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.__getstate__`` without torchdebug's hooks: pickling, ``copy.deepcopy``,
+    ``torch.save(model)`` and ``AveragedModel`` see the module as it is without ``watch``."""
+
+    @functools.wraps(orig)
+    def __getstate__(self: nn.Module) -> dict:
+        state = orig(self)
+        for key, hooks in list(state.items()):
+            if not (key.startswith("_") and "hooks" in key and isinstance(hooks, dict) and hooks):
+                continue
+            ours = {k for k, h in hooks.items() if callable(h) and _is_ours(h)}
+            if ours:
+                state[key] = type(hooks)((k, h) for k, h in hooks.items() if k not in ours)
+                for flags in (
+                    "_forward_pre_hooks_with_kwargs",
+                    "_forward_hooks_with_kwargs",
+                    "_forward_hooks_always_called",
+                ):  # keyed by the same handle ids
+                    d = state.get(flags)
+                    if isinstance(d, dict) and ours & d.keys():
+                        state[flags] = type(d)((k, v) for k, v in d.items() if k not in ours)
+        return state
+
+    __getstate__.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return __getstate__
+
+
 def _install_patches() -> None:
     if _ORIGINALS:
         return
+    _ORIGINALS["Module.__getstate__"] = nn.Module.__getstate__
+    nn.Module.__getstate__ = _getstate_wrapper(nn.Module.__getstate__)  # type: ignore[method-assign]
     _ORIGINALS["Tensor.backward"] = torch.Tensor.backward
     _ORIGINALS["autograd.backward"] = torch.autograd.backward
     torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
@@ -173,6 +218,8 @@ def _remove_patches() -> None:
         torch.Tensor.backward = _ORIGINALS["Tensor.backward"]  # type: ignore[method-assign]
     if getattr(torch.autograd.backward, "__torchdebug_wrapper__", False):
         torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
+    if getattr(nn.Module.__getstate__, "__torchdebug_wrapper__", False):
+        nn.Module.__getstate__ = _ORIGINALS["Module.__getstate__"]  # type: ignore[method-assign]
     if "GradScaler.step" in _ORIGINALS:
         from torch.amp.grad_scaler import GradScaler
 
@@ -229,6 +276,12 @@ class Monitor:
                 f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
             )
         self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
+        # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
+        # names, parameters and the instruments see the original (no "_orig_mod." prefix anywhere)
+        self._called: nn.Module = model
+        orig = getattr(model, "_orig_mod", None)
+        if type(model).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
+            model = orig
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -269,10 +322,16 @@ class Monitor:
         self._reset_step_state()
         self._deferred: dict[str, torch.Tensor] = {}
         self._deferred_step: int | None = None
+        # manual updates: the gradients an edit changed after the backward check (their probe: _deferred)
+        self._deferred_edit_index: list[int] = []
         self._tape: LossTape | None = None
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
+        # manual update (no optimizer object, e.g. p.data.add_(p.grad, alpha=-lr)): known after a step
+        # ended with no optimizer hook; from then on the check runs at the end of each backward()
+        self._manual = False
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
+        self._in_compiled_call = False
         self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
         self._pending_changes: dict[str, Any] = {}  # reconfigure() from any thread, applied in step()
 
@@ -306,8 +365,8 @@ class Monitor:
     def _install(self) -> None:
         _ACTIVE.append(self)
         _install_patches()
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post))
+        self._handles.append(self._called.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(self._called.register_forward_hook(self._root_post))
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
@@ -317,6 +376,70 @@ class Monitor:
         if self.world_size > 1 or self.config.hang_timeout is not None:
             self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
             self.instruments.append(self._coord)
+        self._guard_module_hooks()
+        self._wrap_compiled()
+
+    # -- torch.compile / model.compile() -------------------------------------------------------------
+    def _guard_module_hooks(self) -> None:
+        """Make every torchdebug module hook a no-op while Dynamo traces (``model.compile()`` compiles
+        ``_call_impl`` with its hooks): no graph break, no Dynamo warning, the same graphs as without
+        watch. Per-module instruments then record nothing inside compiled regions; the root's work runs
+        outside them (:meth:`_wrap_compiled`)."""
+        for mod in {*self._called.modules(), *self.model.modules()}:
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(mod, attr, None)
+                if not isinstance(hooks, dict):
+                    continue
+                for k, h in list(hooks.items()):
+                    if _is_ours(h) and not getattr(h, "__torchdebug_guard__", False):
+                        hooks[k] = _compile_guard(h)
+
+    def _wrap_compiled(self) -> None:
+        """``model.compile()`` in place: run the root's capture around the compiled call, outside Dynamo.
+
+        Called at enter and at each backward (a model compiled after ``watch`` began is picked up one
+        micro-step later). Restored at exit.
+        """
+        root = self._called
+        impl = root.__dict__.get("_compiled_call_impl")
+        if impl is None or getattr(impl, "__torchdebug_compiled__", None) is not None:
+            return
+        ref = weakref.ref(self)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            mon = ref()
+            if mon is None or mon._closed:
+                return impl(*args, **kwargs)
+            mon._root_pre(root, args, kwargs, outside=True)
+            mon._in_compiled_call = True  # the hooks inside (eager fallback) must not run twice
+            try:
+                out = impl(*args, **kwargs)
+            finally:
+                mon._in_compiled_call = False
+            mon._root_post(root, args, out, outside=True)
+            return out
+
+        call.__torchdebug_compiled__ = impl  # type: ignore[attr-defined]
+        root._compiled_call_impl = call  # type: ignore[assignment]
+
+    def _unwrap_compiled(self) -> None:
+        impl = self._called.__dict__.get("_compiled_call_impl")
+        orig = getattr(impl, "__torchdebug_compiled__", None)
+        if orig is not None:
+            self._called._compiled_call_impl = orig
+
+    @contextlib.contextmanager
+    def _eager(self) -> Any:
+        """Run the model eagerly (the replay traces ops one by one): bypass an in-place compile."""
+        impl = self._called.__dict__.get("_compiled_call_impl")
+        if impl is None or self.model is not self._called:
+            yield
+            return
+        self._called._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            self._called._compiled_call_impl = impl
 
     def _wanted(self) -> set[str]:
         wanted = set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
@@ -355,12 +478,14 @@ class Monitor:
                     inst.remove(self)
         for name in sorted(self._wanted()):
             self._build_instrument(name)
+        self._guard_module_hooks()
 
     def _teardown(self, exc: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
         self._pop_tape(force=True)
+        self._unwrap_compiled()
         for h in self._handles:
             with contextlib.suppress(Exception):
                 h.remove()
@@ -586,6 +711,14 @@ class Monitor:
         self._norms: torch.Tensor | None = None
         self._norm_index: list[int] = []
         self._norms_probe = False
+        # what backward() left, for the edit check as the update starts: index -> (grad, its _version)
+        self._grad_seen: dict[int, tuple[torch.Tensor, int]] = {}
+        self._edit_index: list[int] = []  # gradients changed since backward() measured them
+        self._edit_probe: torch.Tensor | None = None
+        self._edit_bad: list[int] = []  # ... and non-finite when the update started (confirmed exactly)
+        self._synced_at_backward = False  # manual mode: the transfer ran at the end of backward()
+        self._grad_anomaly = False  # this step's anomaly came from the gradient check
+        self._params_bad_now = False  # the parameter probe read with this step's transfer was non-finite
         self._micro_bad_cleared = False  # the probe flagged an overflowing sum that the exact check cleared
         self._synced = False
         self._values: dict[str, float] = {}
@@ -603,8 +736,8 @@ class Monitor:
     def _accepts_backward(self) -> bool:
         return not self._replaying and not self._closed
 
-    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
+        if self._replaying or not torch.is_grad_enabled() or (self._in_compiled_call and not outside):
             return
         self._pop_tape()
         if self._need_new_capture:
@@ -618,9 +751,11 @@ class Monitor:
             else:
                 self._cap = None
             self._each("on_forward_start", module, args, kwargs)
+            if outside or self._called is not self.model:
+                self._guard_module_hooks()  # compiled: hooks an instrument added just now (on a schedule)
 
-    def _root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+    def _root_post(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
+        if self._replaying or not torch.is_grad_enabled() or (self._in_compiled_call and not outside):
             return
         cap = self._cap
         if cap is not None:
@@ -654,6 +789,7 @@ class Monitor:
     # -- hot path: backward ----------------------------------------------------------------------
     def _on_backward_start(self, loss: Any, gradient: Any) -> None:
         self._pop_tape()
+        self._wrap_compiled()
         cap = self._cap
         if cap is not None and isinstance(loss, torch.Tensor):
             cap.loss = loss
@@ -678,7 +814,45 @@ class Monitor:
                 norms = _finite_probe(grads) if probe else _foreach_norms(grads)  # type: ignore[arg-type]
                 self._norms, self._norm_index, self._norms_probe = norms, idx, probe
                 self._micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                if self._sentinel:  # a Python attribute read per gradient: no device work
+                    self._grad_seen = {i: (g, g._version) for i, g in zip(idx, grads)}  # type: ignore[union-attr]
         self._each("on_backward_end")
+        if self._manual and self._sentinel and self.driver is None and not self._replaying:
+            # no optimizer hook will run before the user's update: check here, before it
+            self._sync()
+            self._synced_at_backward = True
+            self._check_gradients(at_optimizer=False)
+
+    def _scaler_unscaled(self, opt: Any) -> bool:
+        """True once the GradScaler unscaled this step's gradients (``unscale_`` bumps no ``_version``)."""
+        sc = self.scaler
+        if sc is None or not getattr(sc, "is_enabled", lambda: True)():
+            return False
+        if self._scaler_ran:
+            return True  # scaler.step() unscales before it calls the optimizer or skips it
+        states = getattr(sc, "_per_optimizer_states", {})
+        for o in (opt, self.optimizer):
+            st = states.get(id(o)) if o is not None else None  # .get: the defaultdict must not grow
+            if st and int(getattr(st.get("stage"), "value", 0)) != 0:  # OptState.READY = 0
+                return True
+        return False
+
+    def _probe_edits(self, opt: Any = None) -> None:
+        """Gradients changed since backward() measured them (clipping, normalisation, unscaling, a hook):
+        a finiteness probe of those only, on the device, read with this step's transfer. Unedited
+        gradients cost a Python comparison each (the same tensor, the same ``_version``)."""
+        seen = {} if self._scaler_unscaled(opt) else self._grad_seen  # unscaled: every gradient changed
+        edited = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue  # dropped: nothing reaches the weight
+            prev = seen.get(i)
+            if prev is None or prev[0] is not g or prev[1] != g._version:
+                edited.append(i)
+        if edited:
+            self._edit_index = edited
+            self._edit_probe = _finite_probe([self.params[i].grad for i in edited])  # type: ignore[misc]
 
     # -- hot path: optimizer ---------------------------------------------------------------------
     def _owns_optimizer(self, opt: Any) -> bool:
@@ -706,16 +880,23 @@ class Monitor:
         self._scaler_ran = True
         self._opt_ran_in_scaler = False
 
-    def _scaler_step_end(self, scaler: Any) -> None:
-        if not getattr(self, "_opt_ran_in_scaler", False):
-            self._scaler_skipped = True
+    def _scaler_step_end(self, scaler: Any, failed: bool = False) -> None:
+        if failed or getattr(self, "_opt_ran_in_scaler", False):
+            return
+        self._scaler_skipped = True
+        if self._sentinel and not self._replaying:
+            # the scaler found Inf/NaN and skipped the update: judge it now, while the (unscaled) gradients
+            # are still there (users zero them before mon.step()); this is the step's transfer
+            if not self._synced:
+                self._probe_edits()
+                self._sync()
+            self._check_gradients(at_optimizer=False)
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._replaying or not self._owns_optimizer(opt):
             return
+        self._opt_ran_in_scaler = True  # inside GradScaler.step: the update was not skipped
         if self.driver is not None:
-            # the driver called update_starting() earlier; the update really runs (not skipped by a scaler)
-            self._opt_ran_in_scaler = True
             return
         self.update_starting(opt)
 
@@ -731,8 +912,12 @@ class Monitor:
             return
         self._opt_ran = True
         self._opt_ran_in_scaler = True
+        self._manual = False
+        if self._synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
+            self._synced, self._synced_at_backward = False, False
         if self._sentinel:
             if not self._synced:  # a second optimizer in the same step reuses this step's transfer
+                self._probe_edits(opt)  # clipping, normalisation, unscaling since backward()
                 self._sync()
             self._check_gradients(at_optimizer=True, opt=opt)
         self._each("before_optimizer_step")
@@ -751,6 +936,7 @@ class Monitor:
             # step's gradients were already flagged: non-finite weights are then their consequence.
             self._deferred["param_norms"] = _finite_probe(self.params)
             self._deferred_step = self.global_step
+        self._grad_seen = {}  # the references are not needed after the update
         self._each("after_optimizer_step")
 
     # -- the one transfer --------------------------------------------------------------------------
@@ -778,6 +964,8 @@ class Monitor:
         if self._norms is not None:
             items.append(("_gnorm", self._norms))
         items += [(f"_mbad#{i}", b) for i, b in enumerate(self._micro_bad)]
+        if self._edit_probe is not None:
+            items.append(("_edit", self._edit_probe))
         items += [(f"_def_{k}", v) for k, v in self._deferred.items()]
         scale_t = self._scale_used
         if scale_t is None and self.scaler is not None:
@@ -808,6 +996,17 @@ class Monitor:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
         scale = v.get("_scale")
         scaler_on = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
+        if self._edit_probe is not None:
+            ep = [
+                v[f"_edit#{j}"] if f"_edit#{j}" in v else v.get("_edit", 0.0)
+                for j in range(len(self._edit_index))
+            ]
+            self._edit_bad = [
+                i
+                for j, i in enumerate(self._edit_index)
+                if not math.isfinite(ep[j]) and not self._grad_finite(i, now=True)
+            ]
+            self._edit_probe = None
         if self._norms is not None:
             gn = [
                 v[f"_gnorm#{i}"] if f"_gnorm#{i}" in v else v.get("_gnorm", 0.0)
@@ -828,9 +1027,11 @@ class Monitor:
                 per = [x / scale for x in per]
             gn = [per[i] for i in self._norm_index]
             self.grad_norms_host = per
-            v["grad_nonfinite"] = float(sum(1 for x in gn if not math.isfinite(x)))
-            if not v["grad_nonfinite"]:
+            bad_after_backward = {i for i in self._norm_index if not math.isfinite(per[i])}
+            if not bad_after_backward:
                 self._micro_bad_cleared = True
+            # the parameters whose gradient was non-finite after backward() or when the update started
+            v["grad_nonfinite"] = float(len(bad_after_backward | set(self._edit_bad)))
             if self._norms_probe:
                 gn = []  # sums, not norms: nothing to report beyond finiteness
             if gn:
@@ -855,10 +1056,27 @@ class Monitor:
                 )  # exact: rare path
             ]
             step = self._deferred_step
+            de = [v[k] for k in sorted((k for k in v if k.startswith("_def_edit")), key=_suffix)]
+            edited, self._deferred_edit_index = self._deferred_edit_index, []
             self._deferred.clear()
             for k in [k for k in v if k.startswith("_def_")]:
                 del v[k]
-            if bad:
+            self._params_bad_now = bool(bad)
+            # (probe values, not confirmed: the gradients are gone by now; they only choose the phase)
+            edit_bad = [i for j, i in enumerate(edited) if j < len(de) and not math.isfinite(de[j])]
+            if bad and edit_bad:
+                # a manual update used gradients that an edit after backward() made non-finite
+                self._edit_bad = edit_bad
+                nan = any(math.isnan(x) for x in de)
+                anomaly = self._gradient_edit_anomaly(None, kind="nan" if nan else "inf")
+                self._edit_bad = []
+                self._record_anomaly(dataclasses.replace(anomaly, step=step))
+                if self.config.policy == "raise":
+                    self._flush_store()
+                    raise NonFiniteError(self._step_anomaly)  # type: ignore[arg-type]
+                self._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
+            elif bad and not (step == self.global_step and self._grads_bad()):
+                # blamed on the update only when the gradients it used were finite; else they are the cause
                 self._optimizer_anomaly(bad, step)
 
     def _final_check(self) -> None:
@@ -867,39 +1085,86 @@ class Monitor:
             self._sync()
 
     # -- detection ---------------------------------------------------------------------------------
-    def _grad_finite(self, i: int) -> bool:
-        """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it)."""
-        g = _distributed.local(self.params[i].grad)
+    def _grad_finite(self, i: int, now: bool = False) -> bool:
+        """Exact finiteness of parameter i's gradient (a host read: only when the probe flagged it).
+
+        The tensor backward() left (kept: users may set ``.grad`` to None before ``mon.step()``), or with
+        ``now`` the gradient as it is.
+        """
+        seen = None if now else self._grad_seen.get(i)
+        g = _distributed.local(seen[0] if seen is not None else self.params[i].grad)
         return g is None or bool(torch.isfinite(g).all())
 
     def _grads_bad(self) -> bool:
         v = self._values
         loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
         mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self._micro_bad_cleared
-        return loss_bad or mbad
+        return loss_bad or mbad or bool(self._edit_bad)
+
+    def _scaler_cannot_fix(self) -> str | None:
+        """Why a GradScaler overflow step is an anomaly rather than an ordinary skipped step, or None.
+
+        Ordinary: the loss is finite and the scale is at least ``config.scale_floor`` (1.0): the scaler
+        halves the scale and the step is retried with the next batch. An anomaly: a non-finite loss (no
+        scale can fix it), or an overflow at a scale below the floor (the scale collapsed: even
+        unscaled, the fp16 backward overflows).
+        """
+        v = self._values
+        if any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#")):
+            return "non-finite loss under the GradScaler"
+        scale = v.get("_scale")
+        floor = float(getattr(self.config, "scale_floor", 1.0))
+        if scale is not None and scale < floor:
+            return f"the gradients overflow at loss scale {scale:g} (below {floor:g}): the scale collapsed"
+        return None
+
+    def _scaler_will_skip(self, opt: Any) -> bool:
+        """True when ``scaler.unscale_(opt)`` already found Inf/NaN (``scaler.step`` will skip the update).
+
+        Reads the scaler's flag from the device: called only on the rare path where gradients are bad.
+        """
+        sc = self.scaler
+        if sc is None or opt is None or not getattr(sc, "is_enabled", lambda: True)():
+            return False
+        st = getattr(sc, "_per_optimizer_states", {}).get(id(opt))
+        found = st.get("found_inf_per_device") if st else None
+        return bool(found) and any(float(v) > 0 for v in found.values())
 
     def _check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
         bad = self._grads_bad() if self._coord is None else self._coord.step_bad(self)  # same on every rank
-        if not bad or self._step_anomaly is not None:
+        if self._step_anomaly is not None:
+            if at_optimizer and opt is not None and self._grad_anomaly and self.config.policy == "skip":
+                self._drop_grads(opt)  # flagged at the end of backward(), before an optimizer turned up
+            return
+        if not bad or (self._skipped and not at_optimizer):
+            return
+        scaler_skip = (self._scaler_ran and self._scaler_skipped) or (
+            at_optimizer and self.driver is not None and self._scaler_will_skip(opt)
+        )
+        if scaler_skip and at_optimizer and self._scaler_cannot_fix() is None:
+            # a driver announced the update after scaler.unscale_() found Inf/NaN: scaler.step() skips it
+            self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
             return
         if not at_optimizer:
-            if self._scaler_ran and self._scaler_skipped:
-                self._mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
-                return
-            if self.optimizer is not None or self._adopted:
+            if scaler_skip:
+                if self._scaler_cannot_fix() is None:
+                    self._mark_skipped(
+                        "GradScaler found inf/NaN gradients (loss scale too high)", scaler=True
+                    )
+                    return
+            elif (self.optimizer is not None or self._adopted) and not self._synced_at_backward:
                 self._mark_skipped("non-finite gradients and the optimizer step was not called")
                 return
-        anomaly = self._build_anomaly() if self._coord is None else self._coord.anomaly(self)
+        late = not at_optimizer and not scaler_skip and not self._synced_at_backward
+        anomaly = self._build_anomaly(late=late) if self._coord is None else self._coord.anomaly(self)
+        self._grad_anomaly = True
         self._record_anomaly(anomaly)
         policy = self.config.policy
         if policy == "skip":
             if at_optimizer and opt is not None:
-                for g in _unwrap_optimizer(opt).param_groups:
-                    for p in g["params"]:
-                        p.grad = (
-                            None  # the optimizer skips parameters without grads: no update, no state change
-                        )
-                self._mark_skipped(f"skipped by policy: {anomaly.summary()}", severity="info")
+                self._drop_grads(opt)
+            elif scaler_skip:
+                self._mark_skipped(f"skipped by the GradScaler: {anomaly.summary()}", severity="info")
             else:
                 self._warn_once(
                     "skip-needs-opt", "policy='skip' needs the optimizer's step to skip it; recorded only"
@@ -910,6 +1175,12 @@ class Monitor:
             return
         self._flush_store()
         raise NonFiniteError(anomaly)
+
+    def _drop_grads(self, opt: Any) -> None:
+        for g in _unwrap_optimizer(opt).param_groups:
+            for p in g["params"]:
+                p.grad = None  # the optimizer skips parameters without grads: no update, no state change
+        self._mark_skipped(f"skipped by policy: {self._step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
 
     def _optimizer_anomaly(self, bad: list[str], step: int | None) -> None:
         first = bad[0]
@@ -947,27 +1218,38 @@ class Monitor:
             raise NonFiniteError(anomaly)
         self._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
 
-    def _build_anomaly(self) -> Anomaly:
+    def _build_anomaly(self, late: bool = False) -> Anomaly:
+        """The anomaly of this step's bad gradients or loss: replayed (the first one) to its origin.
+
+        ``late``: checked at ``mon.step()`` after an update the monitor did not see start; when that
+        update already made the parameters non-finite a replay would blame them, so it is not replayed.
+        """
         v = self._values
         bad_micro = next((i for i in range(len(self._micro_bad)) if v.get(f"_mbad#{i}", 0) > 0), None)
         losses_bad = [i for i in range(len(self._loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
         idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
         micro = idx if len(self._micro_bad) > 1 else None
+        mbad = any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self._micro_bad_cleared
+        if self._edit_bad and not mbad and not losses_bad:
+            # backward() made finite gradients (measured then); code before the update made them non-finite
+            return self._gradient_edit_anomaly(micro)
         first_replay = self.counters["replays"] == 0
-        if self.config.replay and first_replay and idx < len(self._captures):
+        replayable = not (late and self._params_bad_now)
+        if self.config.replay and first_replay and replayable and idx < len(self._captures):
             self.counters["replays"] += 1
             self._replaying = True
             try:
                 # A fault that does not come back when the step is re-run is information (a one-off
                 # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
                 for _ in range(2):
-                    tracer = replay_capture(
-                        self.model,
-                        self._captures[idx],
-                        names=self.names,
-                        frames=self.config.frames,
-                        uses_cuda=self._uses_cuda,
-                    )
+                    with self._eager():
+                        tracer = replay_capture(
+                            self.model,
+                            self._captures[idx],
+                            names=self.names,
+                            frames=self.config.frames,
+                            uses_cuda=self._uses_cuda,
+                        )
                     a = tracer.anomaly(
                         step=self.global_step, rank=self.rank, micro_step=micro, detected_by="sentinel"
                     )
@@ -985,9 +1267,43 @@ class Monitor:
         why = "only the first anomaly of a session is replayed"
         if not self.config.replay:
             why = "replay is off (config.replay=False)"
+        elif first_replay and not replayable:
+            why = (
+                "your update (no optimizer object) ran before the check and made the parameters non-finite; "
+                "call mon.update_starting() before it"
+            )
         elif first_replay:
             why = "the failing micro-step was not captured"
         return self._symptom_anomaly(micro, losses_bad, why=why)
+
+    def _gradient_edit_anomaly(self, micro: int | None, kind: str | None = None) -> Anomaly:
+        bad = [self.param_names[i] for i in self._edit_bad]
+        first = bad[0] if bad else None
+        owner = first.rpartition(".")[0] if first else ""
+        mod = self.model.get_submodule(owner) if owner else self.model
+        g = self.params[self._edit_bad[0]].grad if self._edit_bad else None
+        if kind is None:
+            kind = "nan" if g is not None and bool(torch.isnan(g).any()) else "inf"  # exact: rare path only
+        more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+        return Anomaly(
+            phase=Phase.GRADIENT_EDIT.value,
+            module=owner,
+            op=None,
+            location=None,
+            kind=kind,
+            step=self.global_step,
+            rank=self.rank,
+            module_type=type(mod).__name__,
+            micro_step=micro,
+            symptom=f"non-finite gradient of {first} when the update started{more}",
+            detected_by="sentinel",
+            hint=(
+                "backward() made finite gradients (measured right after it); code between backward() and "
+                "the update made them non-finite: gradient clipping (a NaN max_norm), a manual normalisation "
+                "(0/0), GradScaler.unscale_ with a zero scale, or a gradient hook"
+            ),
+            parameter=first,
+        )
 
     def _symptom_anomaly(
         self, micro: int | None, losses_bad: list[int], reproduced: bool | None = None, why: str = ""
@@ -1119,11 +1435,22 @@ class Monitor:
     def _do_step(self) -> StepRecord:
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        manual = self._sentinel and not self._opt_ran and self.optimizer is None and not self._adopted
+        if manual and self._step_anomaly is None:
+            # no optimizer hook: the user's update already ran; check the parameters on the device, read
+            # with this transfer, or the next one when this step's already ran (at the end of backward())
+            self._deferred["param_norms"] = _finite_probe(self.params)
+            self._deferred_step = self.global_step
+            if self._synced_at_backward:
+                # checked at the end of backward(): an edit after it (clipping, normalisation) is seen
+                # here, read with the next transfer, so a NaN it made is not blamed on the update
+                self._probe_edits()
+                if self._edit_probe is not None:
+                    self._deferred["edit"] = self._edit_probe
+                    self._deferred_edit_index = list(self._edit_index)
+                    self._edit_probe = None
         if self._sentinel and not self._synced:
-            if not self._opt_ran and self.optimizer is None and not self._adopted:
-                # no optimizer hook: the user's update already ran, check the parameters in this same transfer
-                self._deferred["param_norms"] = _finite_probe(self.params)
-                self._deferred_step = self.global_step
+            self._probe_edits()
             self._sync()
             self._check_gradients(at_optimizer=False)
         elif self._synced:
@@ -1165,6 +1492,8 @@ class Monitor:
         self._say_skips()
         self._each("on_step_end", record, v)
         self.records.append(record)
+        if manual and self.driver is None and not self._scaler_ran and self._micro_bad:
+            self._manual = True  # from the next step on, the check runs at the end of backward()
         if self._pending_level is not None or self._pending_changes:
             level, self._pending_level = self._pending_level, None
             changes, self._pending_changes = self._pending_changes, {}
@@ -1219,6 +1548,19 @@ def _suffix(key: str) -> int:
         return 0
 
 
+def _compile_guard(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` that does nothing while Dynamo traces (``is_compiling()`` folds to a constant: no break)."""
+
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        return hook(*args, **kwargs)
+
+    guarded.__torchdebug_guard__ = True  # type: ignore[attr-defined]
+    return guarded
+
+
 def _store_grad(cap_ref: Any, i: int, grad: torch.Tensor) -> None:
     cap = cap_ref()
     if cap is not None:
@@ -1251,7 +1593,9 @@ def watch(
         policy: ``"raise"`` (default: raise :class:`NonFiniteError`), ``"warn"`` (warn, record, go on)
             or ``"skip"`` (skip the optimizer update: parameters and optimizer state unchanged).
         scaler: the ``torch.amp.GradScaler``, if any (detected when ``scaler.step`` is called). Its
-            overflow steps are recorded as skipped steps, never raised.
+            overflow steps are recorded as skipped steps, never raised, while the loss is finite and
+            the scale is at least ``config.scale_floor``; a NaN/Inf loss or a collapsed scale is an
+            anomaly.
         run: where to record: ``None`` (a new run folder under ``config.run_dir``), a folder path
             (the runs root), an open run writer, or ``False`` (no store).
         config: a :class:`DebugConfig`, a dict, or a YAML/TOML path (``None`` honours ``TORCHDEBUG_*``).
