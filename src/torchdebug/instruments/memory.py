@@ -772,7 +772,10 @@ class MemoryInstrument:
             hint=_HINTS[category],
         )
         self.leaks.append(rep)
-        self._reported |= {t.series for t in st.suspects}
+        reported = {t.series for t in st.suspects}
+        if reported & _HOST_SERIES:
+            reported |= _HOST_SERIES  # heap and RSS are two views of one host memory: one leak, one report
+        self._reported |= reported
         modules = tuple(sorted({r.module for r in surv if r.module is not None}))
         mon.emit(
             RuleEvent(
@@ -784,6 +787,9 @@ class MemoryInstrument:
                 evidence=rep.to_dict(),
             )
         )
+
+
+_HOST_SERIES = frozenset({"heap_in_use", "rss"})
 
 
 class ModuleMemoryInstrument:
