@@ -554,7 +554,9 @@ class MemoryInstrument:
         self.samples: list[tuple[int, dict[str, int]]] = []  # bounded to the leak window
         self.oom: OomReport | None = None
         self._leak = _LeakState()
-        self._reported: set[str] = set()  # series whose leak was reported and still grows
+        self._reported: set[str] = (
+            set()
+        )  # memories (host, cuda_allocated) whose leak was reported and still grows
         self._costly: deque[int] = deque(maxlen=16)  # steps slowed by the leak census/capture
         self._unpopped: list[CreationCapture] = []
         self._phase = "input"
@@ -627,10 +629,11 @@ class MemoryInstrument:
             self.samples.append((step, sample))
             del self.samples[: -self.detector.window]
             suspects = self.detector.add(step, sample)
-            # one report per leak episode and series: a series already reported stays quiet until a
-            # full window shows it no longer grows
-            self._reported -= self.detector.checked - {t.series for t in suspects}
-            suspects = [t for t in suspects if t.series not in self._reported]
+            # one report per leak episode and memory (host: heap and RSS are two views of it; CUDA):
+            # a memory already reported stays quiet until a full window shows none of its series grows
+            growing = {_memory_of(t.series) for t in suspects}
+            self._reported -= {_memory_of(c) for c in self.detector.checked} - growing
+            suspects = [t for t in suspects if _memory_of(t.series) not in self._reported]
             if suspects and self._leak.phase == "idle":
                 self._arm(mon, suspects, sample)
         if self._cuda:
@@ -772,10 +775,7 @@ class MemoryInstrument:
             hint=_HINTS[category],
         )
         self.leaks.append(rep)
-        reported = {t.series for t in st.suspects}
-        if reported & _HOST_SERIES:
-            reported |= _HOST_SERIES  # heap and RSS are two views of one host memory: one leak, one report
-        self._reported |= reported
+        self._reported |= {_memory_of(t.series) for t in st.suspects}
         modules = tuple(sorted({r.module for r in surv if r.module is not None}))
         mon.emit(
             RuleEvent(
@@ -789,7 +789,9 @@ class MemoryInstrument:
         )
 
 
-_HOST_SERIES = frozenset({"heap_in_use", "rss"})
+def _memory_of(series: str) -> str:
+    """The memory a leak series measures: heap and RSS are two views of one host memory."""
+    return "host" if series in ("heap_in_use", "rss") else series
 
 
 class ModuleMemoryInstrument:
