@@ -7,6 +7,7 @@ unscaled norms on finite steps.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -86,10 +87,11 @@ def test_overflow_that_makes_a_nan_loss_is_an_anomaly_located_at_its_step() -> N
             _lm_step(model, opt, scaler)
             mon.step()
     a = ei.value.anomaly
-    assert (a.step, a.phase, a.module, a.op, a.kind) == (0, "forward", "", "aten._softmax", "nan")
-    assert a.location == origin_line("softmax", PATH)
-    assert a.related is not None and (a.related.op, a.related.kind) == ("aten.bmm", "inf")
-    assert a.related.location == origin_line("logits", PATH)
+    # the fp16 overflow of q @ k^T is the origin (issue 12.1); the softmax is where it became NaN
+    assert (a.step, a.phase, a.module, a.op, a.kind) == (0, "forward", "", "aten.bmm", "inf")
+    assert a.location == origin_line("logits", PATH)
+    assert a.noticed is not None and (a.noticed.op, a.noticed.kind) == ("aten._softmax", "nan")
+    assert a.noticed.location == origin_line("softmax", PATH)
     assert mon.counters["anomaly_steps"] == 1 and mon.counters["replays"] == 1
 
 
@@ -110,7 +112,7 @@ def test_nan_loss_under_the_scaler_is_recorded_every_step_and_weights_stay_finit
                 _lm_step(model, opt, scaler)
                 records.append(mon.step())
     assert mon.counters["anomaly_steps"] == 3
-    assert [a.step for a in mon.anomalies] == [0, 1, 2] and mon.anomalies[0].op == "aten._softmax"
+    assert [a.step for a in mon.anomalies] == [0, 1, 2] and mon.anomalies[0].op == "aten.bmm"
     assert all(r.skipped for r in records)  # the scaler skipped every update
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     msgs = [str(w.message) for w in caught if issubclass(w.category, td.TorchDebugWarning)]
@@ -130,12 +132,17 @@ def test_overflow_below_the_scale_floor_is_a_collapse_anomaly() -> None:
                 out = model(torch.ones(2, 4))
             opt.zero_grad()
             scaler.scale(out.float().pow(4).sum()).backward()
+            loss_line = sys._getframe().f_lineno - 1
             scaler.step(opt)
             scaler.update()
             records.append(mon.step())
     assert [(r.skipped, r.scale) for r in records] == [(True, 2.0), (True, 1.0)]
     a = ei.value.anomaly
-    assert (a.step, a.phase, a.module, a.kind, a.op) == (2, "backward", "fc", "inf", "AddmmBackward0")
+    # the first op that made the Inf: the backward of the loss code's out.float() casts the fp32
+    # gradient 2.6e11 down to float16 (issue 12.1: an overflow is the origin); the loss line
+    assert (a.step, a.phase, a.module, a.kind, a.op) == (2, "backward", "", "inf", "ToCopyBackward0")
+    assert a.location is not None and a.location.endswith(f"test_stack_amp.py:{loss_line}")
+    assert a.hint.startswith("float16 max is 65504")
     assert mon.counters["anomaly_steps"] == 1
 
 

@@ -351,16 +351,20 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None and not isinstance(exc, NonFiniteError):
+        # Everything installed comes off whatever happens here (a warning turned into an error by the
+        # user's filters, a NonFiniteError from the final check, an instrument that fails at exit).
+        try:
+            if exc is not None and not isinstance(exc, NonFiniteError):
+                for inst in list(self.instruments):
+                    self._call(inst, "on_exception", exc)
+            if exc is None and self._sentinel:
+                with contextlib.suppress(Exception):
+                    self._final_check()
+            self._say_skips(at_exit=True)
             for inst in list(self.instruments):
-                self._call(inst, "on_exception", exc)
-        if exc is None and self._sentinel:
-            with contextlib.suppress(Exception):
-                self._final_check()
-        self._say_skips(at_exit=True)
-        for inst in list(self.instruments):
-            self._call(inst, "on_exit")
-        self._teardown(exc)
+                self._call(inst, "on_exit")
+        finally:
+            self._teardown(exc)
 
     def _install(self) -> None:
         _ACTIVE.append(self)
