@@ -62,8 +62,8 @@ def main() -> None:
 
     import httpx
 
-    from torchdebug.report import render_report
-    from torchdebug.server import serve
+    from torchdebug.views.report import render_report
+    from torchdebug.views.server import serve
 
     tmp = tempfile.TemporaryDirectory()
     root = args.root or Path(tmp.name)

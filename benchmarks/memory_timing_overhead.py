@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchdebug.monitor as tdm
+import torchdebug.session.monitor as tdm
 from torchdebug._config import DebugConfig
-from torchdebug.instruments.flops import _FlopSession
-from torchdebug.instruments.memory import LeakDetector
-from torchdebug.instruments.timing import ModuleTimer
-from torchdebug.memory import SavedTensorTracker, memory_sample, module_memory_table
+from torchdebug.memory.analysis import SavedTensorTracker, memory_sample, module_memory_table
+from torchdebug.memory.instrument import LeakDetector
+from torchdebug.perf.flops import _FlopSession
+from torchdebug.perf.timing import ModuleTimer
 
 
 class Block(nn.Module):

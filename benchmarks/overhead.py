@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchdebug as td
-from torchdebug.locate import replay_capture
+from torchdebug.nonfinite.locate import replay_capture
 from torchdebug.store import create_run
 
 

@@ -115,8 +115,8 @@ def test_command_discovery_imports_no_heavy_dependency() -> None:
     assert _COMMAND_MODULES == [
         "torchdebug.store._cli",
         "torchdebug.demo",
-        "torchdebug.report._cli",
-        "torchdebug.server._cli",
+        "torchdebug.views.report._cli",
+        "torchdebug.views.server._cli",
         "torchdebug.integrations._run_cli",
     ]
     code = (

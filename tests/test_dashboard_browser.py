@@ -15,9 +15,9 @@ pytest.importorskip("fastapi")
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from tests.fixtures.runs import ANOMALY, train_steps, write_small_run  # noqa: E402
-from torchdebug.report import render_report  # noqa: E402
-from torchdebug.server import serve  # noqa: E402
 from torchdebug.store import create_run  # noqa: E402
+from torchdebug.views.report import render_report  # noqa: E402
+from torchdebug.views.server import serve  # noqa: E402
 
 pytestmark = pytest.mark.browser
 

@@ -490,8 +490,8 @@ def test_one_off_corruption_is_reported_as_not_reproducible() -> None:
 
 
 def test_not_reproducible_is_stored_and_reported(tmp_path: Any) -> None:
-    from torchdebug.report._format import anomaly_rows
     from torchdebug.store import open_run
+    from torchdebug.views.report._format import anomaly_rows
 
     torch.manual_seed(0)
     model = fx.MLP()
@@ -545,7 +545,7 @@ def test_deterministic_faults_are_reproducible(name: str) -> None:
 
 
 def test_gradient_sink_hooks_are_removed_on_exit() -> None:
-    from torchdebug.locate import Tracer
+    from torchdebug.nonfinite.locate import Tracer
 
     model = fx.MLP()
     x = torch.randn(2, 8)

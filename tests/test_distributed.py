@@ -277,7 +277,7 @@ def test_show_reads_every_rank(runs, capsys):
 def test_dashboard_api_serves_both_ranks(runs):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from torchdebug.server import serve
+    from torchdebug.views.server import serve
 
     run_dir = Path(runs["straggler"][0]["run_dir"])
     handle = serve(run_dir.parent, port=0)

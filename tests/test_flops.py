@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-import torchdebug.monitor as tdm
+import torchdebug.session.monitor as tdm
 from tests.fixtures.memory_models import known_saves_model
-from torchdebug.instruments.flops import count_flops, peak_flops_for
+from torchdebug.perf.flops import count_flops, peak_flops_for
 from torchdebug.store import open_run
 
 

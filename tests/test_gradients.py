@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchdebug.gradients import (
+from torchdebug.health.gradients import (
     GradientFlow,
     GradientReport,
     analyze_gradient_flow,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchdebug.instruments._robust import MAD_TO_SIGMA, RunningMedian, Streak
-from torchdebug.instruments.health import (
+from torchdebug._robust import MAD_TO_SIGMA, RunningMedian, Streak
+from torchdebug.health.instrument import (
     AmpScaleRule,
     DeadUnitRule,
     ExplosionRule,
@@ -278,8 +278,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from tests.fixtures import health_models as hm  # noqa: E402
 from torchdebug import TorchDebugWarning  # noqa: E402
-from torchdebug.instruments.health import GradientHealth  # noqa: E402
-from torchdebug.monitor import watch  # noqa: E402
+from torchdebug.health.instrument import GradientHealth  # noqa: E402
+from torchdebug.session.monitor import watch  # noqa: E402
 from torchdebug.store import open_run  # noqa: E402
 
 CFG = {"mode": "gradient_checking", "detail_every": 5}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchdebug.inspection import ModelSummary, inspect_model, validate_layer_input
+from torchdebug.health.inspection import ModelSummary, inspect_model, validate_layer_input
 
 
 class Tagger(nn.Module):

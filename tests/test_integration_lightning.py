@@ -124,7 +124,7 @@ def fit(lit: Lit, cb: TorchDebugCallback, n: int = 5, fault: str | None = None, 
 
 
 def assert_clean_exit() -> None:
-    assert td.monitor._ACTIVE == [] and td.monitor._ORIGINALS == {}
+    assert td.session.monitor._ACTIVE == [] and td.session.monitor._ORIGINALS == {}
     assert not getattr(torch.Tensor.backward, "__torchdebug_wrapper__", False)
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import torchdebug.monitor as tdm
+import torchdebug.session.monitor as tdm
 from torchdebug._config import DebugConfig
 from torchdebug._errors import TorchDebugWarning
-from torchdebug.instruments.memory import LeakDetector
+from torchdebug.memory.instrument import LeakDetector
 
 
 @pytest.fixture

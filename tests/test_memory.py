@@ -11,11 +11,10 @@ import torch
 from torch import nn
 from torch.overrides import _get_current_function_mode
 
-import torchdebug.monitor as tdm
+import torchdebug.session.monitor as tdm
 from tests.fixtures.memory_models import LeakyMLP, OomNet, known_saves_model, leak_site_line
 from torchdebug._errors import TorchDebugWarning
-from torchdebug.instruments.memory import LeakDetector, oom_report, theil_sen_slope, write_oom_report
-from torchdebug.memory import (
+from torchdebug.memory.analysis import (
     PyTorchMemoryDebugger,
     SavedTensorTracker,
     debug_memory_usage,
@@ -26,7 +25,8 @@ from torchdebug.memory import (
     profile_memory,
     storage_key,
 )
-from torchdebug.recovery import is_oom_error, run_step_with_oom_retry, split_batch
+from torchdebug.memory.instrument import LeakDetector, oom_report, theil_sen_slope, write_oom_report
+from torchdebug.memory.recovery import is_oom_error, run_step_with_oom_retry, split_batch
 from torchdebug.store import open_run
 
 

@@ -319,7 +319,7 @@ def test_meta_device_step_warns_once() -> None:
 
 def test_module_time_with_autograd_grad_penalty() -> None:
     # was: RuntimeError: A leaf node was passed to _will_engine_execute_node (level expert)
-    from torchdebug.instruments.timing import ModuleTimer
+    from torchdebug.perf.timing import ModuleTimer
 
     torch.manual_seed(0)
     model = _mlp()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests.fixtures.memory_models import sleepy_batches
-from torchdebug.profiling import debug_performance, monitor_resources, profile, profile_model_performance
+from torchdebug.perf.profiling import debug_performance, monitor_resources, profile, profile_model_performance
 
 
 def _model() -> nn.Module:

@@ -19,7 +19,7 @@ PUBLIC = [
     "check_tensor_anomalies_async", "compare_modes", "count_flops", "debug_memory_usage", "debug_performance",
     "detect_model_anomalies", "export_tensorboard", "foreach_norms", "inspect_model", "list_runs", "live_tensors", "locate_nonfinite",
     "measure_module_memory", "monitor_resources", "nonfinite_count", "oom_report", "open_run", "profile",
-    "profile_memory", "profile_model_performance", "render_report", "run_step_with_oom_retry", "serve",
+    "profile_memory", "profile_model_performance", "render_report", "report", "run_step_with_oom_retry", "serve",
     "total_norm", "validate_model_input", "watch",
 ]  # fmt: skip
 

@@ -13,10 +13,10 @@ import pytest
 
 from tests.fixtures.runs import MiB, write_small_run
 from torchdebug.cli import main as cli_main
-from torchdebug.report import build_report, collect_data, collect_views, render_report
-from torchdebug.report._figures import build_figures
-from torchdebug.report._format import envelope, event_category, json_safe
 from torchdebug.store import create_run, open_run
+from torchdebug.views.report import build_report, collect_data, collect_views, render_report
+from torchdebug.views.report._figures import build_figures
+from torchdebug.views.report._format import envelope, event_category, json_safe
 
 GOLDEN = Path(__file__).parent / "golden"
 VOLATILE = ("run_id", "created", "ended", "torch", "python", "torchdebug", "host", "pid")
@@ -318,7 +318,7 @@ def test_run_report_method_matches_render_report(tmp_path) -> None:  # type: ign
             opt.zero_grad()
             mon.step()
     run = td.open_run(mon.run_dir)
-    text = run.report()
+    text = td.report(run)
     assert isinstance(text, str) and text == td.render_report(run, format="text")
     out = tmp_path / "r.json"
-    assert run.report("json", path=out) == out.read_text()
+    assert td.report(run, "json", path=out) == out.read_text()

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchdebug.monitor as tdm
+import torchdebug.session.monitor as tdm
 from torchdebug._errors import TorchDebugWarning
-from torchdebug.instruments.health import ExplosionRule, LossPlateauRule, LRRule
-from torchdebug.instruments.timing import SlowdownRule, StepTiming
+from torchdebug.health.instrument import ExplosionRule, LossPlateauRule, LRRule
+from torchdebug.perf.timing import SlowdownRule, StepTiming
 
 THIS_FILE = __file__
 

@@ -11,8 +11,8 @@ from torch import nn
 
 import torchdebug as td
 from torchdebug._errors import NonFiniteError
-from torchdebug.instruments.health import GradientHealth
-from torchdebug.instruments.standalone import ActivationInstrument, WeightInstrument
+from torchdebug.health.instrument import GradientHealth
+from torchdebug.health.standalone import ActivationInstrument, WeightInstrument
 from torchdebug.store import open_run
 
 STEPS, EVERY = 5, 2  # detail steps 0, 2, 4

@@ -19,8 +19,8 @@ import torchdebug as td  # noqa: E402
 from tests.fixtures import health_models as hm  # noqa: E402
 from torchdebug._errors import TorchDebugWarning  # noqa: E402
 from torchdebug.events import rule_counts  # noqa: E402
-from torchdebug.instruments.health import LossPlateauRule, LossSpikeRule, VanishingRule  # noqa: E402
-from torchdebug.server import serve  # noqa: E402
+from torchdebug.health.instrument import LossPlateauRule, LossSpikeRule, VanishingRule  # noqa: E402
+from torchdebug.views.server import serve  # noqa: E402
 
 CFG = {"mode": "gradient_checking", "detail_every": 5, "policy": "warn"}
 FAULT_STEP, STEPS = 40, 43

@@ -19,10 +19,10 @@ httpx = pytest.importorskip("httpx")
 import torchdebug as td  # noqa: E402
 from tests.fixtures.runs import TinyMLP, train_steps, write_small_run  # noqa: E402
 from torchdebug._errors import TorchDebugWarning  # noqa: E402
-from torchdebug.report import build_report  # noqa: E402
-from torchdebug.report._format import json_safe  # noqa: E402
-from torchdebug.server import check_bind, serve  # noqa: E402
 from torchdebug.store import create_run, open_run  # noqa: E402
+from torchdebug.views.report import build_report  # noqa: E402
+from torchdebug.views.report._format import json_safe  # noqa: E402
+from torchdebug.views.server import check_bind, serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ httpx = pytest.importorskip("httpx")
 
 import torchdebug as td  # noqa: E402
 from tests.fixtures.runs import TinyMLP, write_small_run  # noqa: E402
-from torchdebug.server import bound_hosts, check_bind, serve  # noqa: E402
-from torchdebug.server._app import RequestGuard  # noqa: E402
+from torchdebug.views.server import bound_hosts, check_bind, serve  # noqa: E402
+from torchdebug.views.server._app import RequestGuard  # noqa: E402
 
 
 @pytest.fixture

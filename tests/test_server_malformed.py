@@ -15,7 +15,7 @@ from torchdebug.store import list_runs
 fastapi = pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from torchdebug.server import create_app  # noqa: E402
+from torchdebug.views.server import create_app  # noqa: E402
 
 # -- item 9: symlinks ---------------------------------------------------------------------------------
 

@@ -178,7 +178,7 @@ def test_a_file_size_limit_loses_records_counted_warned_once_and_shown(tmp_path:
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from torchdebug.server import create_app
+    from torchdebug.views.server import create_app
 
     with TestClient(create_app(tmp_path, warm=0), base_url="http://127.0.0.1") as client:
         [info] = client.get("/api/runs").json()["runs"]

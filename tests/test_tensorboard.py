@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import torchdebug as td
 from tests.fixtures.runs import MiB, TinyMLP, write_small_run
 from torchdebug.cli import main as cli_main
-from torchdebug.tensorboard import TensorBoardInstrument, export_tensorboard
+from torchdebug.views.tensorboard import TensorBoardInstrument, export_tensorboard
 
 
 def _load(logdir: Path) -> EventAccumulator:

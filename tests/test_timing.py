@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-import torchdebug.monitor as tdm
+import torchdebug.session.monitor as tdm
 from tests.fixtures.memory_models import sleepy_batches
 from torchdebug._errors import TorchDebugWarning
-from torchdebug.instruments.timing import ModuleTimer, batch_size_and_tokens
+from torchdebug.perf.timing import ModuleTimer, batch_size_and_tokens
 from torchdebug.store import open_run
 
 # timing + module_time only (no gradient rules), so the only warnings are the ones under test

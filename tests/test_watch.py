@@ -448,7 +448,7 @@ def test_parameter_whose_sum_overflows_is_not_an_anomaly() -> None:
                 opt.zero_grad()
                 mon.step()
     assert not mon.anomalies
-    from torchdebug.monitor import _finite_probe
+    from torchdebug.session.monitor import _finite_probe
 
     assert (
         _finite_probe([model.fc1.weight]).isinf().all()
@@ -499,7 +499,7 @@ def test_unwritable_run_folder_warns_and_training_goes_on(tmp_path: object) -> N
 def test_instrument_whose_constructor_fails_is_the_only_one_switched_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torchdebug.instruments import timing
+    from torchdebug.perf import timing
 
     def boom(self: object) -> None:
         raise RuntimeError("cannot build")

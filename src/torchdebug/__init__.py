@@ -50,18 +50,15 @@ from .compat import (
     validate_model_input,
 )
 from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
-from .gradients import (
+from .health.gradients import (
     GradientFlow,
     GradientReport,
     analyze_gradient_flow,
     analyze_model_parameters,
     check_gradients,
 )
-from .inspection import ModelSummary, inspect_model
-from .instruments.flops import FlopReport, count_flops
-from .instruments.memory import OomReport, oom_report
-from .locate import locate_nonfinite
-from .memory import (
+from .health.inspection import ModelSummary, inspect_model
+from .memory.analysis import (
     ModuleMemoryTable,
     PyTorchMemoryDebugger,
     debug_memory_usage,
@@ -69,28 +66,31 @@ from .memory import (
     measure_module_memory,
     profile_memory,
 )
-from .monitor import Monitor, watch
-from .optimize import ModeComparison, ModeResult, compare_modes
-from .profiling import (
+from .memory.instrument import OomReport, oom_report
+from .memory.recovery import run_step_with_oom_retry
+from .nonfinite.locate import locate_nonfinite
+from .perf.flops import FlopReport, count_flops
+from .perf.optimize import ModeComparison, ModeResult, compare_modes
+from .perf.profiling import (
     ProfileSummary,
     debug_performance,
     monitor_resources,
     profile,
     profile_model_performance,
 )
-from .recovery import run_step_with_oom_retry
-from .report import build_report, render_report
+from .session.monitor import Monitor, watch
 from .stats import TensorStats, analyze_tensor, foreach_norms, nonfinite_count, total_norm
 from .store import list_runs, open_run
+from .views.report import build_report, render_report, report
 
 
 def serve(target: Any, host: str = "127.0.0.1", port: int = 6007, token: str | None = None) -> Any:
     """Start the dashboard for a live ``Monitor``, a ``TrainingDebugger`` or a run folder in a background thread.
 
     Needs ``pip install 'torchdebug[dashboard]'``. Returns a handle with ``.url`` and ``.stop()``.
-    See :func:`torchdebug.server.serve` for the details.
+    See :func:`torchdebug.views.server.serve` for the details.
     """
-    from .server import serve as _serve
+    from .views.server import serve as _serve
 
     return _serve(target, host=host, port=port, token=token)
 
@@ -98,9 +98,9 @@ def serve(target: Any, host: str = "127.0.0.1", port: int = 6007, token: str | N
 def export_tensorboard(run: Any, logdir: Any) -> Any:
     """Write a run's scalars, histograms, anomalies and events as TensorBoard event files.
 
-    Needs ``pip install 'torchdebug[tensorboard]'``. See :mod:`torchdebug.tensorboard`.
+    Needs ``pip install 'torchdebug[tensorboard]'``. See :mod:`torchdebug.views.tensorboard`.
     """
-    from .tensorboard import export_tensorboard as _export
+    from .views.tensorboard import export_tensorboard as _export
 
     return _export(run, logdir)
 
@@ -176,6 +176,7 @@ __all__ = [
     "profile_memory",
     "profile_model_performance",
     "render_report",
+    "report",
     "run_step_with_oom_retry",
     "serve",
     "total_norm",

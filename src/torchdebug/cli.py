@@ -48,8 +48,8 @@ PROG = "torchdebug"
 _COMMAND_MODULES = [
     "torchdebug.store._cli",
     "torchdebug.demo",
-    "torchdebug.report._cli",
-    "torchdebug.server._cli",
+    "torchdebug.views.report._cli",
+    "torchdebug.views.server._cli",
     "torchdebug.integrations._run_cli",
 ]
 

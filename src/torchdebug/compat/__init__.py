@@ -18,9 +18,9 @@ measure with ``td.compare_modes``: the same batches and seeds under each mode ag
 
 from __future__ import annotations
 
-from ..memory import PyTorchMemoryDebugger
-from ..optimize import OptimizationMode
-from ..runtime_control import disable_debugging, enable_debugging, get_debugging_status
+from ..memory.analysis import PyTorchMemoryDebugger
+from ..perf.optimize import OptimizationMode
+from ..session.runtime import disable_debugging, enable_debugging, get_debugging_status
 from ._async import AsyncTrainingLogger, TrainingPhase
 from ._checks import (
     check_gradient_anomalies,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..gradients import _grad_values
+from ..health.gradients import _grad_values
 from ..stats import analyze_tensor, foreach_norms, total_norm
 
 

@@ -17,7 +17,7 @@ from .._config import DebugConfig, DebugLevel, DebugMode, coerce_config
 from .._errors import NonFiniteError, TorchDebugWarning
 from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, RuleEvent, plain
-from ..locate import _preserved_state, locate_nonfinite
+from ..nonfinite.locate import _preserved_state, locate_nonfinite
 from ..stats import TensorStats, foreach_norms, nonfinite_count
 from ._seedconfig import ANOMALY_MODES, PyTorchDebugConfig
 

@@ -18,14 +18,14 @@ from torch import nn
 
 from .._config import DebugLevel, DebugMode
 from .._errors import NonFiniteError
+from .._robust import RunningMedian
 from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, plain
-from ..gradients import GradientReport, analyze_model_parameters, check_gradients
-from ..inspection import call_model
-from ..instruments._robust import RunningMedian
-from ..instruments.health import ExplosionRule, top_params
-from ..locate import Tracer
-from ..memory import debug_memory_usage, memory_sample
+from ..health.gradients import GradientReport, analyze_model_parameters, check_gradients
+from ..health.inspection import call_model
+from ..health.instrument import ExplosionRule, top_params
+from ..memory.analysis import debug_memory_usage, memory_sample
+from ..nonfinite.locate import Tracer
 from ..stats import analyze_tensor, foreach_norms, total_norm
 from ._common import (
     HISTORY_SIZE,
@@ -407,7 +407,7 @@ class PyTorchDebugger:
         return {k: TensorInfo.of(v) for k, v in analyze_model_parameters(model).items()}
 
     def analyze_gradients(self, model: nn.Module) -> GradientReport:
-        """``td.gradients.check_gradients``: per-parameter norms, NaN/Inf, exploding, vanishing."""
+        """``td.health.gradients.check_gradients``: per-parameter norms, NaN/Inf, exploding, vanishing."""
         return check_gradients(model, explode_abs=self.config.explode_abs)
 
     def check_gradient_explosion(self, model: nn.Module, threshold: float | None = None) -> list[str]:
@@ -672,14 +672,14 @@ class PyTorchDebugger:
         return seconds
 
     def profile_memory(self, label: str = "") -> dict[str, Any]:
-        """Seed 004's memory profile: ``td.memory.debug_memory_usage()`` plus ``cpu_memory`` (system %),
+        """Seed 004's memory profile: ``td.memory.analysis.debug_memory_usage()`` plus ``cpu_memory`` (system %),
         ``gpu_memory`` (CUDA allocated bytes) and ``memory_leaks`` (robust growth test over calls).
 
         ``memory_leaks`` lists the series (``heap_in_use``, ``rss``, ``cuda_allocated``) whose
         Theil-Sen slope over the last ``config.leak_window`` calls is positive and steady (the
         engine's ``LeakDetector``); empty until that many calls were made.
         """
-        from ..instruments.memory import LeakDetector
+        from ..memory.instrument import LeakDetector
 
         if self._leaks is None:
             self._leaks = LeakDetector(window=max(3, self.config.leak_window), warmup=0)
@@ -700,7 +700,7 @@ class PyTorchDebugger:
         """Seed 002's static memory profile of ``model`` in bytes: parameters, gradients, buffers, total.
 
         Shared parameters count once. Activations are not included: measure a forward with
-        ``td.memory.measure_module_memory`` for those. Cost: metadata only, no device work.
+        ``td.memory.analysis.measure_module_memory`` for those. Cost: metadata only, no device work.
         """
         params = list(model.parameters())  # deduplicated: a tied weight appears once
         grads = [p.grad for p in params if p.grad is not None]
@@ -715,7 +715,7 @@ class PyTorchDebugger:
     def profile_model_performance(
         self, model: nn.Module, dataloader: Any, num_batches: int = 10, **kwargs: Any
     ) -> Any:
-        """Seed 000's profiler entry: ``td.profiling.profile_model_performance`` (torch.profiler).
+        """Seed 000's profiler entry: ``td.perf.profiling.profile_model_performance`` (torch.profiler).
 
         ``kwargs``: ``loss_fn``, ``optimizer``, ``run_dir`` (folder for the Perfetto trace).
         Returns its ``ProfileSummary`` (top ops and modules by self time, idle and data shares).
@@ -723,13 +723,13 @@ class PyTorchDebugger:
         Cost: ``num_batches`` profiled steps plus a wait and a warm-up batch (about 2 s of profiler
         start-up the first time in a process).
         """
-        from ..profiling import profile_model_performance
+        from ..perf.profiling import profile_model_performance
 
         return profile_model_performance(model, dataloader, num_batches, **kwargs)
 
     def monitor_resources(self, **kwargs: Any) -> dict[str, Any]:
-        """Seed 004's resource check: ``td.profiling.monitor_resources`` (CPU %, memory %, RSS, GPUs)."""
-        from ..profiling import monitor_resources
+        """Seed 004's resource check: ``td.perf.profiling.monitor_resources`` (CPU %, memory %, RSS, GPUs)."""
+        from ..perf.profiling import monitor_resources
 
         return monitor_resources(**kwargs)
 
@@ -820,7 +820,7 @@ class PyTorchDebugger:
             import matplotlib  # noqa: F401
         except ImportError as e:
             raise ImportError(f"create_debug_plots needs matplotlib: {REPORT_EXTRA}") from e
-        from ..report._png import render_png
+        from ..views.report._png import render_png
 
         hist = list(self.debug_history)
         if not hist:
@@ -911,7 +911,7 @@ class _ActivationCapture:
     """Activation statistics of each leaf module's first output in one forward (device tensors until read)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from ..instruments.health import activation_stats
+        from ..health.instrument import activation_stats
 
         self.stats: dict[str, dict[str, torch.Tensor]] = {}
         self.handles: list[Any] = []

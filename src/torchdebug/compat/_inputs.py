@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..inspection import call_model
+from ..health.inspection import call_model
 
 
 def validate_model_input(

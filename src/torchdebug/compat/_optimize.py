@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..inspection import call_model
-from ..optimize import OptimizationMode, _mode, compare_modes, prepare
+from ..health.inspection import call_model
+from ..perf.optimize import OptimizationMode, _mode, compare_modes, prepare
 
 
 @dataclass
@@ -47,7 +47,7 @@ class OptimizationMetrics:
 def optimize_model_in_place(
     model: nn.Module, optimization_mode: OptimizationMode | str, sink: list[OptimizationMetrics] | None = None
 ) -> nn.Module:
-    """Apply a mode (see ``td.optimize.prepare``); returns the model to call (``model`` itself for NONE)."""
+    """Apply a mode (see ``td.perf.optimize.prepare``); returns the model to call (``model`` itself for NONE)."""
     mode = _mode(optimization_mode)
     t0 = time.perf_counter()
     prep = prepare(model, mode)

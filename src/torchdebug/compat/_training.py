@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..events import Anomaly, RuleEvent, plain, training_summary
-from ..gradients import GradientFlow, GradientReport, analyze_gradient_flow, check_gradients
-from ..inspection import ModelSummary, call_model, inspect_model
-from ..instruments.health import (
+from ..health.gradients import GradientFlow, GradientReport, analyze_gradient_flow, check_gradients
+from ..health.inspection import ModelSummary, call_model, inspect_model
+from ..health.instrument import (
     ExplosionRule,
     LossPlateauRule,
     LossSpikeRule,
@@ -24,7 +24,7 @@ from ..instruments.health import (
     layer_norms,
     top_params,
 )
-from ..memory import PyTorchMemoryDebugger, memory_sample
+from ..memory.analysis import PyTorchMemoryDebugger, memory_sample
 from ..stats import foreach_norms, total_norm
 from ._common import (
     HISTORY_SIZE,
@@ -312,7 +312,7 @@ class GradientDebugger:
         self._calls = 0
 
     def check_gradients(self, model: nn.Module, step: int | None = None) -> GradientReport:
-        """``td.gradients.check_gradients`` (one host transfer), recorded with ``step``.
+        """``td.health.gradients.check_gradients`` (one host transfer), recorded with ``step``.
 
         Returns:
             The engine's ``GradientReport`` (``.total_norm``, ``.nonfinite``, ``.exploding``,
@@ -342,7 +342,7 @@ class GradientDebugger:
         return rep
 
     def analyze_gradient_flow(self, model: nn.Module, example_input: Any = None) -> GradientFlow:
-        """Per-layer mean/max |grad| in forward order (``td.gradients.analyze_gradient_flow``)."""
+        """Per-layer mean/max |grad| in forward order (``td.health.gradients.analyze_gradient_flow``)."""
         return analyze_gradient_flow(model, example_input)
 
     def clip_gradients(self, model: nn.Module, max_norm: float, norm_type: float | str = 2.0) -> float:
@@ -365,7 +365,7 @@ class GradientDebugger:
 
 
 class ModelDebugger:
-    """Seed 003's model debugger over ``td.inspection.inspect_model``."""
+    """Seed 003's model debugger over ``td.health.inspection.inspect_model``."""
 
     def __init__(self, config: Any = None) -> None:
         self.config, _ = resolve_config(config)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ..monitor import POLICIES, Monitor, watch
+from ..session.monitor import POLICIES, Monitor, watch
 
 _FRAMEWORK_OWNED = ("model", "optimizer")
 

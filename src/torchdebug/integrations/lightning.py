@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..monitor import Monitor, _unwrap_optimizer
+from ..session.monitor import Monitor, _unwrap_optimizer
 from ._session import check_watch_kwargs, close_session, open_session
 
 try:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..monitor import Monitor, _unwrap_optimizer, watch
+from ..session.monitor import Monitor, _unwrap_optimizer, watch
 
 FALLBACK = (
     "fall back to three lines in the script: `with td.watch(model, optimizer) as mon:` around the loop "

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from ..monitor import Monitor, _unwrap_optimizer
+from ..session.monitor import Monitor, _unwrap_optimizer
 from ._session import check_watch_kwargs, close_session, open_session
 
 try:

@@ -639,20 +639,6 @@ class Run:
         """Number of distinct steps with at least one metric. Cost: one index scan."""
         return int(self._rows("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)")[0][0])
 
-    def report(self, format: str = "text", path: str | os.PathLike[str] | None = None) -> str | bytes:
-        """This run's report: ``"text"`` | ``"json"`` | ``"html"`` (one self-contained file) | ``"png"``.
-
-        A convenience over :func:`torchdebug.render_report` (HTML and PNG need
-        ``pip install 'torchdebug[report]'``); ``path`` also writes it there.
-
-        Example::
-
-            print(td.open_run("runs/demo-20261121-004704").report())
-        """
-        from ..report import render_report  # the report layer reads the store, not the other way round
-
-        return render_report(self, format=format, path=path)
-
     def summary(self) -> dict[str, Any]:
         """Counts for a quick look: steps, last step, metrics, anomalies, events by kind, status, dropped."""
         last = self._rows(

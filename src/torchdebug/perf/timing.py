@@ -1,0 +1,726 @@
+"""Timing instruments: per-step breakdown (data, forward, backward, optimizer, other), throughput, rules, per-module time."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._robust import RunningMedian
+from .._trees import tensor_leaves
+from ..events import RuleEvent, module_label
+from ._gradhooks import when_all_grads
+
+PHASES = ("data", "forward", "backward", "optimizer", "other", "step")
+
+
+def batch_size_and_tokens(args: Any, kwargs: Any = None) -> tuple[int | None, int | None]:
+    """Batch size (dim 0 of the first tensor argument) and, for an integer (B, T) tensor, tokens B*T.
+
+    Example:
+        >>> batch_size_and_tokens((torch.zeros(4, 7, dtype=torch.long),))
+        (4, 28)
+    """
+    for t in tensor_leaves((args, kwargs or {})):
+        if t.dim() == 0:
+            continue
+        b = int(t.shape[0])
+        tokens = (
+            b * int(t.shape[1]) if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() else None
+        )
+        return b, tokens
+    return None, None
+
+
+class _Clock:
+    """Marks on the host (perf_counter) and, on CUDA, CUDA events read one step later (no extra sync)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ready(self, mark: Any) -> bool:
+        return True if not self.cuda else bool(mark.query())
+
+    def elapsed(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            return float(a.elapsed_time(b)) / 1000.0  # ms -> s
+        return float(b - a)
+
+
+@dataclass
+class _StepMarks:
+    start: Any = None  # end of the previous step
+    spans: dict[str, list[tuple[Any, Any]]] = field(
+        default_factory=lambda: {"data": [], "forward": [], "backward": [], "optimizer": []}
+    )
+    end: Any = None
+    samples: int = 0
+    tokens: int = 0
+    host_s: float = 0.0
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One step's time split, in seconds; ``other`` is the rest (loss, user code, the monitor's transfer)."""
+
+    step: int
+    data: float
+    forward: float
+    backward: float
+    optimizer: float
+    other: float
+    total: float
+    samples: int = 0
+    tokens: int = 0
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.samples / self.total if self.samples and self.total > 0 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.total if self.tokens and self.total > 0 else None
+
+    def as_log(self) -> dict[str, float]:
+        return {
+            "data": self.data,
+            "forward": self.forward,
+            "backward": self.backward,
+            "optimizer": self.optimizer,
+            "other": self.other,
+            "step": self.total,
+        }
+
+    def __str__(self) -> str:
+        parts = [f"{k} {v * 1e3:.1f} ms" for k, v in self.as_log().items()]
+        if self.samples_per_s:
+            parts.append(f"{self.samples_per_s:.1f} samples/s")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:.0f} tokens/s")
+        return f"step {self.step}: " + ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "step": self.step,
+            **self.as_log(),
+            "samples": self.samples,
+            "tokens": self.tokens,
+        }
+        d["samples_per_s"] = self.samples_per_s
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+def _never(step: int) -> bool:
+    return False
+
+
+_RULE_PHASES = ("data", "forward", "backward", "optimizer", "other")
+
+
+class SlowdownRule:
+    """Sustained slowdown: the median step time of the last ``recent`` steps stands well above the
+    median of the ``window`` steps before them. Pure: fed with :class:`StepTiming`, returns events.
+
+    Slow means both ``recent median > factor * baseline median`` and ``recent median - baseline
+    median >= max(min_s, mads * 1.4826 MAD of the baseline)``: a median over ``recent`` steps ignores
+    a few slow steps (a gc pause, the debugger's own leak census, scheduler noise) and the MAD test
+    ignores jitter the run always had. A step joins the baseline once it leaves the recent window;
+    inside an episode the baseline is frozen, so a slowdown that lasts does not become the norm and
+    fire again. Sustained means in time too: the median must stay slow for ``min_duration_s`` of
+    steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` warning when an episode starts (naming the phase whose median grew
+    most), one ``slowdown_end`` info event when it ends, with its length in steps.
+
+    Args:
+        factor: how many times the baseline a slow median is (> 1).
+        recent: steps in the judged window (odd; the median needs ``recent // 2 + 1`` slow steps).
+        window: steps in the baseline. min_baseline: baseline steps needed before judging.
+        min_s: smallest rise in seconds that counts (sub-millisecond steps jitter by more than 1.5x).
+        mads: robust sigmas of the baseline a rise must exceed.
+        min_duration_s: seconds of slow steps (after the median turned) before it is an episode.
+
+    Example:
+        >>> rule = SlowdownRule(recent=3, min_baseline=5, min_duration_s=0.1)
+        >>> fast = [StepTiming(s, 0.0, 0.01, 0.01, 0.0, 0.0, 0.02) for s in range(10)]
+        >>> slow = [StepTiming(s, 0.0, 0.05, 0.01, 0.0, 0.0, 0.06) for s in range(10, 14)]
+        >>> [(e.kind, e.step, e.evidence["phase"]) for t in fast + slow for e in rule.update(t)]
+        [('slowdown', 12, 'forward')]
+    """
+
+    def __init__(
+        self,
+        factor: float = 1.5,
+        recent: int = 9,
+        window: int = 100,
+        min_baseline: int = 10,
+        min_s: float = 0.002,
+        mads: float = 5.0,
+        min_duration_s: float = 0.5,
+    ) -> None:
+        if factor <= 1:
+            raise ValueError(f"factor must be > 1, got {factor}")
+        if recent < 1 or window < 1:
+            raise ValueError(f"recent and window must be >= 1, got {recent}, {window}")
+        self.factor, self.min_s, self.mads = float(factor), float(min_s), float(mads)
+        self.min_baseline = int(min_baseline)
+        self.min_duration_s = float(min_duration_s)
+        self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
+        self.recent: deque[StepTiming] = deque(maxlen=int(recent))
+        self.baseline = RunningMedian(int(window))
+        self._phases = {k: RunningMedian(int(window)) for k in _RULE_PHASES}
+        self.start: int | None = None  # first step of the current episode
+        self.count = 0  # episodes
+
+    def update(self, t: StepTiming) -> list[RuleEvent]:
+        """Feed one step's timing; the episode's start or end event, or nothing."""
+        if len(self.recent) == self.recent.maxlen and self.start is None and self._pending is None:
+            old = self.recent[0]  # leaves the recent window: part of the normal from now on
+            self.baseline.push(old.total)
+            for k, m in self._phases.items():
+                m.push(getattr(old, k))
+        self.recent.append(t)
+        if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
+            return []
+        med = _median([r.total for r in self.recent])
+        base = self.baseline.median()
+        sigma = self.baseline.sigma()
+        slow = med > self.factor * base and med - base >= max(self.min_s, self.mads * sigma)
+        if slow and self.start is None:
+            turned, slow_s = self._pending or (t.step, 0.0)
+            slow_s += t.total
+            if slow_s < self.min_duration_s:  # sustained in time too: a burst of machine load is not
+                self._pending = (turned, slow_s)
+                return []
+            self._pending = None
+            self.start = turned - len(self.recent) // 2  # the median turned: about half the window ago
+            self.count += 1
+            grown = {
+                k: _median([getattr(r, k) for r in self.recent]) - m.median() for k, m in self._phases.items()
+            }
+            phase = max(grown, key=lambda k: grown[k])
+            now = _median([getattr(r, phase) for r in self.recent])
+            return [
+                RuleEvent(
+                    kind="slowdown",
+                    step=t.step,
+                    message=(
+                        f"steps got slower since about step {self.start}: median step time "
+                        f"{med * 1e3:.1f} ms over the last {len(self.recent)} steps, {med / base:.1f}x the "
+                        f"median {base * 1e3:.1f} ms before; {phase} grew most "
+                        f"({(now - grown[phase]) * 1e3:.1f} -> {now * 1e3:.1f} ms)"
+                    ),
+                    evidence={
+                        "step_s": med,
+                        "median_s": base,
+                        "factor": self.factor,
+                        "phase": phase,
+                        "since": self.start,
+                        **{f"{k}_grown_s": v for k, v in grown.items()},
+                        **t.as_log(),
+                    },
+                )
+            ]
+        if not slow:
+            self._pending = None
+        if not slow and self.start is not None:
+            start, self.start = self.start, None
+            return [
+                RuleEvent(
+                    kind="slowdown_end",
+                    step=t.step,
+                    message=f"step time back to normal ({med * 1e3:.1f} ms) after a slowdown of {t.step - start} steps",
+                    severity="info",
+                    evidence={"since": start, "steps": t.step - start, "step_s": med, "median_s": base},
+                )
+            ]
+        return []
+
+
+class TimingInstrument:
+    """Step time breakdown every step, throughput, and the "input_bound" and "slowdown" rules.
+
+    Phases: data wait (from the end of the previous ``mon.step()``, or of the previous micro-step's
+    backward, to the model's first forward), forward (the model's root forward), backward
+    (``loss.backward()``), optimizer (its ``step``), other (the rest: loss, user code, the monitor).
+    On CPU the marks are ``time.perf_counter``; on CUDA they are CUDA events, recorded only and read
+    with ``elapsed_time`` at a later step once they have completed, so timing adds no sync (the
+    breakdown of step N is logged when it is ready, usually at step N+1).
+
+    Throughput: samples from dim 0 of the first tensor argument of each micro-step's forward; tokens
+    from ``config.tokens_per_step`` or, for an integer (B, T) input, B*T.
+
+    Rules: "input_bound" when the median share of data wait over the last ``window`` steps exceeds
+    ``config.input_bound_fraction``; "slowdown" (:class:`SlowdownRule`) when the median step time of
+    the last ``2 * patience - 1`` steps stays above ``config.slowdown_factor`` x the median of the
+    steps before and above their jitter (a few slow steps, such as a gc pause, are not a slowdown;
+    nor is a rise under ``min_slowdown_s``, the jitter of sub-millisecond steps); it names the phase
+    that grew, and "slowdown_end" (info) says how long it lasted. Each rule fires once per episode. The first ``warmup``
+    steps (lazy init, allocator warm-up) are not fed to the rules.
+
+    Attributes:
+        history: the last ``window`` :class:`StepTiming`.
+
+    Known limitations:
+        - "forward" is the root module's forward; the loss computed outside it counts as "other",
+          and data loaded inside the forward counts as forward.
+        - On CUDA a step's breakdown is logged once its events completed (usually one step later);
+          the last steps are flushed at exit with one synchronize.
+    """
+
+    name = "timing"
+
+    def __init__(
+        self, *, window: int = 20, warmup: int = 2, patience: int = 5, min_slowdown_s: float = 0.002
+    ) -> None:
+        self.window = window
+        self.min_slowdown_s = min_slowdown_s
+        self.warmup = warmup
+        self.history: deque[StepTiming] = deque(maxlen=window)
+        self._data_share = RunningMedian(window)
+        self._patience = patience
+        self._slowdown = SlowdownRule(recent=2 * patience - 1, min_s=min_slowdown_s)
+        self._input_bound_on = False
+        self._pending: deque[_StepMarks] = deque()
+        self._cur = _StepMarks()
+        self._clock = _Clock(False)
+        self._open: dict[str, Any] = {}
+        self._last_mark: Any = None
+        self._tokens_per_step: int | None = None
+        self._uncommitted: tuple[int | None, int | None] = (None, None)
+
+    # ---- protocol
+    def install(self, mon: Any) -> None:
+        cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
+        self._clock = _Clock(cuda)
+        self._slowdown = SlowdownRule(
+            factor=float(getattr(mon.config, "slowdown_factor", 1.5)),
+            recent=2 * self._patience - 1,
+            min_s=self.min_slowdown_s,
+        )
+        tps = getattr(mon.config, "tokens_per_step", None)
+        self._tokens_per_step = int(tps) if tps else None
+        self._begin(mon.global_step)
+
+    def _begin(self, step: int) -> None:
+        m = self._clock.mark()
+        self._cur = _StepMarks(start=m, step=step, host_s=time.perf_counter())
+        self._last_mark = m
+
+    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        m = self._clock.mark()
+        if self._uncommitted == (None, None):
+            self._cur.spans["data"].append((self._last_mark, m))
+        # else: the previous forward of this micro-step never reached backward (it failed and is
+        # being retried): the time since is wasted work ("other"), not data wait
+        self._open["forward"] = m
+        # counted when the micro-step reaches its backward (or the step ends without one): an
+        # attempt that failed in forward (an OOM before a retry) is not throughput
+        self._uncommitted = batch_size_and_tokens(args, kwargs)
+
+    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+        start = self._open.pop("forward", None)
+        if start is not None:
+            self._cur.spans["forward"].append((start, self._clock.mark()))
+
+    def on_backward_start(self, mon: Any, loss: Any) -> None:
+        self._open["backward"] = self._clock.mark()
+
+    def _commit(self) -> None:
+        b, tok = self._uncommitted
+        if b is not None:
+            self._cur.samples += b
+        if tok is not None:
+            self._cur.tokens += tok
+        self._uncommitted = (None, None)
+
+    def on_backward_end(self, mon: Any) -> None:
+        self._commit()
+        start = self._open.pop("backward", None)
+        if start is not None:
+            m = self._clock.mark()
+            self._cur.spans["backward"].append((start, m))
+            self._last_mark = m  # the next micro-step's data wait starts here
+
+    def before_optimizer_step(self, mon: Any) -> None:
+        self._open["optimizer"] = self._clock.mark()
+
+    def after_optimizer_step(self, mon: Any) -> None:
+        start = self._open.pop("optimizer", None)
+        if start is not None:
+            self._cur.spans["optimizer"].append((start, self._clock.mark()))
+
+    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+        if not self._cur.spans["backward"]:
+            self._commit()  # a step without backward (evaluation under watch): its forward counts
+        self._uncommitted = (None, None)
+        cur = self._cur
+        cur.end = self._clock.mark()
+        cur.step = int(getattr(record, "step", cur.step))
+        cur.host_s = time.perf_counter() - cur.host_s
+        if self._tokens_per_step:
+            cur.tokens = self._tokens_per_step
+        self._pending.append(cur)
+        self._open.clear()
+        self._begin(cur.step + 1)
+        self._drain(mon)
+
+    def on_exit(self, mon: Any) -> None:
+        if self._clock.cuda and self._pending:
+            self._pending[-1].end.synchronize()  # once, at exit: log the last steps too
+        self._drain(mon)
+
+    # ---- reading the marks
+    def _drain(self, mon: Any) -> None:
+        while self._pending and self._clock.ready(self._pending[0].end):
+            self._finish(mon, self._pending.popleft())
+
+    def _finish(self, mon: Any, m: _StepMarks) -> None:
+        c = self._clock
+        sums = {k: sum(c.elapsed(a, b) for a, b in spans) for k, spans in m.spans.items()}
+        total = c.elapsed(m.start, m.end)
+        other = max(0.0, total - sum(sums.values()))
+        t = StepTiming(
+            step=m.step,
+            data=sums["data"],
+            forward=sums["forward"],
+            backward=sums["backward"],
+            optimizer=sums["optimizer"],
+            other=other,
+            total=total,
+            samples=m.samples,
+            tokens=m.tokens,
+        )
+        self.history.append(t)
+        if mon.writer is not None:
+            mon.writer.log_timing(t.step, t.as_log())
+            thr = {}
+            if t.samples_per_s is not None:
+                thr["throughput/samples_per_s"] = t.samples_per_s
+            if t.tokens_per_s is not None:
+                thr["throughput/tokens_per_s"] = t.tokens_per_s
+            if thr:
+                mon.writer.log_scalars(t.step, thr)
+        self._rules(mon, t)
+
+    def _rules(self, mon: Any, t: StepTiming) -> None:
+        if t.step < self.warmup or t.total <= 0:
+            return
+        cfg = mon.config
+        share = t.data / t.total
+        self._data_share.push(share)
+        frac = float(getattr(cfg, "input_bound_fraction", 0.3))
+        med_share = self._data_share.median()
+        if len(self._data_share) >= min(5, self.window):
+            if med_share > frac and not self._input_bound_on:
+                self._input_bound_on = True
+                mon.emit(
+                    RuleEvent(
+                        kind="input_bound",
+                        step=t.step,
+                        message=(
+                            f"waiting for data takes {med_share:.0%} of each step (median of the last "
+                            f"{len(self._data_share)} steps, threshold {frac:.0%}): the GPU/CPU idles while "
+                            "batches load; use more DataLoader workers, pin_memory, prefetching or faster decoding"
+                        ),
+                        evidence={
+                            "data_share_median": med_share,
+                            "threshold": frac,
+                            "data_s": t.data,
+                            "step_s": t.total,
+                        },
+                    )
+                )
+            elif med_share <= frac:
+                self._input_bound_on = False
+        if any(getattr(i, "costly_step", _never)(t.step) for i in mon.instruments):
+            return  # the debugger's own expensive step (a leak census): not the user's slowdown
+        for event in self._slowdown.update(t):
+            mon.emit(event)
+
+
+# --------------------------------------------------------------------------------------------------
+# per-module time
+
+
+@dataclass(frozen=True)
+class ModuleTimeRow:
+    """Inclusive forward and backward time of one module (children included), median over measured steps."""
+
+    module: str
+    module_type: str
+    forward_s: float
+    backward_s: float | None
+    calls: int
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + (self.backward_s or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "module_type": self.module_type,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "calls": self.calls,
+            "total_s": self.total_s,
+        }
+
+
+@dataclass(frozen=True)
+class ModuleTimeTable:
+    """Per-module time, ranked by forward + backward; ``str()`` renders it, ``to_dict()`` is JSON-ready."""
+
+    rows: tuple[ModuleTimeRow, ...]
+    steps: tuple[int, ...]
+
+    def row(self, module: str) -> ModuleTimeRow:
+        for r in self.rows:
+            if r.module == module:
+                return r
+        raise KeyError(module)
+
+    def __str__(self) -> str:
+        head = f"{'module':<36} {'forward ms':>11} {'backward ms':>12} {'calls':>6}"
+        lines = [
+            f"per-module time (median of steps {list(self.steps)}; inclusive of children)",
+            head,
+            "-" * len(head),
+        ]
+        for r in self.rows:
+            bwd = "-" if r.backward_s is None else f"{r.backward_s * 1e3:.3f}"
+            lines.append(
+                f"{module_label(r.module, r.module_type)[:36]:<36} {r.forward_s * 1e3:>11.3f} {bwd:>12} {r.calls:>6}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "rows": [r.to_dict() for r in self.rows]}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class ModuleTimer:
+    """Forward and backward time per module of ``model`` while active (hooks; usable without watch).
+
+    Forward: pre/post hooks around each module call (inclusive of children). Backward: from the
+    moment the gradient of the module's output is ready (its backward begins) to the moment the
+    gradients of its inputs and parameters are all computed (``register_multi_grad_hook``). On
+    CUDA the marks are CUDA events, read (with one synchronize) by :meth:`collect`.
+
+    Cost: two hooks per module call and two multi-grad hooks per module per forward: opt-in, a few steps.
+
+    Known limitation: the backward of a ``torch.autograd.grad()`` call (a gradient penalty) is not
+    timed, only that of ``backward()``: torch cannot tell which leaf gradients such a call computes.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> with ModuleTimer(m) as tm:
+        ...     m(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        >>> times = tm.collect()
+        >>> sorted(times) == ["", "0", "1"] and times["0"][0] > 0
+        True
+    """
+
+    def __init__(self, model: nn.Module, cuda: bool | None = None) -> None:
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.types = {n: type(m).__name__ for n, m in model.named_modules()}
+        use_cuda = cuda if cuda is not None else any(p.is_cuda for p in model.parameters())
+        self._clock = _Clock(bool(use_cuda) and torch.cuda.is_available())
+        self._handles: list[Any] = []
+        self._grad_handles: list[Any] = []
+        self._fwd_open: dict[int, list[Any]] = {}
+        self._fwd: dict[str, list[tuple[Any, Any]]] = {}
+        self._bwd_start: dict[tuple[str, int], Any] = {}
+        self._bwd: dict[str, list[tuple[Any, Any]]] = {}
+        self.active = False
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._fwd_open.setdefault(id(module), []).append(self._clock.mark())
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._fwd_open.get(id(module))
+        if not stack:
+            return
+        start = stack.pop()
+        name = self.names.get(id(module), "")
+        self._fwd.setdefault(name, []).append((start, self._clock.mark()))
+        if not torch.is_grad_enabled():
+            return
+        outs = [t for t in tensor_leaves(output) if t.requires_grad]
+        if not outs:
+            return
+        ends = [t for t in tensor_leaves(args) if t.requires_grad]
+        ends += [p for p in module.parameters() if p.requires_grad]
+        clock = self._clock
+
+        # keyed by graph task: a torch.autograd.grad() call (not timed) leaves no start behind for backward
+        def begin(grads: Any, name: str = name) -> None:
+            self._bwd_start.setdefault((name, torch._C._current_graph_task_id()), clock.mark())
+
+        def finish(name: str = name) -> None:
+            st = self._bwd_start.pop((name, torch._C._current_graph_task_id()), None)
+            if st is not None:
+                self._bwd.setdefault(name, []).append((st, clock.mark()))
+
+        reg = torch.autograd.graph.register_multi_grad_hook
+        self._grad_handles.append(reg(outs, begin, mode="any"))
+        if ends:
+            self._grad_handles.append(when_all_grads(ends, finish))  # autograd.grad(): not timed
+
+    def start(self) -> None:
+        """Install the hooks (idempotent)."""
+        if self.active:
+            return
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self.active = True
+
+    def stop(self) -> None:
+        """Remove every hook, including gradient hooks still pending (idempotent)."""
+        for h in self._handles + self._grad_handles:
+            h.remove()
+        self._handles.clear()
+        self._grad_handles.clear()
+        self._fwd_open.clear()
+        self._bwd_start.clear()
+        self.active = False
+
+    def clear_grad_hooks(self) -> None:
+        """Remove the gradient hooks of past forwards (after their backward ran)."""
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles.clear()
+        self._bwd_start.clear()
+
+    def collect(self) -> dict[str, tuple[float, float | None, int]]:
+        """Read and reset: ``{module: (forward_s, backward_s or None, calls)}`` summed over calls."""
+        if self._clock.cuda:
+            torch.cuda.synchronize()  # opt-in mode: one sync per measured step to read its events
+        el = self._clock.elapsed
+        out: dict[str, tuple[float, float | None, int]] = {}
+        for name, spans in self._fwd.items():
+            b = self._bwd.get(name)
+            out[name] = (
+                sum(el(a, c) for a, c in spans),
+                sum(el(a, c) for a, c in b) if b else None,
+                len(spans),
+            )
+        self._fwd.clear()
+        self._bwd.clear()
+        return out
+
+    def __enter__(self) -> ModuleTimer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ModuleTimeInstrument:
+    """Per-module forward/backward time on steps 1..``steps`` (step 0 is warm-up), as a ranked table.
+
+    The table (median per module over the measured steps) is kept in ``table`` and logged as a
+    "module_time" event. Cost: see :class:`ModuleTimer`; nothing after the measured steps.
+    """
+
+    name = "module_time"
+
+    def __init__(self, steps: int = 3, skip: int = 1) -> None:
+        self.steps = steps
+        self.skip = skip
+        self.table: ModuleTimeTable | None = None
+        self._timer: ModuleTimer | None = None
+        self._samples: list[dict[str, tuple[float, float | None, int]]] = []
+        self._measured: list[int] = []
+
+    def install(self, mon: Any) -> None:
+        self._timer = ModuleTimer(mon.model)
+
+    def remove(self, mon: Any) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+        step = mon.global_step
+        t = self._timer
+        if t is None or t.active or not (self.skip <= step < self.skip + self.steps):
+            return
+        t.start()
+        # the root's pre-hook was registered during its own call, too late to fire for it
+        t._pre(module, args)
+
+    def on_backward_end(self, mon: Any) -> None:
+        if self._timer is not None and self._timer.active:
+            self._timer.clear_grad_hooks()
+
+    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+        t = self._timer
+        if t is None or not t.active:
+            return
+        t.stop()
+        self._samples.append(t.collect())
+        self._measured.append(int(getattr(record, "step", mon.global_step)))
+        if len(self._samples) < self.steps:
+            return
+        names = sorted({n for s in self._samples for n in s})
+        rows = []
+        for n in names:
+            got = [s[n] for s in self._samples if n in s]
+            bwd = [g[1] for g in got if g[1] is not None]
+            rows.append(
+                ModuleTimeRow(
+                    module=n,
+                    module_type=t.types.get(n, ""),
+                    forward_s=_median([g[0] for g in got]),
+                    backward_s=_median(bwd) if bwd else None,
+                    calls=max(g[2] for g in got),
+                )
+            )
+        rows.sort(key=lambda r: (-r.total_s, r.module))
+        self.table = ModuleTimeTable(rows=tuple(rows), steps=tuple(self._measured))
+        if mon.writer is not None:
+            top = [r for r in rows if r.module][:1]
+            msg = "per-module time measured" + (
+                f"; slowest module {module_label(top[0].module, top[0].module_type)} {top[0].total_s * 1e3:.2f} ms"
+                if top
+                else ""
+            )
+            mon.writer.log_event(int(record.step), "module_time", "info", msg, self.table.to_dict())
+
+    def on_exception(self, mon: Any, exc: BaseException) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+
+__all__ = [
+    "PHASES",
+    "ModuleTimeInstrument",
+    "ModuleTimeRow",
+    "ModuleTimeTable",
+    "ModuleTimer",
+    "SlowdownRule",
+    "StepTiming",
+    "TimingInstrument",
+    "batch_size_and_tokens",
+]

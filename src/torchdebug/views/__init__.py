@@ -1,0 +1,1 @@
+"""Read-only consumers of a run folder: reports (text/JSON/HTML/PNG), the dashboard server, TensorBoard."""

@@ -1,0 +1,153 @@
+"""Reports of a stored run: JSON summary, text, self-contained HTML with charts, and the seed's PNG.
+
+Everything here reads the run store only, so it works on a run folder copied from another machine.
+
+Known limitations:
+- The HTML report inlines plotly.js (about 4.5 MB) so it opens with no network.
+- Charts show at most ``max_points`` points per series: min/max envelopes, so spikes and NaN/Inf stay.
+- Per-parameter update-ratio lines are capped at 24 parameters (largest last value); the heatmap has
+  every parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ._data import build_report, collect_data, metric_table
+from ._figures import build_figures
+from ._format import event_category, json_safe
+from ._html import fragments, render_page
+from ._text import render_text
+
+FORMATS = ("text", "json", "html", "png")
+REPORT_EXTRA = "pip install 'torchdebug[report]'"
+
+
+def plotly_js() -> str:
+    """The plotly.js bundle shipped inside the installed plotly package (no network).
+
+    Raises:
+        ImportError: plotly is not installed (the message names the extra to install).
+    """
+    try:
+        from plotly.offline import get_plotlyjs
+    except ImportError as e:
+        raise ImportError(f"the HTML report needs plotly: {REPORT_EXTRA}") from e
+    return str(get_plotlyjs())
+
+
+@contextmanager
+def _opened(run: Any) -> Iterator[Any]:
+    """Yield an open Run for a Run or a run folder path (closing only what we opened)."""
+    if isinstance(run, (str, os.PathLike)):
+        from ...store import open_run
+
+        r = open_run(run)
+        try:
+            yield r
+        finally:
+            r.close()
+    else:
+        yield run
+
+
+def collect_views(run: Any, max_points: int = 2000) -> dict[str, Any]:
+    """What a report page shows: meta, summary report (no metric table), figures, anomalies, events.
+
+    Example: ``collect_views(open_run(path))["figures"][0]["id"] == "loss"``.
+    Cost: one downsampled query per metric and a full read of timings and memory samples.
+    """
+    timings, memory = run.timings(), run.memory()  # read once, used by both
+    data = collect_data(run, max_points=max_points, timings=timings, memory=memory)
+    report = build_report(run, metrics=False, timings=timings, memory=memory)
+    meta = dict(run.meta)
+    meta["status"] = report["run"]["status"]
+    return {
+        "meta": meta,
+        "status": meta["status"],
+        "report": report,
+        "figures": build_figures(data),
+        "anomalies": data["anomalies"],
+        "events": data["events"],
+    }
+
+
+def render_report(run: Any, format: str = "text", path: str | os.PathLike[str] | None = None) -> str | bytes:
+    """Render a run's report.
+
+    Args:
+        run: an open ``Run`` or the path of a run folder.
+        format: ``"text"`` | ``"json"`` | ``"html"`` (one self-contained file) | ``"png"`` (the
+            seed's 2x2 debug_analysis figure, bytes).
+        path: also write the result there.
+
+    Returns:
+        str for text/json/html, bytes for png.
+
+    Raises:
+        ValueError: unknown format (lists the allowed ones).
+        ImportError: html/png without plotly/matplotlib (names ``pip install 'torchdebug[report]'``).
+        RunStoreError: the run cannot be read.
+
+    Example: ``print(render_report("runs/demo-20250101-120000"))``.
+    Cost: text/json read every metric point (about 0.5 s per million); html inlines 4.5 MB of plotly.js.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    out: str | bytes
+    with _opened(run) as r:
+        if format == "text":
+            out = render_text(build_report(r))
+        elif format == "json":
+            out = json.dumps(json_safe(build_report(r)), indent=2, sort_keys=True, allow_nan=False) + "\n"
+        elif format == "html":
+            js = plotly_js()
+            out = render_page(collect_views(r), plotly_js=js)
+        else:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"the PNG report needs matplotlib: {REPORT_EXTRA}") from e
+            from ._png import render_png
+
+            out = render_png(collect_data(r), title=r.name)
+    if path is not None:
+        p = Path(path)
+        if isinstance(out, bytes):
+            p.write_bytes(out)
+        else:
+            p.write_text(out, encoding="utf-8")
+    return out
+
+
+__all__ = [
+    "FORMATS",
+    "build_figures",
+    "build_report",
+    "collect_data",
+    "collect_views",
+    "event_category",
+    "fragments",
+    "json_safe",
+    "metric_table",
+    "plotly_js",
+    "render_page",
+    "render_report",
+    "render_text",
+]
+
+
+def report(run: Any, format: str = "text", path: str | os.PathLike[str] | None = None) -> str | bytes:
+    """A run's report: ``td.report(td.open_run(folder))``, ``td.report(folder, "html", path="r.html")``.
+
+    The same as :func:`render_report` (see there for the arguments, what it returns and raises);
+    the report layer reads the store, never the other way round.
+
+    Example: ``print(td.report("runs/demo-20261121-004704"))``.
+    """
+    return render_report(run, format=format, path=path)

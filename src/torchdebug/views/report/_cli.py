@@ -1,0 +1,66 @@
+"""``torchdebug report RUN`` and ``torchdebug export RUN --tensorboard DIR`` (registered by cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_FORMATS = ("text", "json", "html", "png")
+_SUFFIX = {".txt": "text", ".json": "json", ".html": "html", ".htm": "html", ".png": "png"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``report`` and ``export`` subcommands (cheap: heavy imports happen when they run)."""
+    p = subparsers.add_parser(
+        "report",
+        help="write a report of a run (text, json, self-contained html, png)",
+        description="Write a report of a stored run. The format defaults to the output file's suffix, else text.",
+    )
+    p.add_argument("run", help="run folder, e.g. runs/demo-20250101-120000")
+    p.add_argument(
+        "-o", "--output", metavar="FILE", help="write to FILE instead of stdout (png needs a file)"
+    )
+    p.add_argument(
+        "--format", choices=_FORMATS, help="text | json | html | png (default: from FILE's suffix, else text)"
+    )
+    p.set_defaults(func=_report)
+
+    e = subparsers.add_parser(
+        "export",
+        help="export a run to other tools (TensorBoard)",
+        description="Export a stored run's scalars, histograms, anomalies and rule events.",
+    )
+    e.add_argument("run", help="run folder")
+    e.add_argument("--tensorboard", metavar="DIR", required=True, help="TensorBoard log directory to write")
+    e.set_defaults(func=_export)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ...store import open_run
+    from . import render_report
+
+    fmt = args.format
+    if fmt is None:
+        fmt = _SUFFIX.get(Path(args.output).suffix.lower(), "text") if args.output else "text"
+    if fmt == "png" and not args.output:
+        raise ValueError("a PNG report needs an output file: add -o debug_analysis.png")
+    with open_run(args.run) as run:
+        out = render_report(run, fmt, path=args.output)
+    if args.output:
+        print(f"wrote {fmt} report to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(out if isinstance(out, str) else "")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ..tensorboard import export_tensorboard
+
+    counts = export_tensorboard(args.run, args.tensorboard)
+    print(
+        f"wrote {counts['scalars']} scalars, {counts['histograms']} histograms and {counts['texts']} texts "
+        f"to {args.tensorboard} (view: tensorboard --logdir {args.tensorboard})",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,70 @@
+"""``torchdebug serve [RUN_OR_RUNS_DIR]``: the local dashboard in the foreground (registered by cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand (cheap: fastapi/uvicorn are imported when it runs)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="live dashboard and JSON API for a run or a folder of runs",
+        description="Serve a local dashboard (pages update live while a run is written) and its JSON API "
+        "(OpenAPI schema at /openapi.json). Read-only on the runs.",
+    )
+    p.add_argument("path", nargs="?", default="runs", help="a run folder or a folder of runs (default: runs)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need --token)"
+    )
+    from ...cli import int_in_range
+
+    p.add_argument("--port", type=int_in_range(0, 65535), default=6007, help="TCP port (default 6007)")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on every request")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests for this Host name (repeatable; '*' for any). Default: the bind "
+        "address, localhost, IP addresses and, off loopback, this machine's name",
+    )
+    p.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a web page (scheme://host[:port]) trusted to change a live session and read the API (CORS)",
+    )
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import warnings
+
+    from . import _import_deps, bound_hosts, check_bind, is_loopback
+
+    uvicorn = _import_deps()
+    target = Path(args.path)
+    if not target.is_dir():
+        raise ValueError(f"{target} is not a folder: pass a run folder or a folder of runs")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_bind(args.host, args.token)
+    for w in caught:
+        print(f"torchdebug: warning: {w.message}", file=sys.stderr)
+    from ._app import create_app
+
+    app = create_app(
+        target,
+        token=args.token,
+        allowed_hosts=bound_hosts(args.host, args.allowed_host),
+        allowed_origins=args.allowed_origin,
+    )
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    suffix = f"/?token={args.token}" if args.token and is_loopback(args.host) else ""
+    print(f"torchdebug dashboard: http://{host}:{args.port}{suffix} (Ctrl-C to stop)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off")
+    return 0
