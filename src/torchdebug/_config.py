@@ -220,6 +220,11 @@ INSTRUMENTS_BY_SWITCH: dict[str, str] = {
     "per_module_memory": "module_memory",
     "per_module_time": "module_time",
     "debug_device_placement": "device_placement",
+    # the training-health instrument records the LR timeline and its rules (lr_change, lr_zero),
+    # the early-stopping state of watch(early_stopping=...) and mon.observe() values (validation)
+    "debug_lr_scheduling": "gradients",
+    "debug_early_stopping": "gradients",
+    "debug_validation": "gradients",
 }
 
 
@@ -302,8 +307,9 @@ class DebugConfig:
     its own: activations and gradient_details run as instruments of their own when gradients is
     off. debug_device_placement -> device_placement (devices of
     parameters, buffers and the first inputs, CUDA name/capability/memory; a mix is a warning).
-    debug_validation, debug_early_stopping and debug_lr_scheduling are accepted for the seed-era
-    facades and start no instrument.
+    debug_lr_scheduling, debug_early_stopping and debug_validation -> gradients (the training-health
+    instrument: the LR timeline and its rules, the state of ``watch(early_stopping=...)``, and
+    ``mon.observe(name, value)`` for validation metrics).
 
     Options (defaults in brackets):
 
