@@ -332,3 +332,22 @@ def test_module_time_with_autograd_grad_penalty() -> None:
     # every module ran forward once; the backward of .backward() is still timed per module
     assert sorted(times) == ["", "0", "1", "2"]
     assert all(times[n][2] == 1 and times[n][1] is not None and times[n][1] >= 0 for n in times)
+
+
+def test_a_nan_in_a_complex_gradient_is_caught(tmp_path) -> None:
+    # complex parameters: the CPU probe sums real and imaginary parts (it used to skip complex tensors)
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    holder = nn.Module()
+    holder.w = w
+    opt = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(holder, opt, run=False, config={"mode": "anomaly_detection"}) as mon:
+        for step in range(3):
+            opt.zero_grad()
+            z = w * (float("nan") if step == 1 else 1.0)
+            z.abs().sum().backward()
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.parameter) == (1, "w")
+    assert torch.isfinite(torch.view_as_real(w.detach())).all()  # the update never ran on the NaN

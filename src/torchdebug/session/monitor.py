@@ -102,12 +102,15 @@ def _finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type != "cpu":
         return _foreach_norms(tensors)
     with torch.no_grad():
-        return torch.stack(
-            [
-                t.sum(dtype=torch.float32) if t.is_floating_point() else t.new_zeros((), dtype=torch.float32)
-                for t in tensors
-            ]
-        )
+        return torch.stack([_probe_one(t) for t in tensors])
+
+
+def _probe_one(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.sum(dtype=torch.float32)
+    if t.is_complex():  # real and imaginary parts: a NaN in either is a NaN gradient
+        return torch.view_as_real(t).sum(dtype=torch.float32)
+    return t.new_zeros((), dtype=torch.float32)  # integer tensors hold no NaN/Inf
 
 
 # -- global patches, installed while at least one monitor is active -----------------------------------
