@@ -341,7 +341,10 @@ def test_a_nan_in_a_complex_gradient_is_caught(tmp_path) -> None:
     holder = nn.Module()
     holder.w = w
     opt = torch.optim.SGD([w], lr=0.1)
-    with pytest.raises(td.NonFiniteError) as ei, td.watch(holder, opt, run=False, config={"mode": "anomaly_detection"}) as mon:
+    with (
+        pytest.raises(td.NonFiniteError) as ei,
+        td.watch(holder, opt, run=False, config={"mode": "anomaly_detection"}) as mon,
+    ):
         for step in range(3):
             opt.zero_grad()
             z = w * (float("nan") if step == 1 else 1.0)
