@@ -579,6 +579,31 @@ class AmpScaleRule:
         return out
 
 
+def activation_scalars(
+    act: Mapping[str, Any], values: Mapping[str, float], prefix: str
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Read back one step's activation statistics: (series to log, dead-unit fraction per module).
+
+    ``act`` maps a module name to the statistic keys captured for it; each value was handed to the
+    step's transfer as ``f"{prefix}.{key}.{module}"``. Series: ``dead_units/<m>``, ``saturated/<m>``,
+    ``act_<key>/<m>`` (the root module shown as ``<root>``).
+    """
+    scalars: dict[str, float] = {}
+    dead: dict[str, float] = {}
+    for mod, keys in act.items():
+        label = mod or "<root>"
+        for key in keys:
+            v = float(values[f"{prefix}.{key}.{mod}"])
+            if key == "dead":
+                dead[mod] = v
+                scalars[f"dead_units/{label}"] = v
+            elif key == "saturated":
+                scalars[f"saturated/{label}"] = v
+            else:
+                scalars[f"act_{key}/{label}"] = v
+    return scalars, dead
+
+
 class DeadUnitRule:
     """Dead units: the fraction of a ReLU-like layer's output features that were zero for the whole
     batch exceeds ``fraction``; once per layer per episode.
@@ -1072,19 +1097,7 @@ class GradientHealth:
         self, mon: Any, step_now: int, act: tuple[int | None, dict[str, Any]], values: Mapping[str, float]
     ) -> None:
         step = step_now if act[0] is None else act[0]
-        scalars: dict[str, float] = {}
-        dead: dict[str, float] = {}
-        for mod, keys in act[1].items():
-            label = mod or "<root>"
-            for key in keys:
-                v = float(values[f"health.act.{key}.{mod}"])
-                if key == "dead":
-                    dead[mod] = v
-                    scalars[f"dead_units/{label}"] = v
-                elif key == "saturated":
-                    scalars[f"saturated/{label}"] = v
-                else:
-                    scalars[f"act_{key}/{label}"] = v
+        scalars, dead = activation_scalars(act[1], values, "health.act")
         mon.log_scalars(scalars, step=step)
         event = self.dead.update(step, dead)
         if event is not None:

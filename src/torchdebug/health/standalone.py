@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..stats import foreach_norms
-from .instrument import DeadUnitRule, UpdateRatioRule, activation_stats
+from .instrument import DeadUnitRule, UpdateRatioRule, activation_scalars, activation_stats
 
 
 class ActivationInstrument:
@@ -76,19 +76,7 @@ class ActivationInstrument:
         if handed is None:
             return
         step, act = handed
-        scalars: dict[str, float] = {}
-        dead: dict[str, float] = {}
-        for mod, keys in act.items():
-            label = mod or "<root>"
-            for key in keys:
-                v = float(values[f"act.{key}.{mod}"])
-                if key == "dead":
-                    dead[mod] = v
-                    scalars[f"dead_units/{label}"] = v
-                elif key == "saturated":
-                    scalars[f"saturated/{label}"] = v
-                else:
-                    scalars[f"act_{key}/{label}"] = v
+        scalars, dead = activation_scalars(act, values, "act")
         mon.log_scalars(scalars, step=step)
         event = self.dead.update(step, dead)
         if event is not None:
