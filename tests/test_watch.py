@@ -587,3 +587,29 @@ def test_numbers_collected_after_the_update_are_read_like_the_first_transfer() -
         opt.step()
         rec = mon.step()
     assert (rec.values["pair#0"], rec.values["pair#1"], rec.values["plain"]) == (1.5, 2.5, 3.0)
+
+
+def test_exit_restores_everything_when_a_warning_at_exit_is_an_error(tmp_path) -> None:
+    # policy="skip" says a run of skipped steps when it ends; here the run ends at exit, and the user's
+    # filter turns that warning into an error: the session must still take everything off
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the episode's start is said during the step
+        mon = td.watch(model, opt, policy="skip", run=tmp_path)
+        mon.__enter__()
+        x = torch.randn(2, 4)
+        x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        mon.step()
+    assert mon.counters["skipped_steps"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", td.TorchDebugWarning)
+        with pytest.raises(td.TorchDebugWarning, match=r"1 step skipped by policy='skip' \(step 0\)"):
+            mon.__exit__(None, None, None)
+    assert _no_hooks(model)  # the module hooks; the autouse fixture checks the global patches and hooks
+    assert nn.Module.__getstate__ is not None and not getattr(
+        nn.Module.__getstate__, "__torchdebug_wrapper__", False
+    )
