@@ -339,3 +339,17 @@ def test_debug_operation_names_modules(explicit: bool) -> None:
         "_Log",
         "aten.log",
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("x", lambda o, t: o.sum()), r"model must be a torch.nn.Module, got str"),
+        ((torch.nn.Linear(2, 1), "mse"), r"loss_fn must be callable \(outputs, target\) -> loss, got str"),
+    ],
+    ids=["model-str", "loss-str"],
+)
+def test_compare_modes_names_a_wrong_type(args: tuple, message: str) -> None:
+    batches = [(torch.randn(2, 2), torch.randn(2, 1))] * 4
+    with pytest.raises(TypeError, match=message):
+        td.compare_modes(*args, batches)

@@ -440,6 +440,7 @@ def compare_modes(
         ``ModeComparison``: ``str()`` a table, ``[mode]`` a ``ModeResult``, ``.to_dict()``.
 
     Raises:
+        TypeError: ``model`` not an ``nn.Module`` or ``loss_fn`` not callable.
         ValueError: an unknown mode, no batches, or ``warmup`` not below the number of batches.
 
     Example::
@@ -450,6 +451,15 @@ def compare_modes(
     Cost: ``len(modes)`` training runs over ``batches``, plus a CPU copy of the baseline's gradients
     per step (steps x parameters x 4 bytes) for the gradient comparison.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"compare_modes(model, ...): model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"compare_modes(model, loss_fn, ...): loss_fn must be callable (outputs, target) -> loss, "
+            f"got {type(loss_fn).__name__}"
+        )
     chosen = [_mode(m) for m in modes]
     data = list(batches)
     if not data:
