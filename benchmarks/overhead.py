@@ -208,7 +208,7 @@ def bench(name: str, spec: tuple, args: argparse.Namespace, writer: Any) -> dict
             loss = loss_fn(model(x), y)
             opt.zero_grad()
             loss.backward()
-            cap = mon._captures[-1]
+            cap = mon.sentinel.captures[-1]
             names = mon.names
             mon._replaying = True
             for _ in range(3):

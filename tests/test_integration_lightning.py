@@ -124,7 +124,7 @@ def fit(lit: Lit, cb: TorchDebugCallback, n: int = 5, fault: str | None = None, 
 
 
 def assert_clean_exit() -> None:
-    assert td.session.monitor._ACTIVE == [] and td.session.monitor._ORIGINALS == {}
+    assert td.session.driver._ACTIVE == [] and td.session.driver._ORIGINALS == {}
     assert not getattr(torch.Tensor.backward, "__torchdebug_wrapper__", False)
 
 

@@ -20,7 +20,7 @@ def meta(run_root) -> dict:
 
 
 def assert_clean_exit() -> None:
-    assert td.session.monitor._ACTIVE == [] and td.session.monitor._ORIGINALS == {}
+    assert td.session.driver._ACTIVE == [] and td.session.driver._ORIGINALS == {}
     assert torch.optim.Optimizer.__init__.__qualname__ == "Optimizer.__init__"
 
 

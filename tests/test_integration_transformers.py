@@ -130,7 +130,7 @@ def meta(cb) -> dict:
 
 
 def assert_clean_exit(trainer=None) -> None:
-    assert td.session.monitor._ACTIVE == [] and td.session.monitor._ORIGINALS == {}
+    assert td.session.driver._ACTIVE == [] and td.session.driver._ORIGINALS == {}
     assert not getattr(torch.Tensor.backward, "__torchdebug_wrapper__", False)
 
 

@@ -80,11 +80,11 @@ def test_deepcopy_of_a_watched_model_has_no_hooks_and_does_not_fire_into_the_ses
 ) -> None:
     def body(model: nn.Module, mon: td.Monitor) -> nn.Module:
         clone = copy.deepcopy(model)
-        captures, micro = len(mon._captures), mon.micro_step
+        captures, micro = len(mon.sentinel.captures), mon.micro_step
         with torch.no_grad():
             clone(torch.randint(0, 16, (2, 6)))
         clone(torch.randint(0, 16, (2, 6)))  # with grad: the session's root hook would capture it
-        assert (len(mon._captures), mon.micro_step) == (captures, micro)
+        assert (len(mon.sentinel.captures), mon.micro_step) == (captures, micro)
         return clone
 
     model, _, clone = _session(tmp_path, level, body)

@@ -448,7 +448,7 @@ def test_parameter_whose_sum_overflows_is_not_an_anomaly() -> None:
                 opt.zero_grad()
                 mon.step()
     assert not mon.anomalies
-    from torchdebug.session.monitor import _finite_probe
+    from torchdebug._tensors import finite_probe as _finite_probe
 
     assert (
         _finite_probe([model.fc1.weight]).isinf().all()

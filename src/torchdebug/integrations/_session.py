@@ -39,6 +39,6 @@ def open_session(model: nn.Module, driver: str, kwargs: dict[str, Any]) -> Monit
 
 def close_session(mon: Monitor | None, exc: BaseException | None) -> None:
     """End the session: run status "finished", or "failed" with ``exc``; idempotent."""
-    if mon is None or mon._closed:
+    if mon is None or mon.closed:
         return
     mon.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)

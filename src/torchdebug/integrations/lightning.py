@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..session.monitor import Monitor, _unwrap_optimizer
+from .._tensors import unwrap_optimizer
+from ..session.monitor import Monitor
 from ._session import check_watch_kwargs, close_session, open_session
 
 try:
@@ -86,8 +87,8 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         if scaler is not None and self.monitor.scaler is None:
             self.monitor.scaler = scaler
         for opt in trainer.optimizers:
-            raw = _unwrap_optimizer(opt)
-            self.monitor._owns_optimizer(raw)  # adopt it: the skipped-step rules know an optimizer exists
+            raw = unwrap_optimizer(opt)
+            self.monitor.owns_optimizer(raw)  # adopt it: the skipped-step rules know an optimizer exists
             self._handles.append(raw.register_step_post_hook(self._after_update))
         self._find_entry(pl_module)
 
@@ -106,7 +107,7 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
 
     def _live(self) -> Monitor | None:
         mon = self.monitor
-        return None if mon is None or mon._closed else mon
+        return None if mon is None or mon.closed else mon
 
     def _unhook(self) -> None:
         for h in self._handles + self._finding:
@@ -126,8 +127,8 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         if mon is None:
             return
         self._stepped = True
-        raw = _unwrap_optimizer(optimizer)
-        mon._owns_optimizer(raw)
+        raw = unwrap_optimizer(optimizer)
+        mon.owns_optimizer(raw)
         mon.update_starting(raw)  # the step's one transfer + the check; may raise NonFiniteError
 
     def _after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -163,9 +164,11 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             if mon is None or self._root_depth or not self._in_batch or not torch.is_grad_enabled():
                 return
             self._stop_finding()
-            self._handles.append(mod.register_forward_pre_hook(mon._root_pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(mon._root_post))
-            mon._root_pre(mod, args, kwargs)  # this call's pre-hooks were gathered before ours was added
+            self._handles.append(mod.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(mon.forward_done))
+            mon.forward_started(
+                mod, args, kwargs
+            )  # this call's pre-hooks were gathered before ours was added
 
         self._finding.append(pl_module.register_forward_pre_hook(root_pre))
         self._finding.append(pl_module.register_forward_hook(root_post))

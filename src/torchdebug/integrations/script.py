@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..session.monitor import Monitor, _unwrap_optimizer, watch
+from .._tensors import unwrap_optimizer
+from ..session.monitor import Monitor, watch
 
 FALLBACK = (
     "fall back to three lines in the script: `with td.watch(model, optimizer) as mon:` around the loop "
@@ -73,7 +74,7 @@ class ScriptSession:
         return self
 
     def _found(self, opt: torch.optim.Optimizer) -> None:
-        opt = _unwrap_optimizer(opt)
+        opt = unwrap_optimizer(opt)
         params = [p for g in opt.param_groups for p in g["params"]]
         model, n = _owner(params)
         if model is None:
@@ -98,9 +99,9 @@ class ScriptSession:
         mon = self.monitor
         if (
             mon is not None
-            and not mon._closed
-            and not mon._replaying
-            and _unwrap_optimizer(opt) is mon.optimizer
+            and not mon.closed
+            and not mon.replaying
+            and unwrap_optimizer(opt) is mon.optimizer
         ):
             mon.step()
 
@@ -111,7 +112,7 @@ class ScriptSession:
             h.remove()
         self._handles.clear()
         mon = self.monitor
-        if mon is not None and not mon._closed:
+        if mon is not None and not mon.closed:
             mon.__exit__(exc_type, exc, tb)
         if mon is None and not self.notes:
             self.notes.append(

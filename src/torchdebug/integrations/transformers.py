@@ -27,7 +27,8 @@ from typing import Any
 
 from torch import nn
 
-from ..session.monitor import Monitor, _unwrap_optimizer
+from .._tensors import unwrap_optimizer
+from ..session.monitor import Monitor
 from ._session import check_watch_kwargs, close_session, open_session
 
 try:
@@ -97,7 +98,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
 
     def _live(self) -> Monitor | None:
         mon = self.monitor
-        return None if mon is None or mon._closed else mon
+        return None if mon is None or mon.closed else mon
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -111,7 +112,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         self.monitor = mon = open_session(model, "transformers", self.watch_kwargs)
         opt = kwargs.get("optimizer")
         if opt is not None:
-            mon._owns_optimizer(_unwrap_optimizer(opt))  # adopt it: the skipped-step rules know it
+            mon.owns_optimizer(unwrap_optimizer(opt))  # adopt it: the skipped-step rules know it
         trainer = self._trainer = _find_trainer()
         if trainer is None:
             return
@@ -163,7 +164,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         mon = self._live()
         if mon is None:
             return
-        raw = _unwrap_optimizer(kwargs.get("optimizer"))
+        raw = unwrap_optimizer(kwargs.get("optimizer"))
         try:
             mon.update_starting(raw)  # the step's one transfer + the check
         except BaseException as exc:
@@ -176,7 +177,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
             return
         opt = kwargs.get("optimizer")
         if not getattr(opt, "step_was_skipped", False):  # accelerate: the GradScaler skipped the update
-            mon.update_done(_unwrap_optimizer(opt))
+            mon.update_done(unwrap_optimizer(opt))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         mon = self._live()

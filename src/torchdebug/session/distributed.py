@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._tensors import DTENSOR
 from ..events import Anomaly, RuleEvent
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
@@ -82,34 +83,9 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
-
-
-def local(t: Any) -> Any:
-    """A DTensor's local shard (FSDP2 parameters and gradients); anything else as it is. No copy."""
-    if _DTENSOR is not None and isinstance(t, _DTENSOR):
-        return t._local_tensor  # type: ignore[attr-defined]  # not to_local(): no autograd node, no communication
-    return t
-
-
-def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``local`` over a list; the list itself when it holds no DTensor (the common case, no copy)."""
-    if _DTENSOR is None or not any(isinstance(t, _DTENSOR) for t in tensors):
-        return tensors
-    return [local(t) for t in tensors]
-
-
 def is_sharded(model: nn.Module) -> bool:
     """True for a model with FSDP2 (``fully_shard``) sharded parameters."""
-    return _DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in model.parameters())
+    return DTENSOR is not None and any(isinstance(p, DTENSOR) for p in model.parameters())
 
 
 def split_ddp(model: nn.Module) -> tuple[Any, nn.Module]:
@@ -292,9 +268,9 @@ class Coordinator:
         busy = max(end - self._step_start, 0.0)
         data = max(t_fwd - self._step_start, 0.0)
         dev = self._device(mon)
-        flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon._loss_vals]
-        flags += [b.reshape(()) for b in mon._micro_bad]
-        flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon._deferred.values()]
+        flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon.transfer.loss_vals]
+        flags += [b.reshape(()) for b in mon.transfer.micro_bad]
+        flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon.sentinel.deferred.values()]
         vec = torch.zeros(4, self.world, dtype=torch.float32, device=dev)
         if flags:
             vec[0, self.rank] = torch.stack([f.to(dev) for f in flags]).any().float()
@@ -318,13 +294,13 @@ class Coordinator:
         return torch.device("cpu")
 
     def _row(self, mon: Any, r: int) -> list[float]:
-        v = mon._values
+        v = mon.transfer.values
         return [v.get(f"_dist#{r * self.world + k}", 0.0) for k in range(self.world)]
 
     def on_step_end(self, mon: Any, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)
-        if self.collective and self.rank == 0 and f"_dist#{2 * self.world}" in mon._values:
+        if self.collective and self.rank == 0 and f"_dist#{2 * self.world}" in mon.transfer.values:
             self._straggler_rule(mon, int(record.step), self._row(mon, 2))
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
@@ -356,19 +332,19 @@ class Coordinator:
         exchange their exact verdicts (loss, gradients confirmed, local gradients before DDP's
         all-reduce) in a second small all-reduce, so a probe's false alarm on one rank cannot split them.
         """
-        if not self._live() or "_dist#0" not in mon._values:
-            return bool(mon._grads_bad())
+        if not self._live() or "_dist#0" not in mon.transfer.values:
+            return bool(mon.sentinel.grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
         suspect = any(x > 0 for x in self._row(mon, 0) + self._row(mon, 1))
         if not suspect:
             return False
-        v = mon._values
+        v = mon.transfer.values
         loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
         mine = torch.zeros(3, self.world)
         mine[0, self.rank] = float(loss_bad)
         mine[1, self.rank] = float(self._row(mon, 1)[self.rank] > 0)
-        mine[2, self.rank] = float(mon._grads_bad())
+        mine[2, self.rank] = float(mon.sentinel.grads_bad())
         _dist().all_reduce(mine, op=_dist().ReduceOp.MAX)  # rare path: a flag is up somewhere
         self._exact = mine.tolist()
         decision = any(x > 0 for row in self._exact for x in row)
@@ -389,14 +365,14 @@ class Coordinator:
         """Build this step's anomaly on every rank: the first rank of birth replays (locally, without
         collectives) and broadcasts what it found; the others record that rank k found the origin."""
         if not self._live() or not self._exact:
-            return mon._build_anomaly()
+            return mon.sentinel.build_anomaly()
         births = self.births()
         src = births[0]
         payload: list[Any] = [None]
         if self.rank == src:
             ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
             with ctx:
-                a = mon._build_anomaly()
+                a = mon.sentinel.build_anomaly()
             payload[0] = a.to_dict()
         _dist().broadcast_object_list(payload, src=src)  # rare path: the anomaly travels once
         d = payload[0] or {}
@@ -484,7 +460,7 @@ class Coordinator:
             if self._stop.wait(min(1.0, timeout / 4)):
                 return
             stuck = time.monotonic() - self._last_done
-            if not self._hung and stuck > timeout and not mon._closed:
+            if not self._hung and stuck > timeout and not mon.closed:
                 self._hung = True  # one record per episode: re-armed when a step completes
                 try:
                     self._record_hang(mon, stuck, timeout)

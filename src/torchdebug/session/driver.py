@@ -1,0 +1,277 @@
+"""The plain-loop driver: turns a hand-written training loop into the session's step protocol.
+
+A hand-written loop calls nothing of torchdebug but ``mon.step()``; this driver produces the other
+boundaries from what the loop does anyway:
+
+- global patches, installed while at least one session is active: ``Tensor.backward`` /
+  ``torch.autograd.backward`` (backward began / done), ``GradScaler.step`` (the scaler's verdict),
+  ``nn.Module.__getstate__`` (copies and checkpoints of a watched model carry no hooks);
+- per session: forward pre/post hooks on the module the loop calls (forward began / done), and the
+  optimizer step pre/post hooks (update starting / done), which stand down while a framework driver
+  owns the loop (``mon.driver`` set).
+
+It also keeps ``torch.compile`` / ``model.compile()`` out of the way: torchdebug's module hooks are
+no-ops while Dynamo traces, and the root's work runs around an in-place compiled call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+_ACTIVE: list[Monitor] = []  # the sessions the global patches serve
+_TLS = threading.local()
+_ORIGINALS: dict[str, Any] = {}
+
+
+# -- global patches, installed while at least one session is active -----------------------------------
+def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Tensor.backward calls torch.autograd.backward: only the outermost call counts
+        mons = [m for m in _ACTIVE if m.accepts_backward()] if not getattr(_TLS, "in_backward", False) else []
+        if not mons:
+            return orig(*args, **kwargs)
+        _TLS.in_backward = True
+        loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
+        gradient = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
+        for m in mons:
+            m.backward_started(loss, gradient)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _TLS.in_backward = False
+            for m in mons:
+                m.backward_done()
+
+    wrapper.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        mons = [m for m in _ACTIVE if m.owns_optimizer(optimizer)]
+        for m in mons:
+            m.scaler_step_started(self)
+        try:
+            out = orig(self, optimizer, *args, **kwargs)
+        except BaseException:
+            for m in mons:
+                m.scaler_step_done(self, failed=True)
+            raise
+        for m in mons:
+            m.scaler_step_done(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
+        return out
+
+    step.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return step
+
+
+def is_ours(hook: Any) -> bool:
+    """True for a hook torchdebug registered (a bound method, closure or partial from its modules)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    fn = getattr(hook, "__func__", hook)
+    owner = getattr(hook, "__self__", None)
+    names = (getattr(fn, "__module__", None) or "", type(owner).__module__ if owner is not None else "")
+    return any(n == "torchdebug" or n.startswith("torchdebug.") for n in names)
+
+
+def _getstate_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.__getstate__`` without torchdebug's hooks: pickling, ``copy.deepcopy``,
+    ``torch.save(model)`` and ``AveragedModel`` see the module as it is without ``watch``."""
+
+    @functools.wraps(orig)
+    def __getstate__(self: nn.Module) -> dict:
+        state = orig(self)
+        for key, hooks in list(state.items()):
+            if not (key.startswith("_") and "hooks" in key and isinstance(hooks, dict) and hooks):
+                continue
+            ours = {k for k, h in hooks.items() if callable(h) and is_ours(h)}
+            if ours:
+                state[key] = type(hooks)((k, h) for k, h in hooks.items() if k not in ours)
+                for flags in (
+                    "_forward_pre_hooks_with_kwargs",
+                    "_forward_hooks_with_kwargs",
+                    "_forward_hooks_always_called",
+                ):  # keyed by the same handle ids
+                    d = state.get(flags)
+                    if isinstance(d, dict) and ours & d.keys():
+                        state[flags] = type(d)((k, v) for k, v in d.items() if k not in ours)
+        return state
+
+    __getstate__.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return __getstate__
+
+
+def _install_patches() -> None:
+    if _ORIGINALS:
+        return
+    _ORIGINALS["Module.__getstate__"] = nn.Module.__getstate__
+    nn.Module.__getstate__ = _getstate_wrapper(nn.Module.__getstate__)  # type: ignore[method-assign]
+    _ORIGINALS["Tensor.backward"] = torch.Tensor.backward
+    _ORIGINALS["autograd.backward"] = torch.autograd.backward
+    torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
+    torch.autograd.backward = _backward_wrapper(torch.autograd.backward, False)  # type: ignore[assignment]
+    try:
+        from torch.amp.grad_scaler import GradScaler
+
+        _ORIGINALS["GradScaler.step"] = GradScaler.step
+        GradScaler.step = _scaler_step_wrapper(GradScaler.step)  # type: ignore[method-assign]
+    except ImportError:  # torch without torch.amp.grad_scaler
+        pass
+
+
+def _remove_patches() -> None:
+    if not _ORIGINALS:
+        return
+    if getattr(torch.Tensor.backward, "__torchdebug_wrapper__", False):
+        torch.Tensor.backward = _ORIGINALS["Tensor.backward"]  # type: ignore[method-assign]
+    if getattr(torch.autograd.backward, "__torchdebug_wrapper__", False):
+        torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
+    if getattr(nn.Module.__getstate__, "__torchdebug_wrapper__", False):
+        nn.Module.__getstate__ = _ORIGINALS["Module.__getstate__"]  # type: ignore[method-assign]
+    if "GradScaler.step" in _ORIGINALS:
+        from torch.amp.grad_scaler import GradScaler
+
+        if getattr(GradScaler.step, "__torchdebug_wrapper__", False):
+            GradScaler.step = _ORIGINALS["GradScaler.step"]  # type: ignore[method-assign]
+    _ORIGINALS.clear()
+
+
+def _compile_guard(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` that does nothing while Dynamo traces (``is_compiling()`` folds to a constant: no break)."""
+
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        return hook(*args, **kwargs)
+
+    guarded.__torchdebug_guard__ = True  # type: ignore[attr-defined]
+    return guarded
+
+
+class PlainLoopDriver:
+    """Produces the step protocol of one session from a hand-written loop (see the module docstring).
+
+    ``root`` is the module the loop calls (a ``torch.compile`` wrapper, else the model); ``model`` the
+    module the session names and watches.
+    """
+
+    def __init__(self, mon: Monitor, root: nn.Module, model: nn.Module) -> None:
+        self.mon = mon
+        self.root = root
+        self.model = model
+        self.in_compiled_call = False  # inside an in-place compiled call: the hooks of its eager fallback
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        mon = self.mon
+        _ACTIVE.append(mon)
+        _install_patches()
+        self._handles.append(self.root.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
+        self._handles.append(self.root.register_forward_hook(mon.forward_done))
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+
+    def remove(self) -> None:
+        self.unwrap_compiled()
+        for h in self._handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._handles.clear()
+        if self.mon in _ACTIVE:
+            _ACTIVE.remove(self.mon)
+        if not _ACTIVE:
+            _remove_patches()
+
+    # -- optimizer hooks: update starting / done -----------------------------------------------------
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        mon = self.mon
+        if mon.replaying or not mon.owns_optimizer(opt):
+            return
+        mon.sentinel.update_not_skipped()  # inside GradScaler.step: the scaler let the update run
+        if mon.driver is None:
+            mon.update_starting(opt)
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        mon = self.mon
+        if mon.replaying or mon.driver is not None or not mon.owns_optimizer(opt):
+            return
+        mon.update_done(opt)
+
+    # -- torch.compile / model.compile() -------------------------------------------------------------
+    def guard_module_hooks(self) -> None:
+        """Make every torchdebug module hook a no-op while Dynamo traces (``model.compile()`` compiles
+        ``_call_impl`` with its hooks): no graph break, no Dynamo warning, the same graphs as without
+        watch. Per-module instruments then record nothing inside compiled regions; the root's work runs
+        outside them (:meth:`wrap_compiled`)."""
+        for mod in {*self.root.modules(), *self.model.modules()}:
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(mod, attr, None)
+                if not isinstance(hooks, dict):
+                    continue
+                for k, h in list(hooks.items()):
+                    if is_ours(h) and not getattr(h, "__torchdebug_guard__", False):
+                        hooks[k] = _compile_guard(h)
+
+    def wrap_compiled(self) -> None:
+        """``model.compile()`` in place: run the root's capture around the compiled call, outside Dynamo.
+
+        Called at enter and at each backward (a model compiled after ``watch`` began is picked up one
+        micro-step later). Restored at exit.
+        """
+        root = self.root
+        impl = root.__dict__.get("_compiled_call_impl")
+        if impl is None or getattr(impl, "__torchdebug_compiled__", None) is not None:
+            return
+        ref = weakref.ref(self)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            drv = ref()
+            if drv is None or drv.mon.closed:
+                return impl(*args, **kwargs)
+            drv.mon.forward_started(root, args, kwargs, outside=True)
+            drv.in_compiled_call = True  # the hooks inside (eager fallback) must not run twice
+            try:
+                out = impl(*args, **kwargs)
+            finally:
+                drv.in_compiled_call = False
+            drv.mon.forward_done(root, args, out, outside=True)
+            return out
+
+        call.__torchdebug_compiled__ = impl  # type: ignore[attr-defined]
+        root._compiled_call_impl = call  # type: ignore[assignment]
+
+    def unwrap_compiled(self) -> None:
+        impl = self.root.__dict__.get("_compiled_call_impl")
+        orig = getattr(impl, "__torchdebug_compiled__", None)
+        if orig is not None:
+            self.root._compiled_call_impl = orig
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the model eagerly (the replay traces ops one by one): bypass an in-place compile."""
+        impl = self.root.__dict__.get("_compiled_call_impl")
+        if impl is None or self.model is not self.root:
+            yield
+            return
+        self.root._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            self.root._compiled_call_impl = impl

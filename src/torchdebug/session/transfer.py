@@ -1,0 +1,169 @@
+"""The step's one host transfer: the device numbers a training step produces, read together.
+
+During the step only device work happens: the loss of each micro-step is kept (detached), and after
+each backward the gradients are reduced to one float32 per tensor (a norm, or a cheaper finiteness
+probe when no instrument needs norms) plus a per-micro-step "non-finite" flag. Once per step the
+session stacks these, the sentinel's probes and every instrument's ``collect()`` into one tensor and
+reads it with ONE host sync (:meth:`Transfer.read`); :meth:`Transfer.decode` turns the raw numbers
+into ``loss``, ``grad_norm``, ``grad_nonfinite`` and ``amp_scale``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .._tensors import finite_probe, foreach_norms, local
+
+Items = list[tuple[str, torch.Tensor]]
+
+
+def read(items: Items) -> dict[str, float]:
+    """Read named device numbers with ONE host transfer; an n-element tensor gives ``name#0..n-1``."""
+    names: list[str] = []
+    flat: list[torch.Tensor] = []
+    for name, t in items:
+        t = local(t).detach().reshape(-1).float()  # FSDP2 DTensor: this rank's shard
+        names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
+        flat.append(t)
+    dev = flat[0].device
+    return dict(zip(names, torch.cat([t.to(dev) for t in flat]).tolist()))
+
+
+def entries(values: dict[str, float], name: str, n: int) -> list[float]:
+    """The ``n`` numbers an item called ``name`` gave (``name#i``, or ``name`` alone when n == 1)."""
+    return [values[f"{name}#{i}"] if f"{name}#{i}" in values else values.get(name, 0.0) for i in range(n)]
+
+
+class Transfer:
+    """One step's device numbers and what was read of them (``values``); reset at each step end.
+
+    ``grad_norm`` / ``grad_norms`` (the last step's total and per-parameter gradient norms, host
+    floats; per-parameter in the order of the session's ``params``) outlive the step: the gradient
+    rules read them.
+    """
+
+    def __init__(self) -> None:
+        self.grad_norm: float | None = None
+        self.grad_norms: list[float] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_vals: list[torch.Tensor] = []
+        self.norms: torch.Tensor | None = None  # per gradient after the last backward: norms or probe sums
+        self.norm_index: list[int] = []  # which parameters ``norms`` covers
+        self.norms_probe = False  # ``norms`` holds probe sums (finiteness only), not norms
+        self.micro_bad: list[torch.Tensor] = []  # per micro-step: "a gradient is non-finite" (a probe)
+        self.micro_bad_cleared = False  # every flagged gradient was confirmed finite exactly
+        self.scale_used: torch.Tensor | None = None  # the loss scale this step's backward saw
+        self.values: dict[str, float] = {}
+        self.synced = False
+
+    # -- during the step (device work only) -------------------------------------------------------
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss_vals.append(loss.detach())  # reduced and cast in the step's read
+
+    def measure(self, params: list[torch.Tensor], probe: bool) -> tuple[list[int], list[torch.Tensor]]:
+        """After a backward: one float32 per gradient (``probe``: finiteness only, else norms)."""
+        idx = [i for i, p in enumerate(params) if p.grad is not None]
+        if not idx:
+            return [], []
+        grads: list[torch.Tensor] = [params[i].grad for i in idx]  # type: ignore[misc]
+        norms = finite_probe(grads) if probe else foreach_norms(grads)
+        self.norms, self.norm_index, self.norms_probe = norms, idx, probe
+        self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+        return idx, grads
+
+    def items(self, scaler: Any) -> Items:
+        """The step's own numbers, for the read."""
+        items: Items = []
+        for i, lv in enumerate(self.loss_vals):
+            items.append((f"_loss#{i}", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
+        if self.norms is not None:
+            items.append(("_gnorm", self.norms))
+        items += [(f"_mbad#{i}", b) for i, b in enumerate(self.micro_bad)]
+        scale_t = self.scale_used
+        if scale_t is None and scaler is not None:
+            scale_t = getattr(scaler, "_scale", None)
+        if isinstance(scale_t, torch.Tensor):
+            items.append(("_scale", scale_t))
+        return items
+
+    # -- the read ------------------------------------------------------------------------------
+    def read(self, items: Items) -> None:
+        """The host sync: every item's numbers into ``values``."""
+        if items:
+            self.values.update(read(items))
+
+    def losses_bad(self) -> list[int]:
+        """Micro-steps whose loss was non-finite (after the read)."""
+        v = self.values
+        return [i for i in range(len(self.loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
+
+    def any_loss_bad(self) -> bool:
+        v = self.values
+        return any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
+
+    def micro_flagged(self) -> bool:
+        """A micro-step's gradients read as non-finite and the exact check did not clear them."""
+        v = self.values
+        return any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self.micro_bad_cleared
+
+    def decode(
+        self,
+        params: list[torch.Tensor],
+        grad_finite: Callable[[int], bool],
+        scaled: bool,
+        also_bad: Iterable[int] = (),
+    ) -> None:
+        """``loss``, per-parameter and total gradient norms, ``grad_nonfinite`` and ``amp_scale``.
+
+        ``grad_finite(i)`` confirms parameter i's gradient exactly when its number read as non-finite
+        (a float32 sum of finite values can overflow); ``scaled``: a GradScaler scaled the loss, so
+        loss and norms are divided by the scale; ``also_bad``: parameters whose gradient an edit after
+        backward() made non-finite (counted in ``grad_nonfinite``).
+        """
+        v = self.values
+        losses = [v[k] for k in list(v) if k.startswith("_loss#")]
+        scale = v.get("_scale")
+        if losses:
+            v["loss"] = sum(losses) / len(losses)
+            if scale and scaled:
+                v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
+        if self.norms is not None:
+            gn = entries(v, "_gnorm", len(self.norm_index))
+            per = [0.0] * len(params)
+            for j, i in enumerate(self.norm_index):
+                per[i] = gn[j]
+            # A float32 sum (probe) or sum of squares (norm) of finite values can overflow: confirm
+            # every non-finite entry exactly before it counts (a host read, on this rare path only).
+            for i in [i for i in self.norm_index if not math.isfinite(per[i])]:
+                if grad_finite(i):
+                    g = params[i].grad
+                    per[i] = (
+                        0.0 if self.norms_probe or g is None else float(torch.linalg.vector_norm(g.double()))
+                    )
+            if scale and scaled:  # measured after backward on the scaled gradients: report true norms
+                per = [x / scale for x in per]
+            gn = [per[i] for i in self.norm_index]
+            self.grad_norms = per
+            bad_after_backward = {i for i in self.norm_index if not math.isfinite(per[i])}
+            if not bad_after_backward:
+                self.micro_bad_cleared = True
+            # the parameters whose gradient was non-finite after backward() or when the update started
+            v["grad_nonfinite"] = float(len(bad_after_backward | set(also_bad)))
+            if self.norms_probe:
+                gn = []  # sums, not norms: nothing to report beyond finiteness
+            if gn:
+                total = (
+                    math.sqrt(sum(x * x for x in gn))
+                    if all(math.isfinite(x) for x in gn)
+                    else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
+                )
+                v["grad_norm"] = total
+                self.grad_norm = total
+        if "_scale" in v:
+            v["amp_scale"] = v["_scale"]
