@@ -103,6 +103,16 @@ def test_failure_exits_1_with_one_line_and_debug_shows_traceback(tmp_path: Path)
     assert "Traceback (most recent call last)" in done.stderr and "RunStoreError" in done.stderr
 
 
+def test_the_error_line_escapes_control_characters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = "no\x1b[2Jrun\nhere"  # an escape sequence that would clear the screen, and a newline
+    assert main(["show", str(tmp_path / bad)]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and err.count("\n") == 1
+    assert "no\\x1b[2Jrun here" in err, err
+
+
 def test_console_script_runs() -> None:
     script = Path(sys.executable).parent / "torchdebug"
     if not script.exists():

@@ -40,6 +40,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from ._term import printable
 from ._version import __version__
 
 PROG = "torchdebug"
@@ -146,10 +147,12 @@ def _warn_broken(module: str, exc: BaseException) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) if str(exc) else type(exc).__name__
+    """The error as one terminal-safe line: whitespace collapsed, control characters escaped (a path or
+    name from the command line or a run folder may hold an escape sequence)."""
+    text = str(exc) if str(exc) else type(exc).__name__
     if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
         text = exc.args[0]  # str(KeyError) adds quotes
-    return text
+    return printable(" ".join(text.split()))
 
 
 def main(argv: Sequence[str] | None = None, *, modules: Sequence[str] | None = None) -> int:
