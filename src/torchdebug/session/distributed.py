@@ -403,15 +403,16 @@ class Coordinator:
         where = "rank " + ", ".join(str(r) for r in births)
         born = f"born on {where} of {self.world}"
         if self.rank == src:
-            return _with(a, rank=src, symptom=_join(a.symptom, born))
+            return _with(a, rank=src, world_size=self.world, symptom=_join(a.symptom, born))
         return Anomaly(
             phase=str(d.get("phase", "forward")),
-            module=str(d.get("module", "")),
+            module=None if "module" in d and d["module"] is None else str(d.get("module", "")),
             op=d.get("op"),
             location=d.get("location"),
             kind=str(d.get("kind", "nan")),
             step=mon.global_step,
             rank=src,
+            world_size=self.world,
             module_type=str(d.get("module_type", "")),
             micro_step=d.get("micro_step"),
             symptom=_join(str(d.get("symptom", "")), born),
@@ -423,6 +424,7 @@ class Coordinator:
             ),
             stack=tuple(d.get("stack") or ()),
             parameter=d.get("parameter"),
+            reproducible=d.get("reproducible"),  # the summary is the same on every rank
         )
 
     # -- stragglers -------------------------------------------------------------------------------

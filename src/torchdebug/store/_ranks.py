@@ -145,7 +145,10 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     out.append(f"anomalies, all ranks ({len(ov['anomalies'])})")
     for a in ov["anomalies"]:
         by = ", ".join(map(str, a["recorded_by"]))
-        out.append(f"  rank {a.get('rank')}: {a.get('summary')}  (recorded by rank {by})")
+        # a summary written on several ranks ends "(step 7, born on rank 1 of 2)": no prefix then
+        named = isinstance(a.get("world_size"), int) and a["world_size"] > 1
+        prefix = "" if named else f"rank {a.get('rank')}: "
+        out.append(f"  {prefix}{a.get('summary')}  (recorded by rank {by})")
     if not ov["anomalies"]:
         out.append("  none")
     if ov["stragglers"]:

@@ -122,7 +122,6 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
                 if not a.get("micro_step")
                 else f"{a.get('step')} (micro-step {a['micro_step']})",
             ),
-            ("rank", a.get("rank") or None),
             ("noticed", a.get("symptom")),
             ("detected by", a.get("detected_by")),
         ]
