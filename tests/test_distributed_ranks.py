@@ -4,6 +4,8 @@ and rank selector, FSDP2's global gradient norm. 2 CPU processes over gloo, each
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 import traceback
 import warnings
@@ -20,6 +22,7 @@ import torchdebug as td
 from tests.test_distributed import BAD_STEP, SQRT_LINE, Net, _batch, _free_port
 from torchdebug.store import open_run
 
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 TIMEOUT = pytest.mark.timeout(120)  # a hang fails the test; the first test pays for the 2-process fixture
 SITE = f"nan born in forward of feat (Feat): aten.sqrt at tests/test_distributed.py:{SQRT_LINE}"
 
@@ -37,6 +40,9 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
             with td.watch(model, opt, config=td.DebugConfig(**cfg)) as mon:
                 result["run_dir"] = str(mon.run_dir)
                 for step in range(sc.get("steps", 10)):
+                    net.delay_s = sc.get(f"delay_rank{rank}", 0.0)
+                    if rank == 1 and step == sc.get("hang_step"):
+                        net.hang_s = sc["hang_s"]
                     x, y = _batch(rank, step, sc.get("poison"))
                     loss = nn.functional.mse_loss(model(x), y)
                     opt.zero_grad()
@@ -66,6 +72,18 @@ def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
 
 SCENARIOS = {
     "raise": {"poison": "forward"},  # rank 1's batch of step 7 holds a -1: sqrt makes a NaN there only
+    # one run with everything the dashboard's rank view shows: rank 1 is 3x slower (30 ms vs 10 ms of
+    # sleep in each forward: a straggler), sleeps 2.5 s in the forward of step 2 (hang records on both
+    # ranks, the watchdog fires after 1 s), and its NaN of step 7 is skipped on both ranks
+    "view": {
+        "steps": 15,
+        "poison": "forward",
+        "delay_rank0": 0.01,
+        "delay_rank1": 0.03,
+        "hang_step": 2,
+        "hang_s": 2.5,
+        "config": {"policy": "skip", "hang_timeout": 1.0},
+    },
 }
 
 
@@ -133,3 +151,138 @@ def test_one_process_anomaly_says_nothing_about_ranks():
     moved = td.Anomaly(phase="forward", module="fc", op=None, location=None, kind="inf", rank=1, world_size=2)
     assert moved.summary() == "inf born in forward of fc (born on rank 1 of 2)"
     assert moved.to_dict()["world_size"] == 2
+
+
+# -- the dashboard: one view of all ranks (a real server, a real headless Chromium) -------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    pytest.importorskip("fastapi")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from tests.test_dashboard_browser import ARGS, CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no browser at {CHROMIUM} (install it: bash scripts/ensure_browser.sh)")
+    with sync_api.sync_playwright() as p:
+        try:
+            b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        except Exception as e:  # a broken install must not fail the suite
+            pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
+        yield b
+        b.close()
+
+
+def _cells(page, table: str) -> list[list[str]]:
+    """The body rows of a table on the page, as the browser shows their text."""
+    return page.evaluate(
+        f"[...document.querySelectorAll('#{table} tr')].slice(1).map(r => [...r.cells].map(c => c.innerText))"
+    )
+
+
+def _expected_rows(run_dir: Path) -> list[list[str]]:
+    """The per-rank table worked out from what each rank recorded: medians of the step's total time
+    and data wait in ms, the largest RSS sample in MiB, the last grad_norm to 4 significant digits."""
+    rows = []
+    for k in (0, 1):
+        with open_run(run_dir, rank=k) as rec:
+            timings, memory = rec.timings(), rec.memory()
+            total = statistics.median(t["total"] for t in timings)
+            data = statistics.median(t["data"] for t in timings)
+            rss = max(m["rss"] for m in memory)
+            norms = [v for v in rec.series("grad_norm").values if math.isfinite(v)]
+            hangs = len(rec.events("hang"))
+            rows.append(
+                [
+                    str(k),
+                    "finished",
+                    "15",
+                    f"{total * 1000:.1f} ms",
+                    f"{data * 1000:.1f} ms",
+                    f"{rss / 1048576:.1f} MiB",
+                    "-",  # no CUDA on these ranks
+                    f"{rec.series('grad_norm').values[-1]:.4g}",
+                    "1",  # the skipped step's anomaly, recorded by both ranks
+                    str(hangs),
+                ]
+            )
+            assert len(timings) == 15 and norms and hangs == 1
+    return rows
+
+
+@TIMEOUT
+@pytest.mark.browser
+def test_dashboard_shows_every_rank_and_switches_charts_by_rank(runs, browser):
+    from torchdebug.views.server import serve
+
+    run_dir = Path(runs["view"][0]["run_dir"])
+    rid = run_dir.name
+    summary = f"{SITE} (step {BAD_STEP}, born on rank 1 of 2)"
+    expected = _expected_rows(run_dir)
+    with open_run(run_dir, rank=0) as rec:
+        (straggler,) = rec.events("straggler")
+        (hang0,) = rec.events("hang")
+        loss0 = rec.series("loss")
+    assert all(math.isfinite(v) for v in loss0.values)  # rank 0's batches were all finite
+    with open_run(run_dir, rank=1) as rec:
+        (hang1,) = rec.events("hang")
+        loss1 = rec.series("loss")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        with serve(run_dir.parent, port=0) as h:
+            page.goto(f"{h.url}/runs/{rid}")
+            page.wait_for_function("document.getElementById('chart-loss').data !== undefined", timeout=15_000)
+            assert _cells(page, "rank-table") == expected
+            assert _cells(page, "rank-anomalies") == [["1", str(BAD_STEP), summary, "0, 1"]]
+            ev = straggler["data"]["evidence"]
+            assert _cells(page, "rank-stragglers") == [
+                ["1", str(straggler["step"]), f"{ev['ratio']:.4g}", straggler["message"]]
+            ]
+            assert _cells(page, "rank-hangs") == [
+                [
+                    str(h["data"]["rank"]),
+                    str(h["step"]),
+                    h["data"]["phase"],
+                    "1",
+                    h["data"]["where"],
+                    h["message"],
+                ]
+                for h in (hang0, hang1)
+            ]
+            assert hang1["data"]["phase"] == "forward" and hang1["step"] == 2
+            # the selector: rank 0's charts first, then rank 1's
+            assert page.inner_text("#rank-select a[aria-current=page]") == "rank 0"
+            assert page.evaluate("document.getElementById('chart-loss').data[0].y") == loss0.values
+            page.click("#rank-select >> text=rank 1")
+            page.wait_for_url(f"{h.url}/runs/{rid}?rank=1")
+            page.wait_for_function("document.getElementById('chart-loss').data !== undefined", timeout=15_000)
+            assert page.inner_text("#rank-select a[aria-current=page]") == "rank 1"
+            # rank 1's own losses, its NaN of step 7 a gap (null) in the chart
+            y = page.evaluate("document.getElementById('chart-loss').data[0].y")
+            assert y == [None if math.isnan(v) else v for v in loss1.values] and y[BAD_STEP] is None
+            assert _cells(page, "rank-table") == expected  # the table shows every rank on every page
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard_ranks.png"), full_page=True)
+    finally:
+        page.close()
+    assert errors == []
+
+
+@TIMEOUT
+@pytest.mark.browser
+def test_dashboard_of_one_rank_has_no_rank_table_or_selector(browser, tmp_path):
+    from tests.fixtures.runs import write_small_run
+    from torchdebug.views.server import serve
+
+    run = write_small_run(tmp_path / "runs")
+    page = browser.new_page()
+    try:
+        with serve(run.parent, port=0) as h:
+            page.goto(f"{h.url}/runs/{run.name}")
+            page.wait_for_function("document.getElementById('chart-loss').data !== undefined", timeout=15_000)
+            assert page.locator("#rank-table, #rank-select, #ranks").count() == 0
+            assert "Ranks" not in page.inner_text("main")
+    finally:
+        page.close()
