@@ -31,7 +31,17 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     result: dict = {"rank": rank}
     torch.manual_seed(0)
     net = Net()
-    model = DDP(net)
+    if sc.get("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for m in (net.fc1, net.fc2, net):
+            fully_shard(m, mesh=mesh)
+        model = net
+    else:
+        model = DDP(net)
+    norms: dict[str, list[float]] = {"total": [], "host": [], "shard": []}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = {"run_dir": str(out / "runs" / name), **sc.get("config", {})}
     with warnings.catch_warnings(record=True) as caught:
@@ -49,11 +59,22 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                     loss.backward()
                     opt.step()
                     mon.step()
+                    grads = [p.grad for p in model.parameters()]
+                    if sc.get("fsdp") and all(g is not None for g in grads):  # a skipped step dropped them
+                        total = torch.nn.utils.get_total_norm(grads)  # DTensor-aware (a collective)
+                        norms["total"].append(
+                            float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+                        )
+                        norms["host"].append(mon.grad_norm_host)  # what GradientHealth's rules read
+                        norms["shard"].append(
+                            float(torch.cat([g.to_local().reshape(-1) for g in grads]).norm())
+                        )
         except td.NonFiniteError as e:
             result["error"] = str(e)
             result["summary"] = e.anomaly.summary()
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, td.TorchDebugWarning)]
     result["step"] = mon.global_step
+    result["norms"] = norms
     return result
 
 
@@ -84,6 +105,10 @@ SCENARIOS = {
         "hang_s": 2.5,
         "config": {"policy": "skip", "hang_timeout": 1.0},
     },
+    "fsdp": {"steps": 4, "fsdp": True},  # FSDP2 (fully_shard) on CPU/gloo, nothing poisoned
+    # rank 1's batch of step 7 holds x = 0: d sqrt(x w) / dw = x / (2 sqrt(x w)) = 0 / 0 = NaN in feat.w's
+    # local gradient; the reduce-scatter puts feat.w (one element) in rank 0's shard, rank 1's is empty
+    "fsdp_nan": {"steps": 9, "fsdp": True, "poison": "backward", "config": {"policy": "skip"}},
 }
 
 
@@ -286,3 +311,53 @@ def test_dashboard_of_one_rank_has_no_rank_table_or_selector(browser, tmp_path):
             assert "Ranks" not in page.inner_text("main")
     finally:
         page.close()
+
+
+# -- FSDP2: the global gradient norm, not the rank's shard ---------------------------------------------
+
+
+@TIMEOUT
+def test_fsdp2_grad_norm_is_the_norm_of_the_whole_gradient_on_every_rank(runs):
+    r0, r1 = runs["fsdp"]
+    assert r0["step"] == r1["step"] == 4 and r0["warnings"] == r1["warnings"] == []
+    stored = []
+    for k in (0, 1):
+        with open_run(r0["run_dir"], rank=k) as rec:
+            stored.append(rec.series("grad_norm").values)
+    ref = r0["norms"]["total"]  # torch's own DTensor-aware total norm of the FSDP2 gradients
+    assert r1["norms"]["total"] == ref
+    for r, values in zip((r0, r1), stored, strict=True):
+        assert values == pytest.approx(ref, rel=1e-5)
+        assert r["norms"]["host"] == pytest.approx(ref, rel=1e-5)  # what the health rules see
+        # the rank's shard alone is smaller: the test would fail on the old local norm
+        assert all(s < t * 0.999 for s, t in zip(r["norms"]["shard"], ref, strict=True))
+
+    # by hand, step 0: the same Net (seed 0) without FSDP on both ranks' batches; FSDP2 averages the
+    # ranks' gradients (reduce-scatter with mean), which is the gradient of the mean of the two losses
+    torch.manual_seed(0)
+    net = Net()
+    losses = [nn.functional.mse_loss(net(x), y) for x, y in (_batch(k, 0, None) for k in (0, 1))]
+    ((losses[0] + losses[1]) / 2).backward()
+    by_hand = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in net.parameters()]).double())
+    assert stored[0][0] == pytest.approx(float(by_hand), rel=1e-5)
+
+
+@TIMEOUT
+def test_fsdp2_grad_norm_is_nan_on_every_rank_when_one_rank_holds_the_nan_shard(runs):
+    r0, r1 = runs["fsdp_nan"]
+    stored = []
+    for k in (0, 1):
+        with open_run(r0["run_dir"], rank=k) as rec:
+            s = rec.series("grad_norm")
+            stored.append(dict(zip(s.steps, s.values, strict=True)))
+            (a,) = rec.anomalies()
+            assert (a["step"], a["rank"]) == (
+                BAD_STEP,
+                0,
+            )  # the NaN shard: born, for FSDP2's sentinel, on rank 0
+    for r in (r0, r1):
+        assert r["step"] == 9 and len(r["norms"]["total"]) == 8  # step 7 skipped: its gradients dropped
+    assert math.isnan(stored[0][BAD_STEP]) and math.isnan(stored[1][BAD_STEP])
+    clean = [k for k in range(9) if k != BAD_STEP]
+    for k in (0, 1):
+        assert [stored[k][i] for i in clean] == pytest.approx(r0["norms"]["total"], rel=1e-5)

@@ -1047,6 +1047,8 @@ class Monitor:
                     if all(math.isfinite(x) for x in gn)
                     else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
                 )
+                if self._coord is not None:  # FSDP2: the global norm, not this rank's shard (issue 11)
+                    total = self._coord.global_grad_norm(self, total, scale if scale and scaler_on else 1.0)
                 v["grad_norm"] = total
                 self.grad_norm_host = total
         if "_scale" in v:
