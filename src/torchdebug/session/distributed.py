@@ -4,8 +4,8 @@ non-finite step, the rank where it was born, the hang watchdog and the straggler
 Per step the coordinator adds ONE small collective to the step's existing transfer: a ``(5, world)``
 float32 tensor all-reduced with MAX, in which each rank fills its own column (non-finite flag,
 non-finite local gradients before DDP's all-reduce, busy time, data wait, and under FSDP2 the norm
-of the rank's gradient shards, from which every rank gets the global gradient norm). It rides in the same
-host read as the sentinel's numbers, so every rank sees every rank's flags and times. Only when a
+of the rank's gradient shards, from which every rank gets the global gradient norm). It rides in
+the same host read as the sentinel's numbers, so every rank sees every rank's flags and times. Only when a
 flag is up (the rare path) do the ranks exchange more: a second tiny all-reduce of the exact
 verdicts, then the rank of birth replays the failing micro-step locally (no collectives: the wrapped
 module under ``no_sync``) and broadcasts the anomaly it found to the others.
@@ -577,8 +577,8 @@ def _copies(p: Any, world: int) -> float:
     as outside any ``fully_shard``)."""
     if _DTENSOR is None or not isinstance(p, _DTENSOR):
         return float(world)
-    mesh = p.device_mesh  # type: ignore[attr-defined]
-    shards = math.prod(mesh.size(d) for d, pl in enumerate(p.placements) if pl.is_shard())  # type: ignore[attr-defined]
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    shards = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
     return max(world / shards, 1.0)
 
 
