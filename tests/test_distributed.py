@@ -257,8 +257,8 @@ def test_show_reads_every_rank(runs, capsys):
     # both ranks raised at step 7: "failed", with steps 0..6 recorded
     assert rows["0"][1:3] == ["failed", "7"] and rows["1"][1:3] == ["failed", "7"]
     assert (
-        f"  rank 1: nan born in forward of feat (Feat): aten.sqrt at tests/test_distributed.py:{SQRT_LINE} "
-        "(step 7)  (recorded by rank 0, 1)"
+        f"  nan born in forward of feat (Feat): aten.sqrt at tests/test_distributed.py:{SQRT_LINE} "
+        "(step 7, born on rank 1 of 2)  (recorded by rank 0, 1)"
     ) in out
 
     assert main(["show", runs["straggler"][0]["run_dir"], "--json"]) == 0

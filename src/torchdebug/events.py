@@ -122,6 +122,7 @@ class Anomaly:
     noticed: Anomaly | None = None
     # Whether replaying the failing step made the same non-finite values: None when no replay ran.
     reproducible: bool | None = None
+    world_size: int = 1  # ranks in the run; > 1: ``rank`` is the rank of birth and the summary names it
 
     @property
     def where(self) -> str:
@@ -138,11 +139,20 @@ class Anomaly:
             s += f" at {self.location}"
         return s
 
+    def _when(self) -> str:
+        """`` (step 7)``, on several ranks `` (step 7, born on rank 1 of 2)``; empty when neither is known."""
+        parts = [f"step {self.step}"] if self.step is not None else []
+        if self.world_size > 1:
+            on = "on" if self.reproducible is False else "born on"  # not reproduced: where it was seen
+            parts.append(f"{on} rank {self.rank} of {self.world_size}")
+        return f" ({', '.join(parts)})" if parts else ""
+
     def summary(self) -> str:
-        """One line: ``nan born in forward of blocks.1.attn (Attention): aten.log at model.py:41``."""
+        """One line: ``nan born in forward of blocks.1.attn (Attention): aten.log at model.py:41 (step 7)``;
+        on several ranks it ends ``(step 7, born on rank 1 of 2)`` on every rank."""
         if self.reproducible is False:
             s = f"{self.kind} not reproducible: {self.symptom or 'non-finite values'}, finite on replay"
-            return s + (f" (step {self.step})" if self.step is not None else "")
+            return s + self._when()
         what = f"{self.kind} born in {self.phase}"
         where = self.parameter if self.parameter else self.where
         s = f"{what} of {where}"
@@ -150,9 +160,7 @@ class Anomaly:
             s += f": {self.op}"
         if self.location:
             s += f" at {self.location}"
-        if self.step is not None:
-            s += f" (step {self.step})"
-        return s
+        return s + self._when()
 
     def __str__(self) -> str:
         lines = [f"torchdebug: {self.summary()}"]
@@ -167,7 +175,9 @@ class Anomaly:
         if self.step is not None:
             micro = f" (micro-step {self.micro_step})" if self.micro_step else ""
             lines.append(f"  step      {self.step}{micro}")
-        if self.rank:
+        if self.world_size > 1:
+            lines.append(f"  rank      {self.rank} of {self.world_size}")
+        elif self.rank:
             lines.append(f"  rank      {self.rank}")
         if self.symptom:
             lines.append(f"  noticed   {self.symptom}")
@@ -193,6 +203,8 @@ class Anomaly:
         for key in ("noticed", "reproducible"):  # newer fields: absent when unset, as in older documents
             if d[key] is None:
                 del d[key]
+        if self.world_size == 1:
+            del d["world_size"]
         if self.noticed is not None:
             d["noticed"]["site"] = self.noticed.site()
         d["summary"] = self.summary()

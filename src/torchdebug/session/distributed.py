@@ -1,10 +1,11 @@
 """Several ranks under watch(): rank and world size, the shared run folder, ranks that agree on a
 non-finite step, the rank where it was born, the hang watchdog and the straggler rule.
 
-Per step the coordinator adds ONE small collective to the step's existing transfer: a ``(4, world)``
+Per step the coordinator adds ONE small collective to the step's existing transfer: a ``(5, world)``
 float32 tensor all-reduced with MAX, in which each rank fills its own column (non-finite flag,
-non-finite local gradients before DDP's all-reduce, busy time, data wait). It rides in the same
-host read as the sentinel's numbers, so every rank sees every rank's flags and times. Only when a
+non-finite local gradients before DDP's all-reduce, busy time, data wait, and under FSDP2 the norm
+of the rank's gradient shards, from which every rank gets the global gradient norm). It rides in
+the same host read as the sentinel's numbers, so every rank sees every rank's flags and times. Only when a
 flag is up (the rare path) do the ranks exchange more: a second tiny all-reduce of the exact
 verdicts, then the rank of birth replays the failing micro-step locally (no collectives: the wrapped
 module under ``no_sync``) and broadcasts the anomaly it found to the others.
@@ -37,6 +38,8 @@ _STRAGGLER_WINDOW = 20  # steps in the straggler rule's window
 _STRAGGLER_MIN = 5  # steps in the window before the rule may fire
 _STRAGGLER_PATIENCE = 5  # consecutive steps above (below) the factor that start (end) an episode
 _MAX_STACK = 40  # frames kept per thread in a hang record
+_ROWS = 5  # rows of the per-step vector: flag, pre-all-reduce flag, busy s, data wait s, shard grad norm
+_ROW_GRAD = 4  # FSDP2: each rank's weighted norm of its gradient shards (-inf: none; -1: NaN)
 
 
 def _dist() -> Any:
@@ -185,6 +188,8 @@ class Coordinator:
     def __init__(self, mon: Any, rank: int, world: int, pg: bool, ddp: Any) -> None:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
         self.collective = pg and world > 1
+        self.sharded = is_sharded(mon.model)  # FSDP2: gradient norms are reduced across ranks
+        self._grad_weights: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._bucket_sums: list[torch.Tensor] = []
         self._last_bucket: float | None = None
         self._reduced = False  # this step's vector went out (a second collect in the same step is empty)
@@ -208,7 +213,7 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         if self.collective and ddp is not None:
             self._install_comm_hook(mon, ddp)
-        if is_sharded(mon.model) and mon.config.replay:
+        if self.sharded and mon.config.replay:
             # a replay re-runs the forward, whose all-gathers the other ranks would not join
             mon.config = mon.config.replace(replay=False)
         if world > 1 or mon.config.hang_timeout is not None:
@@ -271,7 +276,7 @@ class Coordinator:
         flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon.transfer.loss_vals]
         flags += [b.reshape(()) for b in mon.transfer.micro_bad]
         flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon.sentinel.deferred.values()]
-        vec = torch.zeros(4, self.world, dtype=torch.float32, device=dev)
+        vec = torch.zeros(_ROWS, self.world, dtype=torch.float32, device=dev)
         if flags:
             vec[0, self.rank] = torch.stack([f.to(dev) for f in flags]).any().float()
         if self._bucket_sums:
@@ -280,8 +285,48 @@ class Coordinator:
         self._bucket_sums = []
         vec[2, self.rank] = busy
         vec[3, self.rank] = data
+        vec[_ROW_GRAD] = -math.inf  # MAX keeps each rank's own entry
+        shard = self._shard_norm(mon) if self.sharded else None
+        if shard is not None:
+            vec[_ROW_GRAD, self.rank] = torch.where(torch.isnan(shard), -1.0, shard).to(dev)  # NaN: -1
         _dist().all_reduce(vec, op=_dist().ReduceOp.MAX)  # the step's one collective
         return {"_dist": vec}
+
+    def _shard_norm(self, mon: Any) -> torch.Tensor | None:
+        """This rank's share of the FSDP2 gradient norm, on the device: ``sqrt(sum_i w_i * n_i**2)``
+        over the per-parameter norms of the local shards the monitor already computed (no new pass over
+        the gradients), ``w_i`` = 1 / (ranks holding a copy of each element of parameter i), so that
+        summing the squares over all ranks gives the squared norm of the whole gradient, as
+        ``clip_grad_norm_`` computes it for DTensors. None when the step has no norms (sentinel-only
+        mode measures finiteness, not norms)."""
+        norms = mon.transfer.norms
+        if norms is None or mon.transfer.norms_probe:
+            return None
+        idx = tuple(mon.transfer.norm_index)
+        if self._grad_weights is None or self._grad_weights[0] != idx:
+            w = [_copies(mon.params[i], self.world) ** -0.5 for i in idx]
+            self._grad_weights = (idx, torch.tensor(w, dtype=torch.float32, device=norms.device))
+        return torch.linalg.vector_norm(norms.float() * self._grad_weights[1])
+
+    def global_grad_norm(self, mon: Any, local: float, scale: float = 1.0) -> float:
+        """FSDP2: the norm of the whole gradient, from every rank's shard norm in this step's vector.
+
+        ``local`` is the monitor's norm of this rank's shards (returned as it is without sharding, on
+        one rank, or when a rank sent none); ``scale`` the loss scale the gradients carry (GradScaler).
+        Read from the step's all-reduced vector: no extra collective and no extra host sync. NaN when
+        any rank's shards hold a NaN, Inf when any holds an Inf.
+        """
+        if (
+            not (self.sharded and self._live())
+            or f"_dist#{_ROW_GRAD * self.world}" not in mon.transfer.values
+        ):
+            return local
+        row = self._row(mon, _ROW_GRAD)
+        if any(x == -math.inf for x in row):
+            return local
+        if any(x == -1.0 for x in row):
+            return math.nan
+        return math.sqrt(sum(x * x for x in row)) / (scale or 1.0)  # float64 on the host: no overflow
 
     def _live(self) -> bool:
         """Still taking part in the collectives (a coordinator switched off by an error is not)."""
@@ -379,15 +424,16 @@ class Coordinator:
         where = "rank " + ", ".join(str(r) for r in births)
         born = f"born on {where} of {self.world}"
         if self.rank == src:
-            return _with(a, rank=src, symptom=_join(a.symptom, born))
+            return _with(a, rank=src, world_size=self.world, symptom=_join(a.symptom, born))
         return Anomaly(
             phase=str(d.get("phase", "forward")),
-            module=str(d.get("module", "")),
+            module=None if "module" in d and d["module"] is None else str(d.get("module", "")),
             op=d.get("op"),
             location=d.get("location"),
             kind=str(d.get("kind", "nan")),
             step=mon.global_step,
             rank=src,
+            world_size=self.world,
             module_type=str(d.get("module_type", "")),
             micro_step=d.get("micro_step"),
             symptom=_join(str(d.get("symptom", "")), born),
@@ -399,6 +445,7 @@ class Coordinator:
             ),
             stack=tuple(d.get("stack") or ()),
             parameter=d.get("parameter"),
+            reproducible=d.get("reproducible"),  # the summary is the same on every rank
         )
 
     # -- stragglers -------------------------------------------------------------------------------
@@ -501,6 +548,17 @@ class Coordinator:
             mon.writer.log_event(step, "hang", "error", msg, evidence)
             mon.writer.flush()
         print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # one line; the job is never killed
+
+
+def _copies(p: Any, world: int) -> float:
+    """How many ranks hold each element of parameter ``p``: 1 for an FSDP2 parameter sharded over all
+    ranks (1-D mesh), R for HSDP's R replicas of a shard, ``world`` for a plain tensor (replicated,
+    as outside any ``fully_shard``)."""
+    if DTENSOR is None or not isinstance(p, DTENSOR):
+        return float(world)
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    shards = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
+    return max(world / shards, 1.0)
 
 
 def _join(a: str, b: str) -> str:

@@ -295,6 +295,12 @@ class Monitor:
         self.sentinel.read_edits(values)
         scaled = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
         self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.sentinel.edit_bad)
+        if (
+            self._coord is not None and "grad_norm" in values
+        ):  # FSDP2: the whole gradient's norm, not the shard's
+            scale = (values.get("_scale") if scaled else None) or 1.0
+            values["grad_norm"] = self._coord.global_grad_norm(self, values["grad_norm"], scale)
+            self.transfer.grad_norm = values["grad_norm"]
         self.sentinel.read_deferred(values)  # the last update's parameter probe (may raise)
 
     def _collect(self) -> Items:

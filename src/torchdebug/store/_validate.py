@@ -50,6 +50,7 @@ ANOMALY_FIELDS: dict[str, tuple[type, ...]] = {
     "related": (dict,),
     "micro_step": _INT,
     "rank": _INT,
+    "world_size": _INT,
 }
 FRAME_FIELDS: dict[str, tuple[type, ...]] = {
     "input_abs_min": _NUM,

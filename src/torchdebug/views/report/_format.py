@@ -63,6 +63,15 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def rank_label(a: Mapping[str, Any]) -> str | None:
+    """``"1 of 2"`` for an anomaly of a multi-rank run (the rank of birth); a bare non-zero rank from a
+    document without ``world_size``; None for one process (no rank row)."""
+    rank, world = a.get("rank"), a.get("world_size")
+    if isinstance(world, int) and world > 1:
+        return f"{rank} of {world}"
+    return str(rank) if rank else None
+
+
 def anomaly_rows(a: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """The rows every anomaly card starts with: phase, module (labelled), parameter, op, line; then
     where the origin's Inf became NaN and whether the replay reproduced it, when the document says."""
@@ -78,6 +87,7 @@ def anomaly_rows(a: Mapping[str, Any]) -> list[tuple[str, Any]]:
         ("parameter", a.get("parameter")),
         ("op", a.get("op")),
         ("line", a.get("location")),
+        ("rank", rank_label(a)),
     ]
     noticed = a.get("noticed")
     if isinstance(noticed, Mapping) and noticed.get("site"):

@@ -9,6 +9,7 @@ from typing import Any
 
 from ...events import module_label
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, json_safe
+from ._rankview import render_ranks
 
 _CSS = """
 :root { --fg:#1d2330; --muted:#5b6475; --line:#dde1e8; --bg:#f6f7f9; --card:#fff; --bad:#c62828; --warn:#ef6c00; }
@@ -46,6 +47,8 @@ tr.sev-warning td:first-child { color: var(--warn); font-weight: 600; }
 code, pre { font-family: ui-monospace, Menlo, monospace; font-size: 12px; }
 pre { background: var(--bg); padding: 8px; overflow: auto; max-height: 320px; }
 details summary { cursor: pointer; color: var(--muted); }
+#rank-select a.rank { padding: 1px 8px; border: 1px solid var(--line); border-radius: 10px; }
+#rank-select a.rank.current { background: #1d2330; color: #fff; }
 """
 
 # Chart drawing shared by the static report and the live dashboard: the figures are prebuilt dicts
@@ -75,7 +78,7 @@ function tdLive(url, token, everyMs) {
       if (r.ok) {
         const v = await r.json();
         tdDraw(v.figures);
-        for (const key of ['summary', 'cards', 'events', 'meta']) {
+        for (const key of ['summary', 'ranks', 'cards', 'events', 'meta']) {
           const el = document.getElementById(key);
           if (el && el.dataset.html !== v[key + '_html']) { el.innerHTML = v[key + '_html']; el.dataset.html = v[key + '_html']; }
         }
@@ -122,7 +125,6 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
                 if not a.get("micro_step")
                 else f"{a.get('step')} (micro-step {a['micro_step']})",
             ),
-            ("rank", a.get("rank") or None),
             ("noticed", a.get("symptom")),
             ("detected by", a.get("detected_by")),
         ]
@@ -260,6 +262,7 @@ def fragments(views: Mapping[str, Any]) -> dict[str, str]:
         "cards_html": render_cards(views["anomalies"]),
         "events_html": render_events(views["events"]),
         "meta_html": render_meta(views["meta"]),
+        "ranks_html": render_ranks(views["report"].get("ranks")),  # "" for one rank
     }
 
 
@@ -270,6 +273,7 @@ def render_page(
     plotly_src: str | None = None,
     live_url: str | None = None,
     nav: str = "",
+    rank_select: str = "",
 ) -> str:
     """The whole page for one run.
 
@@ -279,6 +283,8 @@ def render_page(
         plotly_src: a same-origin URL of plotly.js (the dashboard serves its own copy).
         live_url: when given, the page polls this JSON URL every 2 s and redraws (dashboard).
         nav: extra header HTML (the dashboard's link back to the run list).
+        rank_select: the dashboard's rank selector (``_rankview.render_rank_selector``), shown above
+            the summary of a run of several ranks.
 
     Returns:
         The HTML text. It loads nothing from the network.
@@ -307,9 +313,15 @@ def render_page(
         f"<style>{_CSS}</style>{plotly_tag}</head><body>"
         f'<header>{nav}<h1>{_e(title)}</h1><span id="status" class="badge {_e(status)}">{_e(status)}</span>'
         f'<small id="updated"></small></header><main>'
-        f'<section><h2>Summary</h2><div id="summary">{frag["summary_html"]}</div></section>'
-        f'<section><h2>Anomalies</h2><div id="cards">{frag["cards_html"]}</div></section>'
-        f'<section><h2>Charts</h2><div class="grid">{charts}</div></section>'
+        + (f"<section>{rank_select}</section>" if rank_select else "")
+        + f'<section><h2>Summary</h2><div id="summary">{frag["summary_html"]}</div></section>'
+        + (
+            f'<section><h2>Ranks</h2><div id="ranks">{frag["ranks_html"]}</div></section>'
+            if frag["ranks_html"]
+            else ""
+        )
+        + f'<section><h2>Anomalies</h2><div id="cards">{frag["cards_html"]}</div></section>'
+        + f'<section><h2>Charts</h2><div class="grid">{charts}</div></section>'
         f'<section><h2>Rule events</h2><div id="events">{frag["events_html"]}</div></section>'
         f'<section><h2>Run</h2><div id="meta">{frag["meta_html"]}</div></section>'
         f"</main><script>{_JS}\n{boot}</script></body></html>\n"

@@ -25,6 +25,7 @@ from ..._version import __version__
 from ...events import rule_counts, training_summary
 from ..report import build_report, collect_views, fragments, plotly_js, render_page
 from ..report._format import json_safe
+from ..report._rankview import render_rank_selector
 from ._cache import CachedRun, SeriesCache, ViewsCache
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -351,9 +352,16 @@ def create_app(
         with opened(run_id, rank) as run:
             key = f"views:{DEFAULT_MAX_POINTS}" + (f":{run.rank}" if rank is not None else "")
             views = views_cache.get(run.path, key, lambda: _views(run, DEFAULT_MAX_POINTS))
+            # several ranks: links that reopen this page with another rank's charts ("" for one rank)
+            token = request.query_params.get("token")
+            tok = f"&token={urllib.parse.quote(token, safe='')}" if token else ""
+            base = f"/runs/{urllib.parse.quote(run_id, safe='')}"
+            select = render_rank_selector(list(run.ranks), run.rank, lambda k: f"{base}?rank={k}{tok}")
         back = "" if catalog.single else f'<a href="/{token_query(request)}">all runs</a>'
         live = f"/api/runs/{run_id}/views" + (f"?rank={rank}" if rank is not None else "")
-        page = render_page(views, plotly_src="/static/plotly.min.js", live_url=live, nav=back)
+        page = render_page(
+            views, plotly_src="/static/plotly.min.js", live_url=live, nav=back, rank_select=select
+        )
         return HTMLResponse(page)
 
     @app.get("/favicon.ico", include_in_schema=False)
