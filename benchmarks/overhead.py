@@ -215,14 +215,14 @@ def bench(name: str, spec: tuple, args: argparse.Namespace, writer: Any) -> dict
             loss.backward()
             cap = mon.sentinel.captures[-1]
             names = mon.names
-            mon._replaying = True
+            mon.sentinel.replaying = True
             for _ in range(3):
                 _sync(device)
                 t0 = time.perf_counter()
                 replay_capture(model, cap, names=names, uses_cuda=device == "cuda")
                 _sync(device)
                 replay_times.append(time.perf_counter() - t0)
-            mon._replaying = False
+            mon.sentinel.replaying = False
             opt.step()
             mon.step()
     med = {v: statistics.median(times[v]) for v in variants}
