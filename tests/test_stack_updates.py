@@ -181,3 +181,34 @@ def test_manual_update_with_a_gradient_edit_after_the_backward_check_blames_the_
     a = ei.value.anomaly
     assert (a.step, a.phase, a.parameter, a.module, a.kind) == (2, "gradient_edit", "fc.weight", "fc", "nan")
     assert mon.global_step == 3  # raised from step 3's backward(), at its transfer
+
+
+def test_clip_grad_norm_is_judged_by_its_factor_not_by_a_pass_over_every_gradient() -> None:
+    # clip_grad_norm_ multiplies every gradient by one factor: finite gradients stay finite iff it is, so
+    # the sentinel reads that factor instead of probing each gradient again; an edit before the clip,
+    # or after it, is still probed (only the gradients it touched)
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probed: list[list[str]] = []
+
+    class Spy:
+        name = "spy"
+
+        def before_optimizer_step(self, mon: td.Monitor) -> None:
+            probed.append([mon.param_names[i] for i in mon.sentinel.edit_index])
+
+    with td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        mon.instruments.append(Spy())
+        for i in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            if i == 1:
+                model.fc2.bias.grad.mul_(0.5)  # a hand edit before the clip
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            if i == 2:
+                model.fc1.bias.grad.add_(1.0)  # ... and after it
+            opt.step()
+            mon.step()
+    assert probed == [[], ["fc2.bias"], ["fc1.bias"]]
+    assert mon.anomalies == [] and mon.counters["skipped_steps"] == 0

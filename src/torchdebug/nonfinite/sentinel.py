@@ -58,6 +58,7 @@ class Sentinel:
         self.deferred_step: int | None = None
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
         self.skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
+        self._index = {id(p): i for i, p in enumerate(mon.params)}
         self.reset()
 
     def reset(self) -> None:
@@ -69,6 +70,8 @@ class Sentinel:
         self.edit_index: list[int] = []  # gradients changed since backward() measured them
         self.edit_probe: torch.Tensor | None = None
         self.edit_bad: list[int] = []  # ... and non-finite when the update started (confirmed exactly)
+        # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled)
+        self.clips: list[tuple[torch.Tensor, list[int]]] = []
         self.synced_at_backward = False  # manual mode: the transfer ran at the end of backward()
         self.grad_anomaly = False  # this step's anomaly came from the gradient check
         self.params_bad_now = False  # the parameter probe read with this step's transfer was non-finite
@@ -220,6 +223,39 @@ class Sentinel:
             self.edit_index = edited
             self.edit_probe = finite_probe([params[i].grad for i in edited])  # type: ignore[misc]
 
+    def before_clip(self, params: list[Any]) -> list[int]:
+        """``clip_grad_norm_`` is about to scale these parameters' gradients: the ones backward() left
+        unedited (their after-backward check stands), else []."""
+        if not self.active or self.replaying or self.synced_at_backward or self.mon.transfer.synced:
+            return []  # a manual-update loop, or after the step's transfer: the probe judges the clip
+        idx = []
+        for p in params:
+            i = self._index.get(id(p))
+            g = p.grad
+            seen = self.grad_seen.get(i) if i is not None else None
+            if seen is not None and seen[0] is g and seen[1] == g._version and local(g) is g:  # type: ignore[union-attr]
+                idx.append(i)  # type: ignore[arg-type]
+        return idx
+
+    def after_clip(self, idx: list[int], total: Any, max_norm: Any) -> None:
+        """The clip multiplied those gradients by ``min(max_norm / (total + 1e-6), 1)`` (torch's formula):
+        finite gradients stay finite iff that factor is finite, so a one-element flag on the device
+        replaces a probe of every gradient (read with the step's transfer; confirmed exactly if up)."""
+        if not idx or not isinstance(total, torch.Tensor) or local(total) is not total:
+            return
+        try:
+            m = float(max_norm)
+        except (TypeError, ValueError):
+            return
+        with torch.no_grad():
+            coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
+            self.clips.append((torch.isfinite(coef).logical_not(), idx))
+        params = self.mon.params
+        for i in idx:
+            g = params[i].grad
+            if g is not None:
+                self.grad_seen[i] = (g, g._version)  # scaled by that factor: judged by the flag
+
     # -- step end ------------------------------------------------------------------------------------
     def manual_update(self, mon: Any) -> bool:
         """True when this step's update ran without an optimizer the session saw (an update by hand)."""
@@ -260,20 +296,25 @@ class Sentinel:
     def items(self) -> list[tuple[str, torch.Tensor]]:
         """The sentinel's device numbers for the step's transfer."""
         items = [("_edit", self.edit_probe)] if self.edit_probe is not None else []
+        items += [(f"_clip{k}", flag) for k, (flag, _) in enumerate(self.clips)]
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
 
     def read_edits(self, values: dict[str, float]) -> None:
         """After the read: which edited gradients are non-finite (confirmed exactly)."""
-        if self.edit_probe is None:
-            return
-        n = len(self.edit_index)
-        ep = [values[f"_edit#{j}"] if f"_edit#{j}" in values else values.get("_edit", 0.0) for j in range(n)]
-        self.edit_bad = [
-            i
-            for j, i in enumerate(self.edit_index)
-            if not math.isfinite(ep[j]) and not self.grad_finite(i, now=True)
-        ]
-        self.edit_probe = None
+        bad: list[int] = []
+        if self.edit_probe is not None:
+            n = len(self.edit_index)
+            ep = [
+                values[f"_edit#{j}"] if f"_edit#{j}" in values else values.get("_edit", 0.0) for j in range(n)
+            ]
+            bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
+            self.edit_probe = None
+        for k, (_, idx) in enumerate(self.clips):
+            if values.get(f"_clip{k}", 0.0) > 0:  # a non-finite clip factor: every gradient it scaled
+                bad += [i for i in idx if i not in bad]
+        self.clips = []
+        if bad:
+            self.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
 
     def read_deferred(self, values: dict[str, float]) -> None:
         """After the read: the parameter probe of the last update (may raise under ``raise``)."""

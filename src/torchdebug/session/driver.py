@@ -5,7 +5,8 @@ boundaries from what the loop does anyway:
 
 - global patches, installed while at least one session is active: ``Tensor.backward`` /
   ``torch.autograd.backward`` (backward began / done), ``GradScaler.step`` (the scaler's verdict),
-  ``nn.Module.__getstate__`` (copies and checkpoints of a watched model carry no hooks);
+  ``torch.nn.utils.clip_grad_norm_`` (a clip the sentinel can judge without a pass over the
+  gradients), ``nn.Module.__getstate__`` (copies and checkpoints of a watched model carry no hooks);
 - per session: forward pre/post hooks on the module the loop calls (forward began / done), and the
   optimizer step pre/post hooks (update starting / done), which stand down while a framework driver
   owns the loop (``mon.driver`` set).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -78,6 +80,32 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``clip_grad_norm_`` that tells the sentinels which gradients it scaled and by what (device)."""
+
+    @functools.wraps(orig)
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        mons = [m for m in _ACTIVE if m.accepts_backward()]
+        parameters = args[0] if args else kwargs.get("parameters")
+        if not mons or parameters is None or isinstance(parameters, torch.Tensor):
+            return orig(*args, **kwargs)
+        params = list(parameters)
+        # still a generator for a generator: torch warns about an empty one
+        parameters = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+        args = (parameters, *args[1:]) if args else args
+        if not args:
+            kwargs["parameters"] = parameters
+        clean = [m.sentinel.before_clip(params) for m in mons]
+        total = orig(*args, **kwargs)
+        max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+        for m, idx in zip(mons, clean):
+            m.sentinel.after_clip(idx, total, max_norm)
+        return total
+
+    clip_grad_norm_.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
 def is_ours(hook: Any) -> bool:
     """True for a hook torchdebug registered (a bound method, closure or partial from its modules)."""
     while isinstance(hook, functools.partial):
@@ -124,6 +152,12 @@ def _install_patches() -> None:
     _ORIGINALS["autograd.backward"] = torch.autograd.backward
     torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
     torch.autograd.backward = _backward_wrapper(torch.autograd.backward, False)  # type: ignore[assignment]
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_mod
+
+    for mod in (nn_utils, clip_mod):
+        _ORIGINALS[f"{mod.__name__}.clip_grad_norm_"] = mod.clip_grad_norm_
+        mod.clip_grad_norm_ = _clip_wrapper(mod.clip_grad_norm_)  # type: ignore[attr-defined]
     try:
         from torch.amp.grad_scaler import GradScaler
 
@@ -142,6 +176,13 @@ def _remove_patches() -> None:
         torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
     if getattr(nn.Module.__getstate__, "__torchdebug_wrapper__", False):
         nn.Module.__getstate__ = _ORIGINALS["Module.__getstate__"]  # type: ignore[method-assign]
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_mod
+
+    for mod in (nn_utils, clip_mod):
+        key = f"{mod.__name__}.clip_grad_norm_"
+        if key in _ORIGINALS and getattr(mod.clip_grad_norm_, "__torchdebug_wrapper__", False):
+            mod.clip_grad_norm_ = _ORIGINALS[key]  # type: ignore[attr-defined]
     if "GradScaler.step" in _ORIGINALS:
         from torch.amp.grad_scaler import GradScaler
 
