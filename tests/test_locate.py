@@ -321,3 +321,20 @@ def test_anomaly_report_and_json() -> None:
 
     d = json.loads(json.dumps(a.to_dict()))
     assert d["module"] == "blocks.1.act" and d["tensor"]["nan_count"] > 0
+
+
+def test_a_taint_ends_with_its_storage_so_a_reused_address_inherits_no_origin() -> None:
+    # the allocator may place a new tensor at the address of a freed one; a tensor made there by code
+    # the trace does not see (the autograd engine's gradient accumulation) must not carry the old origin
+    from torchdebug.nonfinite.locate import _storage_key, _Taints
+
+    taints = _Taints()
+    t = torch.full((8,), float("nan"))
+    key = _storage_key(t)
+    origin = object()
+    taints.put(t, key, origin)  # type: ignore[arg-type]
+    view = t[2:]  # a view keeps the storage, and its taint, alive
+    del t
+    assert key in taints and taints.get(key) is origin and taints.values() == [origin]
+    del view  # the storage is freed: the entry is void
+    assert key not in taints and taints.get(key) is None and taints.values() == []

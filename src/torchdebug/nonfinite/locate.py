@@ -133,6 +133,68 @@ def _storage_key(t: torch.Tensor) -> Any:
     return storage_key(t) or ("id", id(t))
 
 
+class _Taints:
+    """Non-finite storages -> the event that made them, keyed by storage address.
+
+    Each entry holds a weak reference to its storage: once that storage is freed the entry is void, so
+    a tensor the allocator later places at the same address (made by code the trace does not see, such
+    as the autograd engine's gradient accumulation) does not inherit a stale origin.
+    """
+
+    def __init__(self) -> None:
+        self._d: dict[Any, tuple[_Event, Any]] = {}
+
+    def _live(self, key: Any) -> _Event | None:
+        item = self._d.get(key)
+        if item is None:
+            return None
+        ev, ref = item
+        if ref is not None and ref.expired():
+            del self._d[key]
+            return None
+        return ev
+
+    def put(self, t: torch.Tensor, key: Any, ev: _Event) -> None:
+        self._d[key] = (ev, _weak_storage(t))
+
+    def setdefault(self, t: torch.Tensor, key: Any, ev: _Event) -> None:
+        if self._live(key) is None:
+            self.put(t, key, ev)
+
+    def get(self, key: Any, default: _Event | None = None) -> _Event | None:
+        ev = self._live(key)
+        return default if ev is None else ev
+
+    def __contains__(self, key: Any) -> bool:
+        return self._live(key) is not None
+
+    def __getitem__(self, key: Any) -> _Event:
+        ev = self._live(key)
+        if ev is None:
+            raise KeyError(key)
+        return ev
+
+    def pop(self, key: Any, default: _Event | None = None) -> _Event | None:
+        item = self._d.pop(key, None)
+        return default if item is None else item[0]
+
+    def values(self) -> list[_Event]:
+        return [ev for k in list(self._d) if (ev := self._live(k)) is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+
+def _weak_storage(t: torch.Tensor) -> Any:
+    """A weak reference to the storage ``t`` lives in (``expired()`` once it is freed), or None."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(t.untyped_storage())
+    except Exception:  # no plain storage (wrapper subclasses): the entry is keyed by the tensor's id
+        return None
+
+
 def _has_inf_scalar(args: Iterable[Any]) -> bool:
     for a in args:
         if isinstance(a, float) and math.isinf(a):
@@ -320,7 +382,7 @@ class Tracer:
         self.nodes: dict[int, _NodeInfo] = {}
         self._node_refs: list[Any] = []  # keep nodes alive so their ids stay unique
         self._pending: list[tuple[torch.Tensor, _NodeInfo]] = []
-        self.taint: dict[Any, _Event] = {}
+        self.taint = _Taints()
         self.events: list[_Event] = []
         self.symptom: _Event | None = None
         self.symptom_text = ""
@@ -553,7 +615,7 @@ class Tracer:
                 ev = inf_root or nan_root or make(f.kind, explicit=True)
             else:  # Inf from finite inputs: an overflow, or an explicit +-inf constant (a mask)
                 ev = make(f.kind, explicit=explicit and not is_grad)
-            self.taint[key] = ev
+            self.taint.put(t, key, ev)
             if phase == Phase.OPTIMIZER.value:
                 origin = ev if not ev.explicit else make(f.kind)
                 self._set_symptom(origin, f"{f.kind} in the optimizer update, made by {op}")
@@ -634,7 +696,7 @@ class Tracer:
         )
         if root is not None:
             for t in tensor_leaves(out):
-                self.taint.setdefault(_storage_key(t), root)
+                self.taint.setdefault(t, _storage_key(t), root)
 
     def _set_symptom(self, ev: _Event, text: str) -> None:
         if self.symptom is None:

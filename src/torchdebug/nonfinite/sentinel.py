@@ -228,13 +228,19 @@ class Sentinel:
         unedited (their after-backward check stands), else []."""
         if not self.active or self.replaying or self.synced_at_backward or self.mon.transfer.synced:
             return []  # a manual-update loop, or after the step's transfer: the probe judges the clip
-        idx = []
+        idx: list[int] = []
         for p in params:
-            i = self._index.get(id(p))
+            i = self._index.get(id(p), -1)
             g = p.grad
-            seen = self.grad_seen.get(i) if i is not None else None
-            if seen is not None and seen[0] is g and seen[1] == g._version and local(g) is g:  # type: ignore[union-attr]
-                idx.append(i)  # type: ignore[arg-type]
+            seen = self.grad_seen.get(i)
+            if (
+                seen is not None
+                and g is not None
+                and seen[0] is g
+                and seen[1] == g._version
+                and local(g) is g
+            ):
+                idx.append(i)
         return idx
 
     def after_clip(self, idx: list[int], total: Any, max_norm: Any) -> None:

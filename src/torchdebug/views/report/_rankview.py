@@ -68,7 +68,7 @@ def render_ranks(ov: Mapping[str, Any] | None) -> str:
         parts.append(_table("rank-stragglers", ("rank", "step", "ratio", "message"), rows, {"step", "ratio"}))
     hangs = ov.get("hangs") or []
     if hangs:
-        rows = [
+        hang_rows: list[tuple[Any, ...]] = [
             (
                 h.get("rank"),
                 fmt_num(h.get("step")),
@@ -84,7 +84,7 @@ def render_ranks(ov: Mapping[str, Any] | None) -> str:
             _table(
                 "rank-hangs",
                 ("rank", "step", "phase", "last completed step", "where", "message"),
-                rows,
+                hang_rows,
                 {"step", "last completed step"},
             )
         )
