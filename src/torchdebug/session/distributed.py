@@ -1,13 +1,31 @@
 """Several ranks under watch(): rank and world size, the shared run folder, ranks that agree on a
 non-finite step, the rank where it was born, the hang watchdog and the straggler rule.
 
-Per step the coordinator adds ONE small collective to the step's existing transfer: a ``(4, world)``
-float32 tensor all-reduced with MAX, in which each rank fills its own column (non-finite flag,
-non-finite local gradients before DDP's all-reduce, busy time, data wait). It rides in the same
-host read as the sentinel's numbers, so every rank sees every rank's flags and times. Only when a
-flag is up (the rare path) do the ranks exchange more: a second tiny all-reduce of the exact
-verdicts, then the rank of birth replays the failing micro-step locally (no collectives: the wrapped
-module under ``no_sync``) and broadcasts the anomaly it found to the others.
+Per step the coordinator adds ONE small collective: a ``(3, world)`` float32 tensor all-reduced with
+MAX, in which each rank fills its own column (non-finite flag, busy time, data wait); it is read
+with the step's one host transfer, so every rank sees every rank's flags and times.
+
+Under DistributedDataParallel the collective is hidden: it is launched without waiting
+(``async_op=True``) at the start of the backward whose gradients DDP all-reduces (the forward ran
+through DDP with ``require_backward_grad_sync``), carrying the losses and ``no_sync`` micro-steps'
+flags known by then, and waited for at the step's transfer, when DDP's own all-reduce, queued after
+it, has already finished. DDP keeps its built-in C++ all-reduce (no communication hook). The
+gradient and parameter verdicts need no collective there: after DDP's all-reduce every rank holds
+the same gradients, and after the update the same parameters. Only the losses (and the timings)
+differ per rank, and they travel in the hidden all-reduce, so a NaN loss on one rank stops every
+rank even when its gradients stay finite.
+
+A step whose gradients did not all come out of DDP's all-reduce (FSDP2's shards, a process group
+without DDP, ``no_sync`` on the last micro-step, a loss whose backward began after the launch)
+instead all-reduces every local flag at the transfer, blocking, as the verdicts may differ per
+rank. Which path a step takes follows from the training code, so it is the same on every rank.
+
+Only when a flag is up (the rare path) do the ranks exchange more: a tiny blocking all-reduce of the
+exact verdicts (loss, gradients that never left the rank, gradients), then the rank of birth replays
+the failing micro-step locally (no collectives: the wrapped module under ``no_sync``) and broadcasts
+the anomaly it found. A NaN born in the backward of a micro-step DDP all-reduced is on every rank by
+then: every rank replays its own micro-step, and the ranks whose replay finds the origin (one more
+tiny all-reduce) are the ranks of birth.
 """
 
 from __future__ import annotations
@@ -169,32 +187,19 @@ def create_run_for(
     return create_run(root=root, name=name, config=config, rank=rank, world_size=world, path=shared)
 
 
-class _CommHook:
-    """A DDP communication hook: flags a bucket's local gradients before they are averaged.
+def _ddp_syncs_now(ddp: Any) -> bool:
+    """True inside a forward of ``ddp`` whose backward will all-reduce the gradients.
 
-    Registered once per DDP model (DDP has no way to remove one); between sessions it only forwards
-    to the default all-reduce. Cost per bucket: one float32 sum (a memory pass) on the device.
+    Read from the wrapped module's forward pre-hook: DDP's own forward sets
+    ``DistributedDataParallel._active_ddp_module`` around its call of the module, and
+    ``require_backward_grad_sync`` is False under ``no_sync()``. A call of the wrapped module that
+    bypasses DDP, DDP's Python reducer (compiled DDP) or a forward under ``no_sync`` answer False.
     """
+    from torch.nn.parallel import DistributedDataParallel
 
-    def __init__(self) -> None:
-        self.coord: Coordinator | None = None
-        self.fn = _hook_function(self)
-
-
-def _hook_function(box: _CommHook) -> Callable[..., Any]:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    # a plain function without annotations: DDP checks a hook's name and its annotations' types
-    def torchdebug_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
-        coord = box.coord
-        if coord is not None:
-            with contextlib.suppress(Exception):
-                # finite iff the bucket is (a float32 sum of finite values may overflow: rare false alarm)
-                coord._bucket_sums.append(bucket.buffer().sum(dtype=torch.float32))
-                coord._last_bucket = time.perf_counter()
-        return allreduce_hook(state, bucket)
-
-    return torchdebug_comm_hook
+    return DistributedDataParallel._active_ddp_module is ddp and bool(
+        getattr(ddp, "require_backward_grad_sync", False)
+    )
 
 
 class Coordinator:
@@ -202,6 +207,10 @@ class Coordinator:
 
     Lives in ``mon.instruments`` (so it gets the step protocol's calls) but is not an instrument of
     the config: the monitor creates it when ``world_size > 1`` or ``config.hang_timeout`` is set.
+
+    Reads of the monitor's per-step sentinel state (the whole list): ``mon._loss_vals``,
+    ``mon._micro_bad``, ``mon._deferred``, ``mon._values``, ``mon._grads_bad()``,
+    ``mon._build_anomaly()``.
     """
 
     name = "distributed"
@@ -209,8 +218,22 @@ class Coordinator:
     def __init__(self, mon: Any, rank: int, world: int, pg: bool, ddp: Any) -> None:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
         self.collective = pg and world > 1
-        self._bucket_sums: list[torch.Tensor] = []
-        self._last_bucket: float | None = None
+        # DDP over replicated parameters: after DDP's all-reduce every rank holds the same gradients,
+        # and after the update the same parameters, so their verdicts agree without a collective
+        self._ddp_fast = (
+            self.collective
+            and ddp is not None
+            and not is_sharded(mon.model)
+            and not getattr(ddp, "parameters_to_ignore", None)  # ignored parameters keep local gradients
+        )
+        self.collectives = {"hidden": 0, "blocking": 0, "rare": 0}  # counts, for tests and benchmarks
+        self._sync_pending = False  # a forward through DDP that will all-reduce its backward
+        self._micro_sync: list[bool] = []  # per micro-step (aligned with mon._micro_bad): all-reduced?
+        self._cur_sync = False
+        self._work: Any = None  # this step's hidden all-reduce, launched at the synced backward's start
+        self._vec: torch.Tensor | None = None
+        self._launched = (0, 0)  # (losses, micro-steps) known when it was launched
+        self._fast = False  # this step's vector came from the hidden all-reduce (DDP's agreement holds)
         self._reduced = False  # this step's vector went out (a second collect in the same step is empty)
         self._verdict: tuple[int, bool] | None = None  # (step, decision) of the exact round
         self._exact: list[list[float]] = []
@@ -225,13 +248,10 @@ class Coordinator:
         self._above = 0
         self._below = 0
         self._straggling: int | None = None
-        self._hook: _CommHook | None = None
         self._main = threading.get_ident()
         self._stop = threading.Event()
         self._hung = False
         self._thread: threading.Thread | None = None
-        if self.collective and ddp is not None:
-            self._install_comm_hook(mon, ddp)
         if is_sharded(mon.model) and mon.config.replay:
             # a replay re-runs the forward, whose all-gathers the other ranks would not join
             mon.config = mon.config.replace(replay=False)
@@ -241,70 +261,88 @@ class Coordinator:
             )
             self._thread.start()
 
-    # -- comm hook -----------------------------------------------------------------------------
-    def _install_comm_hook(self, mon: Any, ddp: Any) -> None:
-        hook = getattr(ddp, "_torchdebug_comm_hook", None)
-        if hook is None:
-            if getattr(ddp, "_comm_hooks", None):
-                mon._warn_once(
-                    "comm-hook",
-                    "torchdebug: this DDP model has its own communication hook; a NaN born in backward is "
-                    "named by the ranks whose gradients are non-finite after the all-reduce (all of them)",
-                )
-                return
-            hook = _CommHook()
-            try:
-                ddp.register_comm_hook(ddp.process_group, hook.fn)
-            except Exception as exc:
-                mon._warn_once(
-                    "comm-hook", f"torchdebug: cannot register the DDP communication hook ({exc!r})"
-                )
-                return
-            ddp._torchdebug_comm_hook = hook
-        hook.coord = self
-        self._hook = hook
-
     # -- the step protocol ----------------------------------------------------------------------
     def on_forward_start(self, mon: Any, module: Any, args: Any, kwargs: Any) -> None:
         if self._t_forward is None:
             self._t_forward = time.perf_counter()
         self._phase = "forward"
+        if self._ddp_fast and _ddp_syncs_now(self.ddp):
+            self._sync_pending = True
 
     def on_backward_start(self, mon: Any, loss: Any) -> None:
+        now = time.perf_counter()
         if self._t_backward is None:
-            self._t_backward = time.perf_counter()
+            self._t_backward = now
         self._phase = "backward"
+        self._cur_sync, self._sync_pending = self._sync_pending, False
+        if self._cur_sync and self._work is None and not self._reduced and self._live():
+            self._launch(mon, now)
+
+    def on_backward_end(self, mon: Any) -> None:
+        while len(self._micro_sync) < len(mon._micro_bad):
+            self._micro_sync.append(self._cur_sync)
+        self._cur_sync = False
 
     def before_optimizer_step(self, mon: Any) -> None:
         self._phase = "optimizer"
 
+    def _timings(self, now: float) -> tuple[float, float]:
+        """(busy, data wait) of this step so far: local work until the first backward began (a
+        backward's own compute is not told apart from waiting for the other ranks in DDP's
+        all-reduce), and the time before the first forward. Host clock: launch time on GPUs."""
+        t_fwd = self._t_forward if self._t_forward is not None else now
+        end = self._t_backward or now
+        return max(end - self._step_start, 0.0), max(t_fwd - self._step_start, 0.0)
+
+    def _vector(self, mon: Any, now: float) -> torch.Tensor:
+        """``(3, world)`` float32, this rank's column filled: non-finite flag (the losses, micro-step
+        gradients and deferred probes known now), busy seconds, data wait seconds."""
+        dev = self._device(mon)
+        flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon._loss_vals]
+        flags += [b.reshape(()) for b in mon._micro_bad]  # already flags (True: non-finite)
+        flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon._deferred.values()]
+        vec = torch.zeros(3, self.world, dtype=torch.float32, device=dev)
+        if flags:
+            vec[0, self.rank] = torch.stack([f.to(dev) for f in flags]).any().float()
+        vec[1, self.rank], vec[2, self.rank] = self._timings(now)
+        return vec
+
+    def _launch(self, mon: Any, now: float) -> None:
+        """Start this step's all-reduce without waiting: at the start of the backward whose gradients
+        DDP all-reduces, carrying the loss flags known by then. DDP's bucket all-reduces, queued
+        after it on the same process group, finish after it, so it is done when the step's transfer
+        waits for it."""
+        vec = self._vector(mon, now)
+        self._work = _dist().all_reduce(vec, op=_dist().ReduceOp.MAX, async_op=True)
+        self._vec = vec
+        self._launched = (len(mon._loss_vals), len(mon._micro_bad))
+        self.collectives["hidden"] += 1
+
     def collect(self, mon: Any) -> dict[str, torch.Tensor]:
-        """This step's vector, all-reduced (MAX): one collective, read with the step's one transfer."""
+        """This step's all-reduced vector, read with the step's one transfer.
+
+        Under DDP it is the one launched at the synced backward's start (waited for here; normally
+        finished). A blocking all-reduce of every local flag instead when the step's gradients did
+        not all come out of DDP's all-reduce, or a loss came after the launch (FSDP, a process group
+        without DDP, ``no_sync`` on the last micro-step, a second backward): the same on every rank.
+        """
         if self._reduced or not self.collective:
             return {}
         self._reduced = True
         self._phase = "optimizer"  # the step's check point: the optimizer's step pre-hook (or mon.step())
-        now = time.perf_counter()
-        t_fwd = self._t_forward if self._t_forward is not None else now
-        # busy: local work before waiting on the other ranks (until the last bucket was handed to the
-        # all-reduce, else until backward began); host clock, so on GPUs it is launch time
-        end = self._last_bucket or self._t_backward or now
-        busy = max(end - self._step_start, 0.0)
-        data = max(t_fwd - self._step_start, 0.0)
-        dev = self._device(mon)
-        flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon._loss_vals]
-        flags += [b.reshape(()) for b in mon._micro_bad]
-        flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon._deferred.values()]
-        vec = torch.zeros(4, self.world, dtype=torch.float32, device=dev)
-        if flags:
-            vec[0, self.rank] = torch.stack([f.to(dev) for f in flags]).any().float()
-        if self._bucket_sums:
-            pre = torch.stack([s.to(dev) for s in self._bucket_sums]).sum()
-            vec[1, self.rank] = torch.isfinite(pre).logical_not().float()
-        self._bucket_sums = []
-        vec[2, self.rank] = busy
-        vec[3, self.rank] = data
-        _dist().all_reduce(vec, op=_dist().ReduceOp.MAX)  # the step's one collective
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()  # launched during backward: DDP's all-reduce, queued after it, has finished
+            n_loss, n_micro = self._launched
+            if len(mon._loss_vals) == n_loss and all(self._micro_sync[n_micro:]):
+                self._fast = True
+                return {"_dist": self._vec}  # type: ignore[dict-item]
+        self._fast = False
+        if self._ddp_fast and self._t_forward is None and not mon._loss_vals and not mon._micro_bad:
+            return {}  # no step ran (the check at exit): only the parameter probe, the same on every rank
+        vec = self._vector(mon, time.perf_counter())
+        _dist().all_reduce(vec, op=_dist().ReduceOp.MAX)  # blocking: the verdicts may differ per rank
+        self.collectives["blocking"] += 1
         return {"_dist": vec}
 
     def _live(self) -> bool:
@@ -324,26 +362,26 @@ class Coordinator:
     def on_step_end(self, mon: Any, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)
-        if self.collective and self.rank == 0 and f"_dist#{2 * self.world}" in mon._values:
-            self._straggler_rule(mon, int(record.step), self._row(mon, 2))
+        if self.collective and self.rank == 0 and f"_dist#{self.world}" in mon._values:
+            self._straggler_rule(mon, int(record.step), self._row(mon, 1))
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
         self._hung = False
         self._phase = "data"
-        self._reduced = False
+        self._reduced = self._fast = self._sync_pending = self._cur_sync = False
+        self._work = self._vec = None  # a launch no transfer waited for (both ranks made it) completes alone
+        self._micro_sync = []
         self._verdict = None
         self._exact = []
         self._step_start = now
-        self._t_forward = self._t_backward = self._last_bucket = None
-        self._bucket_sums = []
+        self._t_forward = self._t_backward = None
 
     def on_exit(self, mon: Any) -> None:
         self.remove(mon)
 
     def remove(self, mon: Any) -> None:
         self._stop.set()
-        if self._hook is not None and self._hook.coord is self:
-            self._hook.coord = None
+        self._work = self._vec = None  # never waited for at exit: the other rank may have left
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
@@ -352,34 +390,46 @@ class Coordinator:
     def step_bad(self, mon: Any) -> bool:
         """The decision every rank takes for this step (the same on every rank).
 
-        The fast path reads only the all-reduced vector. When any rank raised a flag, the ranks
-        exchange their exact verdicts (loss, gradients confirmed, local gradients before DDP's
-        all-reduce) in a second small all-reduce, so a probe's false alarm on one rank cannot split them.
+        The fast path reads the all-reduced flags (every rank's loss) and, under DDP, this rank's
+        own gradient verdict (DDP made the gradients identical on every rank). When either is up,
+        the ranks exchange their exact verdicts in a second small all-reduce (the rare path), so a
+        probe's false alarm on one rank cannot split them; a non-finite loss on any rank then counts
+        as one on every rank (the GradScaler's "non-finite loss" rule sees the same answer).
         """
         if not self._live() or "_dist#0" not in mon._values:
             return bool(mon._grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
-        suspect = any(x > 0 for x in self._row(mon, 0) + self._row(mon, 1))
+        suspect = any(x > 0 for x in self._row(mon, 0)) or (self._fast and bool(mon._grads_bad()))
         if not suspect:
             return False
         v = mon._values
         loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
+        # gradients that never left this rank (micro-steps under no_sync): non-finite ones were born here
+        local = self.ddp is not None and any(
+            v.get(f"_mbad#{i}", 0.0) > 0 for i, synced in enumerate(self._micro_sync) if not synced
+        )
         mine = torch.zeros(3, self.world)
         mine[0, self.rank] = float(loss_bad)
-        mine[1, self.rank] = float(self._row(mon, 1)[self.rank] > 0)
+        mine[1, self.rank] = float(local)
         mine[2, self.rank] = float(mon._grads_bad())
         _dist().all_reduce(mine, op=_dist().ReduceOp.MAX)  # rare path: a flag is up somewhere
+        self.collectives["rare"] += 1
         self._exact = mine.tolist()
         decision = any(x > 0 for row in self._exact for x in row)
         self._verdict = (mon.global_step, decision)
+        if decision and not loss_bad:
+            for r, x in enumerate(self._exact[0]):
+                if x > 0:  # rank r's loss was non-finite: this rank's checks see it as its own
+                    v[f"_loss#rank{r}"] = math.nan
         return decision
 
     def births(self) -> list[int]:
-        """Ranks where the value was born: a non-finite loss (forward), else non-finite local
-        gradients before the all-reduce (backward), else every rank whose gradients are bad."""
-        loss, pre, grads = self._exact or [[0.0] * self.world] * 3
-        for row in (loss, pre, grads):
+        """Ranks where the value was born: a non-finite loss (forward), else non-finite gradients that
+        never left the rank (a micro-step under ``no_sync``), else every rank whose gradients are bad.
+        :meth:`anomaly` narrows the last case down by replaying on every rank."""
+        loss, local, grads = self._exact or [[0.0] * self.world] * 3
+        for row in (loss, local, grads):
             found = [r for r, x in enumerate(row) if x > 0]
             if found:
                 return found
@@ -387,16 +437,29 @@ class Coordinator:
 
     def anomaly(self, mon: Any) -> Anomaly:
         """Build this step's anomaly on every rank: the first rank of birth replays (locally, without
-        collectives) and broadcasts what it found; the others record that rank k found the origin."""
+        collectives) and broadcasts what it found; the others record that rank k found the origin.
+
+        A NaN born in the backward of a micro-step whose gradients DDP all-reduced is on every rank by
+        now: then every rank replays its own micro-step (in parallel, locally) and the ranks whose
+        replay finds the origin are the ranks of birth (one more tiny all-reduce). Cost, once per
+        session: one replay on each rank (two on a rank that finds nothing).
+        """
         if not self._live() or not self._exact:
             return mon._build_anomaly()
         births = self.births()
+        loss, local, grads = self._exact
+        mine: Anomaly | None = None
+        if self._ddp_fast and not any(loss) and not any(local) and any(grads):
+            mine = self._replay(mon)
+            found = torch.zeros(self.world)
+            found[self.rank] = float(mine.reproducible is True)
+            _dist().all_reduce(found, op=_dist().ReduceOp.MAX)  # rare path: whose replay found it
+            self.collectives["rare"] += 1
+            births = [r for r, x in enumerate(found.tolist()) if x > 0] or births
         src = births[0]
         payload: list[Any] = [None]
         if self.rank == src:
-            ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
-            with ctx:
-                a = mon._build_anomaly()
+            a = mine if mine is not None else self._replay(mon)
             payload[0] = a.to_dict()
         _dist().broadcast_object_list(payload, src=src)  # rare path: the anomaly travels once
         d = payload[0] or {}
@@ -423,7 +486,14 @@ class Coordinator:
             ),
             stack=tuple(d.get("stack") or ()),
             parameter=d.get("parameter"),
+            reproducible=d.get("reproducible"),
         )
+
+    def _replay(self, mon: Any) -> Anomaly:
+        """This rank's anomaly, replayed locally: the wrapped module under ``no_sync`` (no collective)."""
+        ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        with ctx:
+            return mon._build_anomaly()
 
     # -- stragglers -------------------------------------------------------------------------------
     def _straggler_rule(self, mon: Any, step: int, busy: list[float]) -> None:
