@@ -2,8 +2,9 @@
 non-finite step, the rank where it was born, the hang watchdog and the straggler rule.
 
 Per step the coordinator adds ONE small collective: a ``(3, world)`` float32 tensor all-reduced with
-MAX, in which each rank fills its own column (non-finite flag, busy time, data wait); it is read
-with the step's one host transfer, so every rank sees every rank's flags and times.
+SUM, in which each rank fills its own column (the sum of its losses and probes, non-finite iff one of
+them is; busy time; data wait); it is read with the step's one host transfer, so every rank sees
+every rank's flags and times.
 
 Under DistributedDataParallel the collective is hidden: it is launched without waiting
 (``async_op=True``) at the start of the backward whose gradients DDP all-reduces (the forward ran
@@ -218,6 +219,7 @@ class Coordinator:
     def __init__(self, mon: Any, rank: int, world: int, pg: bool, ddp: Any) -> None:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
         self.collective = pg and world > 1
+        self._dev = self._device() if self.collective else torch.device("cpu")  # where the vector lives
         # DDP over replicated parameters: after DDP's all-reduce every rank holds the same gradients,
         # and after the update the same parameters, so their verdicts agree without a collective
         self._ddp_fast = (
@@ -294,26 +296,51 @@ class Coordinator:
         end = self._t_backward or now
         return max(end - self._step_start, 0.0), max(t_fwd - self._step_start, 0.0)
 
-    def _vector(self, mon: Any, now: float) -> torch.Tensor:
-        """``(3, world)`` float32, this rank's column filled: non-finite flag (the losses, micro-step
-        gradients and deferred probes known now), busy seconds, data wait seconds."""
-        dev = self._device(mon)
-        flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon._loss_vals]
-        flags += [b.reshape(()) for b in mon._micro_bad]  # already flags (True: non-finite)
-        flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon._deferred.values()]
-        vec = torch.zeros(3, self.world, dtype=torch.float32, device=dev)
-        if flags:
-            vec[0, self.rank] = torch.stack([f.to(dev) for f in flags]).any().float()
-        vec[1, self.rank], vec[2, self.rank] = self._timings(now)
+    def _vector(self, mon: Any, now: float, probes: bool = True) -> torch.Tensor:
+        """``(3, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
+        losses, the micro-steps' gradient flags and (``probes``) the deferred probes known now
+        (non-finite iff one of them is, or, rarely, a float32 sum of finite values overflows: the
+        exact round then clears it), busy seconds, data wait seconds. A few small ops: it runs on
+        every step."""
+        busy, data = self._timings(now)
+        vals = [lv.detach().reshape(-1) for lv in mon._loss_vals]
+        if probes:
+            vals += [d.reshape(-1) for d in mon._deferred.values()]
+        vals += [torch.where(b, math.inf, 0.0).reshape(1) for b in mon._micro_bad]  # flags: True -> Inf
+        dev = self._dev
+        if dev.type == "cpu":
+            rows = [[0.0] * self.world for _ in range(3)]
+            rows[1][self.rank], rows[2][self.rank] = busy, data
+            vec = torch.tensor(rows, dtype=torch.float32)  # one op
+        else:  # fills on the device: no host-to-device copy that would wait for the queued work
+            vec = torch.zeros(3, self.world, dtype=torch.float32, device=dev)
+            vec[1, self.rank], vec[2, self.rank] = busy, data
+        if len(vals) == 1 and vals[0].numel() == 1:
+            vec[0, self.rank] = vals[0].reshape(())  # the common case: one scalar loss (one op)
+        elif vals:
+            vec[0, self.rank] = torch.cat([v.to(dev, torch.float32) for v in vals]).sum()
         return vec
+
+    def _all_reduce(self, vec: torch.Tensor, async_op: bool) -> Any:
+        """SUM all-reduce on the default group; with ``async_op`` the work handle, else after it ran.
+        The process group's own call: ``dist.all_reduce``'s checks cost more than the tiny collective."""
+        dist = _dist()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.asyncOp = async_op
+        work = dist.group.WORLD.allreduce([vec], opts)
+        if not async_op:
+            work.wait()
+        return work
 
     def _launch(self, mon: Any, now: float) -> None:
         """Start this step's all-reduce without waiting: at the start of the backward whose gradients
         DDP all-reduces, carrying the loss flags known by then. DDP's bucket all-reduces, queued
         after it on the same process group, finish after it, so it is done when the step's transfer
-        waits for it."""
-        vec = self._vector(mon, now)
-        self._work = _dist().all_reduce(vec, op=_dist().ReduceOp.MAX, async_op=True)
+        waits for it. The parameter probe stays home: after DDP's updates the parameters are the same
+        on every rank. The micro-steps' flags so far are those of ``no_sync`` micro-steps (local)."""
+        vec = self._vector(mon, now, probes=False)
+        self._work = self._all_reduce(vec, async_op=True)
         self._vec = vec
         self._launched = (len(mon._loss_vals), len(mon._micro_bad))
         self.collectives["hidden"] += 1
@@ -341,7 +368,7 @@ class Coordinator:
         if self._ddp_fast and self._t_forward is None and not mon._loss_vals and not mon._micro_bad:
             return {}  # no step ran (the check at exit): only the parameter probe, the same on every rank
         vec = self._vector(mon, time.perf_counter())
-        _dist().all_reduce(vec, op=_dist().ReduceOp.MAX)  # blocking: the verdicts may differ per rank
+        self._all_reduce(vec, async_op=False)  # blocking: the verdicts may differ per rank
         self.collectives["blocking"] += 1
         return {"_dist": vec}
 
@@ -349,7 +376,7 @@ class Coordinator:
         """Still taking part in the collectives (a coordinator switched off by an error is not)."""
         return self.collective and not self._stop.is_set()
 
-    def _device(self, mon: Any) -> torch.device:
+    def _device(self) -> torch.device:
         dist = _dist()
         if dist is not None and dist.get_backend() == "nccl" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
@@ -400,7 +427,9 @@ class Coordinator:
             return bool(mon._grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
-        suspect = any(x > 0 for x in self._row(mon, 0)) or (self._fast and bool(mon._grads_bad()))
+        suspect = any(not math.isfinite(x) for x in self._row(mon, 0)) or (
+            self._fast and bool(mon._grads_bad())
+        )
         if not suspect:
             return False
         v = mon._values
@@ -409,7 +438,7 @@ class Coordinator:
         local = self.ddp is not None and any(
             v.get(f"_mbad#{i}", 0.0) > 0 for i, synced in enumerate(self._micro_sync) if not synced
         )
-        mine = torch.zeros(3, self.world)
+        mine = torch.zeros(3, self.world, device=self._dev)  # NCCL reduces device tensors only
         mine[0, self.rank] = float(loss_bad)
         mine[1, self.rank] = float(local)
         mine[2, self.rank] = float(mon._grads_bad())
@@ -451,7 +480,7 @@ class Coordinator:
         mine: Anomaly | None = None
         if self._ddp_fast and not any(loss) and not any(local) and any(grads):
             mine = self._replay(mon)
-            found = torch.zeros(self.world)
+            found = torch.zeros(self.world, device=self._dev)
             found[self.rank] = float(mine.reproducible is True)
             _dist().all_reduce(found, op=_dist().ReduceOp.MAX)  # rare path: whose replay found it
             self.collectives["rare"] += 1
