@@ -426,7 +426,10 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
                             start = mon.global_step
                             t = run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu", mon=mon)
                         times[v] += t
-                        n = mon._coord.collectives if mon._coord is not None else {}
+                        coord = next(
+                            (i for i in mon.instruments if getattr(i, "name", "") == "distributed"), None
+                        )
+                        n = getattr(coord, "collectives", {})
                         hidden += n.get("hidden", 0)
                         blocking += n.get("blocking", 0) + n.get("rare", 0)
                         watched += len(t)
