@@ -89,11 +89,11 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                 for step in range(STEPS):
                     opt.zero_grad()
                     for micro in range(micro_steps):
-                        # gradient accumulation: every micro-step but the last keeps its gradients local
-                        last = micro == micro_steps - 1
+                        # gradient accumulation: every micro-step but one (the last) keeps its gradients local
+                        synced = micro == sc.get("synced_micro", micro_steps - 1)
                         ctx = (
                             model.no_sync()
-                            if not last and isinstance(model, DDP)
+                            if not synced and isinstance(model, DDP)
                             else contextlib.nullcontext()
                         )
                         with ctx:
@@ -154,6 +154,9 @@ SCENARIOS = {
     "accum_synced": {"micro_steps": 2, "poison": "backward", "bad_micro": 1},
     # ... or in a micro-step under no_sync, whose gradients never left rank 1
     "accum_local": {"micro_steps": 2, "poison": "backward", "bad_micro": 0},
+    # DDP all-reduces micro-step 0 and not micro-step 1 (its gradients stay local): the verdicts may
+    # differ, so every step falls back to the blocking all-reduce; rank 1's NaN is in micro-step 1
+    "last_local": {"micro_steps": 2, "synced_micro": 0, "poison": "backward", "bad_micro": 1},
     "loss_only": {"poison": "loss"},
     "loss_only_skip": {"poison": "loss", "config": {"policy": "skip"}},
     "scaler": {"poison": "forward", "scaler": True},
@@ -212,6 +215,14 @@ def test_backward_nan_in_a_no_sync_micro_step_on_rank1_is_named_without_replayin
     _stopped_at_7_naming_rank1(runs["accum_local"], "backward", "SqrtBackward0", SQRT_LINE, 0)
     for r in runs["accum_local"]:
         assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": 0, "rare": 1}
+
+
+@TIMEOUT
+def test_a_last_micro_step_under_no_sync_takes_the_blocking_all_reduce_and_names_rank1(runs):
+    _stopped_at_7_naming_rank1(runs["last_local"], "backward", "SqrtBackward0", SQRT_LINE, 1)
+    for r in runs["last_local"]:
+        # launched at micro-step 0 on every step, then not trusted: micro-step 1 never left the rank
+        assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": BAD_STEP + 1, "rare": 1}
 
 
 @TIMEOUT
