@@ -152,6 +152,12 @@ SCENARIOS = {
     "clean": {"micro_steps": 2},
     # rank 1's NaN is born in the backward of the micro-step DDP all-reduces (the last of 2)
     "accum_synced": {"micro_steps": 2, "poison": "backward", "bad_micro": 1},
+    "accum_synced_skip": {
+        "micro_steps": 2,
+        "poison": "backward",
+        "bad_micro": 1,
+        "config": {"policy": "skip"},
+    },
     # ... or in a micro-step under no_sync, whose gradients never left rank 1
     "accum_local": {"micro_steps": 2, "poison": "backward", "bad_micro": 0},
     # DDP all-reduces micro-step 0 and not micro-step 1 (its gradients stay local): the verdicts may
@@ -206,6 +212,20 @@ def test_backward_nan_in_the_synced_micro_step_on_rank1_is_named_rank1(runs):
     for r in runs["accum_synced"]:
         # steps 0-7 hidden; the rare path: the exact verdicts, then whose replay found the origin
         assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": 0, "rare": 2}
+
+
+@TIMEOUT
+def test_skip_after_every_rank_replayed_leaves_the_parameters_bitwise_equal(runs):
+    # the replays (one per rank, of different batches) restore each rank's gradients, then the
+    # update is dropped on both: the parameters after step 7 are bitwise equal and finite
+    r0, r1 = runs["accum_synced_skip"]
+    for r in (r0, r1):
+        assert "error" not in r and r["step"] == STEPS and r["skipped"] == 1
+        assert [(a["rank"], a["step"], a["op"]) for a in r["anomalies"]] == [(1, BAD_STEP, "SqrtBackward0")]
+    assert r0["params_after_bad"] == r1["params_after_bad"]
+    assert r0["params"] == r1["params"]
+    flat = [x for p in r0["params"] for x in torch.tensor(p).reshape(-1).tolist()]
+    assert all(abs(x) < 1e6 for x in flat)  # finite: the poisoned update never reached the weights
 
 
 @TIMEOUT
