@@ -86,6 +86,8 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
         try:
             with td.watch(model, opt, scaler=scaler, config=td.DebugConfig(**cfg)) as mon:
                 coord = next(i for i in mon.instruments if i.name == "distributed")
+                if rank == sc.get("break_replay_rank"):
+                    mon._build_anomaly = _replay_breaks  # fault injection: this rank's replay raises
                 for step in range(STEPS):
                     opt.zero_grad()
                     for micro in range(micro_steps):
@@ -125,6 +127,10 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     result["collectives"] = dict(coord.collectives)
     result["comm_hooks"] = len(getattr(model, "_comm_hooks", []))
     return result
+
+
+def _replay_breaks(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("replay broke")
 
 
 def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
@@ -168,6 +174,7 @@ SCENARIOS = {
     "scaler": {"poison": "forward", "scaler": True},
     "no_ddp": {"poison": "backward", "no_ddp": True},
     "own_hook": {"poison": "backward", "own_hook": True},
+    "replay_breaks_on_rank0": {"poison": "backward", "break_replay_rank": 0},
 }
 
 
@@ -301,4 +308,13 @@ def test_ddp_with_its_own_comm_hook_names_the_rank_of_birth_without_a_warning(ru
     _stopped_at_7_naming_rank1(runs["own_hook"], "backward", "SqrtBackward0", SQRT_LINE, None)
     for r in runs["own_hook"]:
         assert r["warnings"] == [] and r["comm_hooks"] == 1  # the user's hook only
+        assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": 0, "rare": 2}
+
+
+@TIMEOUT
+def test_a_replay_that_raises_on_one_rank_leaves_no_rank_waiting(runs):
+    # every rank replays a backward NaN DDP all-reduced; rank 0's replay raises: it still joins the
+    # all-reduce that says whose replay found the origin, and both ranks stop at step 7 naming rank 1
+    _stopped_at_7_naming_rank1(runs["replay_breaks_on_rank0"], "backward", "SqrtBackward0", SQRT_LINE, None)
+    for r in runs["replay_breaks_on_rank0"]:
         assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": 0, "rare": 2}

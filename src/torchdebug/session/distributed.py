@@ -498,7 +498,7 @@ class Coordinator:
             return _with(a, rank=src, symptom=_join(a.symptom, born))
         return Anomaly(
             phase=str(d.get("phase", "forward")),
-            module=str(d.get("module", "")),
+            module=d.get("module"),  # None: no origin traced
             op=d.get("op"),
             location=d.get("location"),
             kind=str(d.get("kind", "nan")),
@@ -519,10 +519,26 @@ class Coordinator:
         )
 
     def _replay(self, mon: Any) -> Anomaly:
-        """This rank's anomaly, replayed locally: the wrapped module under ``no_sync`` (no collective)."""
+        """This rank's anomaly, replayed locally: the wrapped module under ``no_sync`` (no collective).
+
+        Never raises: the other ranks wait in the collective that follows, so an error becomes the
+        anomaly's symptom instead."""
         ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
-        with ctx:
-            return mon._build_anomaly()
+        try:
+            with ctx:
+                return mon._build_anomaly()
+        except Exception as exc:
+            return Anomaly(
+                phase="backward",
+                module=None,
+                op=None,
+                location=None,
+                kind="nan",
+                step=mon.global_step,
+                rank=self.rank,
+                symptom=f"non-finite values in the step (building the anomaly failed: {exc!r})"[:300],
+                detected_by="sentinel",
+            )
 
     # -- stragglers -------------------------------------------------------------------------------
     def _straggler_rule(self, mon: Any, step: int, busy: list[float]) -> None:
