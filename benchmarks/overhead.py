@@ -15,17 +15,16 @@ framework alone against the same loop with ``TorchDebugCallback()`` (default wat
                                   [--lightning] [--transformers] [--ddp N] [--fsdp N]
 
 ``--ddp N``: the same workloads under DistributedDataParallel on N CPU processes (gloo, 127.0.0.1),
-each rank with its own batches and ``cpu_count // N`` threads. Variants: plain DDP (its own model
-copy, never watched), DDP with torchdebug's communication hook registered but no session active
-(``hook idle``), the default watch and the sentinel alone (both on that second copy). Rank 0's
-median step times are printed (DDP synchronises the ranks every step). ``copy bias`` is the second
-copy's time against the first's before the hook is registered (both plain DDP): the part of the
-ratios that is memory layout, not torchdebug.
+each rank with its own batches and ``cpu_count // N`` threads. Variants, interleaved on ONE DDP model
+(a session leaves nothing on it, so there is no copy bias): plain DDP, the default watch and the
+sentinel alone. Rank 0's median step times are printed (DDP synchronises the ranks every step).
+``collectives/step``: the coordinator's all-reduces per watched step on rank 0, hidden (launched
+during backward, waited for at the update) + blocking.
 
 ``--fsdp N``: the same under FSDP2 (``fully_shard`` on each GPT block, else each Linear/Conv2d, then
 the root; gloo on N CPU processes). Variants: plain FSDP2 on its own copy, never watched; the
-default watch and the sentinel alone on a second copy; ``copy bias`` as for ``--ddp`` (there is no
-communication hook under FSDP2, so no ``hook idle``).
+default watch and the sentinel alone on a second copy; ``copy bias`` the second copy's time against
+the first's, both plain FSDP2 (memory layout, not torchdebug).
 """
 
 from __future__ import annotations
@@ -387,7 +386,6 @@ def warnings_quiet() -> Any:
 
 
 def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    import copy
     import os
 
     import torch.distributed as dist
@@ -402,8 +400,8 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
                 f"threads, repeats {args.repeats} x {args.chunk} steps per variant, interleaved"
             )
             print(
-                f"{'workload':<8} {'ddp ms':>8} {'copy bias':>10} {'hook idle':>10} {'watch':>7} {'(ordinary':>10} "
-                f"{'detail)':>8} {'sentinel':>9}"
+                f"{'workload':<8} {'ddp ms':>8} {'watch':>7} {'(ordinary':>10} {'detail)':>8} {'sentinel':>9} "
+                f"{'collectives/step':>17}"
             )
         with tempfile.TemporaryDirectory() as tmp, warnings_quiet():
             writer = create_run(root=tmp, name=f"bench-rank{rank}")
@@ -413,47 +411,44 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
                 torch.manual_seed(1000 + rank)
                 batches = [make_batch() for _ in range(4)]
                 torch.manual_seed(0)
-                base = build()
-                plain, hooked = DDP(base), DDP(copy.deepcopy(base))
-                opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-                opt_h = torch.optim.AdamW(hooked.parameters(), lr=1e-4)
+                model = DDP(build())  # one model for every variant: a session leaves nothing on it
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 cfgs = {"watch": td.DebugConfig(), "sentinel": td.DebugConfig(mode="anomaly_detection")}
-                variants = ["plain", "hook_idle", "watch", "sentinel"]
+                variants = ["plain", "watch", "sentinel"]
                 times: dict[str, list[float]] = {v: [] for v in variants}
                 ordinary: list[float] = []
                 detail: list[float] = []
-                run_chunk(plain, opt_p, batches, loss_fn, 3, "cpu")
-                run_chunk(hooked, opt_h, batches, loss_fn, 3, "cpu")
-                bias_p: list[float] = []
-                bias_h: list[float] = []
-                for _ in range(args.repeats):  # both copies plain DDP: the layout bias between them
-                    bias_p += run_chunk(plain, opt_p, batches, loss_fn, args.chunk, "cpu")
-                    bias_h += run_chunk(hooked, opt_h, batches, loss_fn, args.chunk, "cpu")
-                # the first session registers the communication hook
-                with td.watch(hooked, opt_h, run=writer, config=cfgs["sentinel"]) as mon:
-                    run_chunk(hooked, opt_h, batches, loss_fn, 3, "cpu", mon=mon)
+                hidden = blocking = watched = 0
+                run_chunk(model, opt, batches, loss_fn, 3, "cpu")
+                with td.watch(model, opt, run=writer, config=cfgs["sentinel"]) as mon:  # first-use costs
+                    run_chunk(model, opt, batches, loss_fn, 3, "cpu", mon=mon)
                 for _ in range(args.repeats):
                     for v in variants:
-                        if v in cfgs:
-                            with td.watch(hooked, opt_h, run=writer, config=cfgs[v]) as mon:
-                                start = mon.global_step
-                                t = run_chunk(hooked, opt_h, batches, loss_fn, args.chunk, "cpu", mon=mon)
-                            if v == "watch":
-                                every = cfgs[v].detail_every
-                                for j, x in enumerate(t):
-                                    (detail if (start + j) % every == 0 else ordinary).append(x)
-                        else:
-                            model, opt = (plain, opt_p) if v == "plain" else (hooked, opt_h)
-                            t = run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu")
-                        times[v].extend(t)
+                        if v == "plain":
+                            times[v] += run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu")
+                            continue
+                        with td.watch(model, opt, run=writer, config=cfgs[v]) as mon:
+                            start = mon.global_step
+                            t = run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu", mon=mon)
+                        times[v] += t
+                        coord = next(
+                            (i for i in mon.instruments if getattr(i, "name", "") == "distributed"), None
+                        )
+                        n = getattr(coord, "collectives", {})
+                        hidden += n.get("hidden", 0)
+                        blocking += n.get("blocking", 0) + n.get("rare", 0)
+                        watched += len(t)
+                        if v == "watch":
+                            every = cfgs[v].detail_every
+                            for j, x in enumerate(t):
+                                (detail if (start + j) % every == 0 else ordinary).append(x)
                 med = {v: statistics.median(times[v]) for v in variants}
                 base_s = med["plain"]
                 if rank == 0:
                     print(
-                        f"{name:<8} {base_s * 1e3:>8.2f} {statistics.median(bias_h) / statistics.median(bias_p):>9.3f}x "
-                        f"{med['hook_idle'] / base_s:>9.3f}x "
-                        f"{med['watch'] / base_s:>6.3f}x {statistics.median(ordinary) / base_s:>9.3f}x "
-                        f"{statistics.median(detail) / base_s:>7.3f}x {med['sentinel'] / base_s:>8.3f}x",
+                        f"{name:<8} {base_s * 1e3:>8.2f} {med['watch'] / base_s:>6.3f}x "
+                        f"{statistics.median(ordinary) / base_s:>9.3f}x {statistics.median(detail) / base_s:>7.3f}x "
+                        f"{med['sentinel'] / base_s:>8.3f}x {hidden / watched:>8.2f} + {blocking / watched:.2f}",
                         flush=True,
                     )
             writer.close()

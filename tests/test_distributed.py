@@ -182,9 +182,10 @@ def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
 
 
 @TIMEOUT
-def test_backward_nan_on_rank1_is_caught_before_the_allreduce(runs):
+def test_backward_nan_on_rank1_is_named_rank1(runs):
     # x[3, 0] = 0 on rank 1 only: sqrt(0) = 0 is finite, its gradient 1 / (2 sqrt(0)) = inf is born in
-    # backward on rank 1; DDP's all-reduce then spreads it to rank 0's gradients in the same backward
+    # backward on rank 1; DDP's all-reduce then spreads it to rank 0's gradients in the same backward,
+    # so both ranks replay their own step and only rank 1's replay finds it
     r0, r1 = runs["backward"]
     for r in (r0, r1):
         assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP

@@ -1,14 +1,32 @@
 """Several ranks under watch(): rank and world size, the shared run folder, ranks that agree on a
 non-finite step, the rank where it was born, the hang watchdog and the straggler rule.
 
-Per step the coordinator adds ONE small collective to the step's existing transfer: a ``(5, world)``
-float32 tensor all-reduced with MAX, in which each rank fills its own column (non-finite flag,
-non-finite local gradients before DDP's all-reduce, busy time, data wait, and under FSDP2 the norm
-of the rank's gradient shards, from which every rank gets the global gradient norm). It rides in
-the same host read as the sentinel's numbers, so every rank sees every rank's flags and times. Only when a
-flag is up (the rare path) do the ranks exchange more: a second tiny all-reduce of the exact
-verdicts, then the rank of birth replays the failing micro-step locally (no collectives: the wrapped
-module under ``no_sync``) and broadcasts the anomaly it found to the others.
+Per step the coordinator adds ONE small collective: a ``(3, world)`` float32 tensor all-reduced with
+SUM, in which each rank fills its own column (the sum of its losses and probes, non-finite iff one of
+them is; busy time; data wait); it is read with the step's one host transfer, so every rank sees
+every rank's flags and times.
+
+Under DistributedDataParallel the collective is hidden: it is launched without waiting
+(``async_op=True``) at the start of the backward whose gradients DDP all-reduces (the forward ran
+through DDP with ``require_backward_grad_sync``), carrying the losses and ``no_sync`` micro-steps'
+flags known by then, and waited for at the step's transfer, when DDP's own all-reduce, queued after
+it, has already finished. DDP keeps its built-in C++ all-reduce (no communication hook). The
+gradient and parameter verdicts need no collective there: after DDP's all-reduce every rank holds
+the same gradients, and after the update the same parameters. Only the losses (and the timings)
+differ per rank, and they travel in the hidden all-reduce, so a NaN loss on one rank stops every
+rank even when its gradients stay finite.
+
+A step whose gradients did not all come out of DDP's all-reduce (FSDP2's shards, a process group
+without DDP, ``no_sync`` on the last micro-step, a loss whose backward began after the launch)
+instead all-reduces every local flag at the transfer, blocking, as the verdicts may differ per
+rank. Which path a step takes follows from the training code, so it is the same on every rank.
+
+Only when a flag is up (the rare path) do the ranks exchange more: a tiny blocking all-reduce of the
+exact verdicts (loss, gradients that never left the rank, gradients), then the rank of birth replays
+the failing micro-step locally (no collectives: the wrapped module under ``no_sync``) and broadcasts
+the anomaly it found. A NaN born in the backward of a micro-step DDP all-reduced is on every rank by
+then: every rank replays its own micro-step, and the ranks whose replay finds the origin (one more
+tiny all-reduce) are the ranks of birth.
 """
 
 from __future__ import annotations
@@ -38,8 +56,7 @@ _STRAGGLER_WINDOW = 20  # steps in the straggler rule's window
 _STRAGGLER_MIN = 5  # steps in the window before the rule may fire
 _STRAGGLER_PATIENCE = 5  # consecutive steps above (below) the factor that start (end) an episode
 _MAX_STACK = 40  # frames kept per thread in a hang record
-_ROWS = 5  # rows of the per-step vector: flag, pre-all-reduce flag, busy s, data wait s, shard grad norm
-_ROW_GRAD = 4  # FSDP2: each rank's weighted norm of its gradient shards (-inf: none; -1: NaN)
+_ROW_GRAD = 3  # FSDP2 only, a 4th row: each rank's weighted norm of its gradient shards (-1: none)
 
 
 def _dist() -> Any:
@@ -148,32 +165,19 @@ def create_run_for(
     return create_run(root=root, name=name, config=config, rank=rank, world_size=world, path=shared)
 
 
-class _CommHook:
-    """A DDP communication hook: flags a bucket's local gradients before they are averaged.
+def _ddp_syncs_now(ddp: Any) -> bool:
+    """True inside a forward of ``ddp`` whose backward will all-reduce the gradients.
 
-    Registered once per DDP model (DDP has no way to remove one); between sessions it only forwards
-    to the default all-reduce. Cost per bucket: one float32 sum (a memory pass) on the device.
+    Read from the wrapped module's forward pre-hook: DDP's own forward sets
+    ``DistributedDataParallel._active_ddp_module`` around its call of the module, and
+    ``require_backward_grad_sync`` is False under ``no_sync()``. A call of the wrapped module that
+    bypasses DDP, DDP's Python reducer (compiled DDP) or a forward under ``no_sync`` answer False.
     """
+    from torch.nn.parallel import DistributedDataParallel
 
-    def __init__(self) -> None:
-        self.coord: Coordinator | None = None
-        self.fn = _hook_function(self)
-
-
-def _hook_function(box: _CommHook) -> Callable[..., Any]:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    # a plain function without annotations: DDP checks a hook's name and its annotations' types
-    def torchdebug_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
-        coord = box.coord
-        if coord is not None:
-            with contextlib.suppress(Exception):
-                # finite iff the bucket is (a float32 sum of finite values may overflow: rare false alarm)
-                coord._bucket_sums.append(bucket.buffer().sum(dtype=torch.float32))
-                coord._last_bucket = time.perf_counter()
-        return allreduce_hook(state, bucket)
-
-    return torchdebug_comm_hook
+    return DistributedDataParallel._active_ddp_module is ddp and bool(
+        getattr(ddp, "require_backward_grad_sync", False)
+    )
 
 
 class Coordinator:
@@ -181,6 +185,10 @@ class Coordinator:
 
     Lives in ``mon.instruments`` (so it gets the step protocol's calls) but is not an instrument of
     the config: the monitor creates it when ``world_size > 1`` or ``config.hang_timeout`` is set.
+
+    Reads of the session's per-step state (the whole list): ``mon.transfer`` (``loss_vals``,
+    ``micro_bad``, ``values``; under FSDP2 ``norms``, ``norm_index``, ``norms_probe``) and
+    ``mon.sentinel`` (``deferred``, ``grads_bad()``, ``build_anomaly()``).
     """
 
     name = "distributed"
@@ -189,9 +197,27 @@ class Coordinator:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
         self.collective = pg and world > 1
         self.sharded = is_sharded(mon.model)  # FSDP2: gradient norms are reduced across ranks
+        self._rows = 4 if self.sharded else 3
         self._grad_weights: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._bucket_sums: list[torch.Tensor] = []
-        self._last_bucket: float | None = None
+        self._dev = self._device() if self.collective else torch.device("cpu")  # where the vector lives
+        # DDP over replicated parameters: after DDP's all-reduce every rank holds the same gradients,
+        # and after the update the same parameters, so their verdicts agree without a collective
+        self._ddp_fast = (
+            self.collective
+            and ddp is not None
+            and not self.sharded
+            and not getattr(ddp, "parameters_to_ignore", None)  # ignored parameters keep local gradients
+        )
+        self.collectives = {"hidden": 0, "blocking": 0, "rare": 0}  # counts, for tests and benchmarks
+        self._sync_pending = False  # a forward through DDP that will all-reduce its backward
+        self._micro_sync: list[
+            bool
+        ] = []  # per micro-step (aligned with mon.transfer.micro_bad): all-reduced?
+        self._cur_sync = False
+        self._work: Any = None  # this step's hidden all-reduce, launched at the synced backward's start
+        self._vec: torch.Tensor | None = None
+        self._launched = (0, 0)  # (losses, micro-steps) known when it was launched
+        self._fast = False  # this step's vector came from the hidden all-reduce (DDP's agreement holds)
         self._reduced = False  # this step's vector went out (a second collect in the same step is empty)
         self._verdict: tuple[int, bool] | None = None  # (step, decision) of the exact round
         self._exact: list[list[float]] = []
@@ -206,13 +232,10 @@ class Coordinator:
         self._above = 0
         self._below = 0
         self._straggling: int | None = None
-        self._hook: _CommHook | None = None
         self._main = threading.get_ident()
         self._stop = threading.Event()
         self._hung = False
         self._thread: threading.Thread | None = None
-        if self.collective and ddp is not None:
-            self._install_comm_hook(mon, ddp)
         if self.sharded and mon.config.replay:
             # a replay re-runs the forward, whose all-gathers the other ranks would not join
             mon.config = mon.config.replace(replay=False)
@@ -222,87 +245,83 @@ class Coordinator:
             )
             self._thread.start()
 
-    # -- comm hook -----------------------------------------------------------------------------
-    def _install_comm_hook(self, mon: Any, ddp: Any) -> None:
-        hook = getattr(ddp, "_torchdebug_comm_hook", None)
-        if hook is None:
-            if getattr(ddp, "_comm_hooks", None):
-                mon._warn_once(
-                    "comm-hook",
-                    "torchdebug: this DDP model has its own communication hook; a NaN born in backward is "
-                    "named by the ranks whose gradients are non-finite after the all-reduce (all of them)",
-                )
-                return
-            hook = _CommHook()
-            try:
-                ddp.register_comm_hook(ddp.process_group, hook.fn)
-            except Exception as exc:
-                mon._warn_once(
-                    "comm-hook", f"torchdebug: cannot register the DDP communication hook ({exc!r})"
-                )
-                return
-            ddp._torchdebug_comm_hook = hook
-        hook.coord = self
-        self._hook = hook
-
     # -- the step protocol ----------------------------------------------------------------------
     def on_forward_start(self, mon: Any, module: Any, args: Any, kwargs: Any) -> None:
         if self._t_forward is None:
             self._t_forward = time.perf_counter()
         self._phase = "forward"
+        if self._ddp_fast and _ddp_syncs_now(self.ddp):
+            self._sync_pending = True
 
     def on_backward_start(self, mon: Any, loss: Any) -> None:
+        now = time.perf_counter()
         if self._t_backward is None:
-            self._t_backward = time.perf_counter()
+            self._t_backward = now
         self._phase = "backward"
+        self._cur_sync, self._sync_pending = self._sync_pending, False
+        if self._cur_sync and self._work is None and not self._reduced and self._live():
+            self._launch(mon, now)
+
+    def on_backward_end(self, mon: Any) -> None:
+        while len(self._micro_sync) < len(mon.transfer.micro_bad):
+            self._micro_sync.append(self._cur_sync)
+        self._cur_sync = False
 
     def before_optimizer_step(self, mon: Any) -> None:
         self._phase = "optimizer"
 
-    def collect(self, mon: Any) -> dict[str, torch.Tensor]:
-        """This step's vector, all-reduced (MAX): one collective, read with the step's one transfer."""
-        if self._reduced or not self.collective:
-            return {}
-        self._reduced = True
-        self._phase = "optimizer"  # the step's check point: the optimizer's step pre-hook (or mon.step())
-        now = time.perf_counter()
+    def _timings(self, now: float) -> tuple[float, float]:
+        """(busy, data wait) of this step so far: local work until the first backward began (a
+        backward's own compute is not told apart from waiting for the other ranks in DDP's
+        all-reduce), and the time before the first forward. Host clock: launch time on GPUs."""
         t_fwd = self._t_forward if self._t_forward is not None else now
-        # busy: local work before waiting on the other ranks (until the last bucket was handed to the
-        # all-reduce, else until backward began); host clock, so on GPUs it is launch time
-        end = self._last_bucket or self._t_backward or now
-        busy = max(end - self._step_start, 0.0)
-        data = max(t_fwd - self._step_start, 0.0)
-        dev = self._device(mon)
-        flags = [torch.isfinite(lv.float().sum()).logical_not() for lv in mon.transfer.loss_vals]
-        flags += [b.reshape(()) for b in mon.transfer.micro_bad]
-        flags += [torch.isfinite(d.float().sum()).logical_not() for d in mon.sentinel.deferred.values()]
-        vec = torch.zeros(_ROWS, self.world, dtype=torch.float32, device=dev)
-        if flags:
-            vec[0, self.rank] = torch.stack([f.to(dev) for f in flags]).any().float()
-        if self._bucket_sums:
-            pre = torch.stack([s.to(dev) for s in self._bucket_sums]).sum()
-            vec[1, self.rank] = torch.isfinite(pre).logical_not().float()
-        self._bucket_sums = []
-        vec[2, self.rank] = busy
-        vec[3, self.rank] = data
-        vec[_ROW_GRAD] = -math.inf  # MAX keeps each rank's own entry
-        shard = self._shard_norm(mon) if self.sharded else None
-        if shard is not None:
-            vec[_ROW_GRAD, self.rank] = torch.where(torch.isnan(shard), -1.0, shard).to(dev)  # NaN: -1
-        _dist().all_reduce(vec, op=_dist().ReduceOp.MAX)  # the step's one collective
-        return {"_dist": vec}
+        end = self._t_backward or now
+        return max(end - self._step_start, 0.0), max(t_fwd - self._step_start, 0.0)
+
+    def _vector(self, mon: Any, now: float, probes: bool = True) -> torch.Tensor:
+        """``(3, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
+        losses, the micro-steps' gradient flags and (``probes``) the deferred probes known now
+        (non-finite iff one of them is, or, rarely, a float32 sum of finite values overflows: the
+        exact round then clears it), busy seconds, data wait seconds; under FSDP2 a 4th row, the
+        weighted norm of the rank's gradient shards. A few small ops: it runs on every step."""
+        busy, data = self._timings(now)
+        vals = [lv.detach().reshape(-1) for lv in mon.transfer.loss_vals]
+        if probes:
+            vals += [d.reshape(-1) for d in mon.sentinel.deferred.values()]
+        vals += [
+            torch.where(b, math.inf, 0.0).reshape(1) for b in mon.transfer.micro_bad
+        ]  # flags: True -> Inf
+        dev = self._dev
+        if dev.type == "cpu":
+            rows = [[0.0] * self.world for _ in range(self._rows)]
+            rows[1][self.rank], rows[2][self.rank] = busy, data
+            vec = torch.tensor(rows, dtype=torch.float32)  # one op
+        else:  # fills on the device: no host-to-device copy that would wait for the queued work
+            vec = torch.zeros(self._rows, self.world, dtype=torch.float32, device=dev)
+            vec[1, self.rank], vec[2, self.rank] = busy, data
+        if len(vals) == 1 and vals[0].numel() == 1:
+            vec[0, self.rank] = vals[0].reshape(())  # the common case: one scalar loss (one op)
+        elif vals:
+            vec[0, self.rank] = torch.cat([v.to(dev, torch.float32) for v in vals]).sum()
+        if self.sharded:
+            shard = self._shard_norm(mon)
+            vec[_ROW_GRAD, self.rank] = (
+                -1.0 if shard is None else shard.to(dev)
+            )  # SUM keeps a NaN in its column
+        return vec
 
     def _shard_norm(self, mon: Any) -> torch.Tensor | None:
         """This rank's share of the FSDP2 gradient norm, on the device: ``sqrt(sum_i w_i * n_i**2)``
-        over the per-parameter norms of the local shards the monitor already computed (no new pass over
-        the gradients), ``w_i`` = 1 / (ranks holding a copy of each element of parameter i), so that
-        summing the squares over all ranks gives the squared norm of the whole gradient, as
+        over the per-parameter norms of the local shards the session already computed (no new pass
+        over the gradients), ``w_i`` = 1 / (ranks holding a copy of each element of parameter i), so
+        that summing the squares over all ranks gives the squared norm of the whole gradient, as
         ``clip_grad_norm_`` computes it for DTensors. None when the step has no norms (sentinel-only
         mode measures finiteness, not norms)."""
-        norms = mon.transfer.norms
-        if norms is None or mon.transfer.norms_probe:
+        t = mon.transfer
+        norms = t.norms
+        if norms is None or t.norms_probe:
             return None
-        idx = tuple(mon.transfer.norm_index)
+        idx = tuple(t.norm_index)
         if self._grad_weights is None or self._grad_weights[0] != idx:
             w = [_copies(mon.params[i], self.world) ** -0.5 for i in idx]
             self._grad_weights = (idx, torch.tensor(w, dtype=torch.float32, device=norms.device))
@@ -311,7 +330,7 @@ class Coordinator:
     def global_grad_norm(self, mon: Any, local: float, scale: float = 1.0) -> float:
         """FSDP2: the norm of the whole gradient, from every rank's shard norm in this step's vector.
 
-        ``local`` is the monitor's norm of this rank's shards (returned as it is without sharding, on
+        ``local`` is the session's norm of this rank's shards (returned as it is without sharding, on
         one rank, or when a rank sent none); ``scale`` the loss scale the gradients carry (GradScaler).
         Read from the step's all-reduced vector: no extra collective and no extra host sync. NaN when
         any rank's shards hold a NaN, Inf when any holds an Inf.
@@ -322,17 +341,73 @@ class Coordinator:
         ):
             return local
         row = self._row(mon, _ROW_GRAD)
-        if any(x == -math.inf for x in row):
-            return local
         if any(x == -1.0 for x in row):
+            return local
+        if any(math.isnan(x) for x in row):
             return math.nan
         return math.sqrt(sum(x * x for x in row)) / (scale or 1.0)  # float64 on the host: no overflow
+
+    def _all_reduce(self, vec: torch.Tensor, async_op: bool) -> Any:
+        """SUM all-reduce on the default group; with ``async_op`` the work handle, else after it ran.
+        The process group's own call: ``dist.all_reduce``'s checks cost more than the tiny collective."""
+        dist = _dist()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.asyncOp = async_op
+        work = dist.group.WORLD.allreduce([vec], opts)
+        if not async_op:
+            work.wait()
+        return work
+
+    def _launch(self, mon: Any, now: float) -> None:
+        """Start this step's all-reduce without waiting: at the start of the backward whose gradients
+        DDP all-reduces, carrying the loss flags known by then. DDP's bucket all-reduces, queued
+        after it on the same process group, finish after it, so it is done when the step's transfer
+        waits for it. The parameter probe stays home: after DDP's updates the parameters are the same
+        on every rank. The micro-steps' flags so far are those of ``no_sync`` micro-steps (local)."""
+        vec = self._vector(mon, now, probes=False)
+        self._work = self._all_reduce(vec, async_op=True)
+        self._vec = vec
+        self._launched = (len(mon.transfer.loss_vals), len(mon.transfer.micro_bad))
+        self.collectives["hidden"] += 1
+
+    def collect(self, mon: Any) -> dict[str, torch.Tensor]:
+        """This step's all-reduced vector, read with the step's one transfer.
+
+        Under DDP it is the one launched at the synced backward's start (waited for here; normally
+        finished). A blocking all-reduce of every local flag instead when the step's gradients did
+        not all come out of DDP's all-reduce, or a loss came after the launch (FSDP, a process group
+        without DDP, ``no_sync`` on the last micro-step, a second backward): the same on every rank.
+        """
+        if self._reduced or not self.collective:
+            return {}
+        self._reduced = True
+        self._phase = "optimizer"  # the step's check point: the optimizer's step pre-hook (or mon.step())
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()  # launched during backward: DDP's all-reduce, queued after it, has finished
+            n_loss, n_micro = self._launched
+            if len(mon.transfer.loss_vals) == n_loss and all(self._micro_sync[n_micro:]):
+                self._fast = True
+                return {"_dist": self._vec}  # type: ignore[dict-item]
+        self._fast = False
+        if (
+            self._ddp_fast
+            and self._t_forward is None
+            and not mon.transfer.loss_vals
+            and not mon.transfer.micro_bad
+        ):
+            return {}  # no step ran (the check at exit): only the parameter probe, the same on every rank
+        vec = self._vector(mon, time.perf_counter())
+        self._all_reduce(vec, async_op=False)  # blocking: the verdicts may differ per rank
+        self.collectives["blocking"] += 1
+        return {"_dist": vec}
 
     def _live(self) -> bool:
         """Still taking part in the collectives (a coordinator switched off by an error is not)."""
         return self.collective and not self._stop.is_set()
 
-    def _device(self, mon: Any) -> torch.device:
+    def _device(self) -> torch.device:
         dist = _dist()
         if dist is not None and dist.get_backend() == "nccl" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
@@ -345,26 +420,26 @@ class Coordinator:
     def on_step_end(self, mon: Any, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)
-        if self.collective and self.rank == 0 and f"_dist#{2 * self.world}" in mon.transfer.values:
-            self._straggler_rule(mon, int(record.step), self._row(mon, 2))
+        if self.collective and self.rank == 0 and f"_dist#{self.world}" in mon.transfer.values:
+            self._straggler_rule(mon, int(record.step), self._row(mon, 1))
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
         self._hung = False
         self._phase = "data"
-        self._reduced = False
+        self._reduced = self._fast = self._sync_pending = self._cur_sync = False
+        self._work = self._vec = None  # a launch no transfer waited for (both ranks made it) completes alone
+        self._micro_sync = []
         self._verdict = None
         self._exact = []
         self._step_start = now
-        self._t_forward = self._t_backward = self._last_bucket = None
-        self._bucket_sums = []
+        self._t_forward = self._t_backward = None
 
     def on_exit(self, mon: Any) -> None:
         self.remove(mon)
 
     def remove(self, mon: Any) -> None:
         self._stop.set()
-        if self._hook is not None and self._hook.coord is self:
-            self._hook.coord = None
+        self._work = self._vec = None  # never waited for at exit: the other rank may have left
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
@@ -373,34 +448,48 @@ class Coordinator:
     def step_bad(self, mon: Any) -> bool:
         """The decision every rank takes for this step (the same on every rank).
 
-        The fast path reads only the all-reduced vector. When any rank raised a flag, the ranks
-        exchange their exact verdicts (loss, gradients confirmed, local gradients before DDP's
-        all-reduce) in a second small all-reduce, so a probe's false alarm on one rank cannot split them.
+        The fast path reads the all-reduced flags (every rank's loss) and, under DDP, this rank's
+        own gradient verdict (DDP made the gradients identical on every rank). When either is up,
+        the ranks exchange their exact verdicts in a second small all-reduce (the rare path), so a
+        probe's false alarm on one rank cannot split them; a non-finite loss on any rank then counts
+        as one on every rank (the GradScaler's "non-finite loss" rule sees the same answer).
         """
         if not self._live() or "_dist#0" not in mon.transfer.values:
             return bool(mon.sentinel.grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
-        suspect = any(x > 0 for x in self._row(mon, 0) + self._row(mon, 1))
+        suspect = any(not math.isfinite(x) for x in self._row(mon, 0)) or (
+            self._fast and bool(mon.sentinel.grads_bad())
+        )
         if not suspect:
             return False
         v = mon.transfer.values
         loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
-        mine = torch.zeros(3, self.world)
+        # gradients that never left this rank (micro-steps under no_sync): non-finite ones were born here
+        local = self.ddp is not None and any(
+            v.get(f"_mbad#{i}", 0.0) > 0 for i, synced in enumerate(self._micro_sync) if not synced
+        )
+        mine = torch.zeros(3, self.world, device=self._dev)  # NCCL reduces device tensors only
         mine[0, self.rank] = float(loss_bad)
-        mine[1, self.rank] = float(self._row(mon, 1)[self.rank] > 0)
+        mine[1, self.rank] = float(local)
         mine[2, self.rank] = float(mon.sentinel.grads_bad())
         _dist().all_reduce(mine, op=_dist().ReduceOp.MAX)  # rare path: a flag is up somewhere
+        self.collectives["rare"] += 1
         self._exact = mine.tolist()
         decision = any(x > 0 for row in self._exact for x in row)
         self._verdict = (mon.global_step, decision)
+        if decision and not loss_bad:
+            for r, x in enumerate(self._exact[0]):
+                if x > 0:  # rank r's loss was non-finite: this rank's checks see it as its own
+                    v[f"_loss#rank{r}"] = math.nan
         return decision
 
     def births(self) -> list[int]:
-        """Ranks where the value was born: a non-finite loss (forward), else non-finite local
-        gradients before the all-reduce (backward), else every rank whose gradients are bad."""
-        loss, pre, grads = self._exact or [[0.0] * self.world] * 3
-        for row in (loss, pre, grads):
+        """Ranks where the value was born: a non-finite loss (forward), else non-finite gradients that
+        never left the rank (a micro-step under ``no_sync``), else every rank whose gradients are bad.
+        :meth:`anomaly` narrows the last case down by replaying on every rank."""
+        loss, local, grads = self._exact or [[0.0] * self.world] * 3
+        for row in (loss, local, grads):
             found = [r for r, x in enumerate(row) if x > 0]
             if found:
                 return found
@@ -408,16 +497,29 @@ class Coordinator:
 
     def anomaly(self, mon: Any) -> Anomaly:
         """Build this step's anomaly on every rank: the first rank of birth replays (locally, without
-        collectives) and broadcasts what it found; the others record that rank k found the origin."""
+        collectives) and broadcasts what it found; the others record that rank k found the origin.
+
+        A NaN born in the backward of a micro-step whose gradients DDP all-reduced is on every rank by
+        now: then every rank replays its own micro-step (in parallel, locally) and the ranks whose
+        replay finds the origin are the ranks of birth (one more tiny all-reduce). Cost, once per
+        session: one replay on each rank (two on a rank that finds nothing).
+        """
         if not self._live() or not self._exact:
             return mon.sentinel.build_anomaly()
         births = self.births()
+        loss, local, grads = self._exact
+        mine: Anomaly | None = None
+        if self._ddp_fast and not any(loss) and not any(local) and any(grads):
+            mine = self._replay(mon)
+            found = torch.zeros(self.world, device=self._dev)
+            found[self.rank] = float(mine.reproducible is True)
+            _dist().all_reduce(found, op=_dist().ReduceOp.MAX)  # rare path: whose replay found it
+            self.collectives["rare"] += 1
+            births = [r for r, x in enumerate(found.tolist()) if x > 0] or births
         src = births[0]
         payload: list[Any] = [None]
         if self.rank == src:
-            ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
-            with ctx:
-                a = mon.sentinel.build_anomaly()
+            a = mine if mine is not None else self._replay(mon)
             payload[0] = a.to_dict()
         _dist().broadcast_object_list(payload, src=src)  # rare path: the anomaly travels once
         d = payload[0] or {}
@@ -427,7 +529,7 @@ class Coordinator:
             return _with(a, rank=src, world_size=self.world, symptom=_join(a.symptom, born))
         return Anomaly(
             phase=str(d.get("phase", "forward")),
-            module=None if "module" in d and d["module"] is None else str(d.get("module", "")),
+            module=d.get("module"),  # None: no origin traced
             op=d.get("op"),
             location=d.get("location"),
             kind=str(d.get("kind", "nan")),
@@ -445,8 +547,30 @@ class Coordinator:
             ),
             stack=tuple(d.get("stack") or ()),
             parameter=d.get("parameter"),
-            reproducible=d.get("reproducible"),  # the summary is the same on every rank
+            reproducible=d.get("reproducible"),
         )
+
+    def _replay(self, mon: Any) -> Anomaly:
+        """This rank's anomaly, replayed locally: the wrapped module under ``no_sync`` (no collective).
+
+        Never raises: the other ranks wait in the collective that follows, so an error becomes the
+        anomaly's symptom instead."""
+        ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        try:
+            with ctx:
+                return mon.sentinel.build_anomaly()
+        except Exception as exc:
+            return Anomaly(
+                phase="backward",
+                module=None,
+                op=None,
+                location=None,
+                kind="nan",
+                step=mon.global_step,
+                rank=self.rank,
+                symptom=f"non-finite values in the step (building the anomaly failed: {exc!r})"[:300],
+                detected_by="sentinel",
+            )
 
     # -- stragglers -------------------------------------------------------------------------------
     def _straggler_rule(self, mon: Any, step: int, busy: list[float]) -> None:
