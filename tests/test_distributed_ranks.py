@@ -41,7 +41,7 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
         model = net
     else:
         model = DDP(net)
-    norms: dict[str, list[float]] = {"total": [], "host": [], "shard": []}
+    norms: dict[str, list] = {"total": [], "host": [], "shard": [], "per": [], "host_per": []}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = {"run_dir": str(out / "runs" / name), **sc.get("config", {})}
     with warnings.catch_warnings(record=True) as caught:
@@ -69,6 +69,9 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                         norms["shard"].append(
                             float(torch.cat([g.to_local().reshape(-1) for g in grads]).norm())
                         )
+                        # each parameter's whole gradient (a collective) against what the rules read
+                        norms["per"].append([float(g.full_tensor().norm()) for g in grads])
+                        norms["host_per"].append(list(mon.grad_norms_host))
         except td.NonFiniteError as e:
             result["error"] = str(e)
             result["summary"] = e.anomaly.summary()
@@ -331,6 +334,9 @@ def test_fsdp2_grad_norm_is_the_norm_of_the_whole_gradient_on_every_rank(runs):
         assert r["norms"]["host"] == pytest.approx(ref, rel=1e-5)  # what the health rules see
         # the rank's shard alone is smaller: the test would fail on the old local norm
         assert all(s < t * 0.999 for s, t in zip(r["norms"]["shard"], ref, strict=True))
+        # per parameter too (the vanishing rule's per-layer norms, grad_norm/<param> on detail steps)
+        for host, whole in zip(r["norms"]["host_per"], r["norms"]["per"], strict=True):
+            assert len(host) == 5 and host == pytest.approx(whole, rel=1e-5)  # feat.w, fc1, fc2
 
     # by hand, step 0: the same Net (seed 0) without FSDP on both ranks' batches; FSDP2 averages the
     # ranks' gradients (reduce-scatter with mean), which is the gradient of the mean of the two losses

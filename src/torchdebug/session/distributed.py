@@ -308,6 +308,14 @@ class Coordinator:
             vec[_ROW_GRAD, self.rank] = (
                 -1.0 if shard is None else shard.to(dev)
             )  # SUM keeps a NaN in its column
+            # then one entry per parameter: this rank's weighted squared shard norm; the SUM over the
+            # ranks is that parameter's squared global norm (the same length on every rank)
+            per = torch.zeros(len(mon.params), dtype=torch.float32, device=dev)
+            if shard is not None and self._grad_weights is not None:
+                idx, w = self._grad_weights
+                norms = mon.transfer.norms
+                per[list(idx)] = (norms.float() * w).square().to(dev)  # type: ignore[union-attr]
+            vec = torch.cat([vec.reshape(-1), per])
         return vec
 
     def _shard_norm(self, mon: Any) -> torch.Tensor | None:
@@ -346,6 +354,24 @@ class Coordinator:
         if any(math.isnan(x) for x in row):
             return math.nan
         return math.sqrt(sum(x * x for x in row)) / (scale or 1.0)  # float64 on the host: no overflow
+
+    def global_grad_norms(
+        self, mon: Any, local: list[float] | None, scale: float = 1.0
+    ) -> list[float] | None:
+        """FSDP2: each parameter's gradient norm over the whole parameter, not this rank's shard, from
+        the per-parameter entries of this step's vector (no extra collective or host sync); ``local``
+        (in the order of ``mon.params``) as it is when the step sent none."""
+        base = self._rows * self.world
+        v = mon.transfer.values
+        if local is None or not (self.sharded and self._live()) or f"_dist#{base}" not in v:
+            return local
+        if any(x == -1.0 for x in self._row(mon, _ROW_GRAD)):
+            return local
+        out = list(local)
+        for i in mon.transfer.norm_index:
+            sq = v.get(f"_dist#{base + i}", math.nan)
+            out[i] = math.sqrt(sq) / (scale or 1.0) if sq >= 0 or math.isnan(sq) else math.nan
+        return out
 
     def _all_reduce(self, vec: torch.Tensor, async_op: bool) -> Any:
         """SUM all-reduce on the default group; with ``async_op`` the work handle, else after it ran.

@@ -301,6 +301,7 @@ class Monitor:
             scale = (values.get("_scale") if scaled else None) or 1.0
             values["grad_norm"] = self._coord.global_grad_norm(self, values["grad_norm"], scale)
             self.transfer.grad_norm = values["grad_norm"]
+            self.transfer.grad_norms = self._coord.global_grad_norms(self, self.transfer.grad_norms, scale)
         self.sentinel.read_deferred(values)  # the last update's parameter probe (may raise)
 
     def _collect(self) -> Items:
