@@ -71,6 +71,30 @@ def test_model_compile_in_place_makes_the_same_graphs_under_watch(level: str) ->
     assert watched == plain
 
 
+def test_flop_counting_leaves_a_compiled_model_compiled() -> None:
+    # counting the first step runs it under a dispatch mode, and a frame Dynamo first meets under one
+    # is skipped for good: before the fix the model ran uncompiled for the whole run ([] graphs)
+    from torch._dynamo.utils import counters
+
+    def graphs(watched: bool) -> tuple[list[int], int, td.Monitor | None]:
+        torch._dynamo.reset()
+        counters.clear()
+        seen: list[int] = []
+        torch.manual_seed(0)
+        model = fx.MLP()
+        model.compile(backend=_counting_backend(seen))
+        mon = _train(model, watched, steps=4, run=False, config=td.DebugConfig(flops=True))
+        return seen, sum(counters["graph_break"].values()), mon
+
+    plain, watched = graphs(False), graphs(True)
+    assert watched[:2] == plain[:2] == ([9], 0)
+    mon = watched[2]
+    assert mon is not None
+    assert [(e.kind, e.step, e.severity) for e in mon.events if e.kind.startswith("flops")] == [
+        ("flops_not_counted", 0, "info")
+    ]
+
+
 def test_model_compile_hooks_are_restored_and_the_copy_is_clean() -> None:
     model = fx.MLP()
     model.compile(backend="eager")
