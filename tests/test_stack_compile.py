@@ -71,6 +71,28 @@ def test_model_compile_in_place_makes_the_same_graphs_under_watch(level: str) ->
     assert watched == plain
 
 
+@pytest.mark.parametrize("level", ["advanced", "expert"])
+def test_deep_levels_leave_a_compiled_model_one_graph(level: str) -> None:
+    # per-module instruments stand down for a compiled model: their hooks see nothing inside it, and
+    # adding or removing them per step made Dynamo recompile (4 graphs in 4 steps at expert before)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    seen: list[int] = []
+    torch.manual_seed(0)
+    model = fx.MLP()
+    model.compile(backend=_counting_backend(seen))
+    mon = _train(model, True, steps=12, run=False, config=td.DebugConfig(level=level))
+    assert (seen, sum(counters["graph_break"].values())) == ([9], 0)
+    assert mon is not None
+    said = sorted((e.kind, e.step) for e in mon.events if e.kind.endswith(("_not_measured", "_not_counted")))
+    expected = [("flops_not_counted", 0), ("module_memory_not_measured", 0)]
+    if level == "expert":
+        expected.append(("module_time_not_measured", 1))  # it measures steps 1-3 (step 0 is warm-up)
+    assert said == sorted(expected)
+
+
 def test_flop_counting_leaves_a_compiled_model_compiled() -> None:
     # counting the first step runs it under a dispatch mode, and a frame Dynamo first meets under one
     # is skipped for good: before the fix the model ran uncompiled for the whole run ([] graphs)

@@ -290,6 +290,21 @@ LOSS_PLATEAU = "loss_plateau"
 LOSS_KINDS = frozenset({LOSS_SPIKE, LOSS_PLATEAU})
 
 
+def not_under_compile(kind: str, step: int, what: str, instead: str) -> RuleEvent:
+    """The info event of a per-module instrument that stands down for a ``torch.compile``d model.
+
+    Its hooks would see nothing inside the compiled region, and adding or removing them changes what
+    Dynamo guards on (a recompile each time, or, for a dispatch mode, no compilation at all).
+    """
+    return RuleEvent(
+        kind,
+        step,
+        f"{what} not measured: the model runs under torch.compile, where per-module hooks see nothing "
+        f"and would make Dynamo recompile it; {instead}",
+        "info",
+    )
+
+
 def rule_counts(kinds: Iterable[str]) -> tuple[int, int, int]:
     """(gradient explosions, gradient vanishing, loss anomalies) among rule-event kinds.
 

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from .._frames import user_location
 from .._trees import tensor_leaves
-from ..events import RuleEvent, module_label
+from ..events import RuleEvent, module_label, not_under_compile
 from .analysis import (
     LiveTensor,
     ModuleMemoryTable,
@@ -836,6 +836,17 @@ class ModuleMemoryInstrument:
             return
         if not self._measuring:
             if not mon.due(int(getattr(mon.config, "memory_every", 50))):
+                return
+            if getattr(mon, "compiled", False):
+                self._tracker = None  # stands down for the session, said once
+                mon.emit(
+                    not_under_compile(
+                        "module_memory_not_measured",
+                        mon.global_step,
+                        "per-module memory",
+                        "use td.measure_module_memory on the eager model",
+                    )
+                )
                 return
             self._measuring = True
             self._best = None

@@ -16,7 +16,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from .._trees import tensor_leaves
-from ..events import RuleEvent, module_label
+from ..events import RuleEvent, module_label, not_under_compile
 from ..memory.analysis import called_by_torchdebug
 from ._gradhooks import make_tracker_safe
 
@@ -365,16 +365,6 @@ def count_flops(
     return session.report()
 
 
-def _compiled(mon: Any) -> bool:
-    """The session's model runs under ``torch.compile`` (a wrapper, or ``model.compile()`` in place)."""
-    called = getattr(mon, "_called", None)
-    if called is None:
-        return False
-    return (
-        type(called).__name__ == "OptimizedModule" or called.__dict__.get("_compiled_call_impl") is not None
-    )
-
-
 class FlopsInstrument:
     """Counts the FLOPs of one step (the first after install) per module, lists uncounted ops, reports MFU.
 
@@ -418,18 +408,16 @@ class FlopsInstrument:
         s = self._session
         if s is None or self._state not in ("waiting", "counting") or s.active:
             return
-        if self._state == "waiting" and _compiled(mon):
+        if self._state == "waiting" and getattr(mon, "compiled", False):
             # A forward that Dynamo first meets under a dispatch mode is marked "skip" for good: the
             # counted step would leave the model uncompiled for the whole run. Not counted, said once.
             self._state = "done"
             mon.emit(
-                RuleEvent(
+                not_under_compile(
                     "flops_not_counted",
                     mon.global_step,
-                    "FLOPs not counted: the model runs under torch.compile, and counting its first step "
-                    "would make Dynamo leave it uncompiled for the whole run; count them on the eager "
-                    "model with td.count_flops(model, ...)",
-                    "info",
+                    "FLOPs",
+                    "count them on the eager model with td.count_flops",
                 )
             )
             return

@@ -49,7 +49,10 @@ class ProfilerInstrument:
             self._trace.update(path=str(final), bytes=final.stat().st_size, note=note)
 
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(_ModuleRanges(mon.model))
+        if not getattr(mon, "compiled", False):
+            # per-module ranges: under torch.compile the hooks see nothing and their removal after the
+            # window would make Dynamo recompile; the profiler itself still records the compiled ops
+            self._stack.enter_context(_ModuleRanges(mon.model))
         self._prof = self._stack.enter_context(
             torch.profiler.profile(
                 activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),

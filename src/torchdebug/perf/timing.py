@@ -13,7 +13,7 @@ from torch import nn
 
 from .._robust import RunningMedian
 from .._trees import tensor_leaves
-from ..events import RuleEvent, module_label
+from ..events import RuleEvent, module_label, not_under_compile
 from ._gradhooks import when_all_grads
 
 PHASES = ("data", "forward", "backward", "optimizer", "other", "step")
@@ -665,6 +665,14 @@ class ModuleTimeInstrument:
         step = mon.global_step
         t = self._timer
         if t is None or t.active or not (self.skip <= step < self.skip + self.steps):
+            return
+        if getattr(mon, "compiled", False):
+            self._timer = None  # stands down for the session, said once
+            mon.emit(
+                not_under_compile(
+                    "module_time_not_measured", step, "per-module time", "use td.profile on the eager model"
+                )
+            )
             return
         t.start()
         # the root's pre-hook was registered during its own call, too late to fire for it

@@ -380,6 +380,16 @@ class Monitor:
         """The last read per-parameter gradient norms, in the order of ``params``, or None."""
         return self.transfer.grad_norms
 
+    @property
+    def compiled(self) -> bool:
+        """True while the model runs under ``torch.compile`` (a wrapper, or ``model.compile()`` in
+        place): per-module instruments stand down (their hooks would see nothing inside it)."""
+        called = self._called
+        return (
+            type(called).__name__ == "OptimizedModule"
+            or called.__dict__.get("_compiled_call_impl") is not None
+        )
+
     def accepts_backward(self) -> bool:
         return not self.replaying and not self._closed
 
