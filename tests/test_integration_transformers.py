@@ -305,3 +305,25 @@ def test_missing_framework_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "torchdebug.integrations.transformers")
     with pytest.raises(ImportError, match=r"pip install 'torchdebug\[transformers\]'"):
         importlib.import_module("torchdebug.integrations.transformers")
+
+
+def test_bf16_autocast_on_cpu_clean_and_fault_named(tmp_path):
+    # accelerate's bf16 mixed precision (autocast on CPU): a clean run warns nothing and records every
+    # step; the all-padding row is still named at the softmax (the replay restores the autocast state)
+    model = TinyLM()
+    dtypes = set()
+    model.head.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cb = TorchDebugCallback(run=tmp_path / "runs")
+        train(tmp_path / "clean", cb, model=model, bf16=True)
+    assert dtypes == {torch.bfloat16}  # the forward really ran under bf16 autocast
+    assert [r.step for r in cb.monitor.records] == [0, 1, 2, 3, 4]
+    assert all(r.anomaly is None and math.isfinite(r.loss) for r in cb.monitor.records)
+    cb = TorchDebugCallback(run=tmp_path / "runs")
+    with pytest.raises(td.NonFiniteError) as ei:
+        train(tmp_path / "fault", cb, fault="mask", bf16=True)
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.module, a.op) == (BAD, "forward", "attn", "aten._softmax")
+    assert a.location == origin_line("softmax", __file__)
+    assert_clean_exit()
