@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 import traceback
 import warnings
@@ -21,35 +20,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
+from tests.test_distributed import SQRT_LINE, Net, _free_port  # the same model: its sqrt is the origin
 
 BAD_STEP = 7
 STEPS = 10
 TIMEOUT = pytest.mark.timeout(180)  # one pair of processes runs every scenario (first test pays)
 SRC = Path(__file__).read_text().splitlines()
-SQRT_LINE = next(i for i, s in enumerate(SRC, 1) if s.strip().startswith("return torch.cat"))
 NAN_LOSS_LINE = next(i for i, s in enumerate(SRC, 1) if s.strip().startswith("loss = loss + nan"))
-
-
-class Feat(nn.Module):
-    """Appends sqrt(w * first feature): NaN in forward for a negative one, Inf in backward at 0."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(1))
-
-    def forward(self, x):
-        return torch.cat([x, torch.sqrt(x[:, :1] * self.w)], dim=1)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.feat = Feat()
-        self.fc1 = nn.Linear(5, 8)
-        self.fc2 = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(self.feat(x))))
 
 
 def _batch(rank: int, step: int, micro: int, sc: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,12 +125,6 @@ def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SCENARIOS = {
     "clean": {"micro_steps": 2},
     # rank 1's NaN is born in the backward of the micro-step DDP all-reduces (the last of 2)
@@ -194,7 +165,7 @@ def _stopped_at_7_naming_rank1(pair: list[dict], phase: str, op: str, line: int,
         assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
         a = r["anomaly"]
         assert (a["rank"], a["step"], a["phase"], a["module"], a["op"]) == (1, BAD_STEP, phase, "feat", op)
-        assert a["location"].endswith(f"test_distributed_fast.py:{line}")
+        assert a["location"].endswith(f"test_distributed.py:{line}")  # Net's Feat.forward
         assert a["micro_step"] == micro
         assert "born on rank 1 of 2" in a["symptom"]
     assert r0["anomaly"]["detected_by"] == "rank 1 (its replay found the origin)"
