@@ -32,7 +32,7 @@ from torch import nn
 
 from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
-from .._tensors import finite_probe, local, unwrap_optimizer
+from .._tensors import entries, finite_probe, local, unwrap_optimizer
 from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, RuleEvent
 from .locate import LossTape, StepCapture, replay_capture
@@ -309,10 +309,7 @@ class Sentinel:
         """After the read: which edited gradients are non-finite (confirmed exactly)."""
         bad: list[int] = []
         if self.edit_probe is not None:
-            n = len(self.edit_index)
-            ep = [
-                values[f"_edit#{j}"] if f"_edit#{j}" in values else values.get("_edit", 0.0) for j in range(n)
-            ]
+            ep = entries(values, "_edit", len(self.edit_index))
             bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
             self.edit_probe = None
         for k, (_, idx) in enumerate(self.clips):

@@ -16,26 +16,7 @@ from typing import Any
 
 import torch
 
-from .._tensors import finite_probe, foreach_norms, local
-
-Items = list[tuple[str, torch.Tensor]]
-
-
-def read(items: Items) -> dict[str, float]:
-    """Read named device numbers with ONE host transfer; an n-element tensor gives ``name#0..n-1``."""
-    names: list[str] = []
-    flat: list[torch.Tensor] = []
-    for name, t in items:
-        t = local(t).detach().reshape(-1).float()  # FSDP2 DTensor: this rank's shard
-        names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
-        flat.append(t)
-    dev = flat[0].device
-    return dict(zip(names, torch.cat([t.to(dev) for t in flat]).tolist()))
-
-
-def entries(values: dict[str, float], name: str, n: int) -> list[float]:
-    """The ``n`` numbers an item called ``name`` gave (``name#i``, or ``name`` alone when n == 1)."""
-    return [values[f"{name}#{i}"] if f"{name}#{i}" in values else values.get(name, 0.0) for i in range(n)]
+from .._tensors import Items, entries, finite_probe, foreach_norms, read
 
 
 class Transfer:
