@@ -782,8 +782,7 @@ class GradientHealth:
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
         self._hooks: list[Any] = []
-        self._clip_saved: list[tuple[Any, Any, Any]] = []
-        self._installed = False
+        self._auto_clipping = False  # inside clip_on_spike's own clip: not the user's clip
 
     # ----------------------------------------------------------------- setup
 
@@ -816,54 +815,23 @@ class GradientHealth:
         self._act_armed = False
         self._act_step: int | None = None
         self._step_had_anomaly = False
-        self._wrap_clip()
-        self._installed = True
         if self.activations:
             for mod in mon.model.modules():
                 if next(iter(mod.children()), None) is None:
                     self._hooks.append(mod.register_forward_hook(self._make_act_hook(mon.names.get(mod, ""))))
 
     def remove(self, mon: Any) -> None:
-        self._installed = False
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._unwrap_clip()
         self._before = None
 
     # ----------------------------------------------------------------- clip_grad_norm_ wrapping
 
-    def _wrap_clip(self) -> None:
-        import torch.nn.utils as nn_utils
-        import torch.nn.utils.clip_grad as clip_mod
-
-        self._clip_orig = clip_mod.clip_grad_norm_  # what clip_on_spike calls: unseen by the wrapper
-        for mod in (nn_utils, clip_mod):
-            orig = mod.clip_grad_norm_  # type: ignore[attr-defined]
-            wrapper = self._make_clip_wrapper(orig)
-            self._clip_saved.append((mod, orig, wrapper))
-            mod.clip_grad_norm_ = wrapper  # type: ignore[attr-defined]
-
-    def _unwrap_clip(self) -> None:
-        for mod, orig, wrapper in reversed(self._clip_saved):
-            # restore only if nobody wrapped on top of us since; ours is inert anyway (_installed False)
-            if mod.clip_grad_norm_ is wrapper:
-                mod.clip_grad_norm_ = orig
-        self._clip_saved.clear()
-
-    def _make_clip_wrapper(self, orig: Any) -> Any:
-        health = self
-
-        @functools.wraps(orig)
-        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-            total = orig(*args, **kwargs)
-            if health._installed and isinstance(total, torch.Tensor):
-                max_norm = args[1] if len(args) > 1 else kwargs["max_norm"]
-                norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
-                health._clip = (total.detach(), float(max_norm), float(norm_type))
-            return total
-
-        return clip_grad_norm_
+    def on_clip(self, mon: Any, total: Any, max_norm: Any, norm_type: Any) -> None:
+        """``clip_grad_norm_`` ran (the session's patch tells every instrument); not our own auto clip."""
+        if isinstance(total, torch.Tensor) and not self._auto_clipping:
+            self._clip = (total.detach(), float(max_norm), float(norm_type))
 
     # ----------------------------------------------------------------- activations
 
@@ -898,7 +866,11 @@ class GradientHealth:
             if event is not None:
                 self._emit(mon, event)
             if self.explosion.active and self.clip_on_spike is not None:  # active: this step explodes
-                self._clip_orig(list(mon.params), self.clip_on_spike)
+                self._auto_clipping = True
+                try:
+                    torch.nn.utils.clip_grad_norm_(list(mon.params), self.clip_on_spike)
+                finally:
+                    self._auto_clipping = False
                 self._emit(
                     mon,
                     RuleEvent(

@@ -81,25 +81,31 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """``clip_grad_norm_`` that tells the sentinels which gradients it scaled and by what (device)."""
+    """``clip_grad_norm_`` that tells the sessions which gradients it scaled and by what (device)."""
 
     @functools.wraps(orig)
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
         mons = [m for m in _ACTIVE if m.accepts_backward()]
-        parameters = args[0] if args else kwargs.get("parameters")
-        if not mons or parameters is None or isinstance(parameters, torch.Tensor):
+        if not mons:
             return orig(*args, **kwargs)
-        params = list(parameters)
-        # still a generator for a generator: torch warns about an empty one
-        parameters = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
-        args = (parameters, *args[1:]) if args else args
-        if not args:
-            kwargs["parameters"] = parameters
-        clean = [m.sentinel.before_clip(params) for m in mons]
+        parameters = args[0] if args else kwargs.get("parameters")
+        params: list[Any] = []
+        if isinstance(parameters, torch.Tensor):
+            params = [parameters]
+        elif parameters is not None:
+            params = list(parameters)
+            # still a generator for a generator: torch warns about an empty one
+            parameters = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+            if args:
+                args = (parameters, *args[1:])
+            else:
+                kwargs["parameters"] = parameters
+        clean = [m.clip_starting(params) for m in mons]
         total = orig(*args, **kwargs)
         max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+        norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
         for m, idx in zip(mons, clean):
-            m.sentinel.after_clip(idx, total, max_norm)
+            m.clip_done(idx, total, max_norm, norm_type)
         return total
 
     clip_grad_norm_.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]

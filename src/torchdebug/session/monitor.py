@@ -19,6 +19,8 @@ update starting     ``update_starting(opt)``        the step's ONE host transfer
                                                     ``before_optimizer_step``
 update done         ``update_done(opt)``            the parameter probe (read with the next
                                                     transfer); ``after_optimizer_step``
+gradients clipped   ``clip_starting/clip_done``     the sentinel judges the clip by its factor;
+                                                    ``on_clip``
 step end            ``step()``                      the verdict if the update did not give it, the
                                                     record, ``on_step_end``; ``global_step += 1``
 exception           ``__exit__``                    ``on_exception``; everything comes off
@@ -244,6 +246,16 @@ class Monitor:
     def scaler_step_done(self, scaler: Any, failed: bool = False) -> None:
         """``GradScaler.step`` returned: when it skipped the update, the sentinel judges it now."""
         self.sentinel.scaler_step_done(self, scaler, failed)
+
+    def clip_starting(self, params: list[Any]) -> list[int]:
+        """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
+        driver's patch): the ones the sentinel can judge by the clip factor alone."""
+        return self.sentinel.before_clip(params)
+
+    def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
+        """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
+        self.sentinel.after_clip(idx, total, max_norm)
+        self._each("on_clip", total, max_norm, norm_type)
 
     def step(self) -> StepRecord:
         """Step protocol: the training step ended. Call once per step, after ``optimizer.step()``.
