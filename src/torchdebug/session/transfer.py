@@ -85,6 +85,7 @@ class Transfer:
         return [i for i in range(len(self.loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
 
     def any_loss_bad(self) -> bool:
+        """A non-finite loss in this step, this rank's or (``_loss#rank<k>``) another rank's."""
         v = self.values
         return any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
 
