@@ -80,6 +80,17 @@ def _scenario(rank: int, out: Path, name: str, scenario: dict) -> dict:
     else:
         model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if scenario.get("nan_shard_rank") == rank:
+        # an update that writes a NaN into this rank's shard of fc1.weight only (FSDP2: the other
+        # rank's shard stays finite); registered before watch(), so it runs before the session's hook
+        def corrupt(o: object, args: object, kwargs: object) -> None:
+            if corrupt.calls == BAD_STEP:  # type: ignore[attr-defined]
+                with torch.no_grad():
+                    _local(net.fc1.weight)[0, 0] = float("nan")
+            corrupt.calls += 1  # type: ignore[attr-defined]
+
+        corrupt.calls = 0  # type: ignore[attr-defined]
+        opt.register_step_post_hook(corrupt)
     cfg = dict(scenario.get("config", {}))
     cfg.setdefault("run_dir", str(out / "runs" / name))
     steps = scenario.get("steps", 10)
@@ -144,6 +155,7 @@ SCENARIOS = {
     # rank 1 sleeps 2.5 s in the forward of step 2; the watchdog looks every 0.25 s
     "hang": {"steps": 4, "hang_step": 2, "hang_s": 2.5, "config": {"hang_timeout": 1.0}},
     "fsdp": {"poison": "forward", "fsdp": True},
+    "fsdp_optimizer": {"fsdp": True, "nan_shard_rank": 1},
     # rank 1's forward takes 30 ms, rank 0's 10 ms: 3x
     "straggler": {"steps": 15, "delay_rank0": 0.01, "delay_rank1": 0.03},
 }
@@ -326,6 +338,28 @@ def test_fsdp2_fully_shard_forward_nan_on_rank1_stops_both_ranks_naming_rank1(ru
         assert (a["rank"], a["phase"]) == (1, "forward")
         assert a["symptom"].startswith("non-finite loss") and "born on rank 1 of 2" in a["symptom"]
         assert r["warnings"] == []
+
+
+@TIMEOUT
+def test_fsdp2_an_update_that_makes_one_ranks_shard_nan_stops_both_ranks(runs):
+    # the update of step 7 wrote a NaN into rank 1's shard of fc1.weight only: each rank probes its own
+    # shards, the probes travel in step 8's all-reduce, every rank checks its shards exactly and one
+    # more tiny all-reduce says which ranks hold non-finite ones; both stop at step 8, none waits
+    r0, r1 = runs["fsdp_optimizer"]
+    for r in (r0, r1):
+        assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP + 1 and r["warnings"] == []
+        a = r["anomaly"]
+        assert (a["phase"], a["step"], a["rank"], a["world_size"], a["op"]) == (
+            "optimizer",
+            BAD_STEP,
+            1,
+            2,
+            "SGD.step",
+        )
+    assert (r1["anomaly"]["parameter"], r1["anomaly"]["module"]) == ("fc1.weight", "fc1")
+    assert r1["anomaly"]["detected_by"] == "sentinel"
+    assert (r0["anomaly"]["parameter"], r0["anomaly"]["module"]) == (None, None)  # not in rank 0's shards
+    assert r0["anomaly"]["detected_by"] == "rank 1" and "another rank" in r0["anomaly"]["hint"]
 
 
 @TIMEOUT

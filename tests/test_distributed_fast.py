@@ -53,7 +53,12 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         model.register_comm_hook(None, fp16_compress_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if sc.get("inf_lr_fc2"):  # fc2 in a group of its own, whose lr turns inf at BAD_STEP
+        fc2 = list(net.fc2.parameters())
+        rest = [p for p in net.parameters() if all(p is not q for q in fc2)]
+        opt = torch.optim.SGD([{"params": rest}, {"params": fc2}], lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu") if sc.get("scaler") else None
     micro_steps = sc.get("micro_steps", 1)
     cfg = dict(sc.get("config", {}))
@@ -65,7 +70,10 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                 coord = next(i for i in mon.instruments if i.name == "distributed")
                 if rank == sc.get("break_replay_rank"):
                     mon.sentinel.build_anomaly = _replay_breaks  # fault injection: this rank's replay raises
+                result["share"] = coord.param_share(mon)
                 for step in range(STEPS):
+                    if sc.get("inf_lr_fc2") and step == BAD_STEP:
+                        opt.param_groups[1]["lr"] = float("inf")  # finite gradients, fc2 becomes +-inf/NaN
                     opt.zero_grad()
                     for micro in range(micro_steps):
                         # gradient accumulation: every micro-step but one (the last) keeps its gradients local
@@ -146,6 +154,7 @@ SCENARIOS = {
     "no_ddp": {"poison": "backward", "no_ddp": True},
     "own_hook": {"poison": "backward", "own_hook": True},
     "replay_breaks_on_rank0": {"poison": "backward", "break_replay_rank": 0},
+    "optimizer": {"inf_lr_fc2": True},
 }
 
 
@@ -289,3 +298,32 @@ def test_a_replay_that_raises_on_one_rank_leaves_no_rank_waiting(runs):
     _stopped_at_7_naming_rank1(runs["replay_breaks_on_rank0"], "backward", "SqrtBackward0", SQRT_LINE, None)
     for r in runs["replay_breaks_on_rank0"]:
         assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": 0, "rare": 2}
+
+
+@TIMEOUT
+def test_each_ddp_rank_probes_its_share_of_the_parameters_and_both_name_the_update(runs):
+    # Net's parameters by size: fc1.weight 40, fc1.bias 8, fc2.weight 8, feat.w 1, fc2.bias 1 elements;
+    # the largest first to the least-loaded rank: rank 0 probes fc1.weight (index 1), rank 1 the rest
+    r0, r1 = runs["optimizer"]
+    assert (r0["share"], r1["share"]) == ([1], [0, 2, 3, 4])
+    assert runs["clean"][0]["share"] == [1] and runs["clean"][1]["share"] == [0, 2, 3, 4]
+    for r in (r0, r1):
+        # the update of step 7 made fc2 non-finite: only rank 1's share covers fc2, its probe travels
+        # in step 8's hidden all-reduce, and both ranks stop at step 8's transfer naming the update
+        assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP + 1
+        a = r["anomaly"]
+        assert (a["phase"], a["step"], a["parameter"], a["module"], a["op"]) == (
+            "optimizer",
+            BAD_STEP,
+            "fc2.weight",
+            "fc2",
+            "SGD.step",
+        )
+        assert a["rank"] == r["rank"] and "world_size" not in a  # the same update made it on every rank
+        assert len(r["anomalies"]) == 1
+        # the gradient health's learning-rate rule saw the cause at step 7's end
+        assert r["warnings"] == [
+            "torchdebug: error: step 7: lr_nonfinite: learning rate of param group 1 is inf; check the scheduler"
+        ]
+        # steps 0-8 each launched one hidden all-reduce; DDP's ranks need no exchange to agree
+        assert r["collectives"] == {"hidden": BAD_STEP + 2, "blocking": 0, "rare": 0}

@@ -56,6 +56,7 @@ class Sentinel:
         # the parameter probe after an update, read with the next transfer: name -> device tensor
         self.deferred: dict[str, torch.Tensor] = {}
         self.deferred_step: int | None = None
+        self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
         self.skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
         self._index = {id(p): i for i, p in enumerate(mon.params)}
@@ -168,7 +169,11 @@ class Sentinel:
         if self.active and not self.skipped and self.step_anomaly is None:
             # checked on the device now, read with the next transfer (no extra sync). Skipped when this
             # step's gradients were already flagged: non-finite weights are then their consequence.
-            self.deferred["param_norms"] = finite_probe(mon.params)
+            # Under DDP each rank probes its share (the parameters are the same on every rank).
+            share = mon._coord.param_share(mon) if mon._coord is not None else None
+            params = mon.params if share is None else [mon.params[i] for i in share]
+            self.deferred["param_norms"] = finite_probe(params)
+            self.deferred_index = share
             self.deferred_step = mon.global_step
         self.grad_seen = {}  # the references are not needed after the update
 
@@ -273,6 +278,7 @@ class Sentinel:
             # no optimizer hook: the user's update already ran; check the parameters on the device, read
             # with this transfer, or the next one when this step's already ran (at the end of backward())
             self.deferred["param_norms"] = finite_probe(mon.params)
+            self.deferred_index = None
             self.deferred_step = mon.global_step
             if self.synced_at_backward:
                 # checked at the end of backward(): an edit after it (clipping, normalisation) is seen
@@ -294,6 +300,10 @@ class Sentinel:
 
     def final_check(self, mon: Any) -> None:
         """Session exit: read a pending parameter probe (the last update's)."""
+        if self.deferred_index is not None and "param_norms" in self.deferred:
+            # a DDP rank's share travels with the next step's all-reduce, and there is none: probe all
+            self.deferred["param_norms"] = finite_probe(mon.params)
+            self.deferred_index = None
         if self.deferred:
             mon.transfer.values = {}
             mon.sync()
@@ -323,20 +333,28 @@ class Sentinel:
         """After the read: the parameter probe of the last update (may raise under ``raise``)."""
         mon = self.mon
         v = values
-        pn = [v[k] for k in sorted((k for k in v if k.startswith("_def_param_norms")), key=_suffix)]
-        if not pn:
+        if "param_norms" not in self.deferred:
             return
+        pn = [v[k] for k in sorted((k for k in v if k.startswith("_def_param_norms")), key=_suffix)]
+        index = self.deferred_index if self.deferred_index is not None else list(range(len(pn)))
+        coord = mon._coord
+        flagged = coord.params_flagged(mon) if coord is not None else None
+        if flagged is None:  # this rank's own probe
+            suspects = [index[j] for j, x in enumerate(pn) if not math.isfinite(x) and j < len(index)]
+        else:  # several ranks: any rank's probe (of its share under DDP) flags every parameter
+            suspects = list(range(len(mon.params))) if flagged else []
         bad = [
             mon.param_names[i]
-            for i, x in enumerate(pn)
-            if not math.isfinite(x)
-            and i < len(mon.params)
+            for i in suspects
+            if i < len(mon.params)
             and not bool(torch.isfinite(local(mon.params[i].detach())).all())  # exact: rare path
         ]
+        ranks = coord.params_agree(bool(bad)) if flagged else []  # the same decision on every rank
         step = self.deferred_step
         de = [v[k] for k in sorted((k for k in v if k.startswith("_def_edit")), key=_suffix)]
         edited, self.deferred_edit_index = self.deferred_edit_index, []
         self.deferred.clear()
+        self.deferred_index = None
         for k in [k for k in v if k.startswith("_def_")]:
             del v[k]
         self.params_bad_now = bool(bad)
@@ -353,9 +371,9 @@ class Sentinel:
                 mon._flush_store()
                 raise NonFiniteError(self.step_anomaly)  # type: ignore[arg-type]
             mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
-        elif bad and not (step == mon.global_step and self.grads_bad()):
+        elif (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
             # blamed on the update only when the gradients it used were finite; else they are the cause
-            self.optimizer_anomaly(bad, step)
+            self.optimizer_anomaly(bad, step, ranks)
 
     # -- detection ------------------------------------------------------------------------------------
     def grad_finite(self, i: int, now: bool = False) -> bool:
@@ -456,8 +474,32 @@ class Sentinel:
         self.mark_skipped(f"skipped by policy: {self.step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
 
     # -- anomalies ------------------------------------------------------------------------------------
-    def optimizer_anomaly(self, bad: list[str], step: int | None) -> None:
+    def optimizer_anomaly(self, bad: list[str], step: int | None, ranks: list[int] | None = None) -> None:
+        """The update made parameters non-finite from finite gradients. ``bad``: this rank's non-finite
+        parameters (empty when only another rank's shards are, under FSDP2); ``ranks``: with several
+        ranks, those whose parameters are non-finite (every rank takes the same decision)."""
         mon = self.mon
+        op = type(mon.optimizer).__name__ + ".step" if mon.optimizer is not None else "optimizer.step"
+        # several ranks: named when only some hold non-finite parameters (FSDP2 shards); under DDP
+        # every rank holds the same parameters, so the update made them non-finite on every rank
+        ranks = ranks or []
+        some = 0 < len(ranks) < mon.world_size
+        if not bad:  # another rank's shards: its own record names the parameters
+            anomaly = Anomaly(
+                phase=Phase.OPTIMIZER.value,
+                module=None,
+                op=op,
+                location=None,
+                kind="nan",
+                step=step,
+                rank=ranks[0] if ranks else mon.rank,
+                world_size=mon.world_size,
+                hint="the optimizer update made parameters non-finite on another rank: its record names them",
+                symptom="non-finite parameters after the optimizer step",
+                detected_by=f"rank {ranks[0]}" if ranks else "sentinel",
+            )
+            self._raise_or_warn(anomaly)
+            return
         first = bad[0]
         owner = first.rpartition(".")[0]
         mod = mon.model.get_submodule(owner) if owner else mon.model
@@ -465,7 +507,7 @@ class Sentinel:
         with contextlib.suppress(Exception):
             from ..stats import analyze_tensor
 
-            stats = analyze_tensor(dict(mon.model.named_parameters())[first], first)
+            stats = analyze_tensor(local(dict(mon.model.named_parameters())[first].detach()), first)
         kind = (
             "nan"
             if stats is not None and stats.has_nan
@@ -475,11 +517,12 @@ class Sentinel:
         anomaly = Anomaly(
             phase=Phase.OPTIMIZER.value,
             module=owner,
-            op=type(mon.optimizer).__name__ + ".step" if mon.optimizer is not None else "optimizer.step",
+            op=op,
             location=None,
             kind=kind,
             step=step,
             rank=mon.rank,
+            world_size=mon.world_size if some else 1,
             tensor=stats,
             module_type=type(mod).__name__,
             hint=f"the optimizer update made {first} non-finite{more}: check lr, eps, weight decay and the update formula",
@@ -487,6 +530,10 @@ class Sentinel:
             detected_by="sentinel",
             parameter=first,
         )
+        self._raise_or_warn(anomaly)
+
+    def _raise_or_warn(self, anomaly: Anomaly) -> None:
+        mon = self.mon
         self.record(anomaly)
         if mon.config.policy == "raise":
             mon._flush_store()

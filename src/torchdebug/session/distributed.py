@@ -1,20 +1,21 @@
 """Several ranks under watch(): rank and world size, the shared run folder, ranks that agree on a
 non-finite step, the rank where it was born, the hang watchdog and the straggler rule.
 
-Per step the coordinator adds ONE small collective: a ``(3, world)`` float32 tensor all-reduced with
+Per step the coordinator adds ONE small collective: a ``(4, world)`` float32 tensor all-reduced with
 SUM, in which each rank fills its own column (the sum of its losses and probes, non-finite iff one of
-them is; busy time; data wait); it is read with the step's one host transfer, so every rank sees
-every rank's flags and times.
+them is; busy time; data wait; the sum of its probe of the last update's parameters); it is read with
+the step's one host transfer, so every rank sees every rank's flags and times.
 
 Under DistributedDataParallel the collective is hidden: it is launched without waiting
 (``async_op=True``) at the start of the backward whose gradients DDP all-reduces (the forward ran
 through DDP with ``require_backward_grad_sync``), carrying the losses and ``no_sync`` micro-steps'
 flags known by then, and waited for at the step's transfer, when DDP's own all-reduce, queued after
 it, has already finished. DDP keeps its built-in C++ all-reduce (no communication hook). The
-gradient and parameter verdicts need no collective there: after DDP's all-reduce every rank holds
-the same gradients, and after the update the same parameters. Only the losses (and the timings)
-differ per rank, and they travel in the hidden all-reduce, so a NaN loss on one rank stops every
-rank even when its gradients stay finite.
+gradient verdict needs no collective there: after DDP's all-reduce every rank holds the same
+gradients. After the update every rank holds the same parameters too, so each rank probes only its
+share of them (:meth:`Coordinator.param_share`, about 1/world of the elements) and the probes travel
+in the next step's hidden all-reduce. The losses (and the timings) differ per rank and travel there
+as well, so a NaN loss on one rank stops every rank even when its gradients stay finite.
 
 A step whose gradients did not all come out of DDP's all-reduce (FSDP2's shards, a process group
 without DDP, ``no_sync`` on the last micro-step, a loss whose backward began after the launch)
@@ -56,7 +57,8 @@ _STRAGGLER_WINDOW = 20  # steps in the straggler rule's window
 _STRAGGLER_MIN = 5  # steps in the window before the rule may fire
 _STRAGGLER_PATIENCE = 5  # consecutive steps above (below) the factor that start (end) an episode
 _MAX_STACK = 40  # frames kept per thread in a hang record
-_ROW_GRAD = 3  # FSDP2 only, a 4th row: each rank's weighted norm of its gradient shards (-1: none)
+_ROW_PARAM = 3  # each rank's parameter probe of the last update (its share under DDP), summed
+_ROW_GRAD = 4  # FSDP2 only, a 5th row: each rank's weighted norm of its gradient shards (-1: none)
 
 
 def _dist() -> Any:
@@ -197,7 +199,7 @@ class Coordinator:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
         self.collective = pg and world > 1
         self.sharded = is_sharded(mon.model)  # FSDP2: gradient norms are reduced across ranks
-        self._rows = 4 if self.sharded else 3
+        self._rows = 5 if self.sharded else 4
         self._grad_weights: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._dev = self._device() if self.collective else torch.device("cpu")  # where the vector lives
         # DDP over replicated parameters: after DDP's all-reduce every rank holds the same gradients,
@@ -209,6 +211,7 @@ class Coordinator:
             and not getattr(ddp, "parameters_to_ignore", None)  # ignored parameters keep local gradients
         )
         self.collectives = {"hidden": 0, "blocking": 0, "rare": 0}  # counts, for tests and benchmarks
+        self._share: tuple[int, list[int]] | None = None  # (len(params), this rank's parameter indices)
         self._sync_pending = False  # a forward through DDP that will all-reduce its backward
         self._micro_sync: list[
             bool
@@ -279,15 +282,17 @@ class Coordinator:
         return max(end - self._step_start, 0.0), max(t_fwd - self._step_start, 0.0)
 
     def _vector(self, mon: Any, now: float, probes: bool = True) -> torch.Tensor:
-        """``(3, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
-        losses, the micro-steps' gradient flags and (``probes``) the deferred probes known now
+        """``(4, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
+        losses, the micro-steps' gradient flags and (``probes``) the other deferred probes known now
         (non-finite iff one of them is, or, rarely, a float32 sum of finite values overflows: the
-        exact round then clears it), busy seconds, data wait seconds; under FSDP2 a 4th row, the
-        weighted norm of the rank's gradient shards. A few small ops: it runs on every step."""
+        exact round then clears it), busy seconds, data wait seconds, the sum of the last update's
+        parameter probe (:meth:`param_share`); under FSDP2 a 5th row, the weighted norm of the rank's
+        gradient shards. A few small ops: it runs on every step."""
         busy, data = self._timings(now)
         vals = [lv.detach().reshape(-1) for lv in mon.transfer.loss_vals]
+        deferred = mon.sentinel.deferred
         if probes:
-            vals += [d.reshape(-1) for d in mon.sentinel.deferred.values()]
+            vals += [d.reshape(-1) for k, d in deferred.items() if k != "param_norms"]
         vals += [
             torch.where(b, math.inf, 0.0).reshape(1) for b in mon.transfer.micro_bad
         ]  # flags: True -> Inf
@@ -303,6 +308,9 @@ class Coordinator:
             vec[0, self.rank] = vals[0].reshape(())  # the common case: one scalar loss (one op)
         elif vals:
             vec[0, self.rank] = torch.cat([v.to(dev, torch.float32) for v in vals]).sum()
+        probe = deferred.get("param_norms")
+        if probe is not None and probe.numel():
+            vec[_ROW_PARAM, self.rank] = probe.to(dev, torch.float32).sum()  # non-finite iff an entry is
         if self.sharded:
             shard = self._shard_norm(mon)
             vec[_ROW_GRAD, self.rank] = (
@@ -373,6 +381,49 @@ class Coordinator:
             out[i] = math.sqrt(sq) / (scale or 1.0) if sq >= 0 or math.isnan(sq) else math.nan
         return out
 
+    # -- the parameter probe ------------------------------------------------------------------------
+    def param_share(self, mon: Any) -> list[int] | None:
+        """The parameters this rank probes after an update, or None for all of them.
+
+        Under DDP every rank holds the same parameters after the update, so each rank probes about
+        1/world of their elements (whole tensors, balanced by size; the same split on every rank) and
+        the probes travel in the step's all-reduced vector (:data:`_ROW_PARAM`): the pass over the
+        parameters costs each rank 1/world of it. Elsewhere (FSDP2's local shards, no DDP) every rank
+        probes its own parameters."""
+        if not (self._ddp_fast and self._live()):
+            return None
+        params = mon.params
+        if self._share is None or self._share[0] != len(params):
+            load = [0] * self.world
+            mine: list[int] = []
+            for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+                r = min(range(self.world), key=lambda r: (load[r], r))
+                load[r] += params[i].numel()
+                if r == self.rank:
+                    mine.append(i)
+            self._share = (len(params), sorted(mine))
+        return self._share[1]
+
+    def params_flagged(self, mon: Any) -> bool | None:
+        """Whether any rank's probe of the last update's parameters read non-finite (from this step's
+        all-reduced vector), or None when the vector carried none (a single rank, the check at exit)."""
+        if not self._live() or f"_dist#{_ROW_PARAM * self.world}" not in mon.transfer.values:
+            return None
+        return any(not math.isfinite(x) for x in self._row(mon, _ROW_PARAM))
+
+    def params_agree(self, mine: bool) -> list[int]:
+        """Rare path, once a probe flagged: the ranks whose parameters are non-finite by the exact check.
+
+        Under DDP every rank checked the same parameters (no collective); FSDP2 shards and ranks
+        without DDP hold different ones, so the ranks exchange their answers (one tiny all-reduce)."""
+        if self._ddp_fast:
+            return list(range(self.world)) if mine else []
+        flags = torch.zeros(self.world, device=self._dev)
+        flags[self.rank] = float(mine)
+        _dist().all_reduce(flags, op=_dist().ReduceOp.MAX)
+        self.collectives["rare"] += 1
+        return [r for r, x in enumerate(flags.tolist()) if x > 0]
+
     def _all_reduce(self, vec: torch.Tensor, async_op: bool) -> Any:
         """SUM all-reduce on the default group; with ``async_op`` the work handle, else after it ran.
         The process group's own call: ``dist.all_reduce``'s checks cost more than the tiny collective."""
@@ -387,10 +438,10 @@ class Coordinator:
 
     def _launch(self, mon: Any, now: float) -> None:
         """Start this step's all-reduce without waiting: at the start of the backward whose gradients
-        DDP all-reduces, carrying the loss flags known by then. DDP's bucket all-reduces, queued
-        after it on the same process group, finish after it, so it is done when the step's transfer
-        waits for it. The parameter probe stays home: after DDP's updates the parameters are the same
-        on every rank. The micro-steps' flags so far are those of ``no_sync`` micro-steps (local)."""
+        DDP all-reduces, carrying the loss flags known by then and the last update's parameter probe
+        (each rank probed its share). DDP's bucket all-reduces, queued after it on the same process
+        group, finish after it, so it is done when the step's transfer waits for it. The micro-steps'
+        flags so far are those of ``no_sync`` micro-steps (local)."""
         vec = self._vector(mon, now, probes=False)
         self._work = self._all_reduce(vec, async_op=True)
         self._vec = vec
