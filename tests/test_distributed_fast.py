@@ -71,6 +71,14 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                 if rank == sc.get("break_replay_rank"):
                     mon.sentinel.build_anomaly = _replay_breaks  # fault injection: this rank's replay raises
                 result["share"] = coord.param_share(mon)
+                shares: list = []  # what each backward's gradient pass measured on this rank
+                measure = mon.transfer.measure
+
+                def spy(params: list, probe: bool, share: list | None = None) -> tuple:
+                    shares.append(share)
+                    return measure(params, probe, share)
+
+                mon.transfer.measure = spy
                 for step in range(STEPS):
                     if sc.get("inf_lr_fc2") and step == BAD_STEP:
                         opt.param_groups[1]["lr"] = float("inf")  # finite gradients, fc2 becomes +-inf/NaN
@@ -105,6 +113,12 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
             result["error"] = "NonFiniteError"
             result["anomaly"] = e.anomaly.to_dict()
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, td.TorchDebugWarning)]
+    result["measured"] = shares
+    result["grad_norms"] = mon.grad_norms_host
+    result["grad_norm"] = mon.records[-1].grad_norm if mon.records else None
+    result["exact_norms"] = [
+        float(p.grad.double().norm()) if p.grad is not None else 0.0 for p in net.parameters()
+    ]
     result["step"] = mon.global_step
     result["anomalies"] = [a.to_dict() for a in mon.anomalies]
     result["params"] = [p.detach().tolist() for p in model.parameters()]
@@ -189,6 +203,21 @@ def test_ordinary_ddp_steps_use_one_hidden_all_reduce_and_no_comm_hook(runs):
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 0}
         assert r["comm_hooks"] == 0  # DDP keeps its built-in C++ all-reduce
     assert runs["clean"][0]["params"] == runs["clean"][1]["params"]
+
+
+@TIMEOUT
+def test_each_ddp_rank_measures_its_share_of_the_gradients_and_reads_every_norm(runs):
+    r0, r1 = runs["clean"]
+    # micro-step 0 runs under no_sync (local gradients: every one measured), micro-step 1 is
+    # all-reduced by DDP: each rank measures its share only (fc1.weight on rank 0, the rest on rank 1)
+    assert r0["measured"] == [None, [1]] * STEPS and r1["measured"] == [None, [0, 2, 3, 4]] * STEPS
+    for r in (r0, r1):
+        # yet every rank reads every parameter's norm of the last step (the shares travel in the
+        # step's all-reduce), equal to the exact norms of the gradients left after it
+        assert r["grad_norms"] == pytest.approx(r["exact_norms"], rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(sum(x * x for x in r["exact_norms"]) ** 0.5, rel=1e-6)
+        assert all(x > 0 for x in r["exact_norms"])
+    assert r0["grad_norms"] == r1["grad_norms"]
 
 
 @TIMEOUT

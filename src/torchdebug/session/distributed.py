@@ -6,16 +6,17 @@ SUM, in which each rank fills its own column (the sum of its losses and probes, 
 them is; busy time; data wait; the sum of its probe of the last update's parameters); it is read with
 the step's one host transfer, so every rank sees every rank's flags and times.
 
-Under DistributedDataParallel the collective is hidden: it is launched without waiting
-(``async_op=True``) at the start of the backward whose gradients DDP all-reduces (the forward ran
-through DDP with ``require_backward_grad_sync``), carrying the losses and ``no_sync`` micro-steps'
-flags known by then, and waited for at the step's transfer, when DDP's own all-reduce, queued after
-it, has already finished. DDP keeps its built-in C++ all-reduce (no communication hook). The
-gradient verdict needs no collective there: after DDP's all-reduce every rank holds the same
-gradients. After the update every rank holds the same parameters too, so each rank probes only its
-share of them (:meth:`Coordinator.param_share`, about 1/world of the elements) and the probes travel
-in the next step's hidden all-reduce. The losses (and the timings) differ per rank and travel there
-as well, so a NaN loss on one rank stops every rank even when its gradients stay finite.
+Under DistributedDataParallel it is launched without waiting (``async_op=True``) at the end of the
+backward whose gradients DDP all-reduced (the forward ran through DDP with
+``require_backward_grad_sync``) and waited for at the step's transfer. DDP keeps its built-in C++
+all-reduce (no communication hook). After DDP's all-reduce every rank holds the same gradients, and
+after the update the same parameters, so each rank measures only its share of them
+(:meth:`Coordinator.param_share`, whole tensors, about 1/world of the elements): the gradient norms
+(or finiteness probes) of the share after that backward, and the parameter probe of the share after
+the update. The shares travel in the same all-reduce (one entry per parameter, zeros outside the
+share; the SUM is every parameter's number), so every rank reads every parameter's number and
+takes the same verdict. The losses (and the timings) differ per rank and travel there as well, so a
+NaN loss on one rank stops every rank even when its gradients stay finite.
 
 A step whose gradients did not all come out of DDP's all-reduce (FSDP2's shards, a process group
 without DDP, ``no_sync`` on the last micro-step, a loss whose backward began after the launch)
@@ -262,12 +263,12 @@ class Coordinator:
             self._t_backward = now
         self._phase = "backward"
         self._cur_sync, self._sync_pending = self._sync_pending, False
-        if self._cur_sync and self._work is None and not self._reduced and self._live():
-            self._launch(mon, now)
 
     def on_backward_end(self, mon: Any) -> None:
         while len(self._micro_sync) < len(mon.transfer.micro_bad):
             self._micro_sync.append(self._cur_sync)
+        if self._cur_sync and self._work is None and not self._reduced and self._live():
+            self._launch(mon, time.perf_counter())
         self._cur_sync = False
 
     def before_optimizer_step(self, mon: Any) -> None:
@@ -311,7 +312,16 @@ class Coordinator:
         probe = deferred.get("param_norms")
         if probe is not None and probe.numel():
             vec[_ROW_PARAM, self.rank] = probe.to(dev, torch.float32).sum()  # non-finite iff an entry is
-        if self.sharded:
+        shared = mon.transfer.shared
+        if shared is not None:
+            # DDP: this rank's share of the gradient numbers at their parameters' places, zeros
+            # elsewhere; the SUM over the ranks is every parameter's number (the shares are disjoint)
+            per = torch.zeros(len(mon.params), dtype=torch.float32, device=dev)
+            mine = mon.transfer.norm_index
+            if mine:
+                per[mine] = mon.transfer.norms.to(dev, torch.float32)  # type: ignore[union-attr]
+            vec = torch.cat([vec.reshape(-1), per])
+        elif self.sharded:
             shard = self._shard_norm(mon)
             vec[_ROW_GRAD, self.rank] = (
                 -1.0 if shard is None else shard.to(dev)
@@ -404,6 +414,34 @@ class Coordinator:
             self._share = (len(params), sorted(mine))
         return self._share[1]
 
+    def grad_share(self, mon: Any) -> list[int] | None:
+        """The gradients this rank measures after the backward now ending, or None for all of them:
+        its :meth:`param_share` when DDP all-reduced them (every rank holds the same gradients)."""
+        return self.param_share(mon) if self._cur_sync else None
+
+    def fill_shares(self, mon: Any) -> None:
+        """After the step's read, under a DDP share: the other ranks' gradient numbers from the
+        all-reduced vector, so the verdict, the norms and the records cover every parameter on every
+        rank. Without the vector (the coordinator went off mid-step) this rank measures the rest now."""
+        t = mon.transfer
+        if t.shared is None:
+            return
+        base = self._rows * self.world
+        v = t.values
+        n = len(mon.params)
+        if f"_dist#{base + n - 1}" in v:
+            whole = [v[f"_dist#{base + i}"] for i in range(n)]
+        else:  # rare: measured here, with a host read
+            from .._tensors import finite_probe, foreach_norms
+
+            idx = t.shared[0]
+            grads = [mon.params[i].grad for i in idx]
+            nums = (finite_probe if t.norms_probe else foreach_norms)(grads).tolist()  # type: ignore[arg-type]
+            whole = [0.0] * n
+            for j, i in enumerate(idx):
+                whole[i] = nums[j]
+        t.fill_shares(whole)
+
     def params_flagged(self, mon: Any) -> bool | None:
         """Whether any rank's probe of the last update's parameters read non-finite (from this step's
         all-reduced vector), or None when the vector carried none (a single rank, the check at exit)."""
@@ -437,11 +475,10 @@ class Coordinator:
         return work
 
     def _launch(self, mon: Any, now: float) -> None:
-        """Start this step's all-reduce without waiting: at the start of the backward whose gradients
-        DDP all-reduces, carrying the loss flags known by then and the last update's parameter probe
-        (each rank probed its share). DDP's bucket all-reduces, queued after it on the same process
-        group, finish after it, so it is done when the step's transfer waits for it. The micro-steps'
-        flags so far are those of ``no_sync`` micro-steps (local)."""
+        """Start this step's all-reduce without waiting: at the end of the backward whose gradients
+        DDP all-reduced, carrying the losses and the micro-steps' flags, this rank's share of the
+        gradient numbers and its share of the last update's parameter probe. The step's transfer
+        waits for it when the update starts."""
         vec = self._vector(mon, now, probes=False)
         self._work = self._all_reduce(vec, async_op=True)
         self._vec = vec
@@ -451,8 +488,7 @@ class Coordinator:
     def collect(self, mon: Any) -> dict[str, torch.Tensor]:
         """This step's all-reduced vector, read with the step's one transfer.
 
-        Under DDP it is the one launched at the synced backward's start (waited for here; normally
-        finished). A blocking all-reduce of every local flag instead when the step's gradients did
+        Under DDP it is the one launched at the synced backward's end (waited for here). A blocking all-reduce of every local flag instead when the step's gradients did
         not all come out of DDP's all-reduce, or a loss came after the launch (FSDP, a process group
         without DDP, ``no_sync`` on the last micro-step, a second backward): the same on every rank.
         """

@@ -211,7 +211,10 @@ class Monitor:
         self._new_micro_step = True
         if self.sentinel.active or "gradients" in self._enabled:
             # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
-            idx, grads = self.transfer.measure(self.params, probe="gradients" not in self._enabled)
+            share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
+            idx, grads = self.transfer.measure(
+                self.params, probe="gradients" not in self._enabled, share=share
+            )
             if idx:
                 self.sentinel.saw_gradients(idx, grads)
         self._each("on_backward_end")
@@ -303,6 +306,8 @@ class Monitor:
         if not items:
             return
         self.transfer.read(items)  # the step's host sync
+        if self._coord is not None:
+            self._coord.fill_shares(self)  # DDP: the other ranks' shares of the gradient numbers
         values = self.transfer.values
         self.sentinel.read_edits(values)
         scaled = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()

@@ -37,6 +37,9 @@ class Transfer:
         self.norms: torch.Tensor | None = None  # per gradient after the last backward: norms or probe sums
         self.norm_index: list[int] = []  # which parameters ``norms`` covers
         self.norms_probe = False  # ``norms`` holds probe sums (finiteness only), not norms
+        # under DDP: ``norms`` covers this rank's share only; every parameter with a gradient, and the
+        # micro-step the share measured (the coordinator fills in the other ranks' shares after the read)
+        self.shared: tuple[list[int], int] | None = None
         self.micro_bad: list[torch.Tensor] = []  # per micro-step: "a gradient is non-finite" (a probe)
         self.micro_bad_cleared = False  # every flagged gradient was confirmed finite exactly
         self.scale_used: torch.Tensor | None = None  # the loss scale this step's backward saw
@@ -47,14 +50,30 @@ class Transfer:
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_vals.append(loss.detach())  # reduced and cast in the step's read
 
-    def measure(self, params: list[torch.Tensor], probe: bool) -> tuple[list[int], list[torch.Tensor]]:
-        """After a backward: one float32 per gradient (``probe``: finiteness only, else norms)."""
+    def measure(
+        self, params: list[torch.Tensor], probe: bool, share: list[int] | None = None
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """After a backward: one float32 per gradient (``probe``: finiteness only, else norms).
+
+        ``share``: the parameters this rank measures when every rank holds the same gradients (DDP,
+        after its all-reduce); the others' numbers arrive with the step's all-reduce. Returns every
+        parameter with a gradient and those gradients (the sentinel's edit check compares them)."""
         idx = [i for i, p in enumerate(params) if p.grad is not None]
         if not idx:
             return [], []
         grads: list[torch.Tensor] = [params[i].grad for i in idx]  # type: ignore[misc]
-        norms = finite_probe(grads) if probe else foreach_norms(grads)
-        self.norms, self.norm_index, self.norms_probe = norms, idx, probe
+        mine, own = idx, grads
+        self.shared = None
+        if share is not None:
+            has = set(idx)
+            mine = [i for i in share if i in has]
+            own = [params[i].grad for i in mine]  # type: ignore[misc]
+            self.shared = (idx, len(self.micro_bad))
+        if own:
+            norms = finite_probe(own) if probe else foreach_norms(own)
+        else:  # a share without gradients: nothing to measure here
+            norms = torch.zeros(0, device=grads[0].device)
+        self.norms, self.norm_index, self.norms_probe = norms, mine, probe
         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
         return idx, grads
 
@@ -78,6 +97,24 @@ class Transfer:
         """The host sync: every item's numbers into ``values``."""
         if items:
             self.values.update(read(items))
+
+    def fill_shares(self, whole: list[float]) -> None:
+        """After the read, under a DDP share: every parameter's number from ``whole`` (the step's
+        all-reduced entries, one per parameter of the session), as if this rank had measured them all;
+        the shared micro-step's flag is raised when any rank's share holds a non-finite number."""
+        if self.shared is None:
+            return
+        idx, micro = self.shared
+        v = self.values
+        for k in [k for k in v if k == "_gnorm" or k.startswith("_gnorm#")]:
+            del v[k]
+        nums = [whole[i] for i in idx]
+        if len(nums) == 1:
+            v["_gnorm"] = nums[0]
+        else:
+            v.update({f"_gnorm#{j}": x for j, x in enumerate(nums)})
+        v[f"_mbad#{micro}"] = 1.0 if any(not math.isfinite(x) for x in nums) else 0.0
+        self.norm_index = idx
 
     def losses_bad(self) -> list[int]:
         """Micro-steps whose loss was non-finite (after the read)."""
