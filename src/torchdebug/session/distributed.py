@@ -213,6 +213,7 @@ class Coordinator:
         )
         self.collectives = {"hidden": 0, "blocking": 0, "rare": 0}  # counts, for tests and benchmarks
         self._share: tuple[int, list[int]] | None = None  # (len(params), this rank's parameter indices)
+        self._share_dev: tuple[tuple[int, ...], torch.Tensor] | None = None  # those measured, on the device
         self._sync_pending = False  # a forward through DDP that will all-reduce its backward
         self._micro_sync: list[
             bool
@@ -317,9 +318,11 @@ class Coordinator:
             # DDP: this rank's share of the gradient numbers at their parameters' places, zeros
             # elsewhere; the SUM over the ranks is every parameter's number (the shares are disjoint)
             per = torch.zeros(len(mon.params), dtype=torch.float32, device=dev)
-            mine = mon.transfer.norm_index
+            mine = tuple(mon.transfer.norm_index)
             if mine:
-                per[mine] = mon.transfer.norms.to(dev, torch.float32)  # type: ignore[union-attr]
+                if self._share_dev is None or self._share_dev[0] != mine:  # made once: no copy per step
+                    self._share_dev = (mine, torch.tensor(mine, dtype=torch.long, device=dev))
+                per[self._share_dev[1]] = mon.transfer.norms.to(dev, torch.float32)  # type: ignore[union-attr]
             vec = torch.cat([vec.reshape(-1), per])
         elif self.sharded:
             shard = self._shard_norm(mon)
