@@ -7,6 +7,7 @@ import socket
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -126,19 +127,29 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
-def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
+def _worker(rank: int, port: int, out: str, scenario: Callable[..., dict], scenarios: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results: dict = {}
     try:
-        for name, scenario in scenarios.items():
+        for name, sc in scenarios.items():
             t0 = time.perf_counter()
-            results[name] = _scenario(rank, Path(out), name, scenario)
+            results[name] = scenario(rank, Path(out), name, sc)
             results[name]["seconds"] = time.perf_counter() - t0
     except BaseException:
         results["crash"] = traceback.format_exc()
     finally:
         Path(out, f"result{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
+
+
+def run_pairs(scenario: Callable[..., dict], scenarios: dict, out: Path) -> dict[str, list[dict]]:
+    """Every scenario in one pair of gloo processes (one process-group start per test file):
+    ``scenario(rank, out, name, sc)`` on both ranks, then ``{name: [rank 0's result, rank 1's]}``."""
+    mp.spawn(_worker, args=(_free_port(), str(out), scenario, scenarios), nprocs=2, join=True)
+    res = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert "crash" not in r, r["crash"]
+    return {name: [res[0][name], res[1][name]] for name in scenarios}
 
 
 def _free_port() -> int:
@@ -164,12 +175,7 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     """Every scenario, in one pair of processes (one process-group start for the whole file)."""
-    out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(_free_port(), str(out), SCENARIOS), nprocs=2, join=True)
-    res = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
-    for r in res:
-        assert "crash" not in r, r["crash"]
-    return {name: [res[0][name], res[1][name]] for name in SCENARIOS}
+    return run_pairs(_scenario, SCENARIOS, tmp_path_factory.mktemp("dist"))
 
 
 @TIMEOUT

@@ -6,21 +6,16 @@ gloo; every test under a timeout so a hang fails."""
 from __future__ import annotations
 
 import contextlib
-import json
-import time
-import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
-from tests.test_distributed import SQRT_LINE, Net, _free_port  # the same model: its sqrt is the origin
+from tests.test_distributed import SQRT_LINE, Net, run_pairs  # the same model: its sqrt is the origin
 
 BAD_STEP = 7
 STEPS = 10
@@ -132,21 +127,6 @@ def _replay_breaks(*args: object, **kwargs: object) -> None:
     raise RuntimeError("replay broke")
 
 
-def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results: dict = {}
-    try:
-        for name, sc in scenarios.items():
-            t0 = time.perf_counter()
-            results[name] = _scenario(rank, Path(out), name, sc)
-            results[name]["seconds"] = time.perf_counter() - t0
-    except BaseException:
-        results["crash"] = traceback.format_exc()
-    finally:
-        Path(out, f"result{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
 SCENARIOS = {
     "clean": {"micro_steps": 2},
     # rank 1's NaN is born in the backward of the micro-step DDP all-reduces (the last of 2)
@@ -174,12 +154,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    out = tmp_path_factory.mktemp("distfast")
-    mp.spawn(_worker, args=(_free_port(), str(out), SCENARIOS), nprocs=2, join=True)
-    res = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
-    for r in res:
-        assert "crash" not in r, r["crash"]
-    return {name: [res[0][name], res[1][name]] for name in SCENARIOS}
+    return run_pairs(_scenario, SCENARIOS, tmp_path_factory.mktemp("distfast"))
 
 
 def _stopped_at_7_naming_rank1(pair: list[dict], phase: str, op: str, line: int, micro: int | None) -> None:

@@ -3,23 +3,19 @@ and rank selector, FSDP2's global gradient norm. 2 CPU processes over gloo, each
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
-from tests.test_distributed import BAD_STEP, SQRT_LINE, Net, _batch, _free_port
+from tests.test_distributed import BAD_STEP, SQRT_LINE, Net, _batch, run_pairs
 from torchdebug.store import open_run
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -81,19 +77,6 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     return result
 
 
-def _worker(rank: int, port: int, out: str, scenarios: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results: dict = {}
-    try:
-        for name, sc in scenarios.items():
-            results[name] = _scenario(rank, Path(out), name, sc)
-    except BaseException:
-        results["crash"] = traceback.format_exc()
-    finally:
-        Path(out, f"result{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
 SCENARIOS = {
     "raise": {"poison": "forward"},  # rank 1's batch of step 7 holds a -1: sqrt makes a NaN there only
     # one run with everything the dashboard's rank view shows: rank 1 is 3x slower (30 ms vs 10 ms of
@@ -120,12 +103,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     """Every scenario in one pair of processes (one process-group start for the whole file)."""
     out = tmp_path_factory.mktemp("ranks")
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(_free_port(), str(out), SCENARIOS), nprocs=2, join=True)
-    res = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
-    for r in res:
-        assert "crash" not in r, r["crash"]
+    pairs = run_pairs(_scenario, SCENARIOS, out)
     print(f"2-rank fixture: {time.perf_counter() - t0:.1f} s")
-    return {name: [res[0][name], res[1][name]] for name in SCENARIOS}
+    return pairs
 
 
 @TIMEOUT
