@@ -22,9 +22,7 @@ sentinel alone. Rank 0's median step times are printed (DDP synchronises the ran
 during backward, waited for at the update) + blocking.
 
 ``--fsdp N``: the same under FSDP2 (``fully_shard`` on each GPT block, else each Linear/Conv2d, then
-the root; gloo on N CPU processes). Variants: plain FSDP2 on its own copy, never watched; the
-default watch and the sentinel alone on a second copy; ``copy bias`` the second copy's time against
-the first's, both plain FSDP2 (memory layout, not torchdebug).
+the root; gloo on N CPU processes), the variants interleaved on one sharded model as for DDP.
 """
 
 from __future__ import annotations
@@ -385,22 +383,41 @@ def warnings_quiet() -> Any:
         yield
 
 
-def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, kind: str) -> None:
+    """One rank of ``--ddp N`` (``kind`` "ddp") or ``--fsdp N`` ("fsdp"): every variant interleaved on
+    ONE wrapped model (a session leaves nothing on it); rank 0 prints."""
     import os
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def wrap(model: nn.Module) -> nn.Module:
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            return DDP(model)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        units = [m for m in model.modules() if isinstance(m, Block)] or [
+            m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+        ]
+        for m in [*units, model]:
+            fully_shard(m, mesh=mesh)
+        return model
+
     try:
         if rank == 0:
             print(
-                f"torch {torch.__version__}, DDP over gloo, {world} CPU processes x {torch.get_num_threads()} "
-                f"threads, repeats {args.repeats} x {args.chunk} steps per variant, interleaved"
+                f"torch {torch.__version__}, {'DDP' if kind == 'ddp' else 'FSDP2'} over gloo, {world} CPU "
+                f"processes x {torch.get_num_threads()} threads, repeats {args.repeats} x {args.chunk} steps "
+                "per variant, interleaved"
             )
             print(
-                f"{'workload':<8} {'ddp ms':>8} {'watch':>7} {'(ordinary':>10} {'detail)':>8} {'sentinel':>9} "
+                f"{'workload':<8} {kind + ' ms':>8} {'watch':>7} {'(ordinary':>10} {'detail)':>8} {'sentinel':>9} "
                 f"{'collectives/step':>17}"
             )
         with tempfile.TemporaryDirectory() as tmp, warnings_quiet():
@@ -411,7 +428,7 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
                 torch.manual_seed(1000 + rank)
                 batches = [make_batch() for _ in range(4)]
                 torch.manual_seed(0)
-                model = DDP(build())  # one model for every variant: a session leaves nothing on it
+                model = wrap(build())
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 cfgs = {"watch": td.DebugConfig(), "sentinel": td.DebugConfig(mode="anomaly_detection")}
                 variants = ["plain", "watch", "sentinel"]
@@ -456,87 +473,6 @@ def _ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
         dist.destroy_process_group()
 
 
-def _fsdp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    import copy
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-
-    def shard(model: nn.Module) -> nn.Module:
-        units = [m for m in model.modules() if isinstance(m, Block)] or [
-            m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
-        ]
-        for m in [*units, model]:
-            fully_shard(m, mesh=mesh)
-        return model
-
-    try:
-        if rank == 0:
-            print(
-                f"torch {torch.__version__}, FSDP2 over gloo, {world} CPU processes x {torch.get_num_threads()} "
-                f"threads, repeats {args.repeats} x {args.chunk} steps per variant, interleaved"
-            )
-            print(
-                f"{'workload':<8} {'fsdp ms':>8} {'copy bias':>10} {'watch':>7} {'(ordinary':>10} "
-                f"{'detail)':>8} {'sentinel':>9}"
-            )
-        with tempfile.TemporaryDirectory() as tmp, warnings_quiet():
-            writer = create_run(root=tmp, name=f"bench-rank{rank}")
-            wl = workloads("cpu")
-            for name in args.only.split(","):
-                build, make_batch, loss_fn = wl[name]
-                torch.manual_seed(1000 + rank)
-                batches = [make_batch() for _ in range(4)]
-                torch.manual_seed(0)
-                base = build()
-                plain, watched = shard(copy.deepcopy(base)), shard(copy.deepcopy(base))
-                opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-                opt_w = torch.optim.AdamW(watched.parameters(), lr=1e-4)
-                cfgs = {"watch": td.DebugConfig(), "sentinel": td.DebugConfig(mode="anomaly_detection")}
-                variants = ["plain", "watch", "sentinel"]
-                times: dict[str, list[float]] = {v: [] for v in variants}
-                ordinary: list[float] = []
-                detail: list[float] = []
-                run_chunk(plain, opt_p, batches, loss_fn, 3, "cpu")
-                run_chunk(watched, opt_w, batches, loss_fn, 3, "cpu")
-                bias_p: list[float] = []
-                bias_w: list[float] = []
-                for _ in range(args.repeats):  # both copies plain FSDP2: the layout bias between them
-                    bias_p += run_chunk(plain, opt_p, batches, loss_fn, args.chunk, "cpu")
-                    bias_w += run_chunk(watched, opt_w, batches, loss_fn, args.chunk, "cpu")
-                for _ in range(args.repeats):
-                    for v in variants:
-                        if v in cfgs:
-                            with td.watch(watched, opt_w, run=writer, config=cfgs[v]) as mon:
-                                start = mon.global_step
-                                t = run_chunk(watched, opt_w, batches, loss_fn, args.chunk, "cpu", mon=mon)
-                            if v == "watch":
-                                every = cfgs[v].detail_every
-                                for j, x in enumerate(t):
-                                    (detail if (start + j) % every == 0 else ordinary).append(x)
-                        else:
-                            t = run_chunk(plain, opt_p, batches, loss_fn, args.chunk, "cpu")
-                        times[v].extend(t)
-                med = {v: statistics.median(times[v]) for v in variants}
-                base_s = med["plain"]
-                if rank == 0:
-                    print(
-                        f"{name:<8} {base_s * 1e3:>8.2f} {statistics.median(bias_w) / statistics.median(bias_p):>9.3f}x "
-                        f"{med['watch'] / base_s:>6.3f}x {statistics.median(ordinary) / base_s:>9.3f}x "
-                        f"{statistics.median(detail) / base_s:>7.3f}x {med['sentinel'] / base_s:>8.3f}x",
-                        flush=True,
-                    )
-            writer.close()
-    finally:
-        dist.destroy_process_group()
-
-
 def ddp_main(args: argparse.Namespace) -> int:
     import socket
 
@@ -545,8 +481,8 @@ def ddp_main(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker, n = (_fsdp_worker, args.fsdp) if args.fsdp else (_ddp_worker, args.ddp)
-    mp.spawn(worker, args=(n, port, args), nprocs=n, join=True)
+    kind, n = ("fsdp", args.fsdp) if args.fsdp else ("ddp", args.ddp)
+    mp.spawn(_dist_worker, args=(n, port, args, kind), nprocs=n, join=True)
     return 0
 
 
