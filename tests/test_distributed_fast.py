@@ -1,5 +1,6 @@
-"""watch() under DDP without a per-step rendezvous (issue 11's overhead): the hidden flag all-reduce,
-the rank of birth found on the rare path (gradient accumulation, a NaN loss with finite gradients,
+"""watch() under DDP with one small collective per step (issue 11's overhead): the all-reduce launched
+without waiting at the end of the backward DDP all-reduced (counted as "hidden"), each rank's share of
+the gradient and parameter checks riding in it, the rank of birth found on the rare path (gradient accumulation, a NaN loss with finite gradients,
 GradScaler, a process group without DDP, a DDP model with its own comm hook). 2 CPU processes over
 gloo; every test under a timeout so a hang fails."""
 
@@ -174,7 +175,7 @@ def _stopped_at_7_naming_rank1(pair: list[dict], phase: str, op: str, line: int,
 def test_ordinary_ddp_steps_use_one_hidden_all_reduce_and_no_comm_hook(runs):
     for r in runs["clean"]:
         assert "error" not in r and r["step"] == STEPS and r["anomalies"] == [] and r["warnings"] == []
-        # one all-reduce per step, launched during backward and waited for at the update: no blocking one
+        # one all-reduce per step, launched as the backward ends and waited for at the update: no blocking one
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 0}
         assert r["comm_hooks"] == 0  # DDP keeps its built-in C++ all-reduce
     assert runs["clean"][0]["params"] == runs["clean"][1]["params"]
