@@ -78,11 +78,14 @@ class RunningMedian:
         in the merge of the two runs with a binary search, O(log window), no list built and the
         same result, bit for bit, as walking the merge (see :func:`_merged_rank`).
         """
+        return self._mad_at(self.median())
+
+    def _mad_at(self, med: float) -> float:
+        """``mad()`` given the window's median (``median()``, computed once by the caller)."""
         s = self._sorted
         n = len(s)
         if n == 0:
             return math.nan
-        med = self.median()
         split = bisect.bisect_left(s, med)
         half = n // 2
         if n % 2:
@@ -95,20 +98,26 @@ class RunningMedian:
 
         The floors keep a (nearly) constant series from turning every tiny wiggle into a huge z-score.
         """
-        med = self.median()
+        return self._sigma_at(self.median(), rel_floor, abs_floor)
+
+    def _sigma_at(self, med: float, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
+        """``sigma()`` given the window's median (the rules that also read the median compute it once)."""
         if math.isnan(med):
             return math.nan
-        return max(MAD_TO_SIGMA * self.mad(), rel_floor * abs(med), abs_floor)
+        return max(MAD_TO_SIGMA * self._mad_at(med), rel_floor * abs(med), abs_floor)
 
     def zscore(self, value: float, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
         """How many robust sigmas ``value`` lies above the median (negative below); NaN when empty.
 
         A zero sigma (constant window, no floor) gives +/-inf for any different value and 0 for the median.
         """
-        med = self.median()
+        return self._zscore_at(self.median(), value, rel_floor, abs_floor)
+
+    def _zscore_at(self, med: float, value: float, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
+        """``zscore()`` given the window's median."""
         if math.isnan(med):
             return math.nan
-        sig = self.sigma(rel_floor, abs_floor)
+        sig = self._sigma_at(med, rel_floor, abs_floor)
         diff = float(value) - med
         if sig > 0:
             return diff / sig

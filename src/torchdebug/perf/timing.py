@@ -205,7 +205,7 @@ class SlowdownRule:
             return []
         med = _median([r.total for r in self.recent])
         base = self.baseline.median()
-        sigma = self.baseline.sigma()
+        sigma = self.baseline._sigma_at(base)  # the median computed once
         slow = med > self.factor * base and med - base >= max(self.min_s, self.mads * sigma)
         if slow and self.start is None:
             turned, slow_s = self._pending or (t.step, 0.0)
