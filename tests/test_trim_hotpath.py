@@ -212,3 +212,63 @@ def test_slowdown_rule_events_equal_the_running_median_version(seed: int) -> Non
         fired += len(a)
     assert (new.count, new.start) == (old.count, old.start)
     assert fired >= 1  # the episode was seen (its start, and its end unless it runs to the last step)
+
+
+# -- the monitor's per-step plumbing ---------------------------------------------------------------
+
+
+def test_each_switches_a_failing_instrument_off_once_and_keeps_the_others() -> None:
+    import warnings
+
+    import torchdebug as td
+    from tests.fixtures import models as fx
+
+    calls: list[str] = []
+
+    class Broken:
+        name = "broken"
+
+        def on_backward_end(self, mon: td.Monitor) -> None:
+            calls.append("broken")
+            raise ZeroDivisionError("oops")
+
+    class Fine:
+        name = "fine"
+        on_forward_end = None  # an attribute set to None is "no such method", as before
+
+        def on_backward_end(self, mon: td.Monitor) -> None:
+            calls.append("fine")
+
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = td.watch(model, opt, run=False, config=td.DebugConfig(mode="anomaly_detection"))
+    mon.instruments += [Broken(), Fine()]
+    with warnings.catch_warnings(record=True) as record, mon:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    off = [w for w in record if "switched off" in str(w.message)]
+    assert [str(w.message) for w in off] == [
+        "torchdebug: instrument 'broken' failed and was switched off: ZeroDivisionError('oops')"
+    ]
+    assert off[0].filename.endswith("monitor.py")  # as before: the monitor's own line
+    assert calls == ["broken", "fine", "fine", "fine"]  # after it: the others still run, in order
+
+
+def test_owns_optimizer_shortcut_and_wrapped_optimizers() -> None:
+    import torchdebug as td
+    from tests.fixtures import models as fx
+
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(fx.MLP().parameters(), lr=0.1)
+    wrapper = types.SimpleNamespace(_optimizer=opt)  # LightningOptimizer keeps the optimizer here
+    mon = td.watch(model, opt, run=False)
+    assert mon.owns_optimizer(opt) and mon.owns_optimizer(wrapper)
+    assert not mon.owns_optimizer(other) and not mon.owns_optimizer(None)
+    adopted = td.watch(model, None, run=False)  # no optimizer: the first one of its parameters
+    assert adopted.owns_optimizer(opt) and not adopted.owns_optimizer(other)
+    assert not adopted.owns_optimizer(None)

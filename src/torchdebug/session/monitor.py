@@ -130,6 +130,8 @@ class Monitor:
             model = orig
         self.model = model
         self.optimizer = optimizer
+        # the optimizer when unwrapping leaves it as it is (``owns_optimizer``'s shortcut)
+        self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
         self.scaler = scaler
         self.early_stopping = early_stopping
         self._run_arg = run
@@ -195,7 +197,8 @@ class Monitor:
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
         self.sentinel.pop_tape()
-        self._plain.wrap_compiled()
+        if self._called.__dict__.get("_compiled_call_impl") is not None:  # model.compile() in place
+            self._plain.wrap_compiled()
         self.sentinel.on_backward_start(self, loss, gradient)
         if (
             isinstance(loss, torch.Tensor)
@@ -320,7 +323,11 @@ class Monitor:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
         items: Items = []
         for inst in list(self.instruments):
+            if getattr(inst, "collect", None) is None:
+                continue  # most instruments hand over nothing (no call, twice a step)
             got = self._call(inst, "collect") or {}
+            if not got:
+                continue
             if any(isinstance(v, torch.Tensor) and v.is_meta for v in got.values()):
                 # a model on the meta device: shapes only, no values for this instrument to report
                 self._disable(inst, RuntimeError("its tensors are on the meta device and hold no values"))
@@ -407,6 +414,8 @@ class Monitor:
 
     def owns_optimizer(self, opt: Any) -> bool:
         """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
+        if opt is self._bare_optimizer and opt is not None and opt is self.optimizer:
+            return True  # twice a step (the optimizer hooks): the session's own, unwrapped optimizer
         opt = unwrap_optimizer(opt)
         if self.optimizer is not None:
             return opt is self.optimizer
@@ -572,11 +581,11 @@ class Monitor:
             self._disable(inst, exc)
             return None
 
-    def _disable(self, inst: Any, exc: BaseException) -> None:
+    def _disable(self, inst: Any, exc: BaseException, stacklevel: int = 3) -> None:
         name = getattr(inst, "name", type(inst).__name__)
         warnings.warn(
             TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}"),
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
         if inst in self.instruments:
             self.instruments.remove(inst)
@@ -585,9 +594,17 @@ class Monitor:
                     inst.remove(self)
 
     def _each(self, method: str, *args: Any) -> None:
+        # several times a step: ``_call`` inlined (one lookup, no extra frame per instrument)
         for inst in list(self.instruments):
-            if hasattr(inst, method):
-                self._call(inst, method, *args)
+            fn = getattr(inst, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(self, *args)
+            except NonFiniteError:
+                raise
+            except Exception as exc:
+                self._disable(inst, exc, stacklevel=2)  # the warning points here, as from _call
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""
