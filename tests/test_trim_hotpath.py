@@ -272,3 +272,23 @@ def test_owns_optimizer_shortcut_and_wrapped_optimizers() -> None:
     adopted = td.watch(model, None, run=False)  # no optimizer: the first one of its parameters
     assert adopted.owns_optimizer(opt) and not adopted.owns_optimizer(other)
     assert not adopted.owns_optimizer(None)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((torch.zeros(4, 7),), {}),
+        ((torch.tensor(1.0), torch.zeros(2)), {}),  # a 0-dim first argument is the first leaf too
+        (([torch.zeros(6, 1)],), {}),
+        ((), {"x": torch.zeros(2, 3)}),
+        ((1, torch.zeros(8, 2)), {}),
+        ((), {}),
+    ],
+    ids=["tensor", "scalar-first", "nested", "kwargs", "int-first", "none"],
+)
+def test_memory_first_shape_fast_path(args: tuple, kwargs: dict) -> None:
+    from torchdebug._trees import tensor_leaves
+    from torchdebug.memory.instrument import _first_shape
+
+    leaves = tensor_leaves((args, kwargs))
+    assert _first_shape(args, kwargs) == (tuple(leaves[0].shape) if leaves else None)

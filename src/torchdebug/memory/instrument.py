@@ -45,7 +45,10 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     """Median of the pairwise slopes ``(y_j - y_i) / (x_j - x_i)`` (Theil–Sen); NaN with fewer than 2 points.
 
     Robust to a minority of outliers and to one-off jumps: a single step change moves fewer than half
-    of the pairwise slopes. Cost: O(n²) pairs; n is the leak window (<= a few hundred).
+    of the pairwise slopes. Cost: O(n²) pairs; n is the leak window (<= a few hundred). Finite
+    floats and small ints (the leak test's steps and bytes) go through one vectorised float64 pass
+    (``torch`` on the CPU, the same IEEE operations in the same order, so the same result bit for
+    bit: about 5x faster than the Python loop at 50 points); anything else through the loop.
 
     Example:
         >>> theil_sen_slope([0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 1000])
@@ -53,6 +56,9 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     """
     x = list(xs)
     y = list(ys)
+    vectorised = len(x) == len(y) >= _VECTOR_MIN and _exact_in_float64(x) and _exact_in_float64(y)
+    if vectorised and len(set(x)) == len(x):  # no pair to skip (the leak test's steps are distinct)
+        return _theil_sen_float64(x, y)
     slopes = [
         (y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(i + 1, len(x)) if x[j] != x[i]
     ]
@@ -61,6 +67,57 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     slopes.sort()
     n = len(slopes)
     return slopes[n // 2] if n % 2 else 0.5 * (slopes[n // 2 - 1] + slopes[n // 2])
+
+
+_VECTOR_MIN = 8  # points: below this the Python loop is as fast
+_EXACT_INT = 2**52  # ints up to here, and their differences, are exact in float64
+
+
+def _exact_in_float64(vals: list[Any]) -> bool:
+    """True when every value is a finite float or a small int: float64 arithmetic on them is exactly
+    what Python does (float - float, int - int exact, int -> float exact, one correctly rounded
+    division); NaN/Inf would order differently, big ints would round before the division."""
+    for v in vals:
+        t = type(v)
+        if t is float:
+            if not math.isfinite(v):
+                return False
+        elif t is not int or not -_EXACT_INT <= v <= _EXACT_INT:
+            return False
+    return True
+
+
+_PAIRS: dict[int, torch.Tensor] = {}  # n -> flat (i * n + j) of every pair i < j, in the loop's order
+
+
+def _theil_sen_float64(x: list[Any], y: list[Any]) -> float:
+    """:func:`theil_sen_slope` for distinct ``x`` as float64 tensor operations on the CPU.
+
+    The pairwise differences are the loop's (``a[j] - a[i]``, one IEEE subtraction each), the
+    slopes its divisions; the median is read with ``kthvalue``, which returns the value of that
+    rank: the same bits as the loop's sorted list, except that a zero median could be either
+    signed zero, so that case is read from a stable sort in the loop's order.
+    """
+    n = len(x)
+    flat = _PAIRS.get(n)
+    if flat is None:
+        if len(_PAIRS) >= 8:
+            _PAIRS.clear()  # bounded: the leak test uses two sizes
+        ij = torch.triu_indices(n, n, offset=1, device="cpu")  # i ascending, then j ascending
+        flat = _PAIRS[n] = ij[0] * n + ij[1]
+    with torch.no_grad():
+        xt = torch.tensor(x, dtype=torch.float64, device="cpu")
+        yt = torch.tensor(y, dtype=torch.float64, device="cpu")
+        dy = (yt.unsqueeze(0) - yt.unsqueeze(1)).view(-1).take(flat)  # [i, j] = y[j] - y[i]
+        dx = (xt.unsqueeze(0) - xt.unsqueeze(1)).view(-1).take(flat)
+        slopes = dy / dx
+        m = slopes.numel()
+        ranks = (m // 2,) if m % 2 else (m // 2 - 1, m // 2)  # 0-based, as in the loop
+        got = [float(slopes.kthvalue(k + 1).values.item()) for k in ranks]
+        if any(v == 0.0 for v in got):
+            s = torch.sort(slopes, stable=True).values  # signed zeros in the loop's order
+            got = [float(s[k].item()) for k in ranks]
+    return got[0] if m % 2 else 0.5 * (got[0] + got[1])
 
 
 @dataclass(frozen=True)
@@ -79,10 +136,14 @@ class Trend:
 
 def trend(series: str, steps: list[int], values: list[float]) -> Trend:
     """Theil–Sen slope (per step) and increasing fraction of ``values`` sampled at ``steps``."""
+    return _trend(series, steps, values, theil_sen_slope(steps, values))
+
+
+def _trend(series: str, steps: list[int], values: list[float], slope: float) -> Trend:
     inc = sum(1 for a, b in itertools.pairwise(values) if b > a)
     return Trend(
         series=series,
-        slope=theil_sen_slope(steps, values),
+        slope=slope,
         recent_slope=theil_sen_slope(steps[len(steps) // 2 :], values[len(values) // 2 :]),
         increasing_fraction=inc / max(1, len(values) - 1),
         growth=float(values[-1] - values[0]) if values else 0.0,
@@ -158,9 +219,9 @@ class LeakDetector:
             inc = sum(1 for a, b in itertools.pairwise(v) if b > a) / (len(v) - 1)
             if inc < self.min_increasing or v[-1] <= v[0]:
                 continue
-            tr = trend(name, steps, v)
-            if tr.slope >= self.min_bytes_per_step:
-                out.append(tr)
+            slope = theil_sen_slope(steps, v)
+            if slope >= self.min_bytes_per_step:  # the rest of the trend only for a suspect
+                out.append(_trend(name, steps, v, slope))
         return out
 
 
@@ -474,6 +535,8 @@ def write_oom_report(report: OomReport, run_dir: str | Path, *, snapshot: bool =
 
 
 def _first_shape(args: Any, kwargs: Any) -> tuple[int, ...] | None:
+    if type(args) is tuple and args and isinstance(args[0], torch.Tensor):
+        return tuple(args[0].shape)  # every forward: the first leaf is the first argument, no walk
     for t in tensor_leaves((args, kwargs)):
         return tuple(t.shape)
     return None
