@@ -402,14 +402,16 @@ class TimingInstrument:
         spans = m.spans
         if c.cuda:
             el = c.elapsed
-            data, forward, backward, optimizer = (
-                sum([el(a, b) for a, b in spans[k]]) for k in ("data", "forward", "backward", "optimizer")
-            )
+            data = sum([el(a, b) for a, b in spans["data"]])
+            forward = sum([el(a, b) for a, b in spans["forward"]])
+            backward = sum([el(a, b) for a, b in spans["backward"]])
+            optimizer = sum([el(a, b) for a, b in spans["optimizer"]])
             total = el(m.start, m.end)
         else:  # perf_counter marks: elapsed is b - a
-            data, forward, backward, optimizer = (
-                sum([b - a for a, b in spans[k]]) for k in ("data", "forward", "backward", "optimizer")
-            )
+            data = sum([b - a for a, b in spans["data"]])
+            forward = sum([b - a for a, b in spans["forward"]])
+            backward = sum([b - a for a, b in spans["backward"]])
+            optimizer = sum([b - a for a, b in spans["optimizer"]])
             total = m.end - m.start
         other = max(0.0, total - sum((data, forward, backward, optimizer)))
         t = StepTiming(

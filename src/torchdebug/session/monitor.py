@@ -176,7 +176,11 @@ class Monitor:
     # -- the step protocol (see the module docstring) -------------------------------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         """Forward began (the root module's forward pre-hook; ``outside``: around a compiled call)."""
-        if self.replaying or not torch.is_grad_enabled() or (self._plain.in_compiled_call and not outside):
+        if (
+            self.sentinel.replaying
+            or not torch.is_grad_enabled()
+            or (self._plain.in_compiled_call and not outside)
+        ):
             return
         self.sentinel.pop_tape()
         if self._new_micro_step:
@@ -189,7 +193,11 @@ class Monitor:
 
     def forward_done(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
         """Forward done (the root module's forward hook)."""
-        if self.replaying or not torch.is_grad_enabled() or (self._plain.in_compiled_call and not outside):
+        if (
+            self.sentinel.replaying
+            or not torch.is_grad_enabled()
+            or (self._plain.in_compiled_call and not outside)
+        ):
             return
         self.sentinel.on_forward_end(self, module, output)
         self._each("on_forward_end", module, output)
@@ -228,14 +236,14 @@ class Monitor:
         itself after ``mon.driver`` is set. Here the step's transfer runs and the gradients are checked
         (under ``policy="skip"`` a bad step's gradients are dropped so the update does nothing).
         """
-        if self.replaying:
+        if self.sentinel.replaying:
             return
         self.sentinel.before_update(self, opt)
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
-        if self.replaying:
+        if self.sentinel.replaying:
             return
         self.sentinel.after_update(self)
         self._each("after_optimizer_step")
@@ -295,7 +303,7 @@ class Monitor:
         """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
         items = self.transfer.items(self.scaler) + self.sentinel.items() + self._collect()
         self.transfer.synced = True
-        if any(t.is_meta for _, t in items):
+        if any([t.is_meta for _, t in items]):
             # a model on the meta device computes shapes only: there are no values to read or check
             items = [(k, t) for k, t in items if not t.is_meta]
             self._warn_once(
@@ -345,7 +353,7 @@ class Monitor:
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         lr = (
-            tuple(float(g.get("lr", math.nan)) for g in self.optimizer.param_groups)
+            tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
             if self.optimizer is not None
             else ()
         )
@@ -410,7 +418,7 @@ class Monitor:
         )
 
     def accepts_backward(self) -> bool:
-        return not self.replaying and not self._closed
+        return not self.sentinel.replaying and not self._closed
 
     def owns_optimizer(self, opt: Any) -> bool:
         """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
