@@ -89,9 +89,10 @@ class RunningMedian:
         split = bisect.bisect_left(s, med)
         half = n // 2
         if n % 2:
-            d = _merged_rank(s, med, split, half)
+            d = _merged_rank(s, med, split, half)[0]
             return 0.5 * (d + d)
-        return 0.5 * (_merged_rank(s, med, split, half - 1) + _merged_rank(s, med, split, half))
+        lo, hi = _merged_rank(s, med, split, half - 1)  # the two middle ranks, one search
+        return 0.5 * (lo + hi)
 
     def sigma(self, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
         """Robust standard deviation ``1.4826 * MAD``, floored at ``rel_floor*|median|`` and ``abs_floor``.
@@ -126,13 +127,15 @@ class RunningMedian:
         return math.copysign(math.inf, diff)
 
 
-def _merged_rank(s: list[float], med: float, split: int, k: int) -> float:
-    """The deviation of 0-based rank ``k`` in the merge of the left run ``med - s[split-1-a]``
-    (a = 0, 1, ...) and the right run ``s[split+b] - med`` (b = 0, 1, ...); both are non-decreasing.
+def _merged_rank(s: list[float], med: float, split: int, k: int) -> tuple[float, float]:
+    """The deviations of 0-based ranks ``k`` and ``k + 1`` (``inf`` past the end) in the merge of the
+    left run ``med - s[split-1-a]`` (a = 0, 1, ...) and the right run ``s[split+b] - med``
+    (b = 0, 1, ...); both are non-decreasing.
 
     Binary search on how many of the ``k + 1`` smallest come from the left run: O(log n). Ties go to
     the left run first, as in a merge walk that takes the left deviation when ``left <= right``
-    (the left deviations are > 0, so tied values are equal bit for bit: no signed-zero case).
+    (the left deviations are > 0, so tied values are equal bit for bit: no signed-zero case). The
+    next rank is the smaller of the two runs' next deviations.
     """
     nl, nr = split, len(s) - split
     m = k + 1  # how many deviations are taken
@@ -146,7 +149,10 @@ def _merged_rank(s: list[float], med: float, split: int, k: int) -> float:
     a = lo
     left = med - s[split - a] if a > 0 else -math.inf  # the a-th left deviation (1-based)
     right = s[split + m - a - 1] - med if m - a > 0 else -math.inf
-    return left if left > right else right  # the later of the two in the walk
+    nxt_left = med - s[split - 1 - a] if a < nl else math.inf
+    nxt_right = s[split + m - a] - med if m - a < nr else math.inf
+    # the later of the two in the walk; then the walk's next pick
+    return (left if left > right else right), (nxt_left if nxt_left <= nxt_right else nxt_right)
 
 
 class Streak:
