@@ -87,7 +87,37 @@ def _exact_in_float64(vals: list[Any]) -> bool:
     return True
 
 
-_PAIRS: dict[int, torch.Tensor] = {}  # n -> flat (i * n + j) of every pair i < j, in the loop's order
+_PAIRS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> (i, j) of every pair i < j, loop order
+_DX: dict[tuple[int, int], torch.Tensor] = {}  # (n, spacing) -> x[j] - x[i] of evenly spaced int x
+
+
+def _pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    got = _PAIRS.get(n)
+    if got is None:
+        if len(_PAIRS) >= 8:
+            _PAIRS.clear()  # bounded: the leak test uses two sizes
+        ij = torch.triu_indices(n, n, offset=1, device="cpu")  # i ascending, then j ascending
+        got = _PAIRS[n] = (ij[0], ij[1])
+    return got
+
+
+def _differences(x: list[Any], i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``x[j] - x[i]`` per pair in float64. The leak test's steps are evenly spaced ints: their
+    differences depend on the spacing only, so they are computed once per (count, spacing)."""
+    n, key, x0 = len(x), None, x[0]
+    d = x[1] - x0
+    if type(x0) is int and type(d) is int and d and x == list(range(x0, x0 + d * n, d)):
+        key = (n, d)
+        got = _DX.get(key)
+        if got is not None:
+            return got
+    xt = torch.tensor(x, dtype=torch.float64, device="cpu")
+    dx = xt.take(j) - xt.take(i)
+    if key is not None:
+        if len(_DX) >= 8:
+            _DX.clear()
+        _DX[key] = dx
+    return dx
 
 
 def _theil_sen_float64(x: list[Any], y: list[Any]) -> float:
@@ -98,19 +128,11 @@ def _theil_sen_float64(x: list[Any], y: list[Any]) -> float:
     rank: the same bits as the loop's sorted list, except that a zero median could be either
     signed zero, so that case is read from a stable sort in the loop's order.
     """
-    n = len(x)
-    flat = _PAIRS.get(n)
-    if flat is None:
-        if len(_PAIRS) >= 8:
-            _PAIRS.clear()  # bounded: the leak test uses two sizes
-        ij = torch.triu_indices(n, n, offset=1, device="cpu")  # i ascending, then j ascending
-        flat = _PAIRS[n] = ij[0] * n + ij[1]
+    i, j = _pairs(len(x))
     with torch.no_grad():
-        xt = torch.tensor(x, dtype=torch.float64, device="cpu")
+        dx = _differences(x, i, j)
         yt = torch.tensor(y, dtype=torch.float64, device="cpu")
-        dy = (yt.unsqueeze(0) - yt.unsqueeze(1)).view(-1).take(flat)  # [i, j] = y[j] - y[i]
-        dx = (xt.unsqueeze(0) - xt.unsqueeze(1)).view(-1).take(flat)
-        slopes = dy / dx
+        slopes = (yt.take(j) - yt.take(i)).div_(dx)
         m = slopes.numel()
         ranks = (m // 2,) if m % 2 else (m // 2 - 1, m // 2)  # 0-based, as in the loop
         got = [float(slopes.kthvalue(k + 1).values.item()) for k in ranks]
