@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import sys
 import weakref
 from collections import deque
@@ -238,7 +239,7 @@ class LeakDetector:
             v = list(vals)
             self.checked.add(name)
             # O(n) pre-check first: the O(n²) Theil–Sen slope only runs for a series that mostly grows
-            inc = sum(1 for a, b in itertools.pairwise(v) if b > a) / (len(v) - 1)
+            inc = sum(map(operator.lt, v, v[1:])) / (len(v) - 1)  # increases (a < b), counted in C
             if inc < self.min_increasing or v[-1] <= v[0]:
                 continue
             slope = theil_sen_slope(steps, v)
