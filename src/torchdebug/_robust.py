@@ -18,7 +18,7 @@ class RunningMedian:
 
     Non-finite values are ignored by :meth:`push` (they would poison the window): the caller
     decides what a NaN/Inf means. Cost: ``push`` is O(window) (sorted insert/remove in a list),
-    ``median`` O(1), ``mad`` O(window) (a merge walk over the sorted window, no sort).
+    ``median`` O(1), ``mad`` O(log window) (a rank selection in the sorted window, no sort).
 
     Example:
         >>> m = RunningMedian(5)
@@ -74,56 +74,85 @@ class RunningMedian:
         """Median absolute deviation from the median; NaN when empty.
 
         The deviations left of the median grow leftwards and those right of it grow rightwards,
-        so both are already sorted: merging them up to the middle rank finds the median of the
-        deviations in O(window) without sorting.
+        so both are already sorted: the median of the deviations is found by selecting its rank(s)
+        in the merge of the two runs with a binary search, O(log window), no list built and the
+        same result, bit for bit, as walking the merge (see :func:`_merged_rank`).
         """
+        return self._mad_at(self.median())
+
+    def _mad_at(self, med: float) -> float:
+        """``mad()`` given the window's median (``median()``, computed once by the caller)."""
         s = self._sorted
         n = len(s)
         if n == 0:
             return math.nan
-        med = self.median()
         split = bisect.bisect_left(s, med)
-        i, j = split - 1, split  # i walks left (deviation med - s[i]), j walks right (s[j] - med)
-        need = (n // 2, n // 2) if n % 2 else (n // 2 - 1, n // 2)  # 0-based ranks to average
-        got: list[float] = []
-        rank = 0
-        while rank <= need[1]:
-            left = med - s[i] if i >= 0 else math.inf
-            right = s[j] - med if j < n else math.inf
-            if left <= right:
-                d, i = left, i - 1
-            else:
-                d, j = right, j + 1
-            if rank >= need[0]:
-                got.append(d)
-            rank += 1
-        return 0.5 * (got[0] + got[-1])
+        half = n // 2
+        if n % 2:
+            d = _merged_rank(s, med, split, half)[0]
+            return 0.5 * (d + d)
+        lo, hi = _merged_rank(s, med, split, half - 1)  # the two middle ranks, one search
+        return 0.5 * (lo + hi)
 
     def sigma(self, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
         """Robust standard deviation ``1.4826 * MAD``, floored at ``rel_floor*|median|`` and ``abs_floor``.
 
         The floors keep a (nearly) constant series from turning every tiny wiggle into a huge z-score.
         """
-        med = self.median()
+        return self._sigma_at(self.median(), rel_floor, abs_floor)
+
+    def _sigma_at(self, med: float, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
+        """``sigma()`` given the window's median (the rules that also read the median compute it once)."""
         if math.isnan(med):
             return math.nan
-        return max(MAD_TO_SIGMA * self.mad(), rel_floor * abs(med), abs_floor)
+        return max(MAD_TO_SIGMA * self._mad_at(med), rel_floor * abs(med), abs_floor)
 
     def zscore(self, value: float, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
         """How many robust sigmas ``value`` lies above the median (negative below); NaN when empty.
 
         A zero sigma (constant window, no floor) gives +/-inf for any different value and 0 for the median.
         """
-        med = self.median()
+        return self._zscore_at(self.median(), value, rel_floor, abs_floor)
+
+    def _zscore_at(self, med: float, value: float, rel_floor: float = 0.0, abs_floor: float = 0.0) -> float:
+        """``zscore()`` given the window's median."""
         if math.isnan(med):
             return math.nan
-        sig = self.sigma(rel_floor, abs_floor)
+        sig = self._sigma_at(med, rel_floor, abs_floor)
         diff = float(value) - med
         if sig > 0:
             return diff / sig
         if diff == 0:
             return 0.0
         return math.copysign(math.inf, diff)
+
+
+def _merged_rank(s: list[float], med: float, split: int, k: int) -> tuple[float, float]:
+    """The deviations of 0-based ranks ``k`` and ``k + 1`` (``inf`` past the end) in the merge of the
+    left run ``med - s[split-1-a]`` (a = 0, 1, ...) and the right run ``s[split+b] - med``
+    (b = 0, 1, ...); both are non-decreasing.
+
+    Binary search on how many of the ``k + 1`` smallest come from the left run: O(log n). Ties go to
+    the left run first, as in a merge walk that takes the left deviation when ``left <= right``
+    (the left deviations are > 0, so tied values are equal bit for bit: no signed-zero case). The
+    next rank is the smaller of the two runs' next deviations.
+    """
+    nl, nr = split, len(s) - split
+    m = k + 1  # how many deviations are taken
+    lo, hi = max(0, m - nr), min(m, nl)
+    while lo < hi:  # the smallest ``a`` whose next left deviation comes after the last right one taken
+        a = (lo + hi) // 2
+        if med - s[split - 1 - a] <= s[split + m - a - 1] - med:
+            lo = a + 1
+        else:
+            hi = a
+    a = lo
+    left = med - s[split - a] if a > 0 else -math.inf  # the a-th left deviation (1-based)
+    right = s[split + m - a - 1] - med if m - a > 0 else -math.inf
+    nxt_left = med - s[split - 1 - a] if a < nl else math.inf
+    nxt_right = s[split + m - a] - med if m - a < nr else math.inf
+    # the later of the two in the walk; then the walk's next pick
+    return (left if left > right else right), (nxt_left if nxt_left <= nxt_right else nxt_right)
 
 
 class Streak:

@@ -147,7 +147,7 @@ class ExplosionRule:
         rel = False
         if len(self.history):
             med = self.history.median()
-            sigma = self.history.sigma(abs_floor=LOG_SIGMA_FLOOR)
+            sigma = self.history._sigma_at(med, abs_floor=LOG_SIGMA_FLOOR)  # the median computed once
             z = (math.log10(norm) - med) / sigma
             ratio = norm / 10**med
             rel = z > self.mads and ratio >= (EARLY_RATIO if early else self.min_ratio)
@@ -172,7 +172,9 @@ class ExplosionRule:
                 callable returning them (called only when the event fires: no sort per step).
         """
         evidence = self.check(norm)
-        typical = 10 ** self.history.median() if len(self.history) else math.nan
+        # what the message says was typical: the median before this norm joins it (read only on the
+        # step that fires)
+        typical = 10 ** self.history.median() if evidence is not None and len(self.history) else math.nan
         judged_on = len(self.history)
         # an exploding norm stays out of the baseline for the first FREEZE steps of its episode, so
         # a run-away growth stays one episode instead of widening the range it is judged against
@@ -302,7 +304,7 @@ class LossSpikeRule:
         z = med = 0.0
         if len(self.history) >= max(self.warmup, 1):
             med = self.history.median()
-            z = self.history.zscore(loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
+            z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
             fire = z > self.mads
         self.history.push(loss)
         if not fire:
@@ -930,7 +932,7 @@ class GradientHealth:
         loss = values.get("loss")
         norm = values.get("grad_norm")
         norms_host = mon.grad_norms_host
-        names = list(mon.param_names)
+        names = mon.param_names  # read only (no copy a step)
         scalars: dict[str, float] = {}
         amp = mon.scaler is not None and record.scale is not None
 
@@ -974,7 +976,8 @@ class GradientHealth:
             self._update_insight(mon, handed["update"], values)
         if "act" in handed:
             self._act_insight(mon, step, handed["act"], values)
-        self._early_stopping(mon, step)
+        if mon.early_stopping is not None:
+            self._early_stopping(mon, step)
         if self._step_had_anomaly:  # also set before the update (an explosion judged pre-update)
             self.counters["anomaly_steps"] += 1
         self._step_had_anomaly = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import sys
 import weakref
 from collections import deque
@@ -45,7 +46,10 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     """Median of the pairwise slopes ``(y_j - y_i) / (x_j - x_i)`` (Theil–Sen); NaN with fewer than 2 points.
 
     Robust to a minority of outliers and to one-off jumps: a single step change moves fewer than half
-    of the pairwise slopes. Cost: O(n²) pairs; n is the leak window (<= a few hundred).
+    of the pairwise slopes. Cost: O(n²) pairs; n is the leak window (<= a few hundred). Finite
+    floats and small ints (the leak test's steps and bytes) go through one vectorised float64 pass
+    (``torch`` on the CPU, the same IEEE operations in the same order, so the same result bit for
+    bit: about 5x faster than the Python loop at 50 points); anything else through the loop.
 
     Example:
         >>> theil_sen_slope([0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 1000])
@@ -53,6 +57,9 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     """
     x = list(xs)
     y = list(ys)
+    vectorised = len(x) == len(y) >= _VECTOR_MIN and _exact_in_float64(x) and _exact_in_float64(y)
+    if vectorised and len(set(x)) == len(x):  # no pair to skip (the leak test's steps are distinct)
+        return _theil_sen_float64(x, y)
     slopes = [
         (y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(i + 1, len(x)) if x[j] != x[i]
     ]
@@ -61,6 +68,79 @@ def theil_sen_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     slopes.sort()
     n = len(slopes)
     return slopes[n // 2] if n % 2 else 0.5 * (slopes[n // 2 - 1] + slopes[n // 2])
+
+
+_VECTOR_MIN = 8  # points: below this the Python loop is as fast
+_EXACT_INT = 2**52  # ints up to here, and their differences, are exact in float64
+
+
+def _exact_in_float64(vals: list[Any]) -> bool:
+    """True when every value is a finite float or a small int: float64 arithmetic on them is exactly
+    what Python does (float - float, int - int exact, int -> float exact, one correctly rounded
+    division); NaN/Inf would order differently, big ints would round before the division."""
+    for v in vals:
+        t = type(v)
+        if t is float:
+            if not math.isfinite(v):
+                return False
+        elif t is not int or not -_EXACT_INT <= v <= _EXACT_INT:
+            return False
+    return True
+
+
+_PAIRS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> (i, j) of every pair i < j, loop order
+_DX: dict[tuple[int, int], torch.Tensor] = {}  # (n, spacing) -> x[j] - x[i] of evenly spaced int x
+
+
+def _pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    got = _PAIRS.get(n)
+    if got is None:
+        if len(_PAIRS) >= 8:
+            _PAIRS.clear()  # bounded: the leak test uses two sizes
+        ij = torch.triu_indices(n, n, offset=1, device="cpu")  # i ascending, then j ascending
+        got = _PAIRS[n] = (ij[0], ij[1])
+    return got
+
+
+def _differences(x: list[Any], i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``x[j] - x[i]`` per pair in float64. The leak test's steps are evenly spaced ints: their
+    differences depend on the spacing only, so they are computed once per (count, spacing)."""
+    n, key, x0 = len(x), None, x[0]
+    d = x[1] - x0
+    if type(x0) is int and type(d) is int and d and x == list(range(x0, x0 + d * n, d)):
+        key = (n, d)
+        got = _DX.get(key)
+        if got is not None:
+            return got
+    xt = torch.tensor(x, dtype=torch.float64, device="cpu")
+    dx = xt.take(j) - xt.take(i)
+    if key is not None:
+        if len(_DX) >= 8:
+            _DX.clear()
+        _DX[key] = dx
+    return dx
+
+
+def _theil_sen_float64(x: list[Any], y: list[Any]) -> float:
+    """:func:`theil_sen_slope` for distinct ``x`` as float64 tensor operations on the CPU.
+
+    The pairwise differences are the loop's (``a[j] - a[i]``, one IEEE subtraction each), the
+    slopes its divisions; the median is read with ``kthvalue``, which returns the value of that
+    rank: the same bits as the loop's sorted list, except that a zero median could be either
+    signed zero, so that case is read from a stable sort in the loop's order.
+    """
+    i, j = _pairs(len(x))
+    with torch.no_grad():
+        dx = _differences(x, i, j)
+        yt = torch.tensor(y, dtype=torch.float64, device="cpu")
+        slopes = (yt.take(j) - yt.take(i)).div_(dx)
+        m = slopes.numel()
+        ranks = (m // 2,) if m % 2 else (m // 2 - 1, m // 2)  # 0-based, as in the loop
+        got = [float(slopes.kthvalue(k + 1).values.item()) for k in ranks]
+        if any(v == 0.0 for v in got):
+            s = torch.sort(slopes, stable=True).values  # signed zeros in the loop's order
+            got = [float(s[k].item()) for k in ranks]
+    return got[0] if m % 2 else 0.5 * (got[0] + got[1])
 
 
 @dataclass(frozen=True)
@@ -79,10 +159,14 @@ class Trend:
 
 def trend(series: str, steps: list[int], values: list[float]) -> Trend:
     """Theil–Sen slope (per step) and increasing fraction of ``values`` sampled at ``steps``."""
+    return _trend(series, steps, values, theil_sen_slope(steps, values))
+
+
+def _trend(series: str, steps: list[int], values: list[float], slope: float) -> Trend:
     inc = sum(1 for a, b in itertools.pairwise(values) if b > a)
     return Trend(
         series=series,
-        slope=theil_sen_slope(steps, values),
+        slope=slope,
         recent_slope=theil_sen_slope(steps[len(steps) // 2 :], values[len(values) // 2 :]),
         increasing_fraction=inc / max(1, len(values) - 1),
         growth=float(values[-1] - values[0]) if values else 0.0,
@@ -155,12 +239,12 @@ class LeakDetector:
             v = list(vals)
             self.checked.add(name)
             # O(n) pre-check first: the O(n²) Theil–Sen slope only runs for a series that mostly grows
-            inc = sum(1 for a, b in itertools.pairwise(v) if b > a) / (len(v) - 1)
+            inc = sum(map(operator.lt, v, v[1:])) / (len(v) - 1)  # increases (a < b), counted in C
             if inc < self.min_increasing or v[-1] <= v[0]:
                 continue
-            tr = trend(name, steps, v)
-            if tr.slope >= self.min_bytes_per_step:
-                out.append(tr)
+            slope = theil_sen_slope(steps, v)
+            if slope >= self.min_bytes_per_step:  # the rest of the trend only for a suspect
+                out.append(_trend(name, steps, v, slope))
         return out
 
 
@@ -474,6 +558,8 @@ def write_oom_report(report: OomReport, run_dir: str | Path, *, snapshot: bool =
 
 
 def _first_shape(args: Any, kwargs: Any) -> tuple[int, ...] | None:
+    if type(args) is tuple and args and isinstance(args[0], torch.Tensor):
+        return tuple(args[0].shape)  # every forward: the first leaf is the first argument, no walk
     for t in tensor_leaves((args, kwargs)):
         return tuple(t.shape)
     return None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,12 @@ def batch_size_and_tokens(args: Any, kwargs: Any = None) -> tuple[int | None, in
         >>> batch_size_and_tokens((torch.zeros(4, 7, dtype=torch.long),))
         (4, 28)
     """
-    for t in tensor_leaves((args, kwargs or {})):
+    first = args[0] if type(args) is tuple and args else None
+    if isinstance(first, torch.Tensor) and first.dim() != 0:
+        leaves: Any = (first,)  # every forward: the first leaf is the first argument, no walk
+    else:
+        leaves = tensor_leaves((args, kwargs or {}))
+    for t in leaves:
         if t.dim() == 0:
             continue
         b = int(t.shape[0])
@@ -42,13 +48,14 @@ class _Clock:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        # several marks a step: on the host the builtin clock itself (no Python frame per mark)
+        self.mark: Callable[[], Any] = self._event if cuda else time.perf_counter
 
-    def mark(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+    @staticmethod
+    def _event() -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def ready(self, mark: Any) -> bool:
         return True if not self.cuda else bool(mark.query())
@@ -68,7 +75,6 @@ class _StepMarks:
     end: Any = None
     samples: int = 0
     tokens: int = 0
-    host_s: float = 0.0
     step: int = 0
 
 
@@ -180,7 +186,8 @@ class SlowdownRule:
         self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
         self.recent: deque[StepTiming] = deque(maxlen=int(recent))
         self.baseline = RunningMedian(int(window))
-        self._phases = {k: RunningMedian(int(window)) for k in _RULE_PHASES}
+        # the phases' baselines are read only when an episode starts: kept in arrival order, sorted then
+        self._phases = {k: deque[float](maxlen=int(window)) for k in _RULE_PHASES}
         self.start: int | None = None  # first step of the current episode
         self.count = 0  # episodes
 
@@ -190,13 +197,15 @@ class SlowdownRule:
             old = self.recent[0]  # leaves the recent window: part of the normal from now on
             self.baseline.push(old.total)
             for k, m in self._phases.items():
-                m.push(getattr(old, k))
+                x = float(getattr(old, k))
+                if math.isfinite(x):  # as RunningMedian.push: NaN/Inf would poison the window
+                    m.append(x)
         self.recent.append(t)
         if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
             return []
         med = _median([r.total for r in self.recent])
         base = self.baseline.median()
-        sigma = self.baseline.sigma()
+        sigma = self.baseline._sigma_at(base)  # the median computed once
         slow = med > self.factor * base and med - base >= max(self.min_s, self.mads * sigma)
         if slow and self.start is None:
             turned, slow_s = self._pending or (t.step, 0.0)
@@ -208,7 +217,8 @@ class SlowdownRule:
             self.start = turned - len(self.recent) // 2  # the median turned: about half the window ago
             self.count += 1
             grown = {
-                k: _median([getattr(r, k) for r in self.recent]) - m.median() for k, m in self._phases.items()
+                k: _median([getattr(r, k) for r in self.recent]) - (_median(list(m)) if m else math.nan)
+                for k, m in self._phases.items()
             }
             phase = max(grown, key=lambda k: grown[k])
             now = _median([getattr(r, phase) for r in self.recent])
@@ -316,7 +326,7 @@ class TimingInstrument:
 
     def _begin(self, step: int) -> None:
         m = self._clock.mark()
-        self._cur = _StepMarks(start=m, step=step, host_s=time.perf_counter())
+        self._cur = _StepMarks(start=m, step=step)
         self._last_mark = m
 
     def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -369,7 +379,6 @@ class TimingInstrument:
         cur = self._cur
         cur.end = self._clock.mark()
         cur.step = int(getattr(record, "step", cur.step))
-        cur.host_s = time.perf_counter() - cur.host_s
         if self._tokens_per_step:
             cur.tokens = self._tokens_per_step
         self._pending.append(cur)
@@ -384,35 +393,51 @@ class TimingInstrument:
 
     # ---- reading the marks
     def _drain(self, mon: Any) -> None:
-        while self._pending and self._clock.ready(self._pending[0].end):
-            self._finish(mon, self._pending.popleft())
+        pending, clock = self._pending, self._clock
+        while pending and (not clock.cuda or clock.ready(pending[0].end)):
+            self._finish(mon, pending.popleft())
 
     def _finish(self, mon: Any, m: _StepMarks) -> None:
         c = self._clock
-        sums = {k: sum(c.elapsed(a, b) for a, b in spans) for k, spans in m.spans.items()}
-        total = c.elapsed(m.start, m.end)
-        other = max(0.0, total - sum(sums.values()))
+        spans = m.spans
+        if c.cuda:
+            el = c.elapsed
+            data = sum([el(a, b) for a, b in spans["data"]])
+            forward = sum([el(a, b) for a, b in spans["forward"]])
+            backward = sum([el(a, b) for a, b in spans["backward"]])
+            optimizer = sum([el(a, b) for a, b in spans["optimizer"]])
+            total = el(m.start, m.end)
+        else:  # perf_counter marks: elapsed is b - a
+            data = sum([b - a for a, b in spans["data"]])
+            forward = sum([b - a for a, b in spans["forward"]])
+            backward = sum([b - a for a, b in spans["backward"]])
+            optimizer = sum([b - a for a, b in spans["optimizer"]])
+            total = m.end - m.start
+        other = max(0.0, total - sum((data, forward, backward, optimizer)))
         t = StepTiming(
             step=m.step,
-            data=sums["data"],
-            forward=sums["forward"],
-            backward=sums["backward"],
-            optimizer=sums["optimizer"],
+            data=data,
+            forward=forward,
+            backward=backward,
+            optimizer=optimizer,
             other=other,
             total=total,
             samples=m.samples,
             tokens=m.tokens,
         )
         self.history.append(t)
-        if mon.writer is not None:
-            mon.writer.log_timing(t.step, t.as_log())
+        writer = mon.writer
+        if writer is not None:
+            writer.log_timing(t.step, t.as_log())
             thr = {}
-            if t.samples_per_s is not None:
-                thr["throughput/samples_per_s"] = t.samples_per_s
-            if t.tokens_per_s is not None:
-                thr["throughput/tokens_per_s"] = t.tokens_per_s
+            per_s = t.samples_per_s
+            if per_s is not None:
+                thr["throughput/samples_per_s"] = per_s
+            per_s = t.tokens_per_s
+            if per_s is not None:
+                thr["throughput/tokens_per_s"] = per_s
             if thr:
-                mon.writer.log_scalars(t.step, thr)
+                writer.log_scalars(t.step, thr)
         self._rules(mon, t)
 
     def _rules(self, mon: Any, t: StepTiming) -> None:
@@ -445,8 +470,9 @@ class TimingInstrument:
                 )
             elif med_share <= frac:
                 self._input_bound_on = False
-        if any(getattr(i, "costly_step", _never)(t.step) for i in mon.instruments):
-            return  # the debugger's own expensive step (a leak census): not the user's slowdown
+        for inst in mon.instruments:
+            if getattr(inst, "costly_step", _never)(t.step):
+                return  # the debugger's own expensive step (a leak census): not the user's slowdown
         for event in self._slowdown.update(t):
             mon.emit(event)
 

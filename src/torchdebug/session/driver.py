@@ -249,7 +249,7 @@ class PlainLoopDriver:
     # -- optimizer hooks: update starting / done -----------------------------------------------------
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
-        if mon.replaying or not mon.owns_optimizer(opt):
+        if mon.sentinel.replaying or not mon.owns_optimizer(opt):
             return
         mon.sentinel.update_not_skipped()  # inside GradScaler.step: the scaler let the update run
         if mon.driver is None:
@@ -257,7 +257,7 @@ class PlainLoopDriver:
 
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
-        if mon.replaying or mon.driver is not None or not mon.owns_optimizer(opt):
+        if mon.sentinel.replaying or mon.driver is not None or not mon.owns_optimizer(opt):
             return
         mon.update_done(opt)
 

@@ -130,6 +130,8 @@ class Monitor:
             model = orig
         self.model = model
         self.optimizer = optimizer
+        # the optimizer when unwrapping leaves it as it is (``owns_optimizer``'s shortcut)
+        self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
         self.scaler = scaler
         self.early_stopping = early_stopping
         self._run_arg = run
@@ -174,7 +176,11 @@ class Monitor:
     # -- the step protocol (see the module docstring) -------------------------------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         """Forward began (the root module's forward pre-hook; ``outside``: around a compiled call)."""
-        if self.replaying or not torch.is_grad_enabled() or (self._plain.in_compiled_call and not outside):
+        if (
+            self.sentinel.replaying
+            or not torch.is_grad_enabled()
+            or (self._plain.in_compiled_call and not outside)
+        ):
             return
         self.sentinel.pop_tape()
         if self._new_micro_step:
@@ -187,7 +193,11 @@ class Monitor:
 
     def forward_done(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
         """Forward done (the root module's forward hook)."""
-        if self.replaying or not torch.is_grad_enabled() or (self._plain.in_compiled_call and not outside):
+        if (
+            self.sentinel.replaying
+            or not torch.is_grad_enabled()
+            or (self._plain.in_compiled_call and not outside)
+        ):
             return
         self.sentinel.on_forward_end(self, module, output)
         self._each("on_forward_end", module, output)
@@ -195,7 +205,8 @@ class Monitor:
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
         self.sentinel.pop_tape()
-        self._plain.wrap_compiled()
+        if self._called.__dict__.get("_compiled_call_impl") is not None:  # model.compile() in place
+            self._plain.wrap_compiled()
         self.sentinel.on_backward_start(self, loss, gradient)
         if (
             isinstance(loss, torch.Tensor)
@@ -228,14 +239,14 @@ class Monitor:
         itself after ``mon.driver`` is set. Here the step's transfer runs and the gradients are checked
         (under ``policy="skip"`` a bad step's gradients are dropped so the update does nothing).
         """
-        if self.replaying:
+        if self.sentinel.replaying:
             return
         self.sentinel.before_update(self, opt)
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
-        if self.replaying:
+        if self.sentinel.replaying:
             return
         self.sentinel.after_update(self)
         self._each("after_optimizer_step")
@@ -295,7 +306,7 @@ class Monitor:
         """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
         items = self.transfer.items(self.scaler) + self.sentinel.items() + self._collect()
         self.transfer.synced = True
-        if any(t.is_meta for _, t in items):
+        if any([t.is_meta for _, t in items]):
             # a model on the meta device computes shapes only: there are no values to read or check
             items = [(k, t) for k, t in items if not t.is_meta]
             self._warn_once(
@@ -325,7 +336,11 @@ class Monitor:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
         items: Items = []
         for inst in list(self.instruments):
+            if getattr(inst, "collect", None) is None:
+                continue  # most instruments hand over nothing (no call, twice a step)
             got = self._call(inst, "collect") or {}
+            if not got:
+                continue
             if any(isinstance(v, torch.Tensor) and v.is_meta for v in got.values()):
                 # a model on the meta device: shapes only, no values for this instrument to report
                 self._disable(inst, RuntimeError("its tensors are on the meta device and hold no values"))
@@ -343,7 +358,7 @@ class Monitor:
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         lr = (
-            tuple(float(g.get("lr", math.nan)) for g in self.optimizer.param_groups)
+            tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
             if self.optimizer is not None
             else ()
         )
@@ -408,10 +423,12 @@ class Monitor:
         )
 
     def accepts_backward(self) -> bool:
-        return not self.replaying and not self._closed
+        return not self.sentinel.replaying and not self._closed
 
     def owns_optimizer(self, opt: Any) -> bool:
         """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
+        if opt is self._bare_optimizer and opt is not None and opt is self.optimizer:
+            return True  # twice a step (the optimizer hooks): the session's own, unwrapped optimizer
         opt = unwrap_optimizer(opt)
         if self.optimizer is not None:
             return opt is self.optimizer
@@ -577,11 +594,11 @@ class Monitor:
             self._disable(inst, exc)
             return None
 
-    def _disable(self, inst: Any, exc: BaseException) -> None:
+    def _disable(self, inst: Any, exc: BaseException, stacklevel: int = 3) -> None:
         name = getattr(inst, "name", type(inst).__name__)
         warnings.warn(
             TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}"),
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
         if inst in self.instruments:
             self.instruments.remove(inst)
@@ -590,9 +607,17 @@ class Monitor:
                     inst.remove(self)
 
     def _each(self, method: str, *args: Any) -> None:
+        # several times a step: ``_call`` inlined (one lookup, no extra frame per instrument)
         for inst in list(self.instruments):
-            if hasattr(inst, method):
-                self._call(inst, method, *args)
+            fn = getattr(inst, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(self, *args)
+            except NonFiniteError:
+                raise
+            except Exception as exc:
+                self._disable(inst, exc, stacklevel=2)  # the warning points here, as from _call
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""

@@ -123,13 +123,14 @@ class Transfer:
 
     def any_loss_bad(self) -> bool:
         """A non-finite loss in this step, this rank's or (``_loss#rank<k>``) another rank's."""
-        v = self.values
-        return any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
+        # every step: a list (one frame) rather than a generator resumed per key
+        return any([not math.isfinite(x) for k, x in self.values.items() if k.startswith("_loss#")])
 
     def micro_flagged(self) -> bool:
         """A micro-step's gradients read as non-finite and the exact check did not clear them."""
-        v = self.values
-        return any(v[k] > 0 for k in v if k.startswith("_mbad#")) and not self.micro_bad_cleared
+        if self.micro_bad_cleared:  # the usual answer, without a pass over the values
+            return False
+        return any([x > 0 for k, x in self.values.items() if k.startswith("_mbad#")])
 
     def decode(
         self,
@@ -146,7 +147,7 @@ class Transfer:
         backward() made non-finite (counted in ``grad_nonfinite``).
         """
         v = self.values
-        losses = [v[k] for k in list(v) if k.startswith("_loss#")]
+        losses = [x for k, x in v.items() if k.startswith("_loss#")]
         scale = v.get("_scale")
         if losses:
             v["loss"] = sum(losses) / len(losses)
@@ -178,9 +179,9 @@ class Transfer:
                 gn = []  # sums, not norms: nothing to report beyond finiteness
             if gn:
                 total = (
-                    math.sqrt(sum(x * x for x in gn))
-                    if all(math.isfinite(x) for x in gn)
-                    else (math.nan if any(math.isnan(x) for x in gn) else math.inf)
+                    math.sqrt(sum([x * x for x in gn]))
+                    if all(map(math.isfinite, gn))
+                    else (math.nan if any(map(math.isnan, gn)) else math.inf)
                 )
                 v["grad_norm"] = total
                 self.grad_norm = total

@@ -138,6 +138,19 @@ def _numbers_dict(
     return out
 
 
+def _plain_floats(values: Any, reserved: tuple[str, ...]) -> list[tuple[str, int | float]] | None:
+    """``values`` as ``_numbers_dict(values, ..., ints=False)`` gives it when it is a plain dict of str
+    -> float with no reserved key (the hot path); None otherwise (validate with ``_numbers_dict``)."""
+    if type(values) is not dict:
+        return None
+    out: list[tuple[str, int | float]] = []
+    for k, v in values.items():
+        if type(k) is not str or type(v) is not float or k in reserved:
+            return None
+        out.append((k, v))
+    return out
+
+
 def _json(obj: Any) -> str:
     """Strict JSON of a record's document; never raises (a bad document must not sink its batch)."""
     try:
@@ -573,7 +586,7 @@ class RunWriter:
         """
         if type(step) is not int or step < 0:
             step = _check_step(step)
-        if not isinstance(values, Mapping):
+        if type(values) is not dict and not isinstance(values, Mapping):
             raise _bad_type("values", "a dict of {name: number}", values)
         wall = time.time()
         recs = []
@@ -675,10 +688,13 @@ class RunWriter:
         Example: ``w.log_timing(3, {"data": 0.01, "forward": 0.02, "backward": 0.04, "step": 0.08})``.
         Raises TypeError for a non-number, ValueError for the key ``"wall_time"``.
         """
-        step = _check_step(step)
+        if type(step) is not int or step < 0:
+            step = _check_step(step)
         # "step" (the whole step's seconds) is allowed and read back as "total"; so "total" is not.
         reserved = ("wall_time", "total") if "step" in seconds else ("wall_time",)
-        items = _numbers_dict(seconds, "seconds", ints=False, reserved=reserved)
+        items = _plain_floats(seconds, reserved)  # every step: the common case checked in a few type tests
+        if items is None:
+            items = _numbers_dict(seconds, "seconds", ints=False, reserved=reserved)
         self._note_step(step)
         self._put_low(("T", step, items, time.time()))
 
