@@ -494,3 +494,32 @@ def test_cuda_oom_writes_snapshot(tmp_path):
         model.body[1].armed = True
         model(torch.randn(4, 8, device="cuda")).sum().backward()
     assert (mon.run_dir / "oom-0-snapshot.pickle").stat().st_size > 0
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("os"), "fork") or sys.platform != "linux", reason="needs fork and /proc"
+)
+def test_rss_is_the_calling_process_s_also_in_a_child_forked_after_the_first_read():
+    import os
+
+    import psutil
+
+    from torchdebug.memory.analysis import _rss
+
+    first = _rss()  # opens /proc/self/statm in this process
+    assert abs(first - psutil.Process().memory_info().rss) < 64 * 2**20
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: 256 MiB more, touched, then its own RSS by both readers
+        try:
+            blob = b"x" * (256 * 2**20)
+            os.write(w, json.dumps([_rss(), psutil.Process().memory_info().rss, len(blob)]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = json.loads(os.read(r, 4096).decode())
+    os.waitpid(pid, 0)
+    os.close(r)
+    child, child_psutil, _ = got
+    assert abs(child - child_psutil) < 2**20  # the child's own statm, not the file the parent opened
+    assert child - _rss() > 128 * 2**20  # the parent never held the child's 256 MiB

@@ -335,7 +335,8 @@ class Sentinel:
         v = values
         if "param_norms" not in self.deferred:
             return
-        pn = [v[k] for k in sorted((k for k in v if k.startswith("_def_param_norms")), key=_suffix)]
+        sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
+        pn = entries(v, "_def_param_norms", sizes["param_norms"])
         index = self.deferred_index if self.deferred_index is not None else list(range(len(pn)))
         coord = mon._coord
         flagged = coord.params_flagged(mon) if coord is not None else None
@@ -351,12 +352,13 @@ class Sentinel:
         ]
         ranks = coord.params_agree(bool(bad)) if flagged else []  # the same decision on every rank
         step = self.deferred_step
-        de = [v[k] for k in sorted((k for k in v if k.startswith("_def_edit")), key=_suffix)]
+        de = entries(v, "_def_edit", sizes["edit"]) if "edit" in sizes else []
         edited, self.deferred_edit_index = self.deferred_edit_index, []
         self.deferred.clear()
         self.deferred_index = None
-        for k in [k for k in v if k.startswith("_def_")]:
-            del v[k]
+        for name, n in sizes.items():
+            for k in [f"_def_{name}"] if n == 1 else [f"_def_{name}#{i}" for i in range(n)]:
+                v.pop(k, None)
         self.params_bad_now = bool(bad)
         # (probe values, not confirmed: the gradients are gone by now; they only choose the phase)
         edit_bad = [i for j, i in enumerate(edited) if j < len(de) and not math.isfinite(de[j])]
@@ -759,13 +761,6 @@ def _lift_mode(mode: Any) -> None:
         above.append(top)
     for m in reversed(above):
         stack._push_on_torch_function_stack(m)
-
-
-def _suffix(key: str) -> int:
-    try:
-        return int(key.rsplit("#", 1)[1])
-    except (IndexError, ValueError):
-        return 0
 
 
 def _store_grad(cap_ref: Any, i: int, grad: torch.Tensor) -> None:
