@@ -19,7 +19,11 @@ each rank with its own batches and ``cpu_count // N`` threads. Variants, interle
 (a session leaves nothing on it, so there is no copy bias): plain DDP, the default watch and the
 sentinel alone. Rank 0's median step times are printed (DDP synchronises the ranks every step).
 ``collectives/step``: the coordinator's all-reduces per watched step on rank 0, hidden (launched
-during backward, waited for at the update) + blocking.
+as the synced backward ends, waited for at the update) + blocking. ``cpu``: rank 0's median CPU
+time per step (all threads of the process: ``time.process_time``), plain, and watch (ordinary steps)
+and the sentinel against it: the work torchdebug adds, which other processes' load and the ranks'
+waiting for each other do not inflate (on a shared 2-core machine the wall-clock ratios move by
+several percent between identical runs).
 
 ``--fsdp N``: the same under FSDP2 (``fully_shard`` on each GPT block, else each Linear/Conv2d, then
 the root; gloo on N CPU processes), the variants interleaved on one sharded model as for DDP.
@@ -143,13 +147,17 @@ def run_chunk(
     device: str,
     mon: Any = None,
     anomaly: bool = False,
+    cpu: list[float] | None = None,
 ) -> list[float]:
+    """Per-step wall times; with ``cpu``, each step's CPU time of this process (all its threads) is
+    appended to it: work done, which other processes' load does not inflate."""
     times = []
     ctx = torch.autograd.detect_anomaly(check_nan=True) if anomaly else contextlib.nullcontext()
     with ctx:
         for i in range(steps):
             x, y = batches[i % len(batches)]
             _sync(device)
+            c0 = time.process_time()
             t0 = time.perf_counter()
             loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
@@ -159,6 +167,8 @@ def run_chunk(
                 mon.step()
             _sync(device)
             times.append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.append(time.process_time() - c0)
     return times
 
 
@@ -418,7 +428,7 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, kin
             )
             print(
                 f"{'workload':<8} {kind + ' ms':>8} {'watch':>7} {'(ordinary':>10} {'detail)':>8} {'sentinel':>9} "
-                f"{'collectives/step':>17}"
+                f"{'collectives/step':>17}   {'cpu ms':>7} {'watch cpu':>10} {'sentinel cpu':>13}"
             )
         with tempfile.TemporaryDirectory() as tmp, warnings_quiet():
             writer = create_run(root=tmp, name=f"bench-rank{rank}")
@@ -433,7 +443,9 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, kin
                 cfgs = {"watch": td.DebugConfig(), "sentinel": td.DebugConfig(mode="anomaly_detection")}
                 variants = ["plain", "watch", "sentinel"]
                 times: dict[str, list[float]] = {v: [] for v in variants}
+                cpus: dict[str, list[float]] = {v: [] for v in variants}
                 ordinary: list[float] = []
+                ordinary_cpu: list[float] = []
                 detail: list[float] = []
                 hidden = blocking = watched = 0
                 run_chunk(model, opt, batches, loss_fn, 3, "cpu")
@@ -442,12 +454,16 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, kin
                 for _ in range(args.repeats):
                     for v in variants:
                         if v == "plain":
-                            times[v] += run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu")
+                            times[v] += run_chunk(
+                                model, opt, batches, loss_fn, args.chunk, "cpu", cpu=cpus[v]
+                            )
                             continue
+                        c: list[float] = []
                         with td.watch(model, opt, run=writer, config=cfgs[v]) as mon:
                             start = mon.global_step
-                            t = run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu", mon=mon)
+                            t = run_chunk(model, opt, batches, loss_fn, args.chunk, "cpu", mon=mon, cpu=c)
                         times[v] += t
+                        cpus[v] += c
                         coord = next(
                             (i for i in mon.instruments if getattr(i, "name", "") == "distributed"), None
                         )
@@ -459,13 +475,18 @@ def _dist_worker(rank: int, world: int, port: int, args: argparse.Namespace, kin
                             every = cfgs[v].detail_every
                             for j, x in enumerate(t):
                                 (detail if (start + j) % every == 0 else ordinary).append(x)
+                                if (start + j) % every:
+                                    ordinary_cpu.append(c[j])
                 med = {v: statistics.median(times[v]) for v in variants}
                 base_s = med["plain"]
+                base_c = statistics.median(cpus["plain"])
                 if rank == 0:
                     print(
                         f"{name:<8} {base_s * 1e3:>8.2f} {med['watch'] / base_s:>6.3f}x "
                         f"{statistics.median(ordinary) / base_s:>9.3f}x {statistics.median(detail) / base_s:>7.3f}x "
-                        f"{med['sentinel'] / base_s:>8.3f}x {hidden / watched:>8.2f} + {blocking / watched:.2f}",
+                        f"{med['sentinel'] / base_s:>8.3f}x {hidden / watched:>8.2f} + {blocking / watched:.2f}   "
+                        f"{base_c * 1e3:>7.2f} {statistics.median(ordinary_cpu) / base_c:>9.3f}x "
+                        f"{statistics.median(cpus['sentinel']) / base_c:>12.3f}x",
                         flush=True,
                     )
             writer.close()
