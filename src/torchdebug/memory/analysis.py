@@ -127,8 +127,8 @@ def memory_sample() -> dict[str, int]:
     ``cuda_alloc_retries``, ``cuda_ooms``, and for every other visible device the same keys prefixed
     ``cuda<i>_``. All values are int bytes/counts.
 
-    Cost: one ``/proc`` read (~10 µs) plus, on CUDA, the caching allocator's host-side counters (no
-    device sync, no kernel).
+    Cost: one ``/proc/self/statm`` read (~1 µs), ``mallinfo2`` where glibc has it, plus, on CUDA,
+    the caching allocator's host-side counters (no device sync, no kernel).
 
     Example:
         >>> memory_sample()["rss"] > 0

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tensors import DTENSOR
+from .._tensors import DTENSOR, finite_probe, foreach_norms
 from ..events import Anomaly, RuleEvent
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
@@ -213,7 +213,7 @@ class Coordinator:
         )
         self.collectives = {"hidden": 0, "blocking": 0, "rare": 0}  # counts, for tests and benchmarks
         self._share: tuple[int, list[int]] | None = None  # (len(params), this rank's parameter indices)
-        self._share_dev: tuple[tuple[int, ...], torch.Tensor] | None = None  # those measured, on the device
+        self._index_dev: tuple[tuple[int, ...], torch.Tensor] | None = None  # see _per_param
         self._sync_pending = False  # a forward through DDP that will all-reduce its backward
         self._micro_sync: list[
             bool
@@ -313,31 +313,37 @@ class Coordinator:
         probe = deferred.get("param_norms")
         if probe is not None and probe.numel():
             vec[_ROW_PARAM, self.rank] = probe.to(dev, torch.float32).sum()  # non-finite iff an entry is
-        shared = mon.transfer.shared
-        if shared is not None:
-            # DDP: this rank's share of the gradient numbers at their parameters' places, zeros
-            # elsewhere; the SUM over the ranks is every parameter's number (the shares are disjoint)
-            per = torch.zeros(len(mon.params), dtype=torch.float32, device=dev)
-            mine = tuple(mon.transfer.norm_index)
-            if mine:
-                if self._share_dev is None or self._share_dev[0] != mine:  # made once: no copy per step
-                    self._share_dev = (mine, torch.tensor(mine, dtype=torch.long, device=dev))
-                per[self._share_dev[1]] = mon.transfer.norms.to(dev, torch.float32)  # type: ignore[union-attr]
-            vec = torch.cat([vec.reshape(-1), per])
+        t = mon.transfer
+        if t.shared is not None:
+            # DDP: this rank's share of the gradient numbers; the shares are disjoint, so the SUM over
+            # the ranks is every parameter's number
+            vec = self._per_param(mon, vec, t.norm_index, t.norms)
         elif self.sharded:
             shard = self._shard_norm(mon)
             vec[_ROW_GRAD, self.rank] = (
                 -1.0 if shard is None else shard.to(dev)
             )  # SUM keeps a NaN in its column
-            # then one entry per parameter: this rank's weighted squared shard norm; the SUM over the
-            # ranks is that parameter's squared global norm (the same length on every rank)
-            per = torch.zeros(len(mon.params), dtype=torch.float32, device=dev)
+            # per parameter: this rank's weighted squared shard norm; the SUM over the ranks is that
+            # parameter's squared global norm
             if shard is not None and self._grad_weights is not None:
                 idx, w = self._grad_weights
-                norms = mon.transfer.norms
-                per[list(idx)] = (norms.float() * w).square().to(dev)  # type: ignore[union-attr]
-            vec = torch.cat([vec.reshape(-1), per])
+                vec = self._per_param(mon, vec, idx, (t.norms.float() * w).square())  # type: ignore[union-attr]
+            else:
+                vec = self._per_param(mon, vec, (), None)  # zeros: the same length on every rank
         return vec
+
+    def _per_param(self, mon: Any, vec: torch.Tensor, idx: Any, nums: torch.Tensor | None) -> torch.Tensor:
+        """``vec`` flattened, then one entry per parameter of the session (the same length on every
+        rank): ``nums`` at the parameters ``idx``, zeros elsewhere. The index goes to the device once
+        per distinct ``idx``, not with every step's vector (no host-to-device copy per step on GPUs)."""
+        dev = vec.device
+        per = torch.zeros(len(mon.params), dtype=torch.float32, device=dev)
+        key = tuple(idx)
+        if key and nums is not None:
+            if self._index_dev is None or self._index_dev[0] != key:
+                self._index_dev = (key, torch.tensor(key, dtype=torch.long, device=dev))
+            per[self._index_dev[1]] = nums.to(dev, torch.float32)
+        return torch.cat([vec.reshape(-1), per])
 
     def _shard_norm(self, mon: Any) -> torch.Tensor | None:
         """This rank's share of the FSDP2 gradient norm, on the device: ``sqrt(sum_i w_i * n_i**2)``
@@ -435,8 +441,6 @@ class Coordinator:
         if f"_dist#{base + n - 1}" in v:
             whole = [v[f"_dist#{base + i}"] for i in range(n)]
         else:  # rare: measured here, with a host read
-            from .._tensors import finite_probe, foreach_norms
-
             idx = t.shared[0]
             grads = [mon.params[i].grad for i in idx]
             nums = (finite_probe if t.norms_probe else foreach_norms)(grads).tolist()  # type: ignore[arg-type]
