@@ -66,20 +66,25 @@ def _batch(rank: int, step: int, poison: str | None) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def _scenario(rank: int, out: Path, name: str, scenario: dict) -> dict:
-    result: dict = {"rank": rank}
+def wrapped_net(fsdp: bool) -> tuple[Net, nn.Module]:
+    """``(net, model)``: a seeded Net, wrapped in DDP, or with FSDP2's ``fully_shard`` on fc1, fc2 and
+    the root (then ``model`` is ``net``)."""
     torch.manual_seed(0)
     net = Net()
-    if scenario.get("fsdp"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    if not fsdp:
+        return net, DDP(net)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (2,))
-        for m in (net.fc1, net.fc2, net):
-            fully_shard(m, mesh=mesh)
-        model = net
-    else:
-        model = DDP(net)
+    mesh = init_device_mesh("cpu", (2,))
+    for m in (net.fc1, net.fc2, net):
+        fully_shard(m, mesh=mesh)
+    return net, net
+
+
+def _scenario(rank: int, out: Path, name: str, scenario: dict) -> dict:
+    result: dict = {"rank": rank}
+    net, model = wrapped_net(bool(scenario.get("fsdp")))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if scenario.get("nan_shard_rank") == rank:
         # an update that writes a NaN into this rank's shard of fc1.weight only (FSDP2: the other

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
-from tests.test_distributed import BAD_STEP, SQRT_LINE, Net, _batch, run_pairs
+from tests.test_distributed import BAD_STEP, SQRT_LINE, Net, _batch, run_pairs, wrapped_net
 from torchdebug.store import open_run
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -25,18 +24,7 @@ SITE = f"nan born in forward of feat (Feat): aten.sqrt at tests/test_distributed
 
 def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     result: dict = {"rank": rank}
-    torch.manual_seed(0)
-    net = Net()
-    if sc.get("fsdp"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (2,))
-        for m in (net.fc1, net.fc2, net):
-            fully_shard(m, mesh=mesh)
-        model = net
-    else:
-        model = DDP(net)
+    net, model = wrapped_net(bool(sc.get("fsdp")))
     norms: dict[str, list] = {"total": [], "host": [], "shard": [], "per": [], "host_per": []}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = {"run_dir": str(out / "runs" / name), **sc.get("config", {})}
