@@ -33,6 +33,9 @@ def _rss() -> int:
     pid = os.getpid()
     try:
         if _STATM is None or _STATM[0] != pid:
+            if _STATM is not None:  # a forked child's copy of the parent's descriptor
+                with contextlib.suppress(OSError):
+                    os.close(_STATM[1])
             _STATM = (pid, os.open("/proc/self/statm", os.O_RDONLY))
         return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
