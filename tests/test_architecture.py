@@ -53,7 +53,9 @@ def _imports() -> dict[str, set[str]]:
 
 def test_layers_found() -> None:
     # the map in docs/architecture.md: a capability per folder beside the small core
-    assert {"compat", "health", "memory", "nonfinite", "perf", "session", "store", "views"} <= set(_imports())
+    assert {"compat", "health", "memory", "nonfinite", "perf", "session", "sinks", "store", "views"} <= set(
+        _imports()
+    )
 
 
 def test_store_knows_no_view_and_no_engine() -> None:
@@ -62,6 +64,12 @@ def test_store_knows_no_view_and_no_engine() -> None:
 
 def test_views_read_the_store_only() -> None:
     assert _imports()["views"] <= {"core", "store"}
+
+
+def test_sinks_consume_the_store_only() -> None:
+    # the tracker sinks are consumers of a run's records, like the views (docs/architecture.md)
+    assert _imports()["sinks"] <= {"core", "store", "views"}
+    assert "sinks" not in _imports()["views"] and "sinks" not in _imports()["store"]
 
 
 def test_no_layer_imports_the_public_surface() -> None:

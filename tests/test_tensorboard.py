@@ -1,4 +1,4 @@
-"""Tests of TensorBoard export and the live TensorBoardInstrument, read back with EventAccumulator."""
+"""Tests of TensorBoard export and the live TensorBoard sink, read back with EventAccumulator."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import torchdebug as td
 from tests.fixtures.runs import MiB, TinyMLP, write_small_run
 from torchdebug.cli import main as cli_main
-from torchdebug.views.tensorboard import TensorBoardInstrument, export_tensorboard
+from torchdebug.sinks import TensorBoardSink, export_tensorboard
 
 
 def _load(logdir: Path) -> EventAccumulator:
@@ -45,45 +45,48 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, int], 
 def test_export_counts(exported: tuple[dict[str, int], EventAccumulator]) -> None:
     counts, _ = exported
     # scalars: 9 metrics x 8 steps + 4 memory keys x 8 + 7 timing keys x 8 (data, forward, backward,
-    # optimizer, other, total, samples_per_s) + 6 stats rows (steps 0, 4, 6 x 2 tensors) x 2 (nan, inf)
-    assert counts == {"scalars": 72 + 32 + 56 + 12, "histograms": 6, "texts": 1 + 5}
+    # optimizer, other, total, samples_per_s) + 6 stats rows (steps 0, 4, 6 x 2 tensors) x 2 (nan, inf);
+    # texts: 1 anomaly + 5 events + the verdict
+    assert counts == {"scalars": 72 + 32 + 56 + 12, "histograms": 6, "texts": 1 + 5 + 1}
 
 
 def test_export_scalars_keep_nan_and_inf(exported: tuple[dict[str, int], EventAccumulator]) -> None:
     _, ea = exported
-    loss = _scalars(ea, "loss")
+    loss = _scalars(ea, "torchdebug/loss")
     assert sorted(loss) == list(range(8))
     assert loss[5] == 8.0 and math.isnan(loss[6]) and loss[7] == 0.75
-    assert _scalars(ea, "grad_norm")[6] == math.inf
-    assert _scalars(ea, "grad_norm/fc1.weight")[5] == 60.0
-    assert _scalars(ea, "lr/0")[0] == 0.125
-    assert _scalars(ea, "memory/rss")[7] == 107 * MiB  # bytes (exact in float32: 107 * 2^20)
-    assert _scalars(ea, "time/forward")[5] == pytest.approx(0.04)  # 0.16 / 4
-    assert _scalars(ea, "time/total")[5] == pytest.approx(0.16)  # logged as "step", read back as "total"
-    assert _scalars(ea, "throughput/samples_per_s")[5] == pytest.approx(200.0)  # 32 / 0.16
+    assert _scalars(ea, "torchdebug/grad_norm")[6] == math.inf
+    assert _scalars(ea, "torchdebug/grad_norm/fc1.weight")[5] == 60.0
+    assert _scalars(ea, "torchdebug/lr/0")[0] == 0.125
+    assert _scalars(ea, "torchdebug/memory/rss")[7] == 107 * MiB  # bytes (exact in float32: 107 * 2^20)
+    assert _scalars(ea, "torchdebug/time/forward")[5] == pytest.approx(0.04)  # 0.16 / 4
+    assert _scalars(ea, "torchdebug/time/total")[5] == pytest.approx(
+        0.16
+    )  # logged as "step", read back as "total"
+    assert _scalars(ea, "torchdebug/throughput/samples_per_s")[5] == pytest.approx(200.0)  # 32 / 0.16
 
 
 def test_export_histograms_and_nonfinite_counts(exported: tuple[dict[str, int], EventAccumulator]) -> None:
     _, ea = exported
-    hist = {e.step: e.histogram_value for e in ea.Histograms("histograms/fc1.weight.grad")}
+    hist = {e.step: e.histogram_value for e in ea.Histograms("torchdebug/histograms/fc1.weight.grad")}
     assert sorted(hist) == [0, 4, 6]
     h0 = hist[0]
     # 16 finite values in [-3, 3], mean 0, std 1.5: sum 0, sum of squares (16 - 1) * 1.5^2 = 33.75
     assert (h0.min, h0.max, h0.num, h0.sum, h0.sum_squares) == (-3.0, 3.0, 16.0, 0.0, 33.75)
     assert list(h0.bucket_limit) == [3.0] and list(h0.bucket) == [16.0]
     assert hist[6].num == 13.0  # 3 of the 16 are NaN
-    assert _scalars(ea, "nonfinite/fc1.weight.grad/nan") == {0: 0.0, 4: 0.0, 6: 3.0}
-    assert _scalars(ea, "nonfinite/fc2.weight.grad/nan")[6] == 1.0
-    assert _scalars(ea, "nonfinite/fc2.weight.grad/inf")[6] == 0.0
+    assert _scalars(ea, "torchdebug/nonfinite/fc1.weight.grad/nan") == {0: 0.0, 4: 0.0, 6: 3.0}
+    assert _scalars(ea, "torchdebug/nonfinite/fc2.weight.grad/nan")[6] == 1.0
+    assert _scalars(ea, "torchdebug/nonfinite/fc2.weight.grad/inf")[6] == 0.0
 
 
 def test_export_texts(exported: tuple[dict[str, int], EventAccumulator]) -> None:
     _, ea = exported
-    an = _text(ea, "anomalies")
+    an = _text(ea, "torchdebug/anomalies")
     assert list(an) == [6]
     assert "nan born in forward of fc2 (Linear): aten.addmm at train.py:42 (step 6)" in an[6]
-    assert "**hint**: `fc1 output reached 1.5e38" in an[6]
-    assert _text(ea, "events/gradient_explosion") == {
+    assert "\n      hint      fc1 output reached 1.5e38" in an[6]
+    assert _text(ea, "torchdebug/events/gradient_explosion") == {
         5: "**warning** `gradient_explosion` [fc1]: grad norm 64 is 32x its running median"
     }
 
@@ -91,8 +94,8 @@ def test_export_texts(exported: tuple[dict[str, int], EventAccumulator]) -> None
 def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = write_small_run(tmp_path / "runs")
     assert cli_main(["export", str(run), "--tensorboard", str(tmp_path / "tb")]) == 0
-    assert "wrote 172 scalars, 6 histograms and 6 texts" in capsys.readouterr().err
-    assert _scalars(_load(tmp_path / "tb"), "loss")[0] == 2.5
+    assert "wrote 172 scalars, 6 histograms and 7 texts" in capsys.readouterr().err
+    assert _scalars(_load(tmp_path / "tb"), "torchdebug/loss")[0] == 2.5
     assert cli_main(["export", str(tmp_path / "nope"), "--tensorboard", str(tmp_path / "tb2")]) == 1
 
 
@@ -114,16 +117,16 @@ def test_live_instrument_writes_each_step(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     tb = tmp_path / "tb"
     with td.watch(model, opt, run=tmp_path / "runs", tensorboard=str(tb)) as mon:
-        assert any(isinstance(i, TensorBoardInstrument) for i in mon.instruments)
+        assert [type(s) for s in mon._hub.sinks] == [TensorBoardSink]
         records = _train(mon, model, opt, 4)
     ea = _load(tb)
-    loss = _scalars(ea, "loss")
+    loss = _scalars(ea, "torchdebug/loss")
     assert sorted(loss) == [r.step for r in records]
     # float32 in the event file
     assert [loss[r.step] for r in records] == pytest.approx([r.loss for r in records], rel=1e-6)
-    gn = _scalars(ea, "grad_norm")
+    gn = _scalars(ea, "torchdebug/grad_norm")
     assert [gn[r.step] for r in records] == pytest.approx([r.grad_norm for r in records], rel=1e-6)
-    assert _scalars(ea, "lr/0")[records[0].step] == pytest.approx(0.05)
+    assert _scalars(ea, "torchdebug/lr/0")[records[0].step] == pytest.approx(0.05)
 
 
 def test_live_instrument_default_dir_is_inside_the_run(tmp_path: Path) -> None:
@@ -133,4 +136,4 @@ def test_live_instrument_default_dir_is_inside_the_run(tmp_path: Path) -> None:
     with td.watch(model, opt, run=tmp_path, tensorboard=True) as mon:
         _train(mon, model, opt, 2)
         run_dir = mon.run_dir
-    assert sorted(_scalars(_load(run_dir / "tensorboard"), "loss")) == [0, 1]
+    assert sorted(_scalars(_load(run_dir / "tensorboard"), "torchdebug/loss")) == [0, 1]

@@ -96,11 +96,13 @@ def serve(target: Any, host: str = "127.0.0.1", port: int = 6007, token: str | N
 
 
 def export_tensorboard(run: Any, logdir: Any) -> Any:
-    """Write a run's scalars, histograms, anomalies and events as TensorBoard event files.
+    """Write a run's scalars, histograms, anomalies, events and verdict as TensorBoard event files,
+    under the same ``torchdebug/...`` names as ``watch(..., report_to=["tensorboard"])``.
 
-    Needs ``pip install 'torchdebug[tensorboard]'``. See :mod:`torchdebug.views.tensorboard`.
+    Needs ``pip install 'torchdebug[tensorboard]'``. See :func:`torchdebug.sinks.export_tensorboard`;
+    W&B and MLflow: :func:`torchdebug.sinks.export_run`.
     """
-    from .views.tensorboard import export_tensorboard as _export
+    from .sinks import export_tensorboard as _export
 
     return _export(run, logdir)
 

@@ -37,6 +37,9 @@ ENV_PREFIX = "TORCHDEBUG_"
 # TORCHDEBUG_* variables that are not options: TORCHDEBUG_CONFIG names a config file.
 _RESERVED_ENV = frozenset({"TORCHDEBUG_CONFIG"})
 
+#: the trackers ``report_to`` may name (besides "all" and "none"); ``torchdebug.sinks`` builds them
+REPORT_TO_NAMES = ("tensorboard", "wandb", "mlflow", "logging")
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _NONE = frozenset({"", "none", "null"})
@@ -334,7 +337,10 @@ class DebugConfig:
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
       step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
     - run store: store [True] (write a run folder); run_dir ["runs"]; run_name [None: the model's
-      class name]; tensorboard [False; True or a log directory]; trace_loss [True].
+      class name]; tensorboard [False; True or a log directory: the TensorBoard sink, writing there];
+      report_to [(): the trackers the run's records are sent to, names from "tensorboard", "wandb",
+      "mlflow", "logging", or "all" (those installed) / "none"; a string or a list; in
+      ``TORCHDEBUG_REPORT_TO`` comma-separated]; trace_loss [True].
     - schedules: detail_every [10], memory_every [50] (>= 1).
     - opt-in depth: flops, activation_stats, per_module_memory, per_module_time [False];
       peak_flops [None: FLOP/s for utilisation, > 0].
@@ -407,6 +413,7 @@ class DebugConfig:
     run_name: str | None = _opt(None, plain_name=True)
     store: bool = True
     tensorboard: bool | str = False
+    report_to: tuple[str, ...] = ()
     trace_loss: bool = True
     # engine: schedules and opt-in depth
     detail_every: int = _opt(10, ge=1)
@@ -673,7 +680,7 @@ class DebugConfig:
 class _Spec:
     """How one option is checked: its kind, whether None is allowed, choices and range."""
 
-    kind: str  # bool | int | float | str | choice | enum | bool_or_str
+    kind: str  # bool | int | float | str | choice | enum | bool_or_str | names
     optional: bool = False
     choices: tuple[str, ...] = ()
     enum_type: type[enum.Enum] | None = None
@@ -688,6 +695,8 @@ class _Spec:
             text = "one of " + ", ".join(repr(c) for c in self.choices)
         elif self.kind == "bool_or_str":
             text = "True/False or a directory path"
+        elif self.kind == "names":
+            text = "a name or a list of names from " + ", ".join(repr(c) for c in self.choices)
         else:
             text = {"bool": "True or False", "int": "an integer", "float": "a finite number"}.get(
                 self.kind, "a non-empty string"
@@ -732,6 +741,8 @@ class _Spec:
         elif self.kind == "bool_or_str":
             if isinstance(value, bool) or (isinstance(value, str) and value.strip()):
                 return value
+        elif self.kind == "names":
+            return self._names(value, label)
         elif self.kind == "choice":
             if isinstance(value, str) and _normalise(value) in self.choices:
                 return _normalise(value)
@@ -746,6 +757,22 @@ class _Spec:
         raise ConfigError(
             f"{label}={_short(value)} ({type(value).__name__}) is not valid; expected {self.allowed()}{hint}"
         )
+
+    def _names(self, value: Any, label: str) -> tuple[str, ...]:
+        """A name or names (list/tuple) from ``choices``: normalised, deduplicated, ``"none"`` dropped."""
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(
+                f"{label}={_short(value)} ({type(value).__name__}) is not valid; expected {self.allowed()}"
+            )
+        out: list[str] = []
+        for v in items:
+            name = _normalise(v)
+            if name not in self.choices:
+                raise ConfigError(f"{label}: unknown name {v!r}; expected {self.allowed()}")
+            if name != "none" and name not in out:
+                out.append(name)
+        return tuple(out)
 
     def _in_range(self, value: float, label: str) -> Any:
         if (
@@ -776,6 +803,8 @@ class _Spec:
                 return int(key)
             if self.kind == "float":
                 return float(key)
+            if self.kind == "names":
+                return [part for part in key.split(",") if part.strip()]
         except ValueError:
             expected = "1/0, true/false, yes/no or on/off" if self.kind == "bool" else self.allowed()
             raise ConfigError(f"{label}={_short(text)} cannot be read; expected {expected}") from None
@@ -811,6 +840,8 @@ def _spec_for(f: dataclasses.Field[Any], hint: Any) -> _Spec:
         return _Spec("enum", optional, choices=tuple(m.value for m in hint), enum_type=hint)
     if set(args) == {bool, str}:
         return _Spec("bool_or_str", optional)
+    if typing.get_origin(hint) is tuple:  # report_to: names of trackers
+        return _Spec("names", optional, choices=(*REPORT_TO_NAMES, "all", "none"))
     kinds = {bool: "bool", int: "int", float: "float", str: "str"}
     if hint not in kinds:
         raise TypeError(f"DebugConfig.{f.name}: no validation for type {hint!r}")

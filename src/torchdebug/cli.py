@@ -50,6 +50,7 @@ _COMMAND_MODULES = [
     "torchdebug.store._cli",
     "torchdebug.demo",
     "torchdebug.views.report._cli",
+    "torchdebug.sinks._cli",
     "torchdebug.views.server._cli",
     "torchdebug.integrations._run_cli",
 ]

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .._config import DebugConfig, DebugLevel, coerce_config
-from .._errors import NonFiniteError, RunStoreError, TorchDebugWarning
+from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent, StepRecord, rule_counts, training_summary
@@ -74,7 +74,6 @@ _INSTRUMENTS: dict[str, tuple[str, str]] = {
     "module_time": ("torchdebug.perf.timing", "ModuleTimeInstrument"),
     "flops": ("torchdebug.perf.flops", "FlopsInstrument"),
     "profiler": ("torchdebug.perf.profiler", "ProfilerInstrument"),
-    "tensorboard": ("torchdebug.views.tensorboard", "TensorBoardInstrument"),
 }
 
 
@@ -94,6 +93,7 @@ class Monitor:
         tensorboard: bool | str | None = None,
         clip_on_spike: float | None = None,
         on_oom: str | None = None,
+        report_to: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -116,7 +116,28 @@ class Monitor:
             changes["clip_on_spike"] = clip_on_spike
         if on_oom is not None:
             changes["on_oom"] = on_oom
+        self._sink_objects: list[Any] = []  # Sink objects / SummaryWriters given in report_to
+        if report_to is not None:
+            items = [report_to] if isinstance(report_to, str) else report_to
+            if not isinstance(items, (list, tuple)):
+                items = [items]
+            changes["report_to"] = [i for i in items if isinstance(i, str)]
+            self._sink_objects = [i for i in items if not isinstance(i, str)]
         self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
+        self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
+        if self.config.report_to or self.config.tensorboard or self._sink_objects:
+            from ..sinks import as_sink, require, resolve_names
+
+            if run is False or (run is None and not self.config.store):
+                raise ConfigError(
+                    "report_to / tensorboard send the run's records as the run folder gets them, so they "
+                    "need the run store: drop run=False (or store=False), or drop report_to"
+                )
+            resolve_names(self.config.report_to)  # a missing library: ImportError naming the extra, now
+            if self.config.tensorboard:
+                require("tensorboard")
+            for obj in self._sink_objects:
+                as_sink(obj)  # a TypeError for anything else, now
         if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "step", "update")):
             raise TypeError(
                 f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
@@ -298,6 +319,9 @@ class Monitor:
             self._apply_level(level if level is not None else self.config.level, **changes)
         self.global_step += 1
         self._reset_step()
+        hub = self._hub
+        if hub is not None and hub.pending:
+            hub.warn()  # a sink was switched off (on its thread): say it here, once
         self._last_step_end = time.perf_counter()
         return record
 
@@ -452,6 +476,7 @@ class Monitor:
         try:
             self._open_store()
             self._install()
+            self._open_sinks()
         except BaseException:
             self._teardown(None)
             raise
@@ -494,10 +519,18 @@ class Monitor:
                     inst.remove(self)
         self._plain.remove()
         self._reset_step()
+        status = "finished" if exc is None else "failed"
         if self.writer is not None and self._owns_writer:
-            status = "finished" if exc is None else "failed"
             with contextlib.suppress(Exception):
                 self.writer.close(status=status)
+        if self._hub is not None:
+            hub, self._hub = self._hub, None
+            if not self._owns_writer:
+                with contextlib.suppress(Exception):
+                    self.writer.flush()  # the listener has what was logged
+                self.writer.remove_listener(hub.feed)
+            with contextlib.suppress(Exception):
+                hub.close(status, self.global_step - 1 if self.global_step else None)
 
     def _open_store(self) -> None:
         run = self._run_arg
@@ -531,9 +564,31 @@ class Monitor:
             self._owns_writer = True
         self.run_dir = Path(self.writer.path) if getattr(self.writer, "path", None) is not None else None
 
+    def _open_sinks(self) -> None:
+        """Start the trackers of ``report_to`` / ``tensorboard``: they hear the run writer's batches."""
+        cfg = self.config
+        if not (cfg.report_to or cfg.tensorboard or self._sink_objects) or self.rank != 0:
+            return  # rank 0 reports the run; the other ranks' records stay in their run files
+        if self.writer is None or not hasattr(self.writer, "add_listener"):
+            self._warn_once("sinks", "torchdebug: no run folder, so report_to sends nothing this session")
+            return
+        from ..sinks import RunInfo, SinkHub, build_sinks
+
+        info = RunInfo(
+            name=str(getattr(self.writer, "name", None) or type(self.model).__name__.lower()),
+            run_id=getattr(self.writer, "run_id", None),
+            path=self.run_dir,
+            config=cfg.to_dict(),
+        )
+        hub = SinkHub(build_sinks(cfg.report_to, self._sink_objects, cfg.tensorboard), info)
+        self.writer.add_listener(hub.feed)
+        self._hub = hub
+        if hub.pending:
+            hub.warn(stacklevel=5)  # a tracker that could not start
+
     # -- instruments -----------------------------------------------------------------------------
     def _wanted(self) -> set[str]:
-        wanted = set(self._enabled) | ({"tensorboard"} if self.config.tensorboard else set())
+        wanted = set(self._enabled)
         if "gradients" in wanted:
             wanted -= {"activations", "gradient_details"}  # GradientHealth records them (one set of hooks)
         return wanted
@@ -768,6 +823,7 @@ def watch(
     tensorboard: bool | str | None = None,
     clip_on_spike: float | None = None,
     on_oom: str | None = None,
+    report_to: Any = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -789,14 +845,24 @@ def watch(
             (the runs root), an open run writer, or ``False`` (no store).
         config: a :class:`DebugConfig`, a dict, or a YAML/TOML path (``None`` honours ``TORCHDEBUG_*``).
         early_stopping: an early-stopping object whose patience/counter/best are recorded.
-        tensorboard: ``True`` or a log dir to mirror the scalars to TensorBoard.
+        tensorboard: ``True`` or a log dir: the TensorBoard sink (``report_to=["tensorboard"]``)
+            writing into ``<run folder>/tensorboard`` or that directory.
+        report_to: the trackers that receive the run's records as the run folder gets them: names
+            from ``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"logging"``, or ``"all"`` (those
+            installed) / ``"none"``; also sink objects (``torchdebug.sinks.WandbSink(run=...)``) or an
+            open ``SummaryWriter``. A sink uses the tracker run already open (``wandb.run``, the active
+            MLflow run) and opens one only when there is none. Sent from background threads, never
+            the training step's; a tracker that fails or falls behind is switched off with one
+            warning. Rank 0 reports. See docs/trackers.md.
         clip_on_spike: clip gradients to this norm on detected spikes only.
         on_oom: ``"raise"`` or ``"retry_half"`` (with ``mon.run_step``).
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
             naming phase, module, op and source line (the failing step is replayed under tracing).
-        TypeError / ValueError: bad arguments, naming the fix.
+        TypeError / ValueError: bad arguments, naming the fix (``ConfigError``: an unknown tracker name,
+            listing the allowed ones, or ``report_to`` without a run folder).
+        ImportError: a tracker's library is missing (names the extra, e.g. ``torchdebug[wandb]``).
 
     Cost: one foreach norm of the gradients per backward, one of the parameters per optimizer step,
     and one host transfer per step. The replay (2-4x a step) runs only when something went wrong.
@@ -820,4 +886,5 @@ def watch(
         tensorboard=tensorboard,
         clip_on_spike=clip_on_spike,
         on_oom=on_oom,
+        report_to=report_to,
     )

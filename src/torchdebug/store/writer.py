@@ -21,7 +21,7 @@ import uuid
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,9 @@ class _Core:
         self.metric_ids: dict[str, int] = dict(conn.execute("SELECT name, id FROM metrics"))
         self.next_segment = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
         self.persisted_dropped = -1
+        # Called on this thread with each batch after its write (committed or lost): the records as
+        # queued, for consumers such as the tracker sinks. Each must be cheap and must not raise.
+        self.listeners: list[Callable[[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]]], None]] = []
         self.thread = threading.Thread(
             target=self._run, name=f"torchdebug-store-rank{meta['rank']}", daemon=True
         )
@@ -230,6 +233,13 @@ class _Core:
                 # The rolled-back batch may have named new metrics: forget ids that were not kept.
                 with contextlib.suppress(sqlite3.Error):
                     self.metric_ids = dict(self.conn.execute("SELECT name, id FROM metrics"))
+            if low or high:
+                for listener in list(self.listeners):
+                    try:
+                        listener(low, high)
+                    except Exception:  # a consumer's bug must not stop the store: it hears no more
+                        with contextlib.suppress(ValueError):
+                            self.listeners.remove(listener)
             with self.lock:
                 self.flush_done = target
                 self.flushed.notify_all()
@@ -510,6 +520,34 @@ class RunWriter:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    def add_listener(
+        self, listener: Callable[[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]]], None]
+    ) -> None:
+        """Call ``listener(low, high)`` on the writer thread with each batch, after its write.
+
+        The store's consumers (the tracker sinks) see exactly what the run folder gets, in the order
+        queued, without a step on the training thread. ``low`` holds metrics, tensor stats, memory and
+        timings, ``high`` anomalies, events and segments, as tuples (the queue's own format):
+
+        - ``("s", name, step, value, wall_time)``
+        - ``("t", step, name, stats_dict, wall_time)``
+        - ``("m", step, [(key, bytes), ...], wall_time)``; ``("T", step, [(phase, seconds), ...], wall_time)``
+        - ``("a", step, wall_time, phase, module, kind, json_document)``
+        - ``("e", step, wall_time, kind, severity, message, json_data_or_None)``
+        - ``("g", segment_id, start_step, wall_time, label)``
+
+        A batch that could not be written is still passed on (the records were meant for the run);
+        dropped low-priority records are not. The listener must return at once (hand the batch to
+        its own thread) and must not raise; one that raises is removed. Close or flush the writer
+        before reading what the listener got.
+        """
+        self._core.listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[..., None]) -> None:
+        """Stop calling ``listener`` (no error when it was not added)."""
+        with contextlib.suppress(ValueError):
+            self._core.listeners.remove(listener)
 
     def _put_low(self, rec: tuple[Any, ...]) -> None:
         core = self._core

@@ -1,4 +1,4 @@
-"""``torchdebug report RUN`` and ``torchdebug export RUN --tensorboard DIR`` (registered by cli.py)."""
+"""``torchdebug report RUN`` (registered by cli.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ _SUFFIX = {".txt": "text", ".json": "json", ".html": "html", ".htm": "html", ".p
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``report`` and ``export`` subcommands (cheap: heavy imports happen when they run)."""
+    """Add the ``report`` subcommand (cheap: heavy imports happen when it runs)."""
     p = subparsers.add_parser(
         "report",
         help="write a report of a run (text, json, self-contained html, png)",
@@ -25,15 +25,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--format", choices=_FORMATS, help="text | json | html | png (default: from FILE's suffix, else text)"
     )
     p.set_defaults(func=_report)
-
-    e = subparsers.add_parser(
-        "export",
-        help="export a run to other tools (TensorBoard)",
-        description="Export a stored run's scalars, histograms, anomalies and rule events.",
-    )
-    e.add_argument("run", help="run folder")
-    e.add_argument("--tensorboard", metavar="DIR", required=True, help="TensorBoard log directory to write")
-    e.set_defaults(func=_export)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -51,16 +42,4 @@ def _report(args: argparse.Namespace) -> int:
         print(f"wrote {fmt} report to {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(out if isinstance(out, str) else "")
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from ..tensorboard import export_tensorboard
-
-    counts = export_tensorboard(args.run, args.tensorboard)
-    print(
-        f"wrote {counts['scalars']} scalars, {counts['histograms']} histograms and {counts['texts']} texts "
-        f"to {args.tensorboard} (view: tensorboard --logdir {args.tensorboard})",
-        file=sys.stderr,
-    )
     return 0

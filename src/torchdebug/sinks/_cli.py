@@ -1,0 +1,60 @@
+"""``torchdebug export RUN --to tensorboard|wandb|mlflow|logging`` (registered by cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .._config import REPORT_TO_NAMES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``export`` subcommand (cheap: the tracker libraries are imported when it runs)."""
+    e = subparsers.add_parser(
+        "export",
+        help="send a run to a tracker (TensorBoard, W&B, MLflow, logging)",
+        description=(
+            "Send a stored run's scalars, anomalies, rule events and verdict to a tracker, under the "
+            "same torchdebug/... names as watch(report_to=...). W&B and MLflow read their usual "
+            "environment (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME ...)."
+        ),
+    )
+    e.add_argument("run", help="run folder")
+    e.add_argument("--to", choices=REPORT_TO_NAMES, help="the tracker (default: tensorboard)")
+    e.add_argument(
+        "--logdir", metavar="DIR", help="TensorBoard log directory to write (default: RUN/tensorboard)"
+    )
+    e.add_argument("--tensorboard", metavar="DIR", help="same as --to tensorboard --logdir DIR")
+    e.add_argument("--project", help="W&B project (default: WANDB_PROJECT, else W&B's default)")
+    e.add_argument("--run-id", help="MLflow: add to this existing run instead of starting one")
+    e.set_defaults(func=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from . import export_run
+
+    to = args.to or "tensorboard"
+    if args.tensorboard and to != "tensorboard":
+        raise ValueError(f"--tensorboard DIR writes TensorBoard; drop it or --to {to}")
+    options: dict[str, object] = {}
+    if to == "tensorboard":
+        logdir = args.tensorboard or args.logdir or str(Path(args.run) / "tensorboard")
+        options["logdir"] = logdir
+    if to == "wandb" and args.project:
+        options["project"] = args.project
+    if to == "mlflow" and args.run_id:
+        options["run_id"] = args.run_id
+    if to == "tensorboard":
+        from ._tensorboard import export_tensorboard
+
+        counts = export_tensorboard(args.run, logdir)
+        print(
+            f"wrote {counts['scalars']} scalars, {counts['histograms']} histograms and {counts['texts']} texts "
+            f"to {logdir} (view: tensorboard --logdir {logdir})",
+            file=sys.stderr,
+        )
+        return 0
+    end = export_run(args.run, to, **options)
+    print(f"sent {args.run} to {to}: {end.verdict}", file=sys.stderr)
+    return 0

@@ -1,0 +1,273 @@
+"""The sink interface and the hub that feeds sinks off the training thread, dropping any that fail.
+
+Threads: ``SinkHub.feed`` runs on the run writer's thread (``RunWriter.add_listener``) and only
+decodes the batch and appends it to each sink's queue; each sink has its own daemon thread that
+calls the tracker library, so a slow tracker holds up neither training nor the other sinks.
+``open`` and ``release`` run on the thread that owns the session (the training thread), where
+trackers keep per-thread state (MLflow's active run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .._errors import TorchDebugWarning
+from ._records import Finding, Histogram, Record, RunEnd, RunInfo, Scalars, Tally, decode_high, decode_low
+
+#: records a sink may fall behind before it is switched off (about the store's own queue)
+MAX_BEHIND = 100_000
+#: seconds the session's exit waits for the sinks to send what is left
+CLOSE_TIMEOUT = 15.0
+
+
+class Sink:
+    """One tracker that receives a run's records. Subclass and override what the tracker shows.
+
+    Call order: ``open`` (the owner thread, at session start: find or open the tracker's run), then
+    on the sink's thread ``scalars`` / ``histogram`` / ``finding`` for each record in order and
+    ``flush`` after each batch, ``finish`` once with how the run ended; then ``release`` on the
+    owner thread (end what ``open`` opened). A method that raises switches the sink off with one
+    ``TorchDebugWarning``; the run folder keeps everything.
+    """
+
+    name = "sink"
+
+    def open(self, run: RunInfo) -> None:
+        """Find or open the tracker's run (the owner thread)."""
+
+    def scalars(self, rec: Scalars) -> None:
+        """One step's values under their ``torchdebug/...`` names."""
+
+    def histogram(self, rec: Histogram) -> None:
+        """Summary statistics of one tensor (only TensorBoard draws them)."""
+
+    def finding(self, rec: Finding) -> None:
+        """An anomaly or a rule event."""
+
+    def flush(self) -> None:
+        """After each batch of records."""
+
+    def finish(self, end: RunEnd) -> None:
+        """The run's status, verdict and folder (the sink's thread, after every record)."""
+
+    def release(self, end: RunEnd) -> None:
+        """Close what ``open`` opened (the owner thread, after ``finish``)."""
+
+    def write(self, records: Iterable[Record]) -> None:
+        """Dispatch records to ``scalars`` / ``histogram`` / ``finding``."""
+        for rec in records:
+            if isinstance(rec, Scalars):
+                self.scalars(rec)
+            elif isinstance(rec, Finding):
+                self.finding(rec)
+            elif isinstance(rec, Histogram):
+                self.histogram(rec)
+
+
+class _Worker:
+    """One sink's queue and thread."""
+
+    def __init__(self, hub: SinkHub, sink: Sink) -> None:
+        self.hub = hub
+        self.sink = sink
+        self.cond = threading.Condition()
+        self.queue: deque[list[Record]] = deque()
+        self.behind = 0
+        self.end: RunEnd | None = None
+        self.off = False
+        self.thread = threading.Thread(target=self._run, name=f"torchdebug-sink-{sink.name}", daemon=True)
+        self.thread.start()
+
+    def put(self, records: list[Record]) -> None:
+        with self.cond:
+            if self.off or self.end is not None:
+                return
+            self.behind += len(records)
+            if self.behind > MAX_BEHIND:
+                self.off = True
+                self.queue.clear()
+                self.hub.note(
+                    self.sink,
+                    f"fell more than {MAX_BEHIND} records behind (the tracker is slower than training)",
+                )
+            else:
+                self.queue.append(records)
+            self.cond.notify()
+
+    def close(self, end: RunEnd) -> None:
+        with self.cond:
+            self.end = end
+            self.cond.notify()
+
+    def _run(self) -> None:
+        sink = self.sink
+        while True:
+            with self.cond:
+                while not self.queue and self.end is None and not self.off:
+                    self.cond.wait()
+                if self.off:
+                    return
+                batch = self.queue.popleft() if self.queue else None
+                end = self.end if batch is None else None
+            try:
+                if batch is not None:
+                    sink.write(batch)
+                    sink.flush()
+                    with self.cond:
+                        self.behind -= len(batch)
+                    continue
+                if end is not None:
+                    sink.finish(end)
+                return
+            except Exception as exc:
+                with self.cond:
+                    self.off = True
+                    self.queue.clear()
+                self.hub.note(sink, f"failed: {exc!r}")
+                return
+
+
+class SinkHub:
+    """Feeds a run's records to its sinks, each on its own thread (see the module docstring).
+
+    Args:
+        sinks: the sinks; ``open`` is called on each now (the calling thread). One that fails to open
+            is left out with a warning; an ImportError (its library is missing) propagates.
+        run: the run being reported.
+
+    Use ``feed`` as the run writer's listener, ``put`` for records from elsewhere (a framework
+    callback), ``warn`` on the owner thread to raise the pending warnings, and ``close(status)`` at
+    the end (it waits up to ``CLOSE_TIMEOUT`` seconds in all for the sinks to finish).
+    """
+
+    def __init__(self, sinks: Sequence[Sink], run: RunInfo) -> None:
+        self.run = run
+        self.tally = Tally()
+        self._lock = threading.Lock()
+        self._messages: list[str] = []
+        self._noted: set[int] = set()
+        self.pending = False  # a warning waits for the owner thread (warnings are per thread)
+        self.sinks: list[Sink] = []
+        for sink in sinks:
+            try:
+                sink.open(run)
+            except ImportError:
+                raise
+            except Exception as exc:
+                self.note(sink, f"could not start: {exc!r}")
+                continue
+            self.sinks.append(sink)
+        self._workers = [_Worker(self, s) for s in self.sinks]
+        self._closed = False
+
+    def note(self, sink: Sink, why: str) -> None:
+        """Switch a sink off with one warning (raised later on the owner thread)."""
+        with self._lock:
+            if id(sink) in self._noted:
+                return
+            self._noted.add(id(sink))
+            where = f"; the run folder {self.run.path} keeps everything" if self.run.path else ""
+            self._messages.append(f"torchdebug: the {sink.name!r} sink {why} and was switched off{where}")
+            self.pending = True
+
+    def warn(self, stacklevel: int = 3) -> None:
+        """Raise the pending sink warnings as ``TorchDebugWarning`` (one per sink), on this thread."""
+        with self._lock:
+            messages, self._messages = self._messages, []
+            self.pending = False
+        for m in messages:
+            warnings.warn(TorchDebugWarning(m), stacklevel=stacklevel)
+
+    def feed(self, low: Sequence[tuple[Any, ...]], high: Sequence[tuple[Any, ...]]) -> None:
+        """The run writer's listener: decode a batch and queue it for every sink (the writer thread)."""
+        records = decode_low(low)
+        if high:
+            findings = decode_high(high)
+            for f in findings:
+                self.tally.see(f)
+            records += findings
+        if records:
+            self.put(records)
+
+    def put(self, records: list[Record]) -> None:
+        """Queue records for every sink (any thread; returns at once)."""
+        for w in self._workers:
+            w.put(records)
+
+    def close(self, status: str, last_step: int | None = None) -> RunEnd:
+        """Send how the run ended, wait for the sinks (``CLOSE_TIMEOUT`` in all), release them, warn."""
+        tally = self.tally
+        if last_step is not None and (tally.last_step is None or last_step > tally.last_step):
+            tally.last_step = last_step
+        end = tally.end(status, self.run.path)
+        if self._closed:
+            return end
+        self._closed = True
+        for w in self._workers:
+            w.close(end)
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        for w in self._workers:
+            w.thread.join(max(deadline - time.monotonic(), 0.0))
+            if w.thread.is_alive():
+                with w.cond:
+                    w.off = True
+                self.note(w.sink, f"did not finish within {CLOSE_TIMEOUT:g} s")
+        for w in self._workers:
+            try:
+                w.sink.release(end)
+            except Exception as exc:
+                self.note(w.sink, f"failed at the end: {exc!r}")
+        self.warn(stacklevel=4)
+        return end
+
+
+def deliver(sinks: Sequence[Sink], run: RunInfo, records: Iterable[Record], status: str) -> RunEnd:
+    """Send records to sinks here and now (``torchdebug export``): errors propagate."""
+    tally = Tally()
+    opened: list[Sink] = []
+    try:
+        for s in sinks:
+            s.open(run)
+            opened.append(s)
+        batch: list[Record] = []
+        for rec in records:
+            tally.see(rec)
+            batch.append(rec)
+            if len(batch) >= 1000:
+                for s in opened:
+                    s.write(batch)
+                batch = []
+        for s in opened:
+            s.write(batch)
+            s.flush()
+        end = tally.end(status, run.path)
+        for s in opened:
+            s.finish(end)
+    except BaseException:
+        end = tally.end("failed", run.path)
+        for s in opened:
+            with contextlib.suppress(Exception):
+                s.release(end)
+        raise
+    for s in opened:
+        s.release(end)
+    return end
+
+
+def run_info(run: Any) -> RunInfo:
+    """The ``RunInfo`` of a stored run (``torchdebug.store.Run``)."""
+    meta = getattr(run, "meta", {}) or {}
+    cfg = meta.get("config")
+    return RunInfo(
+        name=str(getattr(run, "name", None) or meta.get("name") or "run"),
+        run_id=getattr(run, "run_id", None),
+        path=Path(run.path) if getattr(run, "path", None) is not None else None,
+        config=cfg if isinstance(cfg, dict) else {},
+    )

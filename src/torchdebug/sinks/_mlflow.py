@@ -1,0 +1,114 @@
+"""The MLflow sink: metrics, tags for the status and the first anomaly, the anomaly documents as JSON
+artifacts. Needs ``pip install 'torchdebug[mlflow]'`` (mlflow-skinny; the full ``mlflow`` works too)."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from ._hub import Sink
+from ._records import FIRST_ANOMALY, RUN_FOLDER, STATUS, VERDICT, Finding, RunEnd, RunInfo, Scalars
+
+MLFLOW_EXTRA = "pip install 'torchdebug[mlflow]'"
+_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+_UNSAFE = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in a metric or tag name
+
+
+def import_mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError as e:
+        raise ImportError(f"the MLflow sink needs mlflow: {MLFLOW_EXTRA}") from e
+    return mlflow
+
+
+def _key(name: str) -> str:
+    return _UNSAFE.sub("_", name)
+
+
+class MlflowSink(Sink):
+    """Sends the run to MLflow: into the active run when there is one (or ``run_id=``), else a run it
+    starts (``mlflow.start_run(run_name=<run name>)`` in the tracking URI and experiment the MLflow
+    environment names) and ends with the run's status.
+
+    What lands where: every scalar as a metric ``torchdebug/...`` at its step; tags
+    ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder`` and, at the first anomaly,
+    ``torchdebug/first_anomaly`` (its headline) with ``torchdebug/first_anomaly/phase``, ``.../module``,
+    ``.../op``, ``.../line``; each anomaly document as the artifact
+    ``torchdebug/anomaly-step<N>.json``; every finding in ``torchdebug/findings.json`` at the end.
+
+    Cost: one ``log_batch`` call per batch of records (about every 0.5 s) on the sink's thread.
+    """
+
+    name = "mlflow"
+
+    def __init__(self, run_id: str | None = None, *, client: Any = None) -> None:
+        self.run_id = run_id
+        self.client = client
+        self._started = False
+        self._mlflow: Any = None
+        self._pending: list[Any] = []
+        self._findings: list[dict[str, Any]] = []
+        self._first = False
+
+    def open(self, run: RunInfo) -> None:
+        mlflow = self._mlflow = import_mlflow()
+        if self.client is None:
+            self.client = mlflow.MlflowClient()
+        if self.run_id is None:
+            active = mlflow.active_run()
+            if active is None:
+                active = mlflow.start_run(run_name=run.name)
+                self._started = True
+            self.run_id = active.info.run_id
+
+    def scalars(self, rec: Scalars) -> None:
+        from mlflow.entities import Metric
+
+        ms = int((rec.wall_time if rec.wall_time is not None else time.time()) * 1000)
+        self._pending += [Metric(_key(k), float(v), ms, rec.step) for k, v in rec.values.items()]
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for i in range(0, len(pending), _BATCH):
+            self.client.log_batch(self.run_id, metrics=pending[i : i + _BATCH])
+
+    def finding(self, rec: Finding) -> None:
+        self._findings.append(
+            {"step": rec.step, "record": rec.kind, "headline": rec.headline, **dict(rec.doc)}
+        )
+        if rec.kind != "anomaly":
+            return
+        if not self._first:
+            self._first = True
+            tags = {FIRST_ANOMALY: rec.headline}
+            for k, v in rec.where().items():
+                if v is not None:
+                    tags[f"{FIRST_ANOMALY}/{k}"] = str(v)
+            self._tags(tags)
+        self.client.log_dict(self.run_id, dict(rec.doc), f"torchdebug/anomaly-step{rec.step}.json")
+
+    def _tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(_key(k), v[:5000]) for k, v in tags.items()])
+
+    def finish(self, end: RunEnd) -> None:
+        self.flush()
+        tags = {STATUS: end.status, VERDICT: end.verdict}
+        if end.path is not None:
+            tags[RUN_FOLDER] = str(end.path)
+        self._tags(tags)
+        if self._findings:
+            self.client.log_dict(self.run_id, {"findings": self._findings}, "torchdebug/findings.json")
+
+    def release(self, end: RunEnd) -> None:
+        if not self._started:
+            return
+        status = "FAILED" if end.status == "failed" else "FINISHED"
+        active = self._mlflow.active_run()
+        if active is not None and active.info.run_id == self.run_id:
+            self._mlflow.end_run(status=status)  # the run open() started on this thread
+        else:
+            self.client.set_terminated(self.run_id, status=status)
