@@ -56,7 +56,7 @@ def test_export_scalars_keep_nan_and_inf(exported: tuple[dict[str, int], EventAc
     assert sorted(loss) == list(range(8))
     assert loss[5] == 8.0 and math.isnan(loss[6]) and loss[7] == 0.75
     assert _scalars(ea, "torchdebug/grad_norm")[6] == math.inf
-    assert _scalars(ea, "torchdebug/grad_norm/fc1.weight")[5] == 60.0
+    assert _scalars(ea, "torchdebug/params/grad_norm/fc1.weight")[5] == 60.0
     assert _scalars(ea, "torchdebug/lr/0")[0] == 0.125
     assert _scalars(ea, "torchdebug/memory/rss")[7] == 107 * MiB  # bytes (exact in float32: 107 * 2^20)
     assert _scalars(ea, "torchdebug/time/forward")[5] == pytest.approx(0.04)  # 0.16 / 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -32,7 +33,11 @@ EXTRAS = {
 def installed(name: str) -> bool:
     """True when the library of sink ``name`` can be imported (``logging`` always)."""
     spec = EXTRAS.get(name)
-    return spec is None or importlib.util.find_spec(spec[0]) is not None
+    if spec is None:
+        return True
+    if spec[0] in sys.modules:
+        return sys.modules[spec[0]] is not None  # None: imports of it are blocked
+    return importlib.util.find_spec(spec[0]) is not None
 
 
 def require(name: str) -> None:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ._hub import Sink
-from ._records import FIRST_ANOMALY, RUN_FOLDER, STATUS, VERDICT, Finding, RunEnd, RunInfo, Scalars
+from ._records import RUN_FOLDER, STATUS, VERDICT, Finding, RunEnd, RunInfo, Scalars
 
 MLFLOW_EXTRA = "pip install 'torchdebug[mlflow]'"
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -34,8 +34,7 @@ class MlflowSink(Sink):
 
     What lands where: every scalar as a metric ``torchdebug/...`` at its step; tags
     ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder`` and, at the first anomaly,
-    ``torchdebug/first_anomaly`` (its headline) with ``torchdebug/first_anomaly/phase``, ``.../module``,
-    ``.../op``, ``.../line``; each anomaly document as the artifact
+    ``torchdebug/first_anomaly/headline``, ``.../phase``, ``.../module``, ``.../op``, ``.../line``; each anomaly document as the artifact
     ``torchdebug/anomaly-step<N>.json``; every finding in ``torchdebug/findings.json`` at the end.
 
     Cost: one ``log_batch`` call per batch of records (about every 0.5 s) on the sink's thread.
@@ -82,11 +81,7 @@ class MlflowSink(Sink):
             return
         if not self._first:
             self._first = True
-            tags = {FIRST_ANOMALY: rec.headline}
-            for k, v in rec.where().items():
-                if v is not None:
-                    tags[f"{FIRST_ANOMALY}/{k}"] = str(v)
-            self._tags(tags)
+            self._tags(rec.first_anomaly_fields())
         self.client.log_dict(self.run_id, dict(rec.doc), f"torchdebug/anomaly-step{rec.step}.json")
 
     def _tags(self, tags: dict[str, str]) -> None:

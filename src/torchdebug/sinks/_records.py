@@ -7,15 +7,16 @@ records under the same names, so a tracker shows the same thing whichever way it
 Names (all under ``torchdebug/``):
 
 - a stored metric under its own name: ``torchdebug/loss``, ``torchdebug/grad_norm``,
-  ``torchdebug/lr/0`` (parameter group 0), ``torchdebug/grad_norm/<parameter>``,
-  ``torchdebug/update_ratio/<parameter>``, ``torchdebug/observe/<name>`` ...;
+  ``torchdebug/lr/0`` (parameter group 0), ``torchdebug/observe/<name>`` ...; per-parameter ones
+  under ``torchdebug/params/``: ``torchdebug/params/grad_norm/<parameter>``,
+  ``torchdebug/params/update_ratio/<parameter>``, ``torchdebug/params/weight_norm/<parameter>``;
 - ``torchdebug/memory/<key>`` (bytes), ``torchdebug/time/<phase>`` (seconds; the whole step is
   ``total``), ``torchdebug/throughput/<x>_per_s``;
 - ``torchdebug/nonfinite/<tensor>/nan`` and ``.../inf`` (counts) and ``torchdebug/histograms/<tensor>``
   from tensor statistics on the detailed schedule;
 - texts: ``torchdebug/anomalies``, ``torchdebug/events/<kind>``, ``torchdebug/verdict``; run-level
-  fields ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder``,
-  ``torchdebug/first_anomaly``.
+  fields ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder`` and
+  ``torchdebug/first_anomaly/headline`` (``.../phase``, ``.../module``, ``.../op``, ``.../line``).
 """
 
 from __future__ import annotations
@@ -35,13 +36,22 @@ ANOMALIES = PREFIX + "anomalies"
 VERDICT = PREFIX + "verdict"
 STATUS = PREFIX + "status"
 RUN_FOLDER = PREFIX + "run_folder"
-FIRST_ANOMALY = PREFIX + "first_anomaly"
+FIRST_ANOMALY = PREFIX + "first_anomaly/"  # + headline, phase, module, op, line
 FINDINGS = PREFIX + "findings"
 STEP = PREFIX + "step"
 
 
+# Stored per-parameter families (``grad_norm/<param>`` ...) go under ``torchdebug/params/``: the total
+# ``grad_norm`` is a leaf, and MLflow's file store keeps each metric in a file named after it, so no
+# name may also be a folder of others.
+_PER_PARAMETER = ("grad_norm/", "update_ratio/", "weight_norm/")
+
+
 def metric_tag(name: str) -> str:
-    """``loss`` -> ``torchdebug/loss``: a stored metric's name in every tracker."""
+    """A stored metric's name in every tracker: ``loss`` -> ``torchdebug/loss``,
+    ``grad_norm/fc1.weight`` -> ``torchdebug/params/grad_norm/fc1.weight``."""
+    if name.startswith(_PER_PARAMETER):
+        return f"{PREFIX}params/{name}"
     return PREFIX + name
 
 
@@ -127,6 +137,13 @@ class Finding:
         mods = _modules(self.doc)
         where = f" [{', '.join(mods)}]" if mods else ""
         return f"{self.name}{where}: {self.doc.get('message', '')}"
+
+    def first_anomaly_fields(self) -> dict[str, str]:
+        """``torchdebug/first_anomaly/headline``, ``.../phase``, ``.../module``, ``.../op``, ``.../line``
+        (those the anomaly says) as text."""
+        fields = {FIRST_ANOMALY + "headline": self.headline}
+        fields.update({FIRST_ANOMALY + k: str(v) for k, v in self.where().items() if v is not None})
+        return fields
 
     def where(self) -> dict[str, Any]:
         """``phase``, ``module``, ``op``, ``line`` of an anomaly (None for what it does not say)."""

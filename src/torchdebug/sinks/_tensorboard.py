@@ -115,7 +115,7 @@ class TensorBoardSink(Sink):
 
     def finish(self, end: RunEnd) -> None:
         folder = f"  \nrun folder: `{end.path}`" if end.path is not None else ""
-        self.writer.add_text(VERDICT, f"**{end.status}**: {end.verdict}{folder}", end.last_step or 0)
+        self.writer.add_text(VERDICT, f"**{end.verdict}**{folder}", end.last_step or 0)
         self.counts["texts"] += 1
         self.writer.flush()
 

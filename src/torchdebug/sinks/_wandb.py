@@ -9,7 +9,6 @@ from ._hub import Sink
 from ._records import (
     FINDING_COLUMNS,
     FINDINGS,
-    FIRST_ANOMALY,
     RUN_FOLDER,
     STATUS,
     STEP,
@@ -40,7 +39,7 @@ class WandbSink(Sink):
     (``wandb.alert``, level ERROR) per anomaly and one when the run failed; at the end a
     ``torchdebug/findings`` table (step, record, kind, severity, headline, phase, module, op, line)
     and summary fields ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder``,
-    ``torchdebug/first_anomaly``.
+    ``torchdebug/first_anomaly/headline`` (``.../phase``, ``.../module``, ``.../op``, ``.../line``).
 
     Cost: one ``run.log`` per step on the sink's thread (W&B queues it to its own service).
     """
@@ -73,7 +72,9 @@ class WandbSink(Sink):
         self._rows.append(rec.row())
         if rec.kind == "anomaly":
             if self._first is None:
-                self._first = self.run.summary[FIRST_ANOMALY] = rec.headline
+                self._first = rec.headline
+                for k, v in rec.first_anomaly_fields().items():
+                    self.run.summary[k] = v
             self.run.alert(
                 title=f"torchdebug: {rec.name} at step {rec.step}",
                 text=rec.text(),
