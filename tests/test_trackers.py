@@ -384,11 +384,13 @@ def test_a_sink_that_falls_behind_is_switched_off(tmp_path: Path, monkeypatch: p
     torch.manual_seed(0)
     model = hm.HealthyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.warns(TorchDebugWarning, match="'stuck' sink fell more than 3 records behind"):
-        with td.watch(model, opt, run=tmp_path / "runs", report_to=[Stuck()]) as mon:
-            for _ in range(3):
-                hm.train(mon, model, opt, 2)
-                mon.writer.flush()  # a batch per round: the stuck sink holds the first one
+    with (
+        pytest.warns(TorchDebugWarning, match="'stuck' sink fell more than 3 records behind"),
+        td.watch(model, opt, run=tmp_path / "runs", report_to=[Stuck()]) as mon,
+    ):
+        for _ in range(3):
+            hm.train(mon, model, opt, 2)
+            mon.writer.flush()  # a batch per round: the stuck sink holds the first one
     gate.set()
 
 
