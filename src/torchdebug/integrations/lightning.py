@@ -13,7 +13,13 @@ Lightning 2.x hook order this callback relies on (lightning/pytorch, 2.6):
 - manual optimization: ``LightningOptimizer.step`` -> ``strategy.optimizer_step`` -> the same
   precision plugin path (core/optimizer.py:146-156), so ``on_before_optimizer_step`` fires there too.
 - ``on_train_batch_end`` comes after the batch's optimizer step (loops/training_epoch_loop.py:350-374).
-- an exception in ``fit`` calls ``on_exception`` and re-raises (trainer/call.py:67-78).
+- an exception in ``fit`` calls ``on_exception`` and re-raises (trainer/call.py:67-78), then each
+  logger's ``finalize("failed")`` (call.py:83); after ``on_fit_end`` the teardown finalizes the
+  loggers with "success" (call.py:149), so the verdict reaches them before they close.
+- Lightning logs the user's training metrics after ``on_train_batch_end`` at
+  ``step = fit_loop.epoch_loop._batches_that_stepped`` (the number of optimizer steps before this
+  one, logger_connector.py:123: torchdebug's step index) when ``(step + 1) % log_every_n_steps == 0``
+  (logger_connector.py:59-64); the callback forwards its scalars on the same steps.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from torch import nn
 
 from .._tensors import unwrap_optimizer
 from ..session.monitor import Monitor
+from ..sinks import MlflowSink, RunInfo, Sink, SinkHub, TensorBoardSink, WandbSink
+from ._report import anomaly_finding, marks, run_end, step_findings, tagged
 from ._session import check_watch_kwargs, close_session, open_session
 
 try:
@@ -64,8 +72,19 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         trainer = L.Trainer(callbacks=[TorchDebugCallback(policy="raise")])
         trainer.fit(model, loader)
 
+    Findings reach every logger in ``trainer.loggers`` (TensorBoard, W&B, MLflow, CSV ...) with no
+    ``report_to``: the step's own scalars (``torchdebug/loss``, ``torchdebug/grad_norm``,
+    ``torchdebug/lr/0`` ..., the run folder's values) through ``logger.log_metrics`` at torchdebug's
+    step on the steps Lightning logs (``log_every_n_steps``); each anomaly and rule event as a marker
+    metric (1.0 under ``torchdebug/anomaly`` / ``torchdebug/events/<kind>``) at its step. Loggers with
+    a text channel get the findings themselves through the matching sink on their experiment
+    (TensorBoard text, a W&B alert and findings table, MLflow tags and JSON artifacts) and the
+    verdict at the end; any other logger gets ``torchdebug/status``, ``torchdebug/verdict`` and
+    ``torchdebug/run_folder`` through ``log_hyperparams`` when the fit ends.
+
     Cost: that of :func:`watch` (one host transfer per optimizer step), plus on the first training
-    batch a forward pre-hook on each module to find the one ``training_step`` calls.
+    batch a forward pre-hook on each module to find the one ``training_step`` calls, plus one
+    ``log_metrics`` per logger on logging steps (Lightning's own cost for a logged value).
     """
 
     def __init__(self, **watch_kwargs: Any) -> None:
@@ -77,6 +96,11 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         self._in_batch = False
         self._root_depth = 0
         self._stepped = False
+        self._loggers: list[Any] = []  # trainer.loggers (rank zero)
+        self._plain_loggers: list[Any] = []  # those without a sink: the verdict via log_hyperparams
+        self._every = 50
+        self._hub: SinkHub | None = None
+        self._sent = 0  # anomalies forwarded so far
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -91,6 +115,7 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             self.monitor.owns_optimizer(raw)  # adopt it: the skipped-step rules know an optimizer exists
             self._handles.append(raw.register_step_post_hook(self._after_update))
         self._find_entry(pl_module)
+        self._open_loggers(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: nn.Module) -> None:
         self._close(None)
@@ -103,7 +128,71 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
 
     def _close(self, exc: BaseException | None) -> None:
         self._unhook()
+        live = self._live() is not None
         close_session(self.monitor, exc)  # the monitor stays readable: .anomalies, .records, .run_dir
+        if live:
+            self._close_loggers("failed" if exc is not None else "finished")
+
+    # -- the trainer's loggers -------------------------------------------------------------------
+    def _open_loggers(self, trainer: Any) -> None:
+        self._loggers = list(trainer.loggers) if getattr(trainer, "is_global_zero", True) else []
+        self._every = max(int(getattr(trainer, "log_every_n_steps", 50) or 0), 0)
+        sinks: list[Sink] = []
+        self._plain_loggers = []
+        for lg in self._loggers:
+            sink = _logger_sink(lg)
+            if sink is None:
+                self._plain_loggers.append(lg)
+            else:
+                sinks.append(sink)
+        mon = self.monitor
+        self._hub = None
+        self._sent = 0
+        if sinks and mon is not None:
+            info = RunInfo(name=type(mon.model).__name__.lower(), path=mon.run_dir)
+            self._hub = SinkHub(sinks, info)  # findings only: scalars go through log_metrics
+
+    def _forward(self, mon: Monitor, record: Any) -> None:
+        """The step's findings (always) and scalars (on logging steps) to every logger."""
+        findings = step_findings(record)
+        values: dict[str, float] = {}
+        if self._every and (record.step + 1) % self._every == 0:
+            values = tagged(mon.step_scalars)
+        if record.anomaly is not None:
+            self._sent = len(mon.anomalies)
+        if findings:
+            values.update(marks(findings))
+            if self._hub is not None:
+                self._hub.put(list(findings))
+        if values:
+            for lg in self._loggers:
+                lg.log_metrics(values, step=record.step)
+        hub = self._hub
+        if hub is not None and hub.pending:
+            hub.warn()
+
+    def _close_loggers(self, status: str) -> None:
+        mon = self.monitor
+        if mon is None or not self._loggers:
+            return
+        end = run_end(mon, status)
+        late = [anomaly_finding(a) for a in mon.anomalies[self._sent :]]  # raised before the step ended
+        if late:
+            for lg in self._loggers:
+                for f in late:
+                    lg.log_metrics(marks([f]), step=f.step)
+            if self._hub is not None:
+                self._hub.put(list(late))
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            hub.close(status, end.last_step)
+        fields = {"torchdebug/status": end.status, "torchdebug/verdict": end.verdict}
+        if end.path is not None:
+            fields["torchdebug/run_folder"] = str(end.path)
+        if end.first_anomaly is not None:
+            fields.update(end.first_anomaly.first_anomaly_fields())
+        for lg in self._plain_loggers:
+            lg.log_hyperparams(fields)
 
     def _live(self) -> Monitor | None:
         mon = self.monitor
@@ -144,7 +233,9 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         mon = self._live()
         if mon is not None and self._stepped:
             self._stepped = False
-            mon.step()  # accumulating batches end without an optimizer step: not a step
+            record = mon.step()  # accumulating batches end without an optimizer step: not a step
+            if self._loggers:
+                self._forward(mon, record)
 
     # -- which module training_step calls --------------------------------------------------------
     def _find_entry(self, pl_module: nn.Module) -> None:
@@ -180,3 +271,15 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         for h in self._finding:
             h.remove()
         self._finding.clear()
+
+
+def _logger_sink(logger: Any) -> Sink | None:
+    """The sink that writes findings into a Lightning logger's experiment, for loggers with text."""
+    kind = type(logger).__name__
+    if kind == "TensorBoardLogger":
+        return TensorBoardSink(writer=logger.experiment)
+    if kind == "WandbLogger":
+        return WandbSink(run=logger.experiment)
+    if kind == "MLFlowLogger":
+        return MlflowSink(logger.run_id, client=logger.experiment)
+    return None

@@ -11,6 +11,15 @@
   accelerate/optimizer.py:152-186), ``on_optimizer_step`` (1936), ``model.zero_grad()`` (1946),
   ``on_step_end`` (1949); on the other micro-batches ``on_substep_end`` (1961);
 - ``on_train_begin`` (1653) after the optimizer is created and prepared; ``on_train_end`` at the end.
+- ``Trainer.log`` (4189) copies ``logs`` into ``state.log_history`` and then calls every callback's
+  ``on_log`` with the same dict, in the order of ``callback_handler.callbacks``: the defaults and the
+  ``report_to`` integrations first, the user's callbacks after them (trainer.py:586-595). The
+  ``report_to`` callbacks read ``logs`` in their ``on_log``: TensorBoardCallback writes numbers with
+  ``add_scalar`` and strings with ``add_text`` at ``state.global_step`` under ``train/<key>``
+  (integrations/integration_utils.py:634-655, ``rewrite_logs``); WandbCallback logs the dict with
+  ``train/global_step``. So at ``on_init_end`` this callback moves itself to the front of the list,
+  and its ``on_log`` adds torchdebug's values to ``logs`` before they read it. The final log of
+  ``train()`` (``train_runtime``) comes before ``on_train_end``.
 
 Hugging Face has no exception callback. So that a run is marked ``failed`` the moment training
 raises: the callback raises :class:`NonFiniteError` itself and closes the run first; and it wraps
@@ -29,6 +38,8 @@ from torch import nn
 
 from .._tensors import unwrap_optimizer
 from ..session.monitor import Monitor
+from ..sinks import Finding
+from ._report import run_end, step_findings, tagged
 from ._session import check_watch_kwargs, close_session, open_session
 
 try:
@@ -85,6 +96,14 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[TorchDebugCallback()])
         trainer.train()
 
+    The trainer's ``report_to`` ships torchdebug's findings: at each ``on_log`` the callback adds to
+    ``logs`` the last step's own scalars (``torchdebug/loss``, ``torchdebug/grad_norm``,
+    ``torchdebug/lr/0`` ..., the run folder's values of torchdebug step ``state.global_step - 1``),
+    the anomalies and rule events since the previous log as text (``torchdebug/anomalies``: the full
+    block; ``torchdebug/events``), and in the final log ``torchdebug/status``, ``torchdebug/verdict``
+    and ``torchdebug/run_folder``. The integrations prefix them (TensorBoard and W&B:
+    ``train/torchdebug/loss``); MLflow's takes the numbers only.
+
     Cost: that of :func:`watch` (one host transfer per optimizer step); a dict copy of each batch's
     references (so a batch tensor only the loss used can be named).
     """
@@ -95,6 +114,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         self.monitor: Monitor | None = None
         self._patched: list[tuple[Any, str]] = []  # (trainer, attribute) wrapped on the instance
         self._trainer: Any = None
+        self._unlogged: list[Finding] = []  # findings since the last on_log
 
     def _live(self) -> Monitor | None:
         mon = self.monitor
@@ -105,9 +125,16 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         trainer = _find_trainer()
         if trainer is not None and "train" not in vars(trainer):
             self._wrap(trainer, "train", self._guard(trainer.train))
+        callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
+        if isinstance(callbacks, list) and self in callbacks:
+            # first, so the report_to callbacks read what on_log adds. The handler is iterating this list
+            # right now: taking us out and putting us in front leaves the callbacks after us in place.
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         close_session(self.monitor, None)  # a previous train() that ended without on_train_end
+        self._unlogged = []
         model: nn.Module = kwargs["model"]
         self.monitor = mon = open_session(model, "transformers", self.watch_kwargs)
         opt = kwargs.get("optimizer")
@@ -184,7 +211,28 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         if mon is None:
             return
         try:
-            mon.step()
+            record = mon.step()
         except BaseException as exc:
             self._close(exc)
             raise
+        if record.anomaly is not None or record.events:
+            self._unlogged += step_findings(record)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        mon = self._live()
+        if mon is None or not isinstance(logs, dict):
+            return
+        logs.update(tagged(mon.step_scalars))  # torchdebug step state.global_step - 1
+        found, self._unlogged = self._unlogged, []
+        anomalies = [f.text() for f in found if f.kind == "anomaly"]
+        events = [f.text() for f in found if f.kind != "anomaly"]
+        if anomalies:
+            logs["torchdebug/anomalies"] = "\n\n".join(anomalies)
+        if events:
+            logs["torchdebug/events"] = "\n".join(events)
+        if "train_runtime" in logs:  # the last log of train(): the loop finished
+            end = run_end(mon, "finished")
+            logs["torchdebug/status"] = end.status
+            logs["torchdebug/verdict"] = end.verdict
+            if end.path is not None:
+                logs["torchdebug/run_folder"] = str(end.path)

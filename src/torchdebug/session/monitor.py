@@ -171,6 +171,7 @@ class Monitor:
         self.batch: Any = None  # a driver's current batch; kept (a reference) with the micro-step's capture
         self.writer: Any = None
         self.run_dir: Path | None = None
+        self.step_scalars: dict[str, float] = {}  # the last step's own scalars, as stored
         self.instruments: list[Any] = []
         self.anomalies: list[Anomaly] = []
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
@@ -404,6 +405,7 @@ class Monitor:
         scalars["skipped"] = 1.0 if sentinel.skipped else 0.0
         for i, x in enumerate(lr):
             scalars[f"lr/{i}"] = x
+        self.step_scalars = scalars  # what the run folder gets for this step (framework callbacks forward it)
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 self.writer.log_scalars(self.global_step, scalars)

@@ -189,15 +189,15 @@ class SinkHub:
         """The run writer's listener: decode a batch and queue it for every sink (the writer thread)."""
         records = decode_low(low)
         if high:
-            findings = decode_high(high)
-            for f in findings:
-                self.tally.see(f)
-            records += findings
+            records += decode_high(high)
         if records:
             self.put(records)
 
     def put(self, records: list[Record]) -> None:
-        """Queue records for every sink (any thread; returns at once)."""
+        """Queue records for every sink (one producer thread at a time; returns at once)."""
+        for rec in records:
+            if isinstance(rec, Finding):
+                self.tally.see(rec)  # for the verdict
         for w in self._workers:
             w.put(records)
 

@@ -190,14 +190,11 @@ class Finding:
 
     def row(self) -> list[Any]:
         """The row of a findings table (columns ``FINDING_COLUMNS``)."""
-        w = (
-            self.where()
-            if self.kind == "anomaly"
-            else {"phase": None, "module": None, "op": None, "line": None}
-        )
-        if self.kind != "anomaly":
+        if self.kind == "anomaly":
+            w = self.where()
+        else:
             mods = _modules(self.doc)
-            w["module"] = ", ".join(mods) if mods else None
+            w = {"phase": None, "module": ", ".join(mods) if mods else None, "op": None, "line": None}
         return [
             self.step,
             self.kind,
