@@ -126,12 +126,13 @@ def test_command_discovery_imports_no_heavy_dependency() -> None:
         "torchdebug.store._cli",
         "torchdebug.demo",
         "torchdebug.views.report._cli",
+        "torchdebug.sinks._cli",
         "torchdebug.views.server._cli",
         "torchdebug.integrations._run_cli",
     ]
     code = (
         "import sys; from torchdebug.cli import build_parser; build_parser(); "
-        "print(sorted(m for m in ('fastapi', 'uvicorn', 'matplotlib', 'plotly', 'tensorboard', 'lightning', 'transformers') if m in sys.modules))"
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'matplotlib', 'plotly', 'tensorboard', 'lightning', 'transformers', 'wandb', 'mlflow') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr

@@ -101,6 +101,7 @@ EXPECTED_DEFAULTS = {
     "clip_on_spike": None,
     "on_oom": "raise",
     "tensorboard": False,
+    "report_to": [],
     "trace_loss": True,
     "peak_flops": None,
     "rank": None,
@@ -352,11 +353,13 @@ def test_to_dict_round_trip_and_strict_json():
         policy="skip",
         run_name="exp",
         tensorboard="tb",
+        report_to=["wandb", "logging"],
         clip_on_spike=1.0,
         rank=3,
         detail_every=1,
     )
     d = cfg.to_dict()
+    assert d["report_to"] == ["wandb", "logging"]  # a list, as JSON has it
     assert d["mode"] == "profiling" and d["level"] == "expert" and type(d["mode"]) is str
     assert json.loads(json.dumps(d, allow_nan=False)) == d
     assert DebugConfig.from_dict(d) == cfg
@@ -607,3 +610,24 @@ def test_coerce_config(monkeypatch, layered):
         coerce_config(3)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown option 'file'"):
         coerce_config({"file": str(f)})
+
+
+def test_report_to_names_from_every_source(tmp_path: Path) -> None:
+    # a name or a list, normalised, deduplicated, "none" dropped; "all" kept (resolved when a session starts)
+    assert DebugConfig(report_to="WandB").report_to == ("wandb",)
+    assert DebugConfig(report_to=["mlflow", "none", "mlflow", "all"]).report_to == ("mlflow", "all")
+    assert DebugConfig(report_to="none").report_to == ()
+    assert DebugConfig.from_env({"TORCHDEBUG_REPORT_TO": "tensorboard, logging"}).report_to == (
+        "tensorboard",
+        "logging",
+    )
+    cfg = DebugConfig.from_file(_write(tmp_path / "c.yml", "report_to: [wandb, mlflow]\n"))
+    assert cfg.report_to == ("wandb", "mlflow")
+    assert DebugConfig.from_dict({"report_to": ["wandb"]}) == DebugConfig(report_to=("wandb",))
+    with pytest.raises(
+        ConfigError,
+        match=r"report_to: unknown name 'neptune'; expected a name or a list of names from 'tensorboard', 'wandb', 'mlflow', 'logging', 'all', 'none'",
+    ):
+        DebugConfig(report_to=["wandb", "neptune"])
+    with pytest.raises(ConfigError, match=r"report_to=3 \(int\) is not valid"):
+        DebugConfig(report_to=3)

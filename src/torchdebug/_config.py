@@ -548,12 +548,7 @@ class DebugConfig:
 
         ``DebugConfig.from_dict(config.to_dict()) == config`` holds for every config.
         """
-        return {
-            f.name: getattr(self, f.name).value
-            if isinstance(getattr(self, f.name), enum.Enum)
-            else getattr(self, f.name)
-            for f in dataclasses.fields(self)
-        }
+        return {f.name: _plain_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def replace(self, **changes: Any) -> DebugConfig:
         """A validated copy with ``changes`` applied (several related fields at once).
@@ -811,6 +806,15 @@ class _Spec:
         return text
 
 
+def _plain_value(value: Any) -> Any:
+    """An option's value as JSON has it: enums as their strings, tuples (``report_to``) as lists."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 # Every integer option fits a 64-bit integer (SQLite, C sizes): 10**30 is a typo, not a setting.
 _INT_MAX = 2**63 - 1
 
@@ -852,10 +856,7 @@ def _spec_for(f: dataclasses.Field[Any], hint: Any) -> _Spec:
 
 _HINTS = typing.get_type_hints(DebugConfig)
 _SPECS: dict[str, _Spec] = {f.name: _spec_for(f, _HINTS[f.name]) for f in dataclasses.fields(DebugConfig)}
-_DEFAULTS: dict[str, Any] = {
-    f.name: f.default.value if isinstance(f.default, enum.Enum) else f.default
-    for f in dataclasses.fields(DebugConfig)
-}
+_DEFAULTS: dict[str, Any] = {f.name: _plain_value(f.default) for f in dataclasses.fields(DebugConfig)}
 _SCHEDULE_PARTNER: dict[str, str] = {**SEED_SCHEDULES, **{v: k for k, v in SEED_SCHEDULES.items()}}
 
 
