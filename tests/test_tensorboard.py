@@ -91,12 +91,21 @@ def test_export_texts(exported: tuple[dict[str, int], EventAccumulator]) -> None
     }
 
 
-def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = write_small_run(tmp_path / "runs")
     assert cli_main(["export", str(run), "--tensorboard", str(tmp_path / "tb")]) == 0
     assert "wrote 172 scalars, 6 histograms and 7 texts" in capsys.readouterr().err
     assert _scalars(_load(tmp_path / "tb"), "torchdebug/loss")[0] == 2.5
     assert cli_main(["export", str(tmp_path / "nope"), "--tensorboard", str(tmp_path / "tb2")]) == 1
+    # --to tensorboard without --logdir: tensorboard/<run folder name>, never inside the run folder
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["export", str(run), "--to", "tensorboard"]) == 0
+    assert f"to tensorboard/{run.name} " in capsys.readouterr().err
+    assert _scalars(_load(tmp_path / "tensorboard" / run.name), "torchdebug/loss")[0] == 2.5
+    assert not (run / "tensorboard").exists()
+    assert cli_main(["export", str(run), "--to", "wandb", "--tensorboard", "x"]) == 1
 
 
 def _train(mon: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[Any]:

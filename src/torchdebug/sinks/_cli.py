@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("run", help="run folder")
     e.add_argument("--to", choices=REPORT_TO_NAMES, help="the tracker (default: tensorboard)")
     e.add_argument(
-        "--logdir", metavar="DIR", help="TensorBoard log directory to write (default: RUN/tensorboard)"
+        "--logdir",
+        metavar="DIR",
+        help="TensorBoard log directory to write (default: tensorboard/<run folder name>)",
     )
     e.add_argument("--tensorboard", metavar="DIR", help="same as --to tensorboard --logdir DIR")
     e.add_argument("--project", help="W&B project (default: WANDB_PROJECT, else W&B's default)")
@@ -37,17 +39,11 @@ def _export(args: argparse.Namespace) -> int:
     to = args.to or "tensorboard"
     if args.tensorboard and to != "tensorboard":
         raise ValueError(f"--tensorboard DIR writes TensorBoard; drop it or --to {to}")
-    options: dict[str, object] = {}
-    if to == "tensorboard":
-        logdir = args.tensorboard or args.logdir or str(Path(args.run) / "tensorboard")
-        options["logdir"] = logdir
-    if to == "wandb" and args.project:
-        options["project"] = args.project
-    if to == "mlflow" and args.run_id:
-        options["run_id"] = args.run_id
     if to == "tensorboard":
         from ._tensorboard import export_tensorboard
 
+        # never into the run folder: readers leave a run as it is
+        logdir = args.tensorboard or args.logdir or str(Path("tensorboard") / Path(args.run).resolve().name)
         counts = export_tensorboard(args.run, logdir)
         print(
             f"wrote {counts['scalars']} scalars, {counts['histograms']} histograms and {counts['texts']} texts "
@@ -55,6 +51,11 @@ def _export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
+    options: dict[str, object] = {}
+    if to == "wandb" and args.project:
+        options["project"] = args.project
+    if to == "mlflow" and args.run_id:
+        options["run_id"] = args.run_id
     end = export_run(args.run, to, **options)
     print(f"sent {args.run} to {to}: {end.verdict}", file=sys.stderr)
     return 0
