@@ -449,3 +449,49 @@ def test_open_tracker_runs_are_used_and_left_open(tmp_path: Path, monkeypatch: p
     assert {"mine", "torchdebug/loss"} <= set(ea.Tags()["scalars"])
     wb = wandb_run(tmp_path)
     assert wb.summary["torchdebug/status"] == "finished" and wb.alerts == []
+
+
+def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+    import wandb
+
+    _tracker_env(monkeypatch, tmp_path)
+    handler = _Records()
+    logger = logging.getLogger("torchdebug")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "propagate", False)
+    torch.manual_seed(0)
+    model = FaultyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        with (
+            pytest.raises(td.NonFiniteError),
+            td.watch(
+                model,
+                opt,
+                config={**CFG, "policy": "raise"},
+                run=tmp_path / "runs",
+                report_to=["wandb", "mlflow", "logging"],
+            ) as mon,
+        ):
+            train_faulty(mon, model, opt)
+    finally:
+        logger.removeHandler(handler)
+        wandb.teardown()  # the service writes the rest of the run's file
+    run = open_run(mon.run_dir)
+    assert run.status == "failed"
+    headline = run.anomalies()[0]["summary"]
+    verdict = f"failed: {headline}; 1 warning (gradient_explosion x1)"
+    wb = wandb_run(tmp_path)
+    assert wb.summary["torchdebug/status"] == "failed" and wb.summary["torchdebug/verdict"] == verdict
+    assert [a[0] for a in wb.alerts] == [f"torchdebug: nan at step {NAN_AT}", "torchdebug: the run failed"]
+    assert wb.alerts[1][1] == f"{verdict}\nrun folder: {run.path}"
+    assert wb.exit_code == 1  # the W&B run torchdebug opened ends as failed
+    (mrun,) = mlflow.MlflowClient().search_runs(["0"])
+    assert mrun.info.status == "FAILED" and mrun.data.tags["torchdebug/verdict"] == verdict
+    (end,) = [r for r in handler.records if r.torchdebug["record"] == "end"]
+    assert (end.levelname, end.torchdebug["status"], end.torchdebug["verdict"]) == (
+        "ERROR",
+        "failed",
+        verdict,
+    )

@@ -187,9 +187,17 @@ class SinkHub:
 
     def feed(self, low: Sequence[tuple[Any, ...]], high: Sequence[tuple[Any, ...]]) -> None:
         """The run writer's listener: decode a batch and queue it for every sink (the writer thread)."""
-        records = decode_low(low)
-        if high:
-            records += decode_high(high)
+        try:
+            records = decode_low(low)
+            if high:
+                records += decode_high(high)
+        except Exception as exc:  # a record this version cannot read: say so, do not stop the store
+            for w in self._workers:
+                with w.cond:
+                    w.off = True
+                    w.cond.notify()
+                self.note(w.sink, f"could not read a batch of records ({exc!r})")
+            return
         if records:
             self.put(records)
 
