@@ -466,6 +466,7 @@ def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.Mon
     try:
         with (
             pytest.raises(td.NonFiniteError),
+            pytest.warns(TorchDebugWarning, match="gradient_explosion"),
             td.watch(
                 model,
                 opt,
