@@ -418,6 +418,21 @@ def test_a_missing_tracker_library_names_the_extra(monkeypatch: pytest.MonkeyPat
     assert DebugConfig(report_to=["none"]).report_to == ()
 
 
+def test_a_tracker_that_cannot_start_is_left_out_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "ftp://nowhere.invalid/mlruns")  # no store for this scheme
+    with pytest.warns(TorchDebugWarning) as caught:
+        mon = _tiny_run(tmp_path, steps=2, report_to=["mlflow"])
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        "torchdebug: the 'mlflow' sink could not start: RuntimeError(\"MLflow could not"
+    )
+    assert "set MLFLOW_TRACKING_URI to your tracking server" in message
+    assert open_run(mon.run_dir).series("loss").steps == [0, 1]  # training and the run folder went on
+
+
 def test_report_to_needs_the_run_folder() -> None:
     with pytest.raises(ConfigError, match="need the run store: drop run=False"):
         td.watch(hm.HealthyNet(), run=False, report_to="logging")

@@ -53,14 +53,21 @@ class MlflowSink(Sink):
 
     def open(self, run: RunInfo) -> None:
         mlflow = self._mlflow = import_mlflow()
-        if self.client is None:
-            self.client = mlflow.MlflowClient()
-        if self.run_id is None:
-            active = mlflow.active_run()
-            if active is None:
-                active = mlflow.start_run(run_name=run.name)
-                self._started = True
-            self.run_id = active.info.run_id
+        try:
+            if self.client is None:
+                self.client = mlflow.MlflowClient()
+            if self.run_id is None:
+                active = mlflow.active_run()
+                if active is None:
+                    active = mlflow.start_run(run_name=run.name)
+                    self._started = True
+                self.run_id = active.info.run_id
+        except Exception as exc:  # e.g. mlflow-skinny has no local SQLite store (MLflow 3's default)
+            raise RuntimeError(
+                f"MLflow could not start a run at {mlflow.get_tracking_uri()!r} ({exc}); set "
+                "MLFLOW_TRACKING_URI to your tracking server, or pip install mlflow for the local "
+                "SQLite store"
+            ) from exc
 
     def scalars(self, rec: Scalars) -> None:
         from mlflow.entities import Metric
