@@ -7,9 +7,10 @@ import enum
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .stats import TensorStats
+if TYPE_CHECKING:  # annotations only: the store and the views read events without importing torch
+    from .stats import TensorStats
 
 
 class Phase(str, enum.Enum):

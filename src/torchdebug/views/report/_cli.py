@@ -17,7 +17,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a report of a run (text, json, self-contained html, png)",
         description="Write a report of a stored run. The format defaults to the output file's suffix, else text.",
     )
-    p.add_argument("run", help="run folder, e.g. runs/demo-20250101-120000")
+    from ...cli import add_runs_option, int_in_range
+
+    p.add_argument("run", help="run folder (runs/demo-20250101-120000), or a run name looked up under --runs")
+    add_runs_option(p, what="where to look RUN up by name")
+    p.add_argument("--rank", type=int_in_range(0), default=None, help="which rank's database (default 0)")
     p.add_argument(
         "-o", "--output", metavar="FILE", help="write to FILE instead of stdout (png needs a file)"
     )
@@ -31,9 +35,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="export a run to other tools (TensorBoard)",
         description="Export a stored run's scalars, histograms, anomalies and rule events.",
     )
-    e.add_argument("run", help="run folder")
+    e.add_argument("run", help="run folder, or a run name looked up under --runs")
+    add_runs_option(e, what="where to look RUN up by name")
+    e.add_argument("--rank", type=int_in_range(0), default=None, help="which rank's database (default 0)")
     e.add_argument("--tensorboard", metavar="DIR", required=True, help="TensorBoard log directory to write")
     e.set_defaults(func=_export)
+
+
+def _resolve(args: argparse.Namespace) -> Path:
+    from ...cli import default_runs_dir
+    from ...store._cli import resolve_run
+
+    return resolve_run(args.run, args.runs or default_runs_dir())
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -45,7 +58,7 @@ def _report(args: argparse.Namespace) -> int:
         fmt = _SUFFIX.get(Path(args.output).suffix.lower(), "text") if args.output else "text"
     if fmt == "png" and not args.output:
         raise ValueError("a PNG report needs an output file: add -o debug_analysis.png")
-    with open_run(args.run) as run:
+    with open_run(_resolve(args), rank=args.rank) as run:
         out = render_report(run, fmt, path=args.output)
     if args.output:
         print(f"wrote {fmt} report to {args.output}", file=sys.stderr)
@@ -55,9 +68,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ...store import open_run
     from ..tensorboard import export_tensorboard
 
-    counts = export_tensorboard(args.run, args.tensorboard)
+    with open_run(_resolve(args), rank=args.rank) as run:
+        counts = export_tensorboard(run, args.tensorboard)
     print(
         f"wrote {counts['scalars']} scalars, {counts['histograms']} histograms and {counts['texts']} texts "
         f"to {args.tensorboard} (view: tensorboard --logdir {args.tensorboard})",
