@@ -334,7 +334,8 @@ class DebugConfig:
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
       step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
     - run store: store [True] (write a run folder); run_dir ["runs"]; run_name [None: the model's
-      class name]; tensorboard [False; True or a log directory]; trace_loss [True].
+      class name]; announce [True: ``watch`` prints the run folder once on stderr as it starts, one
+      line, rank 0 only; False: silent]; tensorboard [False; True or a log directory]; trace_loss [True].
     - schedules: detail_every [10], memory_every [50] (>= 1).
     - opt-in depth: flops, activation_stats, per_module_memory, per_module_time [False];
       peak_flops [None: FLOP/s for utilisation, > 0].
@@ -406,6 +407,7 @@ class DebugConfig:
     run_dir: str = "runs"
     run_name: str | None = _opt(None, plain_name=True)
     store: bool = True
+    announce: bool = True
     tensorboard: bool | str = False
     trace_loss: bool = True
     # engine: schedules and opt-in depth

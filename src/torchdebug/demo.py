@@ -129,7 +129,7 @@ def run_demo(
     anomaly = None
     # slowdown_factor: the demo lasts a few seconds on whatever machine runs it; a busy machine's load
     # (a real slowdown, which the rule would rightly report) is not what it demonstrates.
-    config = td.DebugConfig(run_name="demo", slowdown_factor=1e6)
+    config = td.DebugConfig(run_name="demo", slowdown_factor=1e6, announce=False)  # says it at the end
     mon = td.watch(model, opt, policy=policy, run=run_dir, config=config)
     t0 = time.perf_counter()
     last_loss: float | None = None

@@ -38,8 +38,8 @@ import contextlib
 import importlib
 import math
 import os
+import sys
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -94,6 +94,7 @@ class Monitor:
         tensorboard: bool | str | None = None,
         clip_on_spike: float | None = None,
         on_oom: str | None = None,
+        announce: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -116,6 +117,8 @@ class Monitor:
             changes["clip_on_spike"] = clip_on_spike
         if on_oom is not None:
             changes["on_oom"] = on_oom
+        if announce is not None:
+            changes["announce"] = announce
         self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
         if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "step", "update")):
             raise TypeError(
@@ -397,6 +400,47 @@ class Monitor:
         """True once the session has exited."""
         return self._closed
 
+    # -- how a session reads in a notebook or a debugger -----------------------------------------
+    @property
+    def status(self) -> str:
+        """``"not started"`` (before ``with``), ``"active"``, or ``"closed"`` (after ``with``)."""
+        if not self._entered:
+            return "not started"
+        return "closed" if self._closed else "active"
+
+    def _findings(self) -> tuple[int, list[RuleEvent]]:
+        """(anomalies so far, the warning/error rule events so far)."""
+        return len(self.anomalies), [e for e in self.events if e.severity != "info"]
+
+    def __repr__(self) -> str:
+        n, warned = self._findings()
+        where = f", run {self.run_dir}" if self.run_dir is not None else ""
+        return (
+            f"<Monitor {self.status}: step {self.global_step}, {n} anomal{'y' if n == 1 else 'ies'}, "
+            f"{len(warned)} warning{'' if len(warned) == 1 else 's'}{where}>"
+        )
+
+    def _repr_html_(self) -> str:
+        """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
+        from ..events import html_table
+
+        n, warned = self._findings()
+        rows: list[tuple[str, Any]] = [
+            ("status", self.status),
+            ("step", self.global_step),
+            ("anomalies", n if n == 0 else f"{n}, first: {self.anomalies[0].summary()}"),
+            (
+                "warnings",
+                len(warned)
+                if not warned
+                else f"{len(warned)}: {', '.join(sorted({e.kind for e in warned}))}",
+            ),
+            ("run folder", self.run_dir if self.run_dir is not None else "none"),
+        ]
+        colour = "#c0392b" if n else ("#b9770e" if warned else "#1e8449")
+        title = f"torchdebug watch of {type(self.model).__name__}"
+        return html_table(title, colour, rows, "torchdebug-monitor")
+
     @property
     def replaying(self) -> bool:
         """True while the sentinel replays a failing micro-step (drivers ignore what it does)."""
@@ -455,6 +499,9 @@ class Monitor:
         except BaseException:
             self._teardown(None)
             raise
+        if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
+            # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
+            print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -520,12 +567,11 @@ class Monitor:
                 )
             except (OSError, RunStoreError) as exc:
                 # recording is a convenience: training goes on without a run folder
-                warnings.warn(
+                warn_at_user(
                     TorchDebugWarning(
                         f"torchdebug: cannot create a run under {root!r} ({exc}); recording is off for this "
                         "session. Pass run=<writable folder> or run=False."
-                    ),
-                    stacklevel=4,
+                    )
                 )
                 return
             self._owns_writer = True
@@ -574,7 +620,7 @@ class Monitor:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(TorchDebugWarning(message), stacklevel=4)
+            warn_at_user(TorchDebugWarning(message))  # the user's line, wherever the check runs
 
     def _flush_store(self) -> None:
         if self.writer is not None:
@@ -594,11 +640,10 @@ class Monitor:
             self._disable(inst, exc)
             return None
 
-    def _disable(self, inst: Any, exc: BaseException, stacklevel: int = 3) -> None:
+    def _disable(self, inst: Any, exc: BaseException) -> None:
         name = getattr(inst, "name", type(inst).__name__)
-        warnings.warn(
-            TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}"),
-            stacklevel=stacklevel,
+        warn_at_user(
+            TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}")
         )
         if inst in self.instruments:
             self.instruments.remove(inst)
@@ -617,7 +662,7 @@ class Monitor:
             except NonFiniteError:
                 raise
             except Exception as exc:
-                self._disable(inst, exc, stacklevel=2)  # the warning points here, as from _call
+                self._disable(inst, exc)  # the warning points at the user's line
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""
@@ -768,6 +813,7 @@ def watch(
     tensorboard: bool | str | None = None,
     clip_on_spike: float | None = None,
     on_oom: str | None = None,
+    announce: bool | None = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -792,6 +838,9 @@ def watch(
         tensorboard: ``True`` or a log dir to mirror the scalars to TensorBoard.
         clip_on_spike: clip gradients to this norm on detected spikes only.
         on_oom: ``"raise"`` or ``"retry_half"`` (with ``mon.run_step``).
+        announce: print the run folder once on stderr as the session starts
+            (``torchdebug: recording to runs/gpt-20260101-120000``; rank 0 only, nothing without a
+            run folder). Default ``config.announce`` (True; ``TORCHDEBUG_ANNOUNCE=0`` turns it off).
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
@@ -820,4 +869,5 @@ def watch(
         tensorboard=tensorboard,
         clip_on_spike=clip_on_spike,
         on_oom=on_oom,
+        announce=announce,
     )
