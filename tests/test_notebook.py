@@ -93,7 +93,7 @@ def test_monitor_repr_follows_the_session(tmp_path: Path) -> None:
     assert repr(mon) == f"<Monitor closed: step 3, 1 anomaly, 0 warnings, run {mon.run_dir}>"
     html = mon._repr_html_()
     assert "torchdebug watch of Linear" in html and "<code>closed</code>" in html
-    assert "<code>1, first: nan born in input of &lt;root&gt; (step 1)</code>" in html  # escaped
+    assert "<code>1, first: nan born in input of Linear (step 1)</code>" in html
     assert f"<code>{mon.run_dir}</code>" in html
 
 
