@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def configuration_page() -> str:
     notes = doc.split("Options (defaults in brackets):", 1)
     lines += ["", "## What each option does", ""]
     if len(notes) == 2:
-        body = notes[1].split("\nExample:", 1)[0]
+        body = re.split(r"\nExamples?:", notes[1], maxsplit=1)[0]
         lines += [body.strip(), ""]
     lines += ["## How modes, levels and switches combine", "", notes[0].strip(), ""]
     return "\n".join(lines)

@@ -28,6 +28,7 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
     return blocks
 
 
+@pytest.mark.slow  # four short training loops and a replay: ~10 s on the 2-core VM
 @pytest.mark.parametrize("page", GETTING_STARTED)
 def test_every_python_block_of_the_getting_started_pages_runs(
     page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -67,3 +68,50 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     assert "TORCHDEBUG_ANNOUNCE" in config and "slowdown_factor" in config  # generated from DebugConfig
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
     assert "locate_nonfinite" in api and "NonFiniteError" in api
+
+
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_optional_pages_join_the_nav_only_when_their_files_exist(tmp_path: Path) -> None:
+    hooks = _hooks()
+    base = [
+        {"Getting started": "index.md"},
+        {"Integrations": "integrations.md"},
+        {"Configuration reference": "configuration.md"},
+        {"API reference": "api.md"},
+    ]
+    config = {"docs_dir": str(tmp_path), "nav": list(base)}
+    assert hooks.on_config(config)["nav"] == base  # neither file: the strict build has no dead entry
+    (tmp_path / "trackers.md").write_text("# Trackers\n")
+    (tmp_path / "compatibility.md").write_text("# Compatibility\n")
+    config = {"docs_dir": str(tmp_path), "nav": list(base)}
+    assert [next(iter(item)) for item in hooks.on_config(config)["nav"]] == [
+        "Getting started",
+        "Integrations",
+        "Trackers",
+        "Configuration reference",
+        "Compatibility",
+        "API reference",
+    ]
+
+
+def test_configuration_reference_lists_every_option() -> None:
+    import dataclasses
+
+    from torchdebug import DebugConfig
+
+    page = _hooks().configuration_page()
+    fields = dataclasses.fields(DebugConfig)
+    assert f"## Every option ({len(fields)})" in page
+    for f in fields:
+        assert f"| `{f.name}` |" in page
+    assert "| `announce` | `True` | True or False | `TORCHDEBUG_ANNOUNCE` |" in page
+    assert "| `policy` | `'raise'` | one of 'raise', 'warn', 'skip' | `TORCHDEBUG_POLICY` |" in page

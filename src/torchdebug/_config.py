@@ -359,7 +359,7 @@ class DebugConfig:
     Floats must be finite; integers fit 64 bits. Mutating a field validates it
     (``config.policy = "warn"``); change several related fields at once with ``replace``.
 
-    Example:
+    Examples:
         >>> cfg = DebugConfig(policy="warn", level="advanced", detail_every=5)
         >>> sorted(cfg.instruments())[:3]
         ['activations', 'flops', 'gradient_details']
