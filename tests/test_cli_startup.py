@@ -68,3 +68,13 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="module 'torchdebug' has no attribute 'wacth'"):
         td.wacth  # noqa: B018
     assert "watch" in dir(td) and "Anomaly" in dir(td)
+
+
+def test_the_dashboard_app_is_built_without_torch(runs_root: Path) -> None:
+    code = (
+        "import sys\n"
+        "from torchdebug.views.server._app import create_app\n"
+        f"create_app({str(runs_root)!r})\n"
+        "print('torch' in sys.modules)"
+    )
+    assert _modules_after(code)[1] == "False"
