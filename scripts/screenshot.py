@@ -31,7 +31,7 @@ def main() -> None:
     import torchdebug as td
     from torchdebug.demo import run_demo
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    torch.set_num_threads(1)  # the demo model is tiny: one thread, no spin-waiting on a busy machine
     chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
     with tempfile.TemporaryDirectory() as tmp:
         run_demo(run_dir=os.path.join(tmp, "runs"), out=io.StringIO())  # the README's demo, as is

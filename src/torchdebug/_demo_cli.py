@@ -58,7 +58,10 @@ def _run(args: argparse.Namespace) -> int:
 
     runs = args.runs or default_runs_dir()
     bad = None if args.bad_step is None or args.bad_step < 0 else args.bad_step
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    # The demos' models are tiny: one thread is as fast on a quiet machine, and on a busy one it
+    # avoids threads spin-waiting for each other (20 GPT steps: 2 s with one thread, 30 s with two
+    # at a load average of 14 on the 2-core VM).
+    torch.set_num_threads(1)
     if args.scenario not in (None, "autograd"):
         from .demos import run_scenario
 
