@@ -9,7 +9,14 @@ import torchdebug
 
 ROOT = Path(torchdebug.__file__).parent
 # the public surface and entry points may import any layer; they are not part of a layer themselves
-SURFACE = {"torchdebug", "torchdebug.__main__", "torchdebug.cli", "torchdebug.demo", "torchdebug.demos"}
+SURFACE = {
+    "torchdebug",
+    "torchdebug.__main__",
+    "torchdebug.cli",
+    "torchdebug._demo_cli",
+    "torchdebug.demo",
+    "torchdebug.demos",
+}
 
 
 def _layer(module: str) -> str:

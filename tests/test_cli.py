@@ -81,7 +81,10 @@ def test_usage_error_exits_2_with_one_line() -> None:
             ["runs", "--colour"],
             "torchdebug: error: unrecognized arguments: --colour (see 'torchdebug --help')",
         ),
-        (["show", "x", "--rank", "one"], "torchdebug show: error: argument --rank: invalid int value: 'one'"),
+        (
+            ["show", "x", "--rank", "one"],
+            "torchdebug show: error: argument --rank: expected an integer >= 0, got 'one'",
+        ),
     ],
     ids=["no-command", "missing-argument", "unknown-option", "bad-option-value"],
 )
@@ -124,7 +127,7 @@ def test_console_script_runs() -> None:
 def test_command_discovery_imports_no_heavy_dependency() -> None:
     assert _COMMAND_MODULES == [
         "torchdebug.store._cli",
-        "torchdebug.demo",
+        "torchdebug._demo_cli",
         "torchdebug.views.report._cli",
         "torchdebug.sinks._cli",
         "torchdebug.views.server._cli",
@@ -172,7 +175,7 @@ def test_runs_json_and_empty_and_missing(
     err = capsys.readouterr().err
     assert (
         err
-        == f"torchdebug: error: {tmp_path / 'nowhere'} does not exist; runs are written under ./runs by default, pass their folder: torchdebug runs DIR\n"
+        == f"torchdebug: error: {tmp_path / 'nowhere'} does not exist; runs are written under ./runs by default, pass their folder: torchdebug runs --runs DIR\n"
     )
 
 
@@ -275,7 +278,7 @@ def test_plugins_add_commands(plugins: None, capsys: pytest.CaptureFixture[str])
     assert main(["three"], modules=mods) == 3
     assert main(["fail"], modules=mods) == 1
     assert capsys.readouterr().err == "torchdebug: error: runs/x is not a torchdebug run (no meta.json)\n"
-    assert main(["boom"], modules=mods) == 1
+    assert main(["boom"], modules=mods) == 4  # torchdebug itself failed: told apart from 1
     assert capsys.readouterr().err == (
         "torchdebug: error: internal error RuntimeError: unexpected second line "
         "(rerun with --debug for the traceback and report it)\n"

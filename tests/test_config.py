@@ -71,6 +71,7 @@ EXPECTED_DEFAULTS = {
     "run_dir": "runs",
     "run_name": None,
     "store": True,
+    "announce": True,
     "detail_every": 10,
     "memory_every": 50,
     "flops": False,

@@ -395,7 +395,10 @@ def test_hang_watchdog_in_one_process_records_once_and_stops_on_exit(tmp_path, c
         (hang,) = rec.events("hang")
     assert (hang["data"]["phase"], hang["data"]["last_step"], hang["step"]) == ("forward", 0, 1)
     assert hang["data"]["where"].endswith(f"test_distributed.py:{SLEEP_LINE} in forward")
-    err = capsys.readouterr().err.splitlines()
+    # the hang line comes first, after watch's own "recording to <run folder>" line
+    err = [
+        ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("torchdebug: recording to ")
+    ]
     assert [ln for ln in err if ln.startswith("torchdebug: rank 0 stuck in forward for ")] == err[:1]
 
 

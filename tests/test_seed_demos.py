@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from torchdebug import _demo_cli
 from torchdebug.cli import build_parser
 from torchdebug.demos import SCENARIOS, run_scenario
 
@@ -37,6 +38,22 @@ def test_cli_takes_the_scenario_and_keeps_the_gpt_demo_as_default() -> None:
     assert parser.parse_args(["demo", "memory"]).scenario == "memory"
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "quantum"])
-    assert SCENARIOS == ("autograd", "gradient", "memory", "training", "comprehensive")
-    with pytest.raises(ValueError, match="unknown demo 'quantum'; choose one of autograd, gradient"):
+    # the GPT demo (``autograd``) is torchdebug.demo; the others torchdebug.demos: neither imports the other
+    assert ("autograd", *SCENARIOS) == _demo_cli.SCENARIOS
+    assert SCENARIOS == ("gradient", "memory", "training", "comprehensive")
+    with pytest.raises(ValueError, match="unknown demo 'quantum'; choose one of gradient, memory"):
         run_scenario("quantum")
+
+
+def test_demo_modules_do_not_import_each_other() -> None:
+    import ast
+
+    import torchdebug
+
+    root = Path(torchdebug.__file__).parent
+    for name, other in (("demo", "demos"), ("demos", "demo")):
+        tree = ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))
+        imported = {
+            n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module is not None
+        } | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert other not in imported and f"torchdebug.{other}" not in imported, (name, imported)

@@ -337,10 +337,11 @@ class DebugConfig:
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
       step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
     - run store: store [True] (write a run folder); run_dir ["runs"]; run_name [None: the model's
-      class name]; tensorboard [False; True or a log directory: the TensorBoard sink, writing there];
-      report_to [(): the trackers the run's records are sent to, names from "tensorboard", "wandb",
-      "mlflow", "logging", or "all" (those installed) / "none"; a string or a list; in
-      ``TORCHDEBUG_REPORT_TO`` comma-separated]; trace_loss [True].
+      class name]; announce [True: ``watch`` prints the run folder once on stderr as it starts, one
+      line, rank 0 only; False: silent]; tensorboard [False; True or a log directory: the
+      TensorBoard sink, writing there]; report_to [(): the trackers the run's records are sent to,
+      names from "tensorboard", "wandb", "mlflow", "logging", or "all" (those installed) / "none"; a
+      string or a list; in ``TORCHDEBUG_REPORT_TO`` comma-separated]; trace_loss [True].
     - schedules: detail_every [10], memory_every [50] (>= 1).
     - opt-in depth: flops, activation_stats, per_module_memory, per_module_time [False];
       peak_flops [None: FLOP/s for utilisation, > 0].
@@ -364,7 +365,7 @@ class DebugConfig:
     Floats must be finite; integers fit 64 bits. Mutating a field validates it
     (``config.policy = "warn"``); change several related fields at once with ``replace``.
 
-    Example:
+    Examples:
         >>> cfg = DebugConfig(policy="warn", level="advanced", detail_every=5)
         >>> sorted(cfg.instruments())[:3]
         ['activations', 'flops', 'gradient_details']
@@ -412,6 +413,7 @@ class DebugConfig:
     run_dir: str = "runs"
     run_name: str | None = _opt(None, plain_name=True)
     store: bool = True
+    announce: bool = True
     tensorboard: bool | str = False
     report_to: tuple[str, ...] = ()
     trace_loss: bool = True

@@ -7,6 +7,7 @@ one host transfer (:func:`read`) reads a handful of numbers.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -14,27 +15,29 @@ import torch
 Items = list[tuple[str, torch.Tensor]]  # named device numbers for the step's one host read
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    return DTensor
+def dtensor_type() -> type | None:
+    """The DTensor class once ``torch.distributed.tensor`` has been imported, else None.
 
-
-DTENSOR = _dtensor_type()
+    Importing that module costs ~0.5 s of CPU (it pulls in sympy), so torchdebug never imports it:
+    a DTensor (an FSDP2 parameter) cannot exist before its module was imported by the user's code,
+    so until then nothing can be one. One dict lookup per call.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def local(t: Any) -> Any:
     """A DTensor's local shard (FSDP2 parameters and gradients); anything else as it is. No copy."""
-    if DTENSOR is not None and isinstance(t, DTENSOR):
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
         return t._local_tensor  # type: ignore[attr-defined]  # not to_local(): no autograd node, no communication
     return t
 
 
 def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``local`` over a list; the list itself when it holds no DTensor (the common case, no copy)."""
-    if DTENSOR is None or not any(isinstance(t, DTENSOR) for t in tensors):
+    dtensor = dtensor_type()
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
         return tensors
     return [local(t) for t in tensors]
 

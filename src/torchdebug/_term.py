@@ -30,3 +30,57 @@ def printable(text: Any, limit: int | None = None) -> str:
     if limit is not None and len(s) > limit:
         s = s[: max(limit - 3, 0)] + "..."
     return s
+
+
+# Severity -> SGR colour code: red for what stopped or broke a run, yellow for what needs a look,
+# green for a clean finish, dim for information.
+_SGR = {"error": "31", "warning": "33", "ok": "32", "info": "2"}
+# Run statuses and event severities as they are stored, mapped to the four above.
+_SEVERITY_OF = {
+    "failed": "error",
+    "crashed": "error",
+    "unreadable": "error",
+    "error": "error",
+    "anomaly": "error",
+    "warning": "warning",
+    "running": "warning",
+    "finished": "ok",
+    "ok": "ok",
+    "info": "info",
+}
+
+
+def use_colour(stream: Any, environ: Any = None) -> bool:
+    """Whether to colour text written to ``stream``: a terminal, ``NO_COLOR`` unset, ``TERM`` not dumb.
+
+    ``NO_COLOR`` (any non-empty value, https://no-color.org) always wins; ``FORCE_COLOR`` (non-empty)
+    colours a pipe too. Cost: one ``isatty`` call.
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    if env.get("NO_COLOR"):
+        return False
+    if env.get("FORCE_COLOR"):
+        return True
+    if env.get("TERM") == "dumb":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (ValueError, OSError):  # a closed stream
+        return False
+
+
+def style(text: str, severity: str, enabled: bool) -> str:
+    """``text`` in its severity's colour when ``enabled`` (see :func:`use_colour`), else unchanged.
+
+    ``severity``: ``error``/``warning``/``ok``/``info``, or a run status (``failed``, ``finished``
+    ...) or an event severity; anything else is left plain.
+
+    Example: ``style("failed", "failed", True) == "\\x1b[31mfailed\\x1b[0m"``.
+    """
+    code = _SGR.get(_SEVERITY_OF.get(severity, severity))
+    if not enabled or code is None or not text:
+        return text
+    return f"\x1b[{code}m{text}\x1b[0m"

@@ -1,7 +1,21 @@
 """The ``torchdebug`` command line: argument parsing, subcommand discovery, exit codes and error lines.
 
-Exit codes: 0 ok, 1 failure, 2 usage error. A failure prints ONE line to stderr,
-``torchdebug: error: <what went wrong and what to do>``; ``--debug`` shows the traceback instead.
+Exit codes (every command; ``torchdebug --help`` lists them):
+
+- 0: done (for ``run``: the script finished and no NaN/Inf was found);
+- 1: failed: a run folder that cannot be read, a missing extra, a bad file (for ``run``: the
+  training script itself raised or exited non-zero);
+- 2: usage error (an unknown option, a bad value);
+- 3: ``run`` only: a NaN/Inf was found (``policy="raise"`` stopped the script; under ``warn`` or
+  ``skip`` it went on and the anomalies were recorded);
+- 4: torchdebug itself failed (an internal error: a bug to report, with ``--debug``'s traceback).
+
+A failure prints ONE line to stderr, ``torchdebug: error: <what went wrong and what to do>``;
+``--debug`` shows the traceback instead.
+
+The runs folder has one spelling everywhere: ``--runs DIR`` (default ``$TORCHDEBUG_RUN_DIR``, else
+``./runs``), added by :func:`add_runs_option`; the older spellings (``--root``, ``--run-dir``, a
+positional ``DIR``) still work and are hidden from the help.
 
 Adding a subcommand (no edit of this file needed): create a module named in ``_COMMAND_MODULES``
 that exposes ``register(subparsers) -> None``. ``register`` adds its parsers with
@@ -45,10 +59,23 @@ from ._version import __version__
 
 PROG = "torchdebug"
 
+#: Exit codes; see the module docstring.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NONFINITE = 3
+EXIT_INTERNAL = 4
+
+_EXIT_CODES = (
+    "exit codes: 0 done; 1 failed (unreadable run, missing extra; for 'run': the script itself "
+    "failed); 2 usage error; 3 'run' found a NaN/Inf; 4 torchdebug itself failed (a bug: rerun "
+    "with --debug and report it). NO_COLOR=1 turns colour off."
+)
+
 #: Modules that add subcommands through ``register(subparsers)``, in ``--help`` order.
 _COMMAND_MODULES = [
     "torchdebug.store._cli",
-    "torchdebug.demo",
+    "torchdebug._demo_cli",
     "torchdebug.views.report._cli",
     "torchdebug.sinks._cli",
     "torchdebug.views.server._cli",
@@ -87,6 +114,33 @@ def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def default_runs_dir() -> str:
+    """The runs folder when ``--runs`` is not given: ``$TORCHDEBUG_RUN_DIR`` (as ``DebugConfig.run_dir``
+    reads it), else ``runs``."""
+    import os
+
+    return os.environ.get("TORCHDEBUG_RUN_DIR") or "runs"
+
+
+def add_runs_option(
+    parser: argparse.ArgumentParser, *legacy: str, what: str = "folder of run folders"
+) -> None:
+    """Add ``--runs DIR`` (dest ``runs``) and the hidden older spellings ``legacy`` (e.g. ``--root``).
+
+    The default is left None so a command can tell "not given" from "given"; read the folder with
+    ``args.runs or default_runs_dir()``.
+    """
+    parser.add_argument(
+        "--runs",
+        dest="runs",
+        default=None,
+        metavar="DIR",
+        help=f"{what} (default $TORCHDEBUG_RUN_DIR, else ./runs)",
+    )
+    for flag in legacy:
+        parser.add_argument(flag, dest="runs", default=None, help=argparse.SUPPRESS)
+
+
 def _missing_module(err: ModuleNotFoundError, module: str) -> bool:
     """True when ``err`` is about ``module`` itself (or a parent package of it), not something it imports."""
     if not err.name:
@@ -111,7 +165,7 @@ def build_parser(
     parser = _Parser(
         prog=PROG,
         description="torchdebug: explain PyTorch training failures from a run folder.",
-        epilog=f"Run '{PROG} <command> --help' for a command's options.",
+        epilog=f"Run '{PROG} <command> --help' for a command's options. {_EXIT_CODES}",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
@@ -157,7 +211,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None, *, modules: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error).
+    """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error, 3 ``run`` found a
+    NaN/Inf, 4 internal error).
 
     Args:
         argv: arguments without the program name (default ``sys.argv[1:]``).
@@ -205,7 +260,7 @@ def main(argv: Sequence[str] | None = None, *, modules: Sequence[str] | None = N
             f"(rerun with --debug for the traceback and report it)",
             file=sys.stderr,
         )
-        return 1
+        return EXIT_INTERNAL
     return int(code or 0)
 
 

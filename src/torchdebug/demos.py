@@ -1,6 +1,8 @@
 """``torchdebug demo <scenario>``: seed 003's quick-start scenarios, each a minute or less on CPU.
 
-- ``autograd`` (the default): a small GPT until a padding bug makes a NaN; the origin named (``torchdebug.demo``);
+The default scenario, ``autograd`` (a small GPT until a padding bug makes a NaN), is
+``torchdebug.demo``; the command line (``torchdebug._demo_cli``) picks between the two modules.
+
 - ``gradient``: a layer whose gradient is amplified mid-run; the explosion rule names it;
 - ``memory``: a model that keeps every activation with its graph; the leak test finds it;
 - ``training``: the seed-era ``PyTorchDebugManager`` loop logging into a run folder, a NaN batch skipped;
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCENARIOS = ("autograd", "gradient", "memory", "training", "comprehensive")
+SCENARIOS = ("gradient", "memory", "training", "comprehensive")
 
 
 class _Amplify(torch.autograd.Function):
@@ -115,10 +117,6 @@ def run_scenario(name: str, *, run_dir: str = "runs", seed: int = 0, out: Any = 
     out = out or sys.stdout
     if name not in SCENARIOS:
         raise ValueError(f"unknown demo {name!r}; choose one of {', '.join(SCENARIOS)}")
-    if name == "autograd":
-        from .demo import run_demo
-
-        return run_demo(run_dir=run_dir, seed=seed, out=out)
     import torchdebug as td
 
     torch.manual_seed(seed)

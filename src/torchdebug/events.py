@@ -7,9 +7,10 @@ import enum
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .stats import TensorStats
+if TYPE_CHECKING:  # annotations only: the store and the views read events without importing torch
+    from .stats import TensorStats
 
 
 class Phase(str, enum.Enum):
@@ -43,6 +44,25 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and value in (float("inf"), float("-inf")):
         return "inf" if value > 0 else "-inf"
     return value
+
+
+# Severity colours of the notebook views (_repr_html_), the same red/amber/grey as the reports'.
+_HTML_COLOUR = {"error": "#c0392b", "warning": "#b9770e", "info": "#5d6d7e"}
+
+
+def html_table(title: str, colour: str, rows: Sequence[tuple[str, Any]], css_class: str) -> str:
+    """A small two-column table with a coloured title line: what a notebook shows for a record."""
+    import html
+
+    cells = "".join(
+        f'<tr><th style="text-align:left;padding-right:1em">{html.escape(k)}</th>'
+        f'<td style="text-align:left"><code>{html.escape(str(v))}</code></td></tr>'
+        for k, v in rows
+    )
+    return (
+        f'<div class="{css_class}"><div style="color:{colour};font-weight:bold">{html.escape(title)}</div>'
+        f"<table>{cells}</table></div>"
+    )
 
 
 def module_label(name: str, type_name: str | None = None) -> str:
@@ -198,6 +218,28 @@ class Anomaly:
             lines.extend(f"    {f}" for f in self.frames)
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        return f"<Anomaly {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        """The anomaly in a notebook: the summary line in red, then phase, module, op, line, step, hint."""
+        rows: list[tuple[str, Any]] = [("phase", self.phase), ("module", self.where)]
+        if self.parameter:
+            rows.append(("parameter", self.parameter))
+        if self.op:
+            rows.append(("op", self.op))
+        if self.location:
+            rows.append(("line", self.location))
+        if self.step is not None:
+            rows.append(("step", self.step))
+        if self.world_size > 1:
+            rows.append(("rank", f"{self.rank} of {self.world_size}"))
+        if self.symptom:
+            rows.append(("noticed", self.symptom))
+        if self.hint:
+            rows.append(("hint", self.hint))
+        return html_table(self.summary(), _HTML_COLOUR["error"], rows, "torchdebug-anomaly")
+
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         for key in ("noticed", "reproducible"):  # newer fields: absent when unset, as in older documents
@@ -239,6 +281,21 @@ class RuleEvent:
         where = f" [{', '.join(self.modules)}]" if self.modules else ""
         at = f"step {self.step}: " if self.step is not None else ""
         return f"{self.severity}: {at}{self.kind}{where}: {self.message}"
+
+    def __repr__(self) -> str:
+        text = str(self)
+        return f"<RuleEvent {text if len(text) <= 120 else text[:117] + '...'}>"
+
+    def _repr_html_(self) -> str:
+        """The event in a notebook: severity in its colour, step, kind, modules, message."""
+        rows: list[tuple[str, Any]] = []
+        if self.step is not None:
+            rows.append(("step", self.step))
+        if self.modules:
+            rows.append(("modules", ", ".join(self.modules)))
+        rows.append(("message", self.message))
+        colour = _HTML_COLOUR.get(self.severity, _HTML_COLOUR["info"])
+        return html_table(f"{self.severity}: {self.kind}", colour, rows, "torchdebug-event")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -487,7 +487,7 @@ def analyze_gradient_flow(
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: both ``example_input`` and ``order`` are given, or ``order`` names an unknown module.
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
         >>> net(torch.ones(2, 3)).sum().backward()
         >>> [lay.name for lay in analyze_gradient_flow(net).layers]

@@ -815,7 +815,8 @@ class Tracer:
             if _checkable(t):
                 f = _flags(t)
                 if f.bad:
-                    ev = self._event(Phase.INPUT.value, "", "", "", None, (), f.kind, t, [])
+                    root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
+                    ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
                     ev.op = ""
                     ev.hint = f"the batch already holds {f.kind.upper() if f.kind == 'nan' else f.kind}: input #{i} ({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf); check the data pipeline"
                     self._set_symptom(ev, f"{f.kind} in input #{i}")

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tensors import DTENSOR, finite_probe, foreach_norms
+from .._tensors import dtensor_type, finite_probe, foreach_norms
 from ..events import Anomaly, RuleEvent
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
@@ -108,7 +108,8 @@ def _env_int(name: str, default: int) -> int:
 
 def is_sharded(model: nn.Module) -> bool:
     """True for a model with FSDP2 (``fully_shard``) sharded parameters."""
-    return DTENSOR is not None and any(isinstance(p, DTENSOR) for p in model.parameters())
+    dtensor = dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def split_ddp(model: nn.Module) -> tuple[Any, nn.Module]:
@@ -798,7 +799,8 @@ def _copies(p: Any, world: int) -> float:
     """How many ranks hold each element of parameter ``p``: 1 for an FSDP2 parameter sharded over all
     ranks (1-D mesh), R for HSDP's R replicas of a shard, ``world`` for a plain tensor (replicated,
     as outside any ``fully_shard``)."""
-    if DTENSOR is None or not isinstance(p, DTENSOR):
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
         return float(world)
     mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
     shards = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())

@@ -38,8 +38,8 @@ import contextlib
 import importlib
 import math
 import os
+import sys
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -94,6 +94,7 @@ class Monitor:
         clip_on_spike: float | None = None,
         on_oom: str | None = None,
         report_to: Any = None,
+        announce: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -123,6 +124,8 @@ class Monitor:
                 items = [items]
             changes["report_to"] = [i for i in items if isinstance(i, str)]
             self._sink_objects = [i for i in items if not isinstance(i, str)]
+        if announce is not None:
+            changes["announce"] = announce
         self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
         if self.config.report_to or self.config.tensorboard or self._sink_objects:
@@ -423,6 +426,47 @@ class Monitor:
         """True once the session has exited."""
         return self._closed
 
+    # -- how a session reads in a notebook or a debugger -----------------------------------------
+    @property
+    def status(self) -> str:
+        """``"not started"`` (before ``with``), ``"active"``, or ``"closed"`` (after ``with``)."""
+        if not self._entered:
+            return "not started"
+        return "closed" if self._closed else "active"
+
+    def _findings(self) -> tuple[int, list[RuleEvent]]:
+        """(anomalies so far, the warning/error rule events so far)."""
+        return len(self.anomalies), [e for e in self.events if e.severity != "info"]
+
+    def __repr__(self) -> str:
+        n, warned = self._findings()
+        where = f", run {self.run_dir}" if self.run_dir is not None else ""
+        return (
+            f"<Monitor {self.status}: step {self.global_step}, {n} anomal{'y' if n == 1 else 'ies'}, "
+            f"{len(warned)} warning{'' if len(warned) == 1 else 's'}{where}>"
+        )
+
+    def _repr_html_(self) -> str:
+        """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
+        from ..events import html_table
+
+        n, warned = self._findings()
+        rows: list[tuple[str, Any]] = [
+            ("status", self.status),
+            ("step", self.global_step),
+            ("anomalies", n if n == 0 else f"{n}, first: {self.anomalies[0].summary()}"),
+            (
+                "warnings",
+                len(warned)
+                if not warned
+                else f"{len(warned)}: {', '.join(sorted({e.kind for e in warned}))}",
+            ),
+            ("run folder", self.run_dir if self.run_dir is not None else "none"),
+        ]
+        colour = "#c0392b" if n else ("#b9770e" if warned else "#1e8449")
+        title = f"torchdebug watch of {type(self.model).__name__}"
+        return html_table(title, colour, rows, "torchdebug-monitor")
+
     @property
     def replaying(self) -> bool:
         """True while the sentinel replays a failing micro-step (drivers ignore what it does)."""
@@ -482,6 +526,9 @@ class Monitor:
         except BaseException:
             self._teardown(None)
             raise
+        if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
+            # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
+            print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -555,12 +602,11 @@ class Monitor:
                 )
             except (OSError, RunStoreError) as exc:
                 # recording is a convenience: training goes on without a run folder
-                warnings.warn(
+                warn_at_user(
                     TorchDebugWarning(
                         f"torchdebug: cannot create a run under {root!r} ({exc}); recording is off for this "
                         "session. Pass run=<writable folder> or run=False."
-                    ),
-                    stacklevel=4,
+                    )
                 )
                 return
             self._owns_writer = True
@@ -631,7 +677,7 @@ class Monitor:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(TorchDebugWarning(message), stacklevel=4)
+            warn_at_user(TorchDebugWarning(message))  # the user's line, wherever the check runs
 
     def _flush_store(self) -> None:
         if self.writer is not None:
@@ -651,11 +697,10 @@ class Monitor:
             self._disable(inst, exc)
             return None
 
-    def _disable(self, inst: Any, exc: BaseException, stacklevel: int = 3) -> None:
+    def _disable(self, inst: Any, exc: BaseException) -> None:
         name = getattr(inst, "name", type(inst).__name__)
-        warnings.warn(
-            TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}"),
-            stacklevel=stacklevel,
+        warn_at_user(
+            TorchDebugWarning(f"torchdebug: instrument {name!r} failed and was switched off: {exc!r}")
         )
         if inst in self.instruments:
             self.instruments.remove(inst)
@@ -674,7 +719,7 @@ class Monitor:
             except NonFiniteError:
                 raise
             except Exception as exc:
-                self._disable(inst, exc, stacklevel=2)  # the warning points here, as from _call
+                self._disable(inst, exc)  # the warning points at the user's line
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""
@@ -826,6 +871,7 @@ def watch(
     clip_on_spike: float | None = None,
     on_oom: str | None = None,
     report_to: Any = None,
+    announce: bool | None = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -858,6 +904,9 @@ def watch(
             warning. Rank 0 reports. See docs/trackers.md.
         clip_on_spike: clip gradients to this norm on detected spikes only.
         on_oom: ``"raise"`` or ``"retry_half"`` (with ``mon.run_step``).
+        announce: print the run folder once on stderr as the session starts
+            (``torchdebug: recording to runs/gpt-20260101-120000``; rank 0 only, nothing without a
+            run folder). Default ``config.announce`` (True; ``TORCHDEBUG_ANNOUNCE=0`` turns it off).
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
@@ -889,4 +938,5 @@ def watch(
         clip_on_spike=clip_on_spike,
         on_oom=on_oom,
         report_to=report_to,
+        announce=announce,
     )

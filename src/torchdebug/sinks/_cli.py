@@ -20,7 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "environment (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME ...)."
         ),
     )
-    e.add_argument("run", help="run folder")
+    from ..cli import add_runs_option, int_in_range
+
+    e.add_argument("run", help="run folder, or a run name looked up under --runs")
+    add_runs_option(e, what="where to look RUN up by name")
+    e.add_argument("--rank", type=int_in_range(0), default=None, help="which rank's database (default 0)")
     e.add_argument("--to", choices=REPORT_TO_NAMES, help="the tracker (default: tensorboard)")
     e.add_argument(
         "--logdir",
@@ -34,17 +38,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from . import export_run
+    from ..cli import default_runs_dir
+    from ..store import open_run
+    from ..store._cli import resolve_run
 
     to = args.to or "tensorboard"
     if args.tensorboard and to != "tensorboard":
         raise ValueError(f"--tensorboard DIR writes TensorBoard; drop it or --to {to}")
+    path = resolve_run(args.run, args.runs or default_runs_dir())
+    with open_run(path, rank=args.rank) as run:
+        return _send(args, run, path, to)
+
+
+def _send(args: argparse.Namespace, run: object, path: Path, to: str) -> int:
+    from . import export_run
     if to == "tensorboard":
         from ._tensorboard import export_tensorboard
 
         # never into the run folder: readers leave a run as it is
-        logdir = args.tensorboard or args.logdir or str(Path("tensorboard") / Path(args.run).resolve().name)
-        counts = export_tensorboard(args.run, logdir)
+        logdir = args.tensorboard or args.logdir or str(Path("tensorboard") / path.resolve().name)
+        counts = export_tensorboard(run, logdir)
         print(
             f"wrote {counts['scalars']} scalars, {counts['histograms']} histograms and {counts['texts']} texts "
             f"to {logdir} (view: tensorboard --logdir {logdir})",
@@ -56,6 +69,6 @@ def _export(args: argparse.Namespace) -> int:
         options["project"] = args.project
     if to == "mlflow" and args.run_id:
         options["run_id"] = args.run_id
-    end = export_run(args.run, to, **options)
+    end = export_run(run, to, **options)
     print(f"sent {args.run} to {to}: {end.verdict}", file=sys.stderr)
     return 0

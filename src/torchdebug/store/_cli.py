@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,18 @@ _MAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "scale", "step_time")
 
 def register(subparsers: Any) -> None:
     """Add ``runs`` and ``show`` to the torchdebug command line."""
+    from ..cli import add_runs_option, int_in_range
+
     p = subparsers.add_parser("runs", help="list the runs in a folder (default ./runs)")
-    p.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="folder holding run folders")
+    add_runs_option(p)
+    p.add_argument("dir", nargs="?", default=None, help=argparse.SUPPRESS)  # older spelling of --runs
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_runs)
 
     p = subparsers.add_parser("show", help="summarize one run: status, steps, metrics, anomalies, events")
-    p.add_argument("run", metavar="RUN", help="run folder, or a run name looked up under --root")
-    p.add_argument("--root", default="runs", help="where to look RUN up by name (default ./runs)")
-    p.add_argument("--rank", type=int, default=None, help="which rank's database (default 0)")
+    p.add_argument("run", metavar="RUN", help="run folder, or a run name looked up under --runs")
+    add_runs_option(p, "--root", what="where to look RUN up by name")
+    p.add_argument("--rank", type=int_in_range(0), default=None, help="which rank's database (default 0)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_show)
 
@@ -47,12 +51,15 @@ def _non_default(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    from .._term import style, use_colour
+    from ..cli import default_runs_dir
     from .reader import list_runs
 
-    root = Path(args.dir)
+    root = Path(args.runs or args.dir or default_runs_dir())
     if not root.exists():
         raise RunStoreError(
-            f"{root} does not exist; runs are written under ./runs by default, pass their folder: torchdebug runs DIR"
+            f"{root} does not exist; runs are written under ./runs by default, pass their folder: "
+            "torchdebug runs --runs DIR"
         )
     infos = list_runs(root)
     if args.json:
@@ -69,8 +76,14 @@ def _runs(args: argparse.Namespace) -> int:
         rows.append((*(printable(c, _MAX_NAME) for c in cells), printable(i.path)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     numeric = {2, 3}
-    for r in rows:
+    colour = use_colour(sys.stdout)
+    for n, r in enumerate(rows):
         padded = [r[c].rjust(widths[c]) if c in numeric else r[c].ljust(widths[c]) for c in range(len(r))]
+        if n:  # the status (red failed/crashed, yellow running, green finished) and a non-zero anomaly count
+            info = infos[n - 1]
+            padded[1] = style(padded[1], "warning" if info.lost else info.status, colour)
+            if info.anomalies:
+                padded[3] = style(padded[3], "error", colour)
         print("  ".join(padded).rstrip())
     for i in infos:
         if i.error:
@@ -126,10 +139,11 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from ..cli import default_runs_dir
     from ._ranks import rank_overview
     from .reader import open_run
 
-    path = resolve_run(args.run, args.root)
+    path = resolve_run(args.run, args.runs or default_runs_dir())
     with open_run(path, rank=args.rank) as run:
         summary = run.summary()
         last = run.last_values()

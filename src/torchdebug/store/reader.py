@@ -252,7 +252,104 @@ class Run:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Run({str(self.path)!r}, rank={self.rank})"
+        try:
+            s = self.summary()
+        except Exception:  # closed or unreadable: the identity is still worth showing
+            return f"<Run {self.path} rank {self.rank}>"
+        n = s["anomalies"]
+        ranks = f" rank {self.rank} of {len(s['ranks'])}," if len(s["ranks"]) > 1 else ""
+        return (
+            f"<Run {self.name}: {s['status']},{ranks} {s['steps']} steps, "
+            f"{n} anomal{'y' if n == 1 else 'ies'}, {self.path}>"
+        )
+
+    def _repr_html_(self) -> str:
+        """The run in a notebook: status, steps, the first anomaly, the events by kind, the folder."""
+        from ..events import html_table
+
+        s = self.summary()
+        first = self._rows("SELECT data FROM anomalies ORDER BY id LIMIT 1")
+        anomalies: Any = s["anomalies"]
+        if first:
+            doc = _validate.anomaly(first[0][0], f"{self.db_path}: first anomaly")
+            anomalies = f"{s['anomalies']}, first: {doc.get('summary') or doc.get('kind', 'anomaly')}"
+        events = ", ".join(f"{k} {n}" for k, n in sorted(s["events"].items())) or "none"
+        rows: list[tuple[str, Any]] = [
+            ("status", s["status"] + (", incomplete: records were lost" if s["lost"] else "")),
+            ("steps", s["steps"]),
+            ("anomalies", anomalies),
+            ("events", events),
+            ("rank", f"{self.rank} of ranks {', '.join(map(str, s['ranks']))}"),
+            ("folder", self.path),
+        ]
+        bad = s["status"] in ("failed", "crashed") or s["anomalies"]
+        colour = "#c0392b" if bad else ("#b9770e" if s["status"] == "running" else "#1e8449")
+        return html_table(f"torchdebug run {self.name}", colour, rows, "torchdebug-run")
+
+    # -- pandas ------------------------------------------------------------------------------------
+
+    def metrics_frame(self, names: list[str] | None = None) -> Any:
+        """Every metric as a pandas DataFrame: one row per step (the index, ``step``), one column per
+        metric (sorted names), NaN where a metric was not logged at that step. A metric logged
+        twice at one step keeps its last value.
+
+        Args:
+            names: only these metrics (default: all of ``metric_names()``).
+
+        Raises:
+            ImportError: pandas is not installed (the message names the fix).
+            KeyError: an unknown metric name.
+
+        Example: ``run.metrics_frame()["loss"].rolling(50).mean()``.
+        Cost: one indexed scan per metric (about 0.5 µs per point).
+        """
+        pd = _pandas("metrics_frame")
+        columns = {}
+        for name in self.metric_names() if names is None else list(names):
+            series = self.series(name)
+            columns[name] = pd.Series(series.values, index=series.steps, dtype="float64")
+            columns[name] = columns[name][~columns[name].index.duplicated(keep="last")]
+        frame = pd.DataFrame(columns) if columns else pd.DataFrame(index=pd.Index([], dtype="int64"))
+        frame.index.name = "step"
+        return frame.sort_index()
+
+    def events_frame(self) -> Any:
+        """Rule events and log messages as a pandas DataFrame, in the order logged: columns
+        ``step``, ``severity``, ``kind``, ``message``, ``modules`` (a comma-separated string),
+        ``wall_time``.
+
+        Raises:
+            ImportError: pandas is not installed (the message names the fix).
+        """
+        pd = _pandas("events_frame")
+        rows = [
+            {
+                "step": e["step"],
+                "severity": e["severity"],
+                "kind": e["kind"],
+                "message": e["message"],
+                "modules": ", ".join(map(str, (e["data"] or {}).get("modules") or ())),
+                "wall_time": e["wall_time"],
+            }
+            for e in self.events()
+        ]
+        columns = ["step", "severity", "kind", "message", "modules", "wall_time"]
+        frame = pd.DataFrame(rows, columns=columns)
+        frame["step"] = frame["step"].astype("Int64")  # None for events outside a step
+        return frame
+
+    def anomalies_frame(self) -> Any:
+        """Anomalies as a pandas DataFrame, in the order logged: ``step``, ``kind``, ``phase``,
+        ``module``, ``op``, ``location``, ``rank``, ``summary``.
+
+        Raises:
+            ImportError: pandas is not installed (the message names the fix).
+        """
+        pd = _pandas("anomalies_frame")
+        columns = ["step", "kind", "phase", "module", "op", "location", "rank", "summary"]
+        frame = pd.DataFrame([{c: a.get(c) for c in columns} for a in self.anomalies()], columns=columns)
+        frame["step"] = frame["step"].astype("Int64")
+        return frame
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -688,6 +785,17 @@ class Run:
                     "write_error": err if isinstance(err, str) else None,
                 }
         return best
+
+
+def _pandas(what: str) -> Any:
+    """pandas, or an ImportError that names the fix (pandas is optional: the store needs only sqlite3)."""
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError(
+            f"Run.{what}() needs pandas: pip install pandas (or pip install 'torchdebug[pandas]')"
+        ) from None
+    return pandas
 
 
 def open_run(path: str | os.PathLike[str], rank: int | None = None) -> Run:

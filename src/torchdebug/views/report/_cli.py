@@ -17,7 +17,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a report of a run (text, json, self-contained html, png)",
         description="Write a report of a stored run. The format defaults to the output file's suffix, else text.",
     )
-    p.add_argument("run", help="run folder, e.g. runs/demo-20250101-120000")
+    from ...cli import add_runs_option, int_in_range
+
+    p.add_argument("run", help="run folder (runs/demo-20250101-120000), or a run name looked up under --runs")
+    add_runs_option(p, what="where to look RUN up by name")
+    p.add_argument("--rank", type=int_in_range(0), default=None, help="which rank's database (default 0)")
     p.add_argument(
         "-o", "--output", metavar="FILE", help="write to FILE instead of stdout (png needs a file)"
     )
@@ -25,6 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--format", choices=_FORMATS, help="text | json | html | png (default: from FILE's suffix, else text)"
     )
     p.set_defaults(func=_report)
+
+
+def _resolve(args: argparse.Namespace) -> Path:
+    from ...cli import default_runs_dir
+    from ...store._cli import resolve_run
+
+    return resolve_run(args.run, args.runs or default_runs_dir())
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -36,7 +47,7 @@ def _report(args: argparse.Namespace) -> int:
         fmt = _SUFFIX.get(Path(args.output).suffix.lower(), "text") if args.output else "text"
     if fmt == "png" and not args.output:
         raise ValueError("a PNG report needs an output file: add -o debug_analysis.png")
-    with open_run(args.run) as run:
+    with open_run(_resolve(args), rank=args.rank) as run:
         out = render_report(run, fmt, path=args.output)
     if args.output:
         print(f"wrote {fmt} report to {args.output}", file=sys.stderr)

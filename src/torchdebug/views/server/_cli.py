@@ -15,11 +15,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a local dashboard (pages update live while a run is written) and its JSON API "
         "(OpenAPI schema at /openapi.json). Read-only on the runs.",
     )
-    p.add_argument("path", nargs="?", default="runs", help="a run folder or a folder of runs (default: runs)")
+    from ...cli import add_runs_option, int_in_range
+
+    # a positional folder is the older spelling of --runs, kept working (hidden from the help)
+    p.add_argument("path", nargs="?", default=None, help=argparse.SUPPRESS)
+    add_runs_option(p, what="a folder of runs, or one run folder")
     p.add_argument(
         "--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need --token)"
     )
-    from ...cli import int_in_range
 
     p.add_argument("--port", type=int_in_range(0, 65535), default=6007, help="TCP port (default 6007)")
     p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or ?token=TOKEN) on every request")
@@ -44,10 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import warnings
 
+    from ...cli import default_runs_dir
     from . import _import_deps, bound_hosts, check_bind, is_loopback
 
     uvicorn = _import_deps()
-    target = Path(args.path)
+    target = Path(args.runs or args.path or default_runs_dir())
     if not target.is_dir():
         raise ValueError(f"{target} is not a folder: pass a run folder or a folder of runs")
     with warnings.catch_warnings(record=True) as caught:

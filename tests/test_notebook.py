@@ -1,0 +1,158 @@
+"""How records read in a notebook and a debugger: a short repr, an HTML view, and pandas frames of a run."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchdebug as td
+from torchdebug.events import Anomaly, RuleEvent
+from torchdebug.store import create_run, open_run
+
+ANOMALY = Anomaly(
+    phase="forward",
+    module="blocks.0.attn",
+    op="aten._softmax",
+    location="train.py:41",
+    kind="nan",
+    step=20,
+    module_type="Attention",
+    hint="softmax over a row whose entries are all -inf (a fully masked row)",
+)
+
+
+def test_anomaly_repr_is_its_one_line_summary() -> None:
+    assert repr(ANOMALY) == (
+        "<Anomaly nan born in forward of blocks.0.attn (Attention): aten._softmax at train.py:41 (step 20)>"
+    )
+
+
+def test_anomaly_html_names_the_origin() -> None:
+    assert ANOMALY._repr_html_() == (
+        '<div class="torchdebug-anomaly"><div style="color:#c0392b;font-weight:bold">'
+        "nan born in forward of blocks.0.attn (Attention): aten._softmax at train.py:41 (step 20)</div><table>"
+        '<tr><th style="text-align:left;padding-right:1em">phase</th><td style="text-align:left"><code>forward</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">module</th><td style="text-align:left"><code>blocks.0.attn (Attention)</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">op</th><td style="text-align:left"><code>aten._softmax</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">line</th><td style="text-align:left"><code>train.py:41</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">step</th><td style="text-align:left"><code>20</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">hint</th><td style="text-align:left"><code>'
+        "softmax over a row whose entries are all -inf (a fully masked row)</code></td></tr></table></div>"
+    )
+
+
+def test_html_escapes_what_came_from_the_model() -> None:
+    a = Anomaly(phase="forward", module="<script>", op=None, location=None, kind="nan")
+    assert "<script>" not in a._repr_html_() and "&lt;script&gt;" in a._repr_html_()
+
+
+def test_rule_event_repr_and_html() -> None:
+    e = RuleEvent("gradient_explosion", 5, "total gradient norm 17 grew 23.6x", "warning", modules=("fc1",))
+    assert (
+        repr(e) == "<RuleEvent warning: step 5: gradient_explosion [fc1]: total gradient norm 17 grew 23.6x>"
+    )
+    assert e._repr_html_() == (
+        '<div class="torchdebug-event"><div style="color:#b9770e;font-weight:bold">warning: gradient_explosion</div><table>'
+        '<tr><th style="text-align:left;padding-right:1em">step</th><td style="text-align:left"><code>5</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">modules</th><td style="text-align:left"><code>fc1</code></td></tr>'
+        '<tr><th style="text-align:left;padding-right:1em">message</th><td style="text-align:left"><code>'
+        "total gradient norm 17 grew 23.6x</code></td></tr></table></div>"
+    )
+    long = RuleEvent("slowdown", 1, "x" * 200)
+    assert len(repr(long)) == len("<RuleEvent >") + 120 and repr(long).endswith("...>")
+
+
+def _train(
+    mon: td.Monitor, model: nn.Module, opt: torch.optim.Optimizer, steps: int, bad: int | None
+) -> None:
+    for step in range(steps):
+        x = torch.ones(4, 3)
+        if step == bad:
+            x[0, 0] = math.nan
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mon.step()
+
+
+def test_monitor_repr_follows_the_session(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = td.watch(model, opt, policy="skip", run=tmp_path, announce=False)
+    assert repr(mon) == "<Monitor not started: step 0, 0 anomalies, 0 warnings>"
+    with pytest.warns(td.TorchDebugWarning), mon:
+        _train(mon, model, opt, 3, bad=1)
+        assert repr(mon) == f"<Monitor active: step 3, 1 anomaly, 0 warnings, run {mon.run_dir}>"
+    assert repr(mon) == f"<Monitor closed: step 3, 1 anomaly, 0 warnings, run {mon.run_dir}>"
+    html = mon._repr_html_()
+    assert "torchdebug watch of Linear" in html and "<code>closed</code>" in html
+    assert "<code>1, first: nan born in input of Linear (step 1)</code>" in html
+    assert f"<code>{mon.run_dir}</code>" in html
+
+
+@pytest.fixture
+def run_path(tmp_path: Path) -> Path:
+    """A run of 3 steps: loss 1.0, 0.5, 0.25; lr only at step 0 and 2; one anomaly; two events."""
+    w = create_run(root=tmp_path, name="nb")
+    w.log_scalars(0, {"loss": 1.0, "lr": 0.1})
+    w.log_scalars(1, {"loss": 0.5})
+    w.log_scalars(2, {"loss": 0.25, "lr": 0.05})
+    w.log_anomaly(1, ANOMALY)
+    w.log_rule_event(RuleEvent("gradient_explosion", 1, "grew 20x", "warning", modules=("fc1", "fc2")))
+    w.log_event(None, "note", "info", "a message outside any step")
+    w.close("failed")
+    return Path(w.path)
+
+
+def test_run_repr_and_html(run_path: Path) -> None:
+    with open_run(run_path) as run:
+        assert repr(run) == f"<Run nb: failed, 3 steps, 1 anomaly, {run_path}>"
+        html = run._repr_html_()
+    assert '<div style="color:#c0392b;font-weight:bold">torchdebug run nb</div>' in html
+    assert (
+        "<code>1, first: nan born in forward of blocks.0.attn (Attention): aten._softmax at train.py:41 (step 20)</code>"
+        in html
+    )
+    assert "<code>gradient_explosion 1, note 1</code>" in html
+
+
+def test_metrics_frame_is_one_row_per_step(run_path: Path) -> None:
+    with open_run(run_path) as run:
+        frame = run.metrics_frame()
+        only_loss = run.metrics_frame(["loss"])
+    assert frame.index.name == "step" and list(frame.index) == [0, 1, 2]
+    assert list(frame.columns) == ["loss", "lr"]
+    assert list(frame["loss"]) == [1.0, 0.5, 0.25]
+    assert frame["lr"][0] == 0.1 and math.isnan(frame["lr"][1]) and frame["lr"][2] == 0.05
+    assert list(only_loss.columns) == ["loss"]
+
+
+def test_events_and_anomalies_frames(run_path: Path) -> None:
+    with open_run(run_path) as run:
+        events = run.events_frame()
+        anomalies = run.anomalies_frame()
+    assert list(events.columns) == ["step", "severity", "kind", "message", "modules", "wall_time"]
+    assert events[["severity", "kind", "modules"]].values.tolist() == [
+        ["warning", "gradient_explosion", "fc1, fc2"],
+        ["info", "note", ""],
+    ]
+    assert events["step"].tolist()[0] == 1 and events["step"].isna().tolist() == [False, True]
+    assert anomalies[["step", "phase", "module", "op"]].values.tolist() == [
+        [1, "forward", "blocks.0.attn", "aten._softmax"]
+    ]
+
+
+def test_frames_without_pandas_name_the_fix(run_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas now raises ImportError
+    with open_run(run_path) as run, pytest.raises(ImportError) as info:
+        run.metrics_frame()
+    assert str(info.value) == (
+        "Run.metrics_frame() needs pandas: pip install pandas (or pip install 'torchdebug[pandas]')"
+    )
