@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import Anomaly, RuleEvent, plain, training_summary
+from ..events import Anomaly, RuleEvent, is_anomalous, plain, training_summary
 from ..health.gradients import GradientFlow, GradientReport, analyze_gradient_flow, check_gradients
 from ..health.inspection import ModelSummary, call_model, inspect_model
 from ..health.instrument import (
@@ -42,6 +43,7 @@ from ._debugger import (
     log,
     tracing_active,
 )
+from ._tracing import take_traced_anomaly
 from ._inputs import prediction_problems
 
 
@@ -173,7 +175,7 @@ class TrainingDebugger(PyTorchDebugger):
     def _observe(
         self, model: nn.Module, loss: torch.Tensor, step: int, locate: Callable[[], Anomaly | None] | None
     ) -> dict[str, Any]:
-        with self.debug_context("training_step", type(model).__name__, batch=int(step), model=model) as info:
+        with self._context("training_step", type(model).__name__, batch=int(step), model=model) as info:
             n = step_numbers(model, loss)
             info.gradient_norm = n.grad_norm
             self.total_steps += 1
@@ -210,11 +212,15 @@ class TrainingDebugger(PyTorchDebugger):
             info.events.extend(events)
             for ev in events:
                 log.log(logging.INFO if ev.severity == "info" else logging.WARNING, "%s", ev)
-            if n.nonfinite or any(e.severity != "info" for e in events):
+            if is_anomalous(True if n.nonfinite else None, [e.severity for e in events]):
                 self.anomaly_steps += 1
                 info.anomaly_detected = True
-            # inside a traced block the tracer reports the origin when the block ends
-            if n.nonfinite and not tracing_active():
+            # inside a traced block: the trace's origin (None when it was reported already)
+            traced_anomaly = take_traced_anomaly() if n.nonfinite and tracing_active() else None
+            if traced_anomaly is not None:
+                out["anomaly"] = traced_anomaly
+                self._report(info, traced_anomaly)
+            elif n.nonfinite and not tracing_active():
                 anomaly = locate() if locate is not None else None
                 if anomaly is None:
                     anomaly = symptom_anomaly(
@@ -481,9 +487,7 @@ class PyTorchDebugManager:
         Raises:
             NonFiniteError: mode "raise" and the step produced a NaN/Inf (before the update).
         """
-        with self.debugger.debug_context(
-            "training_step", type(model).__name__, epoch, batch, model=model
-        ) as info:
+        with self.debugger._context("training_step", type(model).__name__, epoch, batch, model=model) as info:
             t0 = time.perf_counter()
             rng = rng_state(any(p.is_cuda for p in model.parameters()))
             optimizer.zero_grad(set_to_none=True)
@@ -494,25 +498,33 @@ class PyTorchDebugManager:
             else:
                 output = call_model(model, data_batch)
             loss = loss_fn(output, target_batch)
+            t_forward = time.perf_counter()
             loss.backward()
             n = step_numbers(model, loss, with_params=True)
             info.gradient_norm = n.grad_norm
             if self.config.log_gradients:
                 info.details["gradients"] = dict(zip(n.names, n.norms))
+            t_backward = time.perf_counter()
             anomaly: Anomaly | None = None
-            # inside a traced block the tracer reports the origin when the block ends
-            if n.nonfinite and not tracing_active():
-                anomaly = replay_origin(
-                    model, _step_fn(model, loss_fn), data_batch, target_batch, rng=rng, step=self._steps
-                )
-                if anomaly is None:
-                    anomaly = symptom_anomaly(
-                        model, loss_bad=n.loss_bad, bad_params=n.bad_params, kind=n.kind, step=self._steps
+            if n.nonfinite:
+                if tracing_active():  # the trace saw every op: its origin (a NaN batch is phase input)
+                    anomaly = take_traced_anomaly()
+                    if anomaly is not None:
+                        anomaly = dataclasses.replace(anomaly, step=self._steps)
+                else:
+                    anomaly = replay_origin(
+                        model, _step_fn(model, loss_fn), data_batch, target_batch, rng=rng, step=self._steps
                     )
+                    if anomaly is None:
+                        anomaly = symptom_anomaly(
+                            model, loss_bad=n.loss_bad, bad_params=n.bad_params, kind=n.kind, step=self._steps
+                        )
+            if anomaly is not None:
                 self._log_anomaly(anomaly)
                 self.debugger._report(info, anomaly)
             if not n.nonfinite:
                 optimizer.step()
+            t_update = time.perf_counter()
             if self.config.log_weights:
                 names, params = _trainable(model)
                 with torch.no_grad():  # the weights after the update: a second transfer, only when asked
@@ -532,13 +544,24 @@ class PyTorchDebugManager:
             "anomaly": anomaly,
         }
         if self.training_logger is not None:
-            self.training_logger.log_scalars(
-                self._steps,
-                {k: float(metrics[k]) for k in ("loss", "gradient_norm", "param_norm", "execution_time")},
+            w, step = self.training_logger, self._steps
+            values = {k: float(metrics[k]) for k in ("loss", "gradient_norm", "param_norm", "execution_time")}
+            # the names the reports, the dashboard and TensorBoard read (grad_norm, skipped, a timing
+            # breakdown), beside the seed's own (gradient_norm, execution_time)
+            values["grad_norm"] = values["gradient_norm"]
+            values["skipped"] = 1.0 if n.nonfinite else 0.0
+            w.log_scalars(step, values)
+            w.log_timing(
+                step,
+                {
+                    "forward": t_forward - t0,
+                    "backward": t_backward - t_forward,
+                    "optimizer": t_update - t_backward,
+                    "other": max(0.0, elapsed - (t_update - t0)),
+                    "step": elapsed,
+                },
             )
-            self.training_logger.log_memory(
-                self._steps, {"rss": metrics["cpu_memory"], "cuda_allocated": metrics["gpu_memory"]}
-            )
+            w.log_memory(step, {"rss": metrics["cpu_memory"], "cuda_allocated": metrics["gpu_memory"]})
         self._steps += 1
         return metrics
 
@@ -559,7 +582,7 @@ class PyTorchDebugManager:
         Raises:
             NonFiniteError: mode "raise" and the input or output holds a NaN/Inf.
         """
-        with self.debugger.debug_context("inference", type(model).__name__, model=model) as info:
+        with self.debugger._context("inference", type(model).__name__, model=model) as info:
             t0 = time.perf_counter()
             output = self.debugger._checked_forward(model, input_data, info, grad=False)
             elapsed = time.perf_counter() - t0
