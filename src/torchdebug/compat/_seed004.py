@@ -96,14 +96,16 @@ class OptimizationCalls:
 
         if self._leaks is None:
             window = max(3, self.config.leak_window)
-            self._leaks = {s: LeakDetector(window=window, warmup=0) for s in _LEAK_STRIDES}
+            # stride -> (its detector, the trends of its last sample: kept until its next sample)
+            self._leaks = {s: (LeakDetector(window=window, warmup=0), []) for s in _LEAK_STRIDES}
         out = debug_memory_usage()
         sample = {k: v for k, v in out.items() if isinstance(v, int)}
         found: dict[str, Any] = {}
-        for stride, detector in self._leaks.items():
+        for stride, (detector, trends) in self._leaks.items():
             if self._profiles % stride == 0:
-                for t in detector.add(self._profiles // stride, sample):
-                    found.setdefault(t.series, (t, stride))
+                trends[:] = detector.add(self._profiles // stride, sample)
+            for t in trends:
+                found.setdefault(t.series, (t, stride))
         self._profiles += 1
         out.update(
             label=label,
