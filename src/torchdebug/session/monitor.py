@@ -52,7 +52,7 @@ from .._config import DebugConfig, DebugLevel, coerce_config
 from .._errors import NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._tensors import unwrap_optimizer
-from ..events import Anomaly, RuleEvent, StepRecord, rule_counts, training_summary
+from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .driver import PlainLoopDriver
@@ -154,7 +154,14 @@ class Monitor:
         self.anomalies: list[Anomaly] = []
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
-        self.counters: dict[str, int] = {"anomaly_steps": 0, "skipped_steps": 0, "replays": 0}
+        # anomaly_steps: steps with a NaN/Inf record; anomalous_steps: ``events.is_anomalous`` steps
+        # (a NaN/Inf or a warning-level event), what every seed-era summary counts
+        self.counters: dict[str, int] = {
+            "anomaly_steps": 0,
+            "anomalous_steps": 0,
+            "skipped_steps": 0,
+            "replays": 0,
+        }
         self.level_overrides: list[str] = []
         self._enabled = self.config.instruments()
         self.transfer = Transfer()
@@ -291,6 +298,8 @@ class Monitor:
         record = self._record()
         sentinel.after_step_end(self, manual)
         self._each("on_step_end", record, record.values)
+        if is_anomalous(record.anomaly, [e.severity for e in self._step_events]):
+            self.counters["anomalous_steps"] += 1
         self.records.append(record)
         if self._pending_level is not None or self._pending_changes:
             level, self._pending_level = self._pending_level, None
@@ -750,10 +759,13 @@ class Monitor:
         self._segment_start = self.global_step
 
     def training_summary(self) -> dict[str, Any]:
-        """The seed-era training summary (counts and rates since the last ``clear()``)."""
+        """The seed-era training summary (counts and rates since the last ``clear()``).
+
+        ``anomaly_steps`` counts the steps ``events.is_anomalous`` calls anomalous (a NaN/Inf, or a
+        warning-level event), as every seed-era summary does; the rule counts are ``rule_counts``."""
         total = max(self.global_step - self._segment_start, 0)
         explosions, vanishing, loss = rule_counts(e.kind for e in self.events)
-        return training_summary(total, self.counters["anomaly_steps"], explosions, vanishing, loss)
+        return training_summary(total, self.counters["anomalous_steps"], explosions, vanishing, loss)
 
 
 def watch(
