@@ -31,6 +31,7 @@ class OptimizationCalls:
     optimization_metrics: list[Any]
     _leaks: Any
     _profiles: int
+    last_profile: Any = None  # the last profile_model_performance summary (the manager's report shows it)
 
     @property
     def debug_metrics(self) -> list[DebugInfo]:
@@ -147,7 +148,8 @@ class OptimizationCalls:
         """
         from ..perf.profiling import profile_model_performance
 
-        return profile_model_performance(model, dataloader, num_batches, **kwargs)
+        self.last_profile = profile_model_performance(model, dataloader, num_batches, **kwargs)
+        return self.last_profile
 
     def monitor_resources(self, **kwargs: Any) -> dict[str, Any]:
         """Seed 004's resource check: ``td.perf.profiling.monitor_resources`` (CPU %, memory %, RSS, GPUs)."""
