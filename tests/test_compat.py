@@ -243,9 +243,11 @@ def test_module_debug_context_stops_in_backward_and_warns_without_one(apply_befo
     model, x = broken_net(), torch.randn(4, 8)
     # a backward that ends with the NaN raises there in the default warn mode (seed 002's block ran
     # under torch.autograd.detect_anomaly, which raises in backward)
-    with pytest.raises(td.NonFiniteError, match=r"aten\.log"):
-        with debug_context(td.DebugLevel.BASIC, model=model) as dbg:
-            step_of(model, x)
+    with (
+        pytest.raises(td.NonFiniteError, match=r"aten\.log"),
+        debug_context(td.DebugLevel.BASIC, model=model) as dbg,
+    ):
+        step_of(model, x)
     assert isinstance(dbg, PyTorchDebugger) and dbg.level is td.DebugLevel.BASIC
     assert dbg.anomalies[0].module == "blocks.1.act"
     assert_restored(model, apply_before)

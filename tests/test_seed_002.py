@@ -42,7 +42,7 @@ def test_basic_autograd_debugging() -> None:
     debugger = PyTorchDebugger(DebugLevel.ADVANCED)
     before = [p.detach().clone() for p in model.parameters()]
     # the seed's block ran under torch.autograd.detect_anomaly: backward() raises, the update never runs
-    with pytest.raises(td.NonFiniteError, match="aten.log"), debugger.autograd_anomaly_detection(model):
+    with pytest.raises(td.NonFiniteError, match=r"aten\.log"), debugger.autograd_anomaly_detection(model):
         torch.log(model(inputs) - 100.0).sum().backward()
         optimizer.step()
     assert debugger.anomalies[0].op == "aten.log"

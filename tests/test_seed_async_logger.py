@@ -37,7 +37,9 @@ def test_enable_autograd_debug_stops_a_bad_gradient_and_files_it(tmp_path: Path)
     batches[2][5, 0] = 0.0  # step 2: the gradient of scale is NaN, the loss stays finite
 
     async def debug_training_loop() -> Path:  # the seed's "Custom Training Loop with Debugging"
-        logger = AsyncTrainingLogger(user_id=1, model_name="sqrt", enable_autograd_debug=True, run_dir=str(tmp_path))
+        logger = AsyncTrainingLogger(
+            user_id=1, model_name="sqrt", enable_autograd_debug=True, run_dir=str(tmp_path)
+        )
         path = logger.start_training(total_epochs=1, total_steps=3)
         try:
             for step, batch in enumerate(batches):
@@ -69,7 +71,7 @@ def test_enable_autograd_debug_stops_a_bad_gradient_and_files_it(tmp_path: Path)
     h = register_optimizer_step_post_hook(snapshot)
     try:
         with pytest.raises(td.NonFiniteError) as err:
-            path = asyncio.run(debug_training_loop())
+            asyncio.run(debug_training_loop())
     finally:
         h.remove()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # step 2 never updated
@@ -86,5 +88,7 @@ def test_enable_autograd_debug_stops_a_bad_gradient_and_files_it(tmp_path: Path)
     from torch.nn.modules.module import _global_forward_pre_hooks
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-    assert not _global_forward_pre_hooks and not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
+    assert (
+        not _global_forward_pre_hooks and not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
+    )
     assert not model._forward_hooks and not model._forward_pre_hooks

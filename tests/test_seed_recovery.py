@@ -102,10 +102,12 @@ def robust_training_step(model, data, target, optimizer, criterion, debugger):  
     [
         pytest.param(lambda es: PyTorchDebugger(error_system=es), id="default-warn"),
         pytest.param(
-            lambda es: PyTorchDebugger(DebugConfig(anomaly_detection_mode="raise"), error_system=es), id="raise"
+            lambda es: PyTorchDebugger(DebugConfig(anomaly_detection_mode="raise"), error_system=es),
+            id="raise",
         ),
         pytest.param(
-            lambda es: PyTorchDebugger(error_system=es, debug_mode=DebugMode.FULL_DEBUG), id="full-debug-traced"
+            lambda es: PyTorchDebugger(error_system=es, debug_mode=DebugMode.FULL_DEBUG),
+            id="full-debug-traced",
         ),
     ],
 )
@@ -164,11 +166,10 @@ def test_seed_002_debug_context_block_keeps_the_weights() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data, target = _batches()[1]
     before = _weights(model)
-    with pytest.raises(td.NonFiniteError) as err:
-        with debug_context(td.DebugLevel.BASIC, model=model):
-            loss = nn.functional.cross_entropy(model(data), target)
-            loss.backward()
-            optimizer.step()
+    with pytest.raises(td.NonFiniteError) as err, debug_context(td.DebugLevel.BASIC, model=model):
+        loss = nn.functional.cross_entropy(model(data), target)
+        loss.backward()
+        optimizer.step()
     assert _same(before, model) and err.value.anomaly.phase == "input"
 
 

@@ -370,9 +370,9 @@ __all__: Sequence[str] = [
     "Phase",
     "RuleEvent",
     "StepRecord",
+    "is_anomalous",
     "module_label",
     "plain",
-    "is_anomalous",
     "rule_counts",
     "training_summary",
 ]

@@ -168,9 +168,7 @@ class AsyncTrainingLogger:
         data: dict[str, Any] | None = None,
         step: int | None = None,
     ) -> None:
-        self._need().log_event(
-            self._step_now(step), kind, severity, message, plain(data) if data else None
-        )
+        self._need().log_event(self._step_now(step), kind, severity, message, plain(data) if data else None)
 
     def log_warning(
         self, message: str, phase: TrainingPhase | str = TrainingPhase.TRAINING, *, step: int | None = None

@@ -232,7 +232,5 @@ def anomaly_operations(history: Iterable[DebugInfo]) -> int:
     """Operations of a seed-era history that count as anomalies (``events.is_anomalous``, or a block
     that failed: seed 001 flagged those as ``anomaly_detected`` too)."""
     return sum(
-        1
-        for i in history
-        if i.anomaly_detected or is_anomalous(i.anomaly, [e.severity for e in i.events])
+        1 for i in history if i.anomaly_detected or is_anomalous(i.anomaly, [e.severity for e in i.events])
     )

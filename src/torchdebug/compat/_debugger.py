@@ -59,6 +59,7 @@ __all__ = [
     "tracing_active",
 ]
 
+
 class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
     """The seed-era debugger (seeds 001, 002, 004) as a thin layer over torchdebug's engine.
 

@@ -106,7 +106,6 @@ class DebuggingCalls:
         )
         return list(rep.vanishing)
 
-
     # -- passes ---------------------------------------------------------------------------------------
     def debug_forward_pass(self, model: nn.Module, input_data: Any, **kwargs: Any) -> Any:
         """Run ``model(input_data)`` in a ``debug_context``; a NaN/Inf in the input or output is located.
@@ -276,7 +275,6 @@ class DebuggingCalls:
                 )
         return total
 
-
     # -- memory and time --------------------------------------------------------------------------------
     def debug_memory_usage(self, **kwargs: Any) -> tuple[int, int]:
         """Seed 001's ``(cpu_memory, gpu_memory)``: process RSS and CUDA allocated bytes (0 without CUDA)."""
@@ -390,5 +388,3 @@ def _activation_capture(model: nn.Module) -> Iterator[_ActivationCapture]:
 def _trainable(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [n for n, _ in named], [p for _, p in named]
-
-

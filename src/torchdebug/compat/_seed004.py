@@ -63,7 +63,6 @@ class OptimizationCalls:
                 lines.insert(0, f"NaN/Inf loss ({value})")
         return out
 
-
     def optimize_model(self, model: nn.Module, optimization_mode: Any = "full_optimization") -> nn.Module:
         """Seed 004's ``optimize_model``: apply an ``OptimizationMode`` and return the model to call.
 
@@ -80,7 +79,6 @@ class OptimizationCalls:
         from ._optimize import optimize_model_in_place
 
         return optimize_model_in_place(model, optimization_mode, self.optimization_metrics)
-
 
     def profile_memory(self, label: str = "") -> dict[str, Any]:
         """Seed 004's memory profile: ``td.memory.analysis.debug_memory_usage()`` plus ``cpu_memory`` (system %),
@@ -156,4 +154,3 @@ class OptimizationCalls:
         from ..perf.profiling import monitor_resources
 
         return monitor_resources(**kwargs)
-

@@ -244,4 +244,3 @@ class AutogradAnomalyDetector:
             stop=stop_for(self.mode, raise_on_warn=False),
         ):
             yield self
-

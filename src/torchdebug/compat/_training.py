@@ -44,8 +44,8 @@ from ._debugger import (
     log,
     tracing_active,
 )
-from ._tracing import take_traced_anomaly
 from ._inputs import prediction_problems
+from ._tracing import take_traced_anomaly
 
 
 @dataclass

@@ -145,7 +145,12 @@ class Sentinel:
             self.grad_seen = {i: (g, g._version) for i, g in zip(idx, grads)}
 
     def on_backward_end(self, mon: Any) -> None:
-        if (self.manual or self.check_each_backward) and self.active and mon.driver is None and not self.replaying:
+        if (
+            (self.manual or self.check_each_backward)
+            and self.active
+            and mon.driver is None
+            and not self.replaying
+        ):
             # no optimizer hook will run before the user's update: check here, before it
             mon.sync()
             self.synced_at_backward = True

@@ -107,7 +107,9 @@ class ProfileSummary:
                 f"  trace: {self.trace_path} ({self.trace_bytes} bytes){'; ' + self.trace_note if self.trace_note else ''}"
             )
         if self.flops is not None:
-            lines.append(f"  FLOPs {self.flops:,} over the profiled steps ({self.flops / max(self.steps, 1):,.0f}/step)")
+            lines.append(
+                f"  FLOPs {self.flops:,} over the profiled steps ({self.flops / max(self.steps, 1):,.0f}/step)"
+            )
         if self.peak_op_memory_bytes is not None:
             lines.append(f"  largest allocation by one op: {self.peak_op_memory_bytes:,} bytes")
         lines.extend(f"  note: {n}" for n in self.notes)
