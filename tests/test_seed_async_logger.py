@@ -92,3 +92,4 @@ def test_enable_autograd_debug_stops_a_bad_gradient_and_files_it(tmp_path: Path)
         not _global_forward_pre_hooks and not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
     )
     assert not model._forward_hooks and not model._forward_pre_hooks
+    assert torch._C._len_torch_function_stack() == 0  # end_training ran in a worker thread

@@ -125,7 +125,9 @@ class AsyncTrainingLogger:
             from .._config import DebugConfig
             from ._guard import _Guard
 
-            self._guard = _Guard(DebugConfig(), "raise")
+            # no loss tape: it is a thread-local torch-function mode, and end_training may run in a
+            # worker thread (asyncio.to_thread) that cannot take it off the training thread's stack
+            self._guard = _Guard(DebugConfig(trace_loss=False), "raise")
             self._guard.discover()
         return self.writer.path
 
