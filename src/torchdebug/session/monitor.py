@@ -75,6 +75,7 @@ _INSTRUMENTS: dict[str, tuple[str, str]] = {
     "flops": ("torchdebug.perf.flops", "FlopsInstrument"),
     "profiler": ("torchdebug.perf.profiler", "ProfilerInstrument"),
     "tensorboard": ("torchdebug.views.tensorboard", "TensorBoardInstrument"),
+    "step_details": ("torchdebug.health.details", "StepDetails"),
 }
 
 
@@ -173,6 +174,7 @@ class Monitor:
         self._warned: set[str] = set()
         self._uses_cuda = any(p.is_cuda for p in self.params)
         self._step_events: list[RuleEvent] = []
+        self._lr_used: tuple[float, ...] | None = None  # read as the update starts (update_starting)
         self._new_micro_step = True  # the next forward is the first of a micro-step
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
@@ -248,6 +250,9 @@ class Monitor:
         """
         if self.sentinel.replaying:
             return
+        if self.optimizer is not None and self._lr_used is None:  # the LR this update uses (a
+            # scheduler stepped before mon.step() must not change what the step records)
+            self._lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
         self.sentinel.before_update(self, opt)
         self._each("before_optimizer_step")
 
@@ -367,7 +372,9 @@ class Monitor:
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         lr = (
-            tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+            self._lr_used
+            if self._lr_used is not None
+            else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
             if self.optimizer is not None
             else ()
         )
@@ -395,6 +402,7 @@ class Monitor:
         return record
 
     def _reset_step(self) -> None:
+        self._lr_used = None
         self.transfer.reset()
         self.sentinel.reset()
         self._step_events = []
