@@ -11,6 +11,7 @@ the sentinel's skip policy drops the gradients at the update (mode "detect").
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -25,17 +26,23 @@ from ._common import MAX_ANOMALIES
 _GUARDED = threading.local()  # one guard per thread: a nested block runs inside the outer guard
 
 
+@functools.lru_cache(maxsize=32)
+def _session_config(stop: str, replay: bool, frames: int, trace_loss: bool) -> DebugConfig:
+    # built once per shape: a DebugConfig validates every field (about 1 ms)
+    return DebugConfig(
+        mode=DebugMode.NONE,
+        enable_anomaly_detection=True,  # the sentinel only: the facades measure the rest
+        store=False,
+        policy="raise" if stop == "raise" else "skip",
+        replay=replay,
+        frames=frames,
+        trace_loss=trace_loss,
+    )
+
+
 class _Guard:
     def __init__(self, config: DebugConfig, stop: str) -> None:
-        self.config = DebugConfig(
-            mode=DebugMode.NONE,
-            enable_anomaly_detection=True,  # the sentinel only: the facades measure the rest
-            store=False,
-            policy="raise" if stop == "raise" else "skip",
-            replay=config.replay,
-            frames=config.frames,
-            trace_loss=config.trace_loss,
-        )
+        self.config = _session_config(stop, config.replay, config.frames, config.trace_loss)
         self.stop = stop
         self.mon: Any = None
         self.handles: list[Any] = []
