@@ -160,9 +160,16 @@ def test_detector_error_after_nan_raises_nonfinite_chained(apply_before: object)
     model, x = broken_net(), torch.randn(4, 8)
     det = AutogradAnomalyDetector(mode="raise", model=model)
     with pytest.raises(td.NonFiniteError) as info, det.detect_anomaly():
-        step_of(model, x)
+        model(x)  # forward only: no backward() stops the block, its end does
         raise KeyError("user bug after the NaN")
     assert isinstance(info.value.__cause__, KeyError)
+    assert_restored(model, apply_before)
+    # with a backward the NaN stops the block there (as torch's detect_anomaly): the user's line never runs
+    reached = []
+    with pytest.raises(td.NonFiniteError) as info, det.detect_anomaly():
+        step_of(model, x)
+        reached.append(True)
+    assert reached == [] and info.value.__cause__ is None
     assert_restored(model, apply_before)
     # detect mode: the user's error goes through, the anomaly is kept
     det = AutogradAnomalyDetector(mode="detect", model=model)
@@ -232,15 +239,25 @@ def test_autograd_anomaly_detection_uses_config_mode(apply_before: object) -> No
     assert_restored(model, apply_before)
 
 
-def test_module_debug_context_yields_debugger_and_warns(apply_before: object) -> None:
+def test_module_debug_context_stops_in_backward_and_warns_without_one(apply_before: object) -> None:
     model, x = broken_net(), torch.randn(4, 8)
+    # a backward that ends with the NaN raises there in the default warn mode (seed 002's block ran
+    # under torch.autograd.detect_anomaly, which raises in backward)
     with (
-        pytest.warns(td.TorchDebugWarning, match=r"aten\.log"),
+        pytest.raises(td.NonFiniteError, match=r"aten\.log"),
         debug_context(td.DebugLevel.BASIC, model=model) as dbg,
     ):
         step_of(model, x)
     assert isinstance(dbg, PyTorchDebugger) and dbg.level is td.DebugLevel.BASIC
     assert dbg.anomalies[0].module == "blocks.1.act"
+    assert_restored(model, apply_before)
+    # forward only: warned when the block ends
+    with (
+        pytest.warns(td.TorchDebugWarning, match=r"aten\.log"),
+        debug_context(td.DebugLevel.BASIC, model=model) as dbg,
+    ):
+        model(x)
+    assert [a.module for a in dbg.anomalies] == ["blocks.1.act"]
     assert_restored(model, apply_before)
 
 
@@ -265,9 +282,10 @@ def test_debug_context_fills_info_and_keeps_failed_blocks() -> None:
 def test_traced_debug_context_sets_the_anomaly_on_the_record(apply_before: object) -> None:
     model, x = broken_net(), torch.randn(4, 8)
     dbg = PyTorchDebugger(td.DebugConfig(enable_anomaly_detection=True, anomaly_detection_mode="warn"))
-    with pytest.warns(td.TorchDebugWarning), dbg.debug_context("step", model=model) as info:
-        step_of(model, x)
+    with pytest.raises(td.NonFiniteError), dbg.debug_context("step", model=model) as info:
+        step_of(model, x)  # raises out of backward() (warn mode too: the seed's detect_anomaly did)
     assert info.anomaly_detected and info.anomaly is not None and info.anomaly.op == "aten.log"
+    assert dbg.anomalies == [info.anomaly]
     assert_restored(model, apply_before)
 
 

@@ -253,9 +253,10 @@ def test_explicit_switch_adds_its_instrument_even_in_mode_none(switch, instrumen
 def test_seed_flags_that_default_true_switch_nothing_on():
     cfg = DebugConfig(mode="none", log_memory=True, log_performance=True, save_debug_info=True)
     assert cfg.instruments() == frozenset()
-    # the training flags are not ignored (issue 14): they start training health, which brings the sentinel
+    # the training flags are not ignored: they start training health, which brings the sentinel, and
+    # the details they name (validation forwards, the scheduler's type)
     both = DebugConfig(mode="none", debug_validation=True, debug_lr_scheduling=True)
-    assert both.instruments() == frozenset({"nonfinite", "gradients"})
+    assert both.instruments() == frozenset({"nonfinite", "gradients", "step_details"})
 
 
 # ---------------------------------------------------------------- validation

@@ -261,12 +261,14 @@ def test_linear_schedule_to_zero_no_lr_zero(tmp_path, one_thread) -> None:
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=10)
     lrs = []
     with tdm.watch(model, opt, config={"run_dir": str(tmp_path)}) as mon:
-        for _ in range(10):
+        for _ in range(11):
             model(torch.randn(8, 4)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
             sched.step()
-            lrs.append(mon.step().lr[0])  # read after sched.step(): the last step's LR is 0
+            # the LR the update used (read as it started), also with sched.step() before mon.step():
+            # 0.01, 0.009, ..., 0.001, then 0 for the 11th step
+            lrs.append(mon.step().lr[0])
         kinds = [e.kind for e in mon.events if e.kind.startswith("lr_")]
     assert lrs[-1] == 0.0 and lrs[-2] == pytest.approx(0.001)
     assert kinds == ["lr_change"]

@@ -40,9 +40,13 @@ def test_basic_autograd_debugging() -> None:
         optimizer.step()
     assert debugger.anomalies == []
     debugger = PyTorchDebugger(DebugLevel.ADVANCED)
-    with pytest.warns(td.TorchDebugWarning, match="aten.log"), debugger.autograd_anomaly_detection(model):
+    before = [p.detach().clone() for p in model.parameters()]
+    # the seed's block ran under torch.autograd.detect_anomaly: backward() raises, the update never runs
+    with pytest.raises(td.NonFiniteError, match=r"aten\.log"), debugger.autograd_anomaly_detection(model):
         torch.log(model(inputs) - 100.0).sum().backward()
+        optimizer.step()
     assert debugger.anomalies[0].op == "aten.log"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_training_debugger_summary() -> None:

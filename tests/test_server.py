@@ -201,24 +201,26 @@ def test_openapi_documents_the_api(client: Any) -> None:
 
 def test_seed_endpoints_on_a_stored_run(client: Any, small_id: str) -> None:
     ts = client.get("/training-logs/debug/training/summary", params={"run": small_id}).json()
-    # 8 steps; 1 anomaly step; gradient_explosion (explosion), loss_spike (loss anomaly); rates / 8
+    # 8 steps; anomalous steps (events.is_anomalous: an anomaly or a warning/error event): step 5
+    # (explosion + spike), 6 (the anomaly and its error event), 7 (memory leak) = 3; gradient_explosion
+    # (explosion), loss_spike (loss anomaly); rates / 8
     assert ts == {
         "total_steps": 8,
-        "anomaly_steps": 1,
+        "anomaly_steps": 3,
         "gradient_explosions": 1,
         "gradient_vanishing": 0,
         "loss_anomalies": 1,
-        "anomaly_rate": 0.125,
+        "anomaly_rate": 0.375,
         "loss_anomaly_rate": 0.125,
         "gradient_explosion_rate": 0.125,
         "gradient_vanishing_rate": 0.0,
     }
     s = client.get("/training-logs/debug/summary", params={"run": small_id}).json()
     assert s["training_debugger"] == {
-        "total_anomalies": 1,
+        "total_anomalies": 3,
         "debug_history_length": 8,
         "total_steps": 8,
-        "anomaly_rate": 0.125,
+        "anomaly_rate": 0.375,
         "gradient_explosion_rate": 0.125,
     }
     assert s["diffusion_debugger"] == {"total_anomalies": 0, "debug_history_length": 0}

@@ -201,6 +201,15 @@ _SILENCED: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 # Explicit switches that add an instrument whatever the mode and level. Seed flags that default to
 # True (log_memory, log_performance) are deliberately absent: they would switch areas on in every
 # config; False switches areas off instead (_SILENCED).
+# seed 000's flags that also record their own details (torchdebug.health.details.StepDetails)
+STEP_DETAIL_FLAGS = (
+    "debug_forward_pass",
+    "debug_mixed_precision",
+    "debug_data_loading",
+    "debug_validation",
+    "debug_lr_scheduling",
+)
+
 INSTRUMENTS_BY_SWITCH: dict[str, str] = {
     "enable_anomaly_detection": "nonfinite",
     "enable_autograd_anomaly": "nonfinite",
@@ -312,7 +321,10 @@ class DebugConfig:
     parameters, buffers and the first inputs, CUDA name/capability/memory; a mix is a warning).
     debug_lr_scheduling, debug_early_stopping and debug_validation -> gradients (the training-health
     instrument: the LR timeline and its rules, the state of ``watch(early_stopping=...)``, and
-    ``mon.observe(name, value)`` for validation metrics).
+    ``mon.observe(name, value)`` for validation metrics). debug_forward_pass, debug_mixed_precision,
+    debug_data_loading, debug_validation and debug_lr_scheduling also start step_details (the
+    forward's shapes, devices and loss; autocast and its dtype; each DataLoader's dataset size, batch
+    size and workers; validation forwards, samples and RSS; each scheduler's type), as info events.
 
     Options (defaults in brackets):
 
@@ -543,6 +555,8 @@ class DebugConfig:
                 names -= silenced
         if names & GRADIENT_INSTRUMENTS:
             names.add("nonfinite")  # a NaN/Inf gradient never passes silently while gradients are watched
+        if any(getattr(self, flag) for flag in STEP_DETAIL_FLAGS):
+            names.add("step_details")  # what seed 000's flags named: shapes, autocast, loaders, ...
         return frozenset(names)
 
     def to_dict(self) -> dict[str, Any]:

@@ -380,6 +380,20 @@ def rule_counts(kinds: Iterable[str]) -> tuple[int, int, int]:
     )
 
 
+def is_anomalous(anomaly: Any, severities: Iterable[str] = ()) -> bool:
+    """The one definition of an anomalous step (or seed-era operation), shared by every summary.
+
+    Anomalous: it has a NaN/Inf record (``anomaly`` not None), or a warning- or error-level rule
+    event (``severities`` of its events). Info-level events (a skipped step under policy "skip", a
+    level change) are not anomalies.
+
+    Example:
+        >>> is_anomalous(None, ["info", "warning"]), is_anomalous(None, ["info"])
+        (True, False)
+    """
+    return anomaly is not None or any(s in ("warning", "error") for s in severities)
+
+
 def training_summary(
     total_steps: int,
     anomaly_steps: int,
@@ -413,6 +427,7 @@ __all__: Sequence[str] = [
     "Phase",
     "RuleEvent",
     "StepRecord",
+    "is_anomalous",
     "module_label",
     "plain",
     "rule_counts",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._errors import NonFiniteError
 from ..events import plain
 from ._checks import check_gradient_anomalies, check_tensor_anomalies
 
@@ -37,7 +38,12 @@ class AsyncTrainingLogger:
 
     Args:
         user_id, model_name: recorded in the run's meta (``config``).
-        enable_autograd_debug: the anomaly checks also record what they find as events.
+        enable_autograd_debug: as the seed's flag switched on ``torch.autograd.detect_anomaly``
+            for the training, ``start_training`` puts the engine's NaN/Inf sentinel on the model
+            (the first module called after it): a ``backward()`` that ends with a NaN/Inf loss or
+            gradient raises ``NonFiniteError`` there, before ``optimizer.step()`` (the seed loop's
+            ``except`` logs it with ``log_error``, which files the anomaly in the run), and
+            ``end_training`` takes it off. The anomaly checks also record what they find as events.
         run_dir: runs root (default ``"runs"``); the folder is ``<run_dir>/<run_name>-<time>``.
         run_name: default ``model_name`` with ``/`` replaced.
 
@@ -73,6 +79,11 @@ class AsyncTrainingLogger:
         self.total_steps: int | None = None
         self.warnings = 0
         self.errors = 0
+        self._guard: Any = None  # enable_autograd_debug: the sentinel's session (start..end_training)
+        self._logged: set[int] = set()  # ids of the guard's anomalies already in the run
+        self._updates = 0  # optimizer steps since start_training (the step in progress, see _step_now)
+        self._updates_at_progress = 0
+        self._hook: Any = None
 
     @property
     def path(self) -> Any:
@@ -106,28 +117,92 @@ class AsyncTrainingLogger:
             "info",
             f"training {self.model_name}: {total_epochs} epochs, {total_steps} steps",
         )
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._updates = self._updates_at_progress = 0
+        self._hook = register_optimizer_step_post_hook(self._count_update)
+        if self.enable_autograd_debug:
+            from .._config import DebugConfig
+            from ._guard import _Guard
+
+            # no loss tape: it is a thread-local torch-function mode, and end_training may run in a
+            # worker thread (asyncio.to_thread) that cannot take it off the training thread's stack
+            self._guard = _Guard(DebugConfig(trace_loss=False), "raise")
+            self._guard.discover()
         return self.writer.path
+
+    def _count_update(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._updates += 1
+
+    def _step_now(self, explicit: Any = None) -> int | None:
+        """The step an event belongs to: ``explicit`` when given, else the step in progress.
+
+        The step in progress is the last progress step plus the optimizer updates since that
+        ``update_progress_async`` call: the seed's loop reports progress before ``optimizer.step()``,
+        so a warning raised before the next report belongs to the next step.
+        """
+        if explicit is not None:
+            return int(explicit)
+        if self.step is None:
+            return self._updates if self._hook is not None else None
+        return self.step + (self._updates - self._updates_at_progress)
+
+    def _file_anomalies(self) -> None:
+        """Write the sentinel's anomalies not yet in the run (queued, returns at once)."""
+        mon = self._guard.mon if self._guard is not None else None
+        if mon is None or self.writer is None:
+            return
+        for a in list(mon.anomalies):
+            if id(a) not in self._logged:
+                self._logged.add(id(a))
+                self.writer.log_anomaly(self._step_now(), a.to_dict())
 
     def _need(self) -> Any:
         if self.writer is None:
             raise RuntimeError("call start_training(...) before logging")
         return self.writer
 
-    def _event(self, kind: str, severity: str, message: str, data: dict[str, Any] | None = None) -> None:
-        self._need().log_event(self.step, kind, severity, message, plain(data) if data else None)
+    def _event(
+        self,
+        kind: str,
+        severity: str,
+        message: str,
+        data: dict[str, Any] | None = None,
+        step: int | None = None,
+    ) -> None:
+        self._need().log_event(self._step_now(step), kind, severity, message, plain(data) if data else None)
 
-    def log_warning(self, message: str, phase: TrainingPhase | str = TrainingPhase.TRAINING) -> None:
-        """Record a warning event with its phase and the current epoch/step (queued, returns at once)."""
+    def log_warning(
+        self, message: str, phase: TrainingPhase | str = TrainingPhase.TRAINING, *, step: int | None = None
+    ) -> None:
+        """Record a warning event with its phase, epoch and step (queued, returns at once).
+
+        ``step``: the step it belongs to; default the step in progress (see the class).
+        """
         self.warnings += 1
+        self._file_anomalies()
         self._event(
-            "warning", "warning", str(message), {"phase": str(TrainingPhase(phase)), "epoch": self.epoch}
+            "warning",
+            "warning",
+            str(message),
+            {"phase": str(TrainingPhase(phase)), "epoch": self.epoch},
+            step=step,
         )
 
     def log_error(
         self, error: BaseException, phase: TrainingPhase | str = TrainingPhase.TRAINING, context: Any = None
     ) -> None:
-        """Record an error event: type, message, phase, the context mapping (tensors summarized), traceback."""
+        """Record an error event: type, message, phase, the context mapping (tensors summarized), traceback.
+
+        Filed under ``context["step"]`` when the context names one, else the step in progress. A
+        ``NonFiniteError`` also files its anomaly (phase, module, op, line) in the run.
+        """
         self.errors += 1
+        explicit = context.get("step") if isinstance(context, dict) else None
+        if isinstance(error, NonFiniteError) and self.writer is not None:
+            self._logged.add(id(error.anomaly))
+            self.writer.log_anomaly(self._step_now(explicit), error.anomaly.to_dict())
+        self._file_anomalies()
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
         self._event(
             "error",
@@ -140,6 +215,7 @@ class AsyncTrainingLogger:
                 "traceback": tb,
                 "epoch": self.epoch,
             },
+            step=explicit,
         )
 
     async def update_progress_async(
@@ -151,6 +227,7 @@ class AsyncTrainingLogger:
         """
         writer = self._need()
         self.epoch, self.step = int(epoch), int(step)
+        self._updates_at_progress = self._updates
         values: dict[str, float] = {"epoch": float(epoch)}
         if loss is not None:
             values["loss"] = float(await asyncio.to_thread(_as_float, loss))
@@ -178,7 +255,14 @@ class AsyncTrainingLogger:
         return info
 
     def end_training(self, status: str = "finished") -> None:
-        """Close the run (flushes the queue); idempotent."""
+        """Take the sentinel off and close the run (flushes the queue); idempotent."""
+        self._file_anomalies()
+        if self._guard is not None:
+            self._guard.close(None)
+            self._guard = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.writer is not None:
             self.writer.close(status)
             self.writer = None

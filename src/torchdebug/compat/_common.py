@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,7 +16,7 @@ from torch import nn
 from .._config import DebugConfig, DebugLevel, DebugMode, coerce_config
 from .._errors import NonFiniteError, TorchDebugWarning
 from .._trees import tensor_leaves
-from ..events import Anomaly, Phase, RuleEvent, plain
+from ..events import Anomaly, Phase, RuleEvent, is_anomalous, plain
 from ..nonfinite.locate import _preserved_state, locate_nonfinite
 from ..stats import TensorStats, foreach_norms, nonfinite_count
 from ._seedconfig import ANOMALY_MODES, PyTorchDebugConfig
@@ -226,3 +226,11 @@ class TensorInfo(TensorStats):
     def of(cls, stats: TensorStats) -> TensorInfo:
         """The same numbers as ``stats`` under this class."""
         return cls(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(TensorStats)})
+
+
+def anomaly_operations(history: Iterable[DebugInfo]) -> int:
+    """Operations of a seed-era history that count as anomalies (``events.is_anomalous``, or a block
+    that failed: seed 001 flagged those as ``anomaly_detected`` too)."""
+    return sum(
+        1 for i in history if i.anomaly_detected or is_anomalous(i.anomaly, [e.severity for e in i.events])
+    )

@@ -146,7 +146,7 @@ class DiffusionModelDebugger(PyTorchDebugger):
                 else None
             )
         )
-        with self.debug_context("diffusion_step", type(pipeline).__name__, batch=int(step)) as info:
+        with self._context("diffusion_step", type(pipeline).__name__, batch=int(step)) as info:
             tensors = {"latents": latents} | ({"noise_pred": noise_pred} if noise_pred is not None else {})
             stats = _stats(tensors)  # one host transfer
             out: dict[str, Any] = {

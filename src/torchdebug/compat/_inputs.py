@@ -12,16 +12,34 @@ from torch import nn
 from ..health.inspection import call_model
 
 
+class _Unset:
+    """A keyword the caller did not pass: ``validate_model_input(data)`` is the seed's call shape."""
+
+    def __repr__(self) -> str:
+        return "<seed default>"
+
+
+_UNSET: Any = _Unset()
+# seed 004's documented checks, applied when a call passes no keyword (as the seed called them)
+SEED_VALUE_RANGE = (-1000.0, 1000.0)
+SEED_NDIM = 2
+SEED_OUTPUT_RANGE = (0.0, 1.0)
+
+
 def validate_model_input(
     data: torch.Tensor,
     *,
-    value_range: tuple[float, float] | None = None,
-    ndim: int | Sequence[int] | None = None,
+    value_range: tuple[float, float] | None = _UNSET,
+    ndim: int | Sequence[int] | None = _UNSET,
     dtype: torch.dtype | Sequence[torch.dtype] | None = None,
     device: torch.device | str | None = None,
     name: str = "input",
 ) -> bool:
     """Seed 004's check of a model input: True, or a ``ValueError`` naming the problem.
+
+    Called as the seed called it, ``validate_model_input(data)`` (no keyword), it runs the seed's
+    documented checks: no NaN/Inf, every value within ``[-1000, 1000]``, 2-dimensional. Any
+    keyword selects the checks instead (only those passed run, beside the NaN/Inf check).
 
     The metadata checks (ndim, dtype, device) run first, before any kernel; then one fused reduction
     finds NaN/Inf elements and the value range, read in one host transfer.
@@ -30,7 +48,7 @@ def validate_model_input(
         data: the input tensor.
         value_range: ``(low, high)`` bounds every finite value must lie in (the seed's
             ``abs(x) <= 1000`` is ``(-1000, 1000)``); None: no range check.
-        ndim: the allowed number of dimensions (an int or several).
+        ndim: the allowed number of dimensions (an int or several); None: any.
         dtype: the allowed dtype(s).
         device: the device the input must be on (``"cuda"`` matches any CUDA device).
         name: how the message calls the tensor.
@@ -44,7 +62,9 @@ def validate_model_input(
         TypeError: ``data`` is not a tensor, or a bad ``value_range``.
 
     Example:
-        >>> validate_model_input(torch.zeros(4, 8), value_range=(-1000, 1000), ndim=2)
+        >>> validate_model_input(torch.zeros(4, 8))  # the seed's checks: finite, |x| <= 1000, 2-D
+        True
+        >>> validate_model_input(torch.zeros(4, 8, 3), dtype=torch.float32)  # only the checks passed
         True
 
     Cost: metadata checks, then one reduction pass and one host transfer (skipped for integer inputs
@@ -52,6 +72,11 @@ def validate_model_input(
     """
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"validate_model_input needs a tensor, got {type(data).__name__}")
+    seed_call = value_range is _UNSET and ndim is _UNSET and dtype is None and device is None
+    if value_range is _UNSET:
+        value_range = SEED_VALUE_RANGE if seed_call else None
+    if ndim is _UNSET:
+        ndim = SEED_NDIM if seed_call else None
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if data.dim() not in allowed:
@@ -151,18 +176,24 @@ def prediction_problems(output: Any, *, rtol: float = 1e-6) -> list[str]:
 
 
 def detect_model_anomalies(
-    model: nn.Module, data: Any, *, output_range: tuple[float, float] | None = None
+    model: nn.Module, data: Any, *, output_range: tuple[float, float] | None = _UNSET
 ) -> list[str]:
     """Seed 004's behaviour check: run ``model(data)`` without grad; problems in plain words.
 
-    NaN/Inf outputs, values outside ``output_range`` (the seed assumed ``[0, 1]``: pass it for
-    probability outputs; None checks no range), and ``prediction_problems`` (constant, uniform, one
-    class always). The model's train/eval mode is left as it was.
+    NaN/Inf outputs, values outside ``output_range``, and ``prediction_problems`` (constant,
+    uniform, one class always). Called as the seed called it, ``detect_model_anomalies(model,
+    data)``, the range is the seed's ``[0, 1]`` (probability outputs); pass ``output_range=None``
+    for logits or regression outputs (no range check), or your own bounds. The model's
+    train/eval mode is left as it was.
 
     Example:
-        >>> detect_model_anomalies(nn.Linear(3, 2), torch.randn(4, 3))
+        >>> detect_model_anomalies(nn.Sequential(nn.Linear(3, 2), nn.Softmax(dim=1)), torch.randn(4, 3))
+        []
+        >>> detect_model_anomalies(nn.Linear(3, 2), torch.randn(4, 3), output_range=None)
         []
     """
+    if output_range is _UNSET:
+        output_range = SEED_OUTPUT_RANGE
     with torch.no_grad():
         out = call_model(model, data)
     if not isinstance(out, torch.Tensor):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import Anomaly, RuleEvent, plain, training_summary
+from ..events import Anomaly, RuleEvent, is_anomalous, plain, training_summary
 from ..health.gradients import GradientFlow, GradientReport, analyze_gradient_flow, check_gradients
 from ..health.inspection import ModelSummary, call_model, inspect_model
 from ..health.instrument import (
@@ -43,6 +45,7 @@ from ._debugger import (
     tracing_active,
 )
 from ._inputs import prediction_problems
+from ._tracing import take_traced_anomaly
 
 
 @dataclass
@@ -173,7 +176,7 @@ class TrainingDebugger(PyTorchDebugger):
     def _observe(
         self, model: nn.Module, loss: torch.Tensor, step: int, locate: Callable[[], Anomaly | None] | None
     ) -> dict[str, Any]:
-        with self.debug_context("training_step", type(model).__name__, batch=int(step), model=model) as info:
+        with self._context("training_step", type(model).__name__, batch=int(step), model=model) as info:
             n = step_numbers(model, loss)
             info.gradient_norm = n.grad_norm
             self.total_steps += 1
@@ -210,11 +213,15 @@ class TrainingDebugger(PyTorchDebugger):
             info.events.extend(events)
             for ev in events:
                 log.log(logging.INFO if ev.severity == "info" else logging.WARNING, "%s", ev)
-            if n.nonfinite or any(e.severity != "info" for e in events):
+            if is_anomalous(True if n.nonfinite else None, [e.severity for e in events]):
                 self.anomaly_steps += 1
                 info.anomaly_detected = True
-            # inside a traced block the tracer reports the origin when the block ends
-            if n.nonfinite and not tracing_active():
+            # inside a traced block: the trace's origin (None when it was reported already)
+            traced_anomaly = take_traced_anomaly() if n.nonfinite and tracing_active() else None
+            if traced_anomaly is not None:
+                out["anomaly"] = traced_anomaly
+                self._report(info, traced_anomaly)
+            elif n.nonfinite and not tracing_active():
                 anomaly = locate() if locate is not None else None
                 if anomaly is None:
                     anomaly = symptom_anomaly(
@@ -310,6 +317,9 @@ class GradientDebugger:
         c = self.config
         self._rule = ExplosionRule(mads=c.explode_mads, abs_threshold=c.explode_abs, warmup=c.explode_warmup)
         self._calls = 0
+        self.checks = 0  # check_gradients calls (the manager's report counts them as operations)
+        self.anomalous_checks = 0  # ... of which events.is_anomalous: NaN/Inf or a warning-level event
+        self.last_model: Any = None  # a weak reference to the model last checked
 
     def check_gradients(self, model: nn.Module, step: int | None = None) -> GradientReport:
         """``td.health.gradients.check_gradients`` (one host transfer), recorded with ``step``.
@@ -321,6 +331,9 @@ class GradientDebugger:
         rep = check_gradients(model, explode_abs=self.config.explode_abs)
         at = self._calls if step is None else int(step)
         self._calls += 1
+        self.checks += 1
+        self.last_model = weakref.ref(model)
+        severities: list[str] = []
         entry: dict[str, Any] = {
             "step": at,
             "total_norm": rep.total_norm,
@@ -334,11 +347,14 @@ class GradientDebugger:
             ev = self._rule.update(at, rep.total_norm, top)
             if ev is not None:
                 self.events.append(ev)
+                severities.append(ev.severity)
                 log.warning("%s", ev)
                 if self.config.clip_on_spike is not None:
                     self.clip_gradients(model, self.config.clip_on_spike)
                     entry["clipped"] = True
         self.history.append(entry)
+        if is_anomalous(True if rep.nonfinite else None, severities):
+            self.anomalous_checks += 1
         return rep
 
     def analyze_gradient_flow(self, model: nn.Module, example_input: Any = None) -> GradientFlow:
@@ -481,9 +497,7 @@ class PyTorchDebugManager:
         Raises:
             NonFiniteError: mode "raise" and the step produced a NaN/Inf (before the update).
         """
-        with self.debugger.debug_context(
-            "training_step", type(model).__name__, epoch, batch, model=model
-        ) as info:
+        with self.debugger._context("training_step", type(model).__name__, epoch, batch, model=model) as info:
             t0 = time.perf_counter()
             rng = rng_state(any(p.is_cuda for p in model.parameters()))
             optimizer.zero_grad(set_to_none=True)
@@ -494,25 +508,33 @@ class PyTorchDebugManager:
             else:
                 output = call_model(model, data_batch)
             loss = loss_fn(output, target_batch)
+            t_forward = time.perf_counter()
             loss.backward()
             n = step_numbers(model, loss, with_params=True)
             info.gradient_norm = n.grad_norm
             if self.config.log_gradients:
                 info.details["gradients"] = dict(zip(n.names, n.norms))
+            t_backward = time.perf_counter()
             anomaly: Anomaly | None = None
-            # inside a traced block the tracer reports the origin when the block ends
-            if n.nonfinite and not tracing_active():
-                anomaly = replay_origin(
-                    model, _step_fn(model, loss_fn), data_batch, target_batch, rng=rng, step=self._steps
-                )
-                if anomaly is None:
-                    anomaly = symptom_anomaly(
-                        model, loss_bad=n.loss_bad, bad_params=n.bad_params, kind=n.kind, step=self._steps
+            if n.nonfinite:
+                if tracing_active():  # the trace saw every op: its origin (a NaN batch is phase input)
+                    anomaly = take_traced_anomaly()
+                    if anomaly is not None:
+                        anomaly = dataclasses.replace(anomaly, step=self._steps)
+                else:
+                    anomaly = replay_origin(
+                        model, _step_fn(model, loss_fn), data_batch, target_batch, rng=rng, step=self._steps
                     )
+                    if anomaly is None:
+                        anomaly = symptom_anomaly(
+                            model, loss_bad=n.loss_bad, bad_params=n.bad_params, kind=n.kind, step=self._steps
+                        )
+            if anomaly is not None:
                 self._log_anomaly(anomaly)
                 self.debugger._report(info, anomaly)
             if not n.nonfinite:
                 optimizer.step()
+            t_update = time.perf_counter()
             if self.config.log_weights:
                 names, params = _trainable(model)
                 with torch.no_grad():  # the weights after the update: a second transfer, only when asked
@@ -532,13 +554,24 @@ class PyTorchDebugManager:
             "anomaly": anomaly,
         }
         if self.training_logger is not None:
-            self.training_logger.log_scalars(
-                self._steps,
-                {k: float(metrics[k]) for k in ("loss", "gradient_norm", "param_norm", "execution_time")},
+            w, step = self.training_logger, self._steps
+            values = {k: float(metrics[k]) for k in ("loss", "gradient_norm", "param_norm", "execution_time")}
+            # the names the reports, the dashboard and TensorBoard read (grad_norm, skipped, a timing
+            # breakdown), beside the seed's own (gradient_norm, execution_time)
+            values["grad_norm"] = values["gradient_norm"]
+            values["skipped"] = 1.0 if n.nonfinite else 0.0
+            w.log_scalars(step, values)
+            w.log_timing(
+                step,
+                {
+                    "forward": t_forward - t0,
+                    "backward": t_backward - t_forward,
+                    "optimizer": t_update - t_backward,
+                    "other": max(0.0, elapsed - (t_update - t0)),
+                    "step": elapsed,
+                },
             )
-            self.training_logger.log_memory(
-                self._steps, {"rss": metrics["cpu_memory"], "cuda_allocated": metrics["gpu_memory"]}
-            )
+            w.log_memory(step, {"rss": metrics["cpu_memory"], "cuda_allocated": metrics["gpu_memory"]})
         self._steps += 1
         return metrics
 
@@ -559,7 +592,7 @@ class PyTorchDebugManager:
         Raises:
             NonFiniteError: mode "raise" and the input or output holds a NaN/Inf.
         """
-        with self.debugger.debug_context("inference", type(model).__name__, model=model) as info:
+        with self.debugger._context("inference", type(model).__name__, model=model) as info:
             t0 = time.perf_counter()
             output = self.debugger._checked_forward(model, input_data, info, grad=False)
             elapsed = time.perf_counter() - t0
@@ -580,9 +613,46 @@ class PyTorchDebugManager:
         }
 
     def create_comprehensive_report(self) -> dict[str, Any]:
-        """JSON-ready report: the debugger's ``create_debug_report()`` plus the training summary, memory
-        snapshots, clipping history, the detector's anomalies and the run folder (if logging)."""
+        """JSON-ready report of everything the manager's parts did (seed 003's sections).
+
+        ``summary`` counts over every part: ``total_debug_operations`` = the debugger's operations
+        + detector blocks + gradient checks + training-debugger steps + memory snapshots;
+        ``anomalies_detected`` = those that ``events.is_anomalous`` calls anomalous (a NaN/Inf or a
+        warning-level event; a failed debugger operation too), with ``operations_by_part`` and
+        ``anomalies_by_part``. Then the debugger's ``create_debug_report()`` sections, the training
+        summary, memory snapshots, clipping history, the detector's anomalies, ``model_info`` (the
+        last model seen: parameters, bytes, devices, dtypes; None before any), ``cuda`` (devices
+        and allocator bytes; ``{"available": False}`` without CUDA), ``profiling`` (step-time
+        statistics and the last ``profile_model_performance`` summary) and the run folder.
+        """
         rep = self.debugger.create_debug_report()
+        dbg, td_ = self.debugger, self.training_debugger
+        ops = {
+            "debugger": len(dbg.debug_history),
+            "anomaly_detector": self.anomaly_detector.blocks,
+            "gradient_debugger": self.gradient_debugger.checks,
+            "training_debugger": td_.total_steps,
+            "memory_debugger": len(self.memory_debugger.snapshots),
+        }
+        bad = {
+            "debugger": rep["summary"]["anomalies_detected"],
+            "anomaly_detector": len(self.anomaly_detector.anomalies),
+            "gradient_debugger": self.gradient_debugger.anomalous_checks,
+            "training_debugger": td_.anomaly_steps,
+            "memory_debugger": 0,
+        }
+        rep["summary"].update(
+            total_debug_operations=sum(ops.values()),
+            anomalies_detected=sum(bad.values()),
+            operations_by_part=ops,
+            anomalies_by_part=bad,
+        )
+        rep["model_info"] = _model_info(self._last_model())
+        rep["cuda"] = _cuda_info()
+        rep["profiling"] = {
+            "performance_analysis": rep["performance_analysis"],
+            "last_profile": _plain_profile(getattr(dbg, "last_profile", None)),
+        }
         rep["training_summary"] = self.training_debugger.get_training_summary()
         rep["memory_snapshots"] = list(self.memory_debugger.snapshots)
         rep["gradient_clipping"] = list(self.gradient_debugger.clip_history)
@@ -591,3 +661,53 @@ class PyTorchDebugManager:
         return plain(rep)  # type: ignore[no-any-return]
 
     generate_comprehensive_report = create_comprehensive_report
+
+    def _last_model(self) -> nn.Module | None:
+        ref = self.gradient_debugger.last_model
+        model = ref() if ref is not None else None
+        return model if model is not None else self.anomaly_detector.model
+
+
+def _model_info(model: nn.Module | None) -> dict[str, Any] | None:
+    """Parameters and bytes of ``model`` from metadata (no device work); None without a model."""
+    if model is None:
+        return None
+    params = list(model.parameters())
+    buffers = list(model.buffers())
+    return {
+        "class": type(model).__name__,
+        "modules": sum(1 for _ in model.modules()),
+        "parameters": sum(p.numel() for p in params),
+        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
+        "devices": sorted({str(p.device) for p in params}),
+        "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
+    }
+
+
+def _cuda_info() -> dict[str, Any]:
+    """CUDA devices and their allocator bytes (``torch.cuda`` counters, no sync)."""
+    if not torch.cuda.is_available():
+        return {"available": False, "device_count": 0, "devices": []}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        devices.append(
+            {
+                "index": i,
+                "name": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "total_memory": int(props.total_memory),
+                "memory_allocated": int(torch.cuda.memory_allocated(i)),
+                "memory_reserved": int(torch.cuda.memory_reserved(i)),
+                "max_memory_allocated": int(torch.cuda.max_memory_allocated(i)),
+            }
+        )
+    return {"available": True, "device_count": len(devices), "devices": devices}
+
+
+def _plain_profile(summary: Any) -> Any:
+    if summary is None:
+        return None
+    return summary.to_dict() if hasattr(summary, "to_dict") else plain(summary)

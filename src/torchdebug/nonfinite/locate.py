@@ -252,9 +252,12 @@ class _FunctionLayer(TorchFunctionMode):
             tr.on_backward_call(args[0] if args else kwargs.get("tensors"))
             saved, tr.fn_depth = tr.fn_depth, 0
             try:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             finally:
                 tr.fn_depth = saved
+            if tr.after_backward is not None:
+                tr.after_backward()  # may raise (a facade stops the step here, before any update)
+            return out
         if tr.fn_depth == 0:
             if tr.location_override is not None:
                 tr.call_location, tr.call_stack = tr.location_override
@@ -392,6 +395,9 @@ class Tracer:
         self._root_outputs: Any = None  # the model's last forward result: a sink when no backward runs
         self.phase_override: str | None = None
         self.internal_errors: list[str] = []
+        # called after each backward() the trace saw returns (the seed facades raise there, as
+        # torch.autograd.detect_anomaly did); None: nothing
+        self.after_backward: Callable[[], None] | None = None
         self._param_names: dict[Any, str] = {}
         if model is not None:
             for n, p in model.named_parameters(remove_duplicate=False):

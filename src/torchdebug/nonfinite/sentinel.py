@@ -52,6 +52,9 @@ class Sentinel:
         self.active = False
         self.replaying = False
         self.manual = False  # the loop updates by hand (no optimizer object): checked at each backward end
+        # check at the end of every backward(), also with an optimizer (the seed facades' step blocks:
+        # a NaN raises out of backward() as torch.autograd.detect_anomaly did); costs a second read
+        self.check_each_backward = False
         self.tape: LossTape | None = None
         # the parameter probe after an update, read with the next transfer: name -> device tensor
         self.deferred: dict[str, torch.Tensor] = {}
@@ -142,7 +145,12 @@ class Sentinel:
             self.grad_seen = {i: (g, g._version) for i, g in zip(idx, grads)}
 
     def on_backward_end(self, mon: Any) -> None:
-        if self.manual and self.active and mon.driver is None and not self.replaying:
+        if (
+            (self.manual or self.check_each_backward)
+            and self.active
+            and mon.driver is None
+            and not self.replaying
+        ):
             # no optimizer hook will run before the user's update: check here, before it
             mon.sync()
             self.synced_at_backward = True

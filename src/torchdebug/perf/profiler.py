@@ -59,6 +59,8 @@ class ProfilerInstrument:
                 schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
                 on_trace_ready=on_ready,
                 record_shapes=True,
+                profile_memory=True,  # seed 000's profiler: allocations and FLOPs in the trace
+                with_flops=True,
             )
         )
 

@@ -73,6 +73,10 @@ class ProfileSummary:
     trace_bytes: int | None = None
     trace_note: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # with_flops=True: floating-point operations of the ops torch counts (matmul, conv) over the
+    # profiled steps; profile_memory=True: the most bytes one op allocated (CPU, and device with CUDA)
+    flops: int | None = None
+    peak_op_memory_bytes: int | None = None
 
     @property
     def step_s(self) -> float:
@@ -102,6 +106,12 @@ class ProfileSummary:
             lines.append(
                 f"  trace: {self.trace_path} ({self.trace_bytes} bytes){'; ' + self.trace_note if self.trace_note else ''}"
             )
+        if self.flops is not None:
+            lines.append(
+                f"  FLOPs {self.flops:,} over the profiled steps ({self.flops / max(self.steps, 1):,.0f}/step)"
+            )
+        if self.peak_op_memory_bytes is not None:
+            lines.append(f"  largest allocation by one op: {self.peak_op_memory_bytes:,} bytes")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -120,6 +130,8 @@ class ProfileSummary:
             "trace_bytes": self.trace_bytes,
             "trace_note": self.trace_note,
             "notes": list(self.notes),
+            "flops": self.flops,
+            "peak_op_memory_bytes": self.peak_op_memory_bytes,
         }
 
 
@@ -214,6 +226,8 @@ def profile(
     *,
     record_shapes: bool = True,
     with_stack: bool = False,
+    profile_memory: bool = True,
+    with_flops: bool = True,
     trace_budget_bytes: int = DEFAULT_TRACE_BUDGET,
     top: int = 15,
 ) -> ProfileSummary:
@@ -232,6 +246,9 @@ def profile(
         steps: profiled (active) steps.
         run_dir: folder for the trace (None: no trace written).
         wait, warmup: schedule steps skipped, then run under the profiler but discarded.
+        profile_memory, with_flops: torch.profiler's options, on as seed 000 configured them: the
+            trace holds each op's allocations (``[memory]`` events) and FLOPs, the summary the
+            total FLOPs and the largest allocation.
 
     Returns:
         A :class:`ProfileSummary` (``str()`` for the table, ``to_dict()`` for JSON).
@@ -281,6 +298,8 @@ def profile(
             on_trace_ready=on_ready,
             record_shapes=record_shapes,
             with_stack=with_stack,
+            profile_memory=profile_memory,
+            with_flops=with_flops,
         ) as prof,
     ):
         for i in range(total):
@@ -324,8 +343,16 @@ def _summarise(
     avgs = prof.key_averages()
     ops: list[OpTime] = []
     mods: dict[str, tuple[int, float]] = {}
+    flops = 0
+    peak_mem = 0
     for a in avgs:
         name = a.key
+        flops += int(getattr(a, "flops", 0) or 0)
+        peak_mem = max(
+            peak_mem,
+            int(getattr(a, "cpu_memory_usage", 0) or 0),
+            int(getattr(a, "device_memory_usage", 0) or 0),
+        )
         if name.startswith(_MODULE_PREFIX):
             mods[name[len(_MODULE_PREFIX) :]] = (int(a.count), float(a.cpu_time_total) / 1e6)
         elif not name.startswith("ProfilerStep"):
@@ -366,6 +393,8 @@ def _summarise(
         trace_bytes=trace.get("bytes"),
         trace_note=trace.get("note", ""),
         notes=tuple(notes),
+        flops=flops if getattr(prof, "with_flops", False) else None,
+        peak_op_memory_bytes=peak_mem if getattr(prof, "profile_memory", False) else None,
     )
 
 

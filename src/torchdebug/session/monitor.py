@@ -52,7 +52,7 @@ from .._config import DebugConfig, DebugLevel, coerce_config
 from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._tensors import unwrap_optimizer
-from ..events import Anomaly, RuleEvent, StepRecord, rule_counts, training_summary
+from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .driver import PlainLoopDriver
@@ -74,6 +74,7 @@ _INSTRUMENTS: dict[str, tuple[str, str]] = {
     "module_time": ("torchdebug.perf.timing", "ModuleTimeInstrument"),
     "flops": ("torchdebug.perf.flops", "FlopsInstrument"),
     "profiler": ("torchdebug.perf.profiler", "ProfilerInstrument"),
+    "step_details": ("torchdebug.health.details", "StepDetails"),
 }
 
 
@@ -179,7 +180,14 @@ class Monitor:
         self.anomalies: list[Anomaly] = []
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
-        self.counters: dict[str, int] = {"anomaly_steps": 0, "skipped_steps": 0, "replays": 0}
+        # anomaly_steps: steps with a NaN/Inf record; anomalous_steps: ``events.is_anomalous`` steps
+        # (a NaN/Inf or a warning-level event), what every seed-era summary counts
+        self.counters: dict[str, int] = {
+            "anomaly_steps": 0,
+            "anomalous_steps": 0,
+            "skipped_steps": 0,
+            "replays": 0,
+        }
         self.level_overrides: list[str] = []
         self._enabled = self.config.instruments()
         self.transfer = Transfer()
@@ -191,6 +199,7 @@ class Monitor:
         self._warned: set[str] = set()
         self._uses_cuda = any(p.is_cuda for p in self.params)
         self._step_events: list[RuleEvent] = []
+        self._lr_used: tuple[float, ...] | None = None  # read as the update starts (update_starting)
         self._new_micro_step = True  # the next forward is the first of a micro-step
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
@@ -266,6 +275,9 @@ class Monitor:
         """
         if self.sentinel.replaying:
             return
+        if self.optimizer is not None and self._lr_used is None:  # the LR this update uses (a
+            # scheduler stepped before mon.step() must not change what the step records)
+            self._lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
         self.sentinel.before_update(self, opt)
         self._each("before_optimizer_step")
 
@@ -316,6 +328,8 @@ class Monitor:
         record = self._record()
         sentinel.after_step_end(self, manual)
         self._each("on_step_end", record, record.values)
+        if is_anomalous(record.anomaly, [e.severity for e in self._step_events]):
+            self.counters["anomalous_steps"] += 1
         self.records.append(record)
         if self._pending_level is not None or self._pending_changes:
             level, self._pending_level = self._pending_level, None
@@ -386,7 +400,9 @@ class Monitor:
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         lr = (
-            tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+            self._lr_used
+            if self._lr_used is not None
+            else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
             if self.optimizer is not None
             else ()
         )
@@ -415,6 +431,7 @@ class Monitor:
         return record
 
     def _reset_step(self) -> None:
+        self._lr_used = None
         self.transfer.reset()
         self.sentinel.reset()
         self._step_events = []
@@ -852,10 +869,13 @@ class Monitor:
         self._segment_start = self.global_step
 
     def training_summary(self) -> dict[str, Any]:
-        """The seed-era training summary (counts and rates since the last ``clear()``)."""
+        """The seed-era training summary (counts and rates since the last ``clear()``).
+
+        ``anomaly_steps`` counts the steps ``events.is_anomalous`` calls anomalous (a NaN/Inf, or a
+        warning-level event), as every seed-era summary does; the rule counts are ``rule_counts``."""
         total = max(self.global_step - self._segment_start, 0)
         explosions, vanishing, loss = rule_counts(e.kind for e in self.events)
-        return training_summary(total, self.counters["anomaly_steps"], explosions, vanishing, loss)
+        return training_summary(total, self.counters["anomalous_steps"], explosions, vanishing, loss)
 
 
 def watch(

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..._errors import RunStoreError
 from ..._version import __version__
-from ...events import rule_counts, training_summary
+from ...events import is_anomalous, rule_counts, training_summary
 from ..report import build_report, collect_views, fragments, plotly_js, render_page
 from ..report._format import json_safe
 from ..report._rankview import render_rank_selector
@@ -164,8 +164,9 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
     """The seed's training summary computed from a stored run, since its last history segment.
 
     ``total_steps``: steps recorded since the segment started; ``anomaly_steps``: distinct steps
-    with an anomaly; ``gradient_explosions`` / ``gradient_vanishing`` / ``loss_anomalies``: rule
-    events of the kinds the rules emit (``events.rule_counts``); rates divide by total_steps.
+    that ``events.is_anomalous`` calls anomalous (an anomaly record, or a warning/error event), the
+    live session's definition; ``gradient_explosions`` / ``gradient_vanishing`` / ``loss_anomalies``:
+    rule events of the kinds the rules emit (``events.rule_counts``); rates divide by total_steps.
     """
     segments = run.segments()
     start = segments[-1]["start_step"] if segments else 0
@@ -174,10 +175,16 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
         total = s["steps"]
     else:
         total = max(0, (s["last_step"] if s["last_step"] is not None else start - 1) + 1 - start)
-    anomaly_steps = len(
-        {a["step"] for a in run.anomalies() if a.get("step") is not None and a["step"] >= start}
-    )
-    kinds = [e["kind"] for e in run.events() if e.get("step") is None or e["step"] >= start]
+    events = [e for e in run.events() if e.get("step") is None or e["step"] >= start]
+    by_step: dict[int, tuple[Any, list[str]]] = {}
+    for a in run.anomalies():
+        if a.get("step") is not None and a["step"] >= start:
+            by_step.setdefault(a["step"], (a, []))
+    for e in events:
+        if e.get("step") is not None:
+            by_step.setdefault(e["step"], (None, []))[1].append(str(e.get("severity")))
+    anomaly_steps = sum(is_anomalous(a, sev) for a, sev in by_step.values())
+    kinds = [e["kind"] for e in events]
     return training_summary(total, anomaly_steps, *rule_counts(kinds))
 
 
