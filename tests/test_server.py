@@ -174,9 +174,9 @@ def test_views_and_pages(client: Any, small_id: str) -> None:
     index = client.get("/")
     assert index.status_code == 200 and f'href="/runs/{small_id}"' in index.text
     page = client.get(f"/runs/{small_id}")
-    assert '<script src="/static/plotly.min.js"></script>' in page.text
+    assert '<script src="/static/tdcharts.js"></script>' in page.text
     assert f"/api/runs/{small_id}/views" in page.text
-    js = client.get("/static/plotly.min.js")
+    js = client.get("/static/tdcharts.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("application/javascript")
 
 
@@ -237,7 +237,7 @@ def test_token_is_required_on_every_request(runs_dir: Path, small_id: str) -> No
         assert httpx.get(f"{h.url}/openapi.json").status_code == 401
         assert httpx.get(f"{h.url}/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(f"{h.url}/runs/{small_id}", params={"token": "s3cret"}).status_code == 200
-        assert httpx.get(f"{h.url}/static/plotly.min.js").status_code == 200  # library code, no run data
+        assert httpx.get(f"{h.url}/static/tdcharts.js").status_code == 200  # library code, no run data
         assert httpx.post(f"{h.url}/training-logs/debug/clear").status_code == 401
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -203,16 +202,9 @@ def test_bad_arguments_are_refused() -> None:
 # ---------------------------------------------------------------------------------------- real runs
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runs")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a healthy run warns about nothing
-        out = {"healthy": W.healthy_run(root)}
-    out["diverged"] = W.diverged_run(root)
-    out["failed"] = W.failed_run(root)
-    out["warned"] = W.many_nan_run(root)
-    return out
+@pytest.fixture
+def runs(watched_runs: dict[str, Path]) -> dict[str, Path]:
+    return watched_runs
 
 
 def test_real_runs_verdicts(runs: dict[str, Path]) -> None:

@@ -40,9 +40,18 @@ def anomaly_text(a: Mapping[str, Any]) -> str:
     return _WHEN.sub("", text)
 
 
+def _hashable(x: Any) -> Any:
+    """A field as a dict key: plain values as they are, anything else (a document altered by hand) as its repr."""
+    return x if x is None or isinstance(x, (str, int, float, bool)) else repr(x)
+
+
 def group_key(a: Mapping[str, Any]) -> tuple[Any, ...]:
     """What makes two anomalies "the same": their traced origin (phase, module, parameter, op, line)
     when there is one, else their symptom (what was non-finite) and phase."""
+    return tuple(_hashable(x) for x in _group_fields(a))
+
+
+def _group_fields(a: Mapping[str, Any]) -> tuple[Any, ...]:
     if a.get("module") is not None or a.get("op") or a.get("location"):
         return (
             "origin",
@@ -97,8 +106,10 @@ def divergences(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         kind = e.get("kind")
         if kind not in (DIVERGENCE, DIVERGENCE_END):
             continue
-        data = e.get("data") if isinstance(e.get("data"), Mapping) else {}
-        ev = data.get("evidence") if isinstance(data.get("evidence"), Mapping) else data
+        raw = e.get("data")
+        data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        inner = data.get("evidence")
+        ev: Mapping[str, Any] = inner if isinstance(inner, Mapping) else data
         if kind == DIVERGENCE:
             step = ev.get("since_step", e.get("step"))
             out.append(
