@@ -135,6 +135,16 @@ _OVERFLOW_JS = """() => {
       if (w > 1 && hgt > 1) bad.push(svg.closest('.chart').id + ': "' + ticks[i][0] + '" overprints "' + ticks[j][0] + '"');
     }
   }
+  for (const svg of document.querySelectorAll('.chart svg')) {  // event / NaN markers inside the plot area
+    const frame = svg.querySelector('rect.frame');
+    if (!frame) continue;
+    const f = frame.getBoundingClientRect();
+    for (const m of svg.querySelectorAll('g.marks path')) {
+      const r = m.getBoundingClientRect();
+      if (r.left < f.left - 0.5 || r.right > f.right + 0.5 || r.top < f.top - 0.5 || r.bottom > f.bottom + 0.5)
+        bad.push(svg.closest('.chart').id + ': a marker outside the plot area');
+    }
+  }
   if (document.documentElement.scrollWidth > window.innerWidth) bad.push('page scrolls sideways');
   return bad;
 }"""
@@ -156,6 +166,7 @@ def test_no_label_is_cut_or_overprinted(
     page, errors = _open(browser, reports[name].as_uri(), width=width)
     try:
         assert page.locator(".chart svg").count() >= 4
+        assert page.locator("g.marks path").count() >= 1  # markers drawn (and checked below)
         assert page.evaluate(_OVERFLOW_JS) == []
         # log axes read as powers of ten or whole numbers, never a bare minor digit
         # log axes: every label is the full value at its height (a bare minor digit "2" between

@@ -737,8 +737,8 @@ class GradientHealth:
     """The ``gradients`` instrument (with its ``gradient_details`` and ``activations`` parts).
 
     Every step, host side after the monitor's transfer (the monitor itself logs ``loss``,
-    ``grad_norm``, ``lr/<group>`` and ``amp_scale``): the explosion, loss spike/plateau, LR and AMP
-    rules, and ``grad_norm_clipped`` when the user clipped. Every ``detail_every`` steps
+    ``grad_norm``, ``lr/<group>`` and ``amp_scale``): the explosion, loss spike/plateau/divergence
+    (``health/divergence.py``), LR and AMP rules, and ``grad_norm_clipped`` when the user clipped. Every ``detail_every`` steps
     (``gradient_details``): per-parameter ``grad_norm/<param>``, ``weight_norm/<param>`` and
     ``update_ratio/<param>`` (|Δθ|/|θ| measured across the optimizer step on the device) and the
     vanishing and update-ratio rules. With ``activations`` (``activation_stats=True`` or the

@@ -12,6 +12,7 @@ warning; ``running`` while the writer is open.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 LEVELS = ("ok", "running", "warning", "error")
 DIVERGENCE = "divergence"
 DIVERGENCE_END = "divergence_end"
-_WHEN = re.compile(r" \(step -?\d+(, [^)]*)?\)$")  # Anomaly.summary()'s trailing "(step 7)"
+# Anomaly.summary()'s trailing "(step 7)" or "(step 7, born on rank 1 of 2)": the step goes, the rank stays
+_WHEN = re.compile(r" \(step -?\d+(?:, ([^)]*))?\)$")
 
 
 def _num(x: Any) -> str:
@@ -37,7 +39,7 @@ def anomaly_text(a: Mapping[str, Any]) -> str:
         text = f"{a.get('kind', 'anomaly')} in {a.get('phase', '?')} of {where}"
         if a.get("op"):
             text += f": {a['op']}"
-    return _WHEN.sub("", text)
+    return _WHEN.sub(lambda m: f" ({m.group(1)})" if m.group(1) else "", text)
 
 
 def _hashable(x: Any) -> Any:
@@ -174,8 +176,10 @@ def judge(
     level = "ok"
     nan_first: str | None = None  # "at step 6: nan born in ..." (the failure's own sentence)
     if anomalies:
-        origin = anomaly_text(anomalies[0])
-        first_step = bad_steps[0] if bad_steps else anomalies[0].get("step")
+        # the earliest step's anomaly (the first logged among equals): where the trouble began
+        first = min(anomalies, key=lambda a: a["step"] if isinstance(a.get("step"), int) else math.inf)
+        origin = anomaly_text(first)
+        first_step = first.get("step")
         nan_first = origin if first_step is None else f"at step {first_step}: {origin}"
         if len(bad_steps) > 1:
             findings.append(

@@ -301,7 +301,7 @@ def _bucket_max(
 def layer_heatmap_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     """Per-layer gradient norm heatmap: rows = parameters, columns = step buckets, cell = max log10 ‖g‖."""
     series = data["series"]
-    names = _with_prefix(series, "grad_norm/")
+    names = [n for n in _with_prefix(series, "grad_norm/") if series[n]["steps"]]  # none new: no columns
     if not names:
         return _fig("layers", "Per-layer gradient norm", [], _layout(""), "no per-layer norms")
     all_steps = [s for n in names for s in series[n]["steps"]]

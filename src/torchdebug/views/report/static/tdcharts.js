@@ -329,7 +329,7 @@
         for (var j = 0; j < t.x.length; j++) if (ok(ys[j])) mark(g, X(t.x[j]), Y(ys[j]), (t.marker && t.marker.symbol) || "circle", color);
       }
     });
-    var gm = el("g", {}, svg);
+    var gm = el("g", { "class": "marks" }, svg);
     series.forEach(function (s) { // y3: event / NaN markers at fixed heights, kept inside the plot area
       if (s.axis !== "y3") return;
       var t = s.t;
