@@ -8,7 +8,8 @@ dashboard and counts the bytes a browser downloads (gzip accepted): the page, it
 live poll (steps after the last one) and, for comparison, the full views payload.
 
     python benchmarks/view_weight.py
-    python benchmarks/view_weight.py --demo-steps 300 --long-steps 20000
+    python benchmarks/view_weight.py --demo-steps 300 --long-steps 20000 --root /tmp/vw
+    python benchmarks/view_weight.py --root /tmp/vw --reuse     # measure again without rebuilding
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,7 +54,10 @@ def wire_bytes(runs: dict[str, Path], root: Path) -> dict[str, dict[str, int]]:
     from torchdebug.views.server import serve
 
     out: dict[str, dict[str, int]] = {}
-    with serve(root, port=0) as h, httpx.Client(base_url=h.url, headers={"Accept-Encoding": "gzip"}) as c:
+    with (
+        serve(root, port=0) as h,
+        httpx.Client(base_url=h.url, headers={"Accept-Encoding": "gzip"}, timeout=300) as c,
+    ):
         for name, run in runs.items():
             page = c.get(f"/runs/{run.name}")
             script = c.get("/static/tdcharts.js")
@@ -78,6 +83,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--demo-steps", type=int, default=300)
     ap.add_argument("--long-steps", type=int, default=20_000)
+    ap.add_argument("--reuse", action="store_true", help="measure the runs already under --root")
     args = ap.parse_args()
     tmp = None
     if args.root is None:
@@ -91,11 +97,16 @@ def main() -> None:
     warnings.simplefilter("ignore")  # the demo's own warnings (NaN, slowdowns on a busy machine)
     from dashboard_api import build_run  # benchmarks/ is on sys.path when run as a script
 
-    runs = {
-        "demo (raise)": build_demo(root, args.demo_steps, "raise"),
-        "demo (warn)": build_demo(root, args.demo_steps, "warn"),
-        f"long ({args.long_steps} steps x 50 metrics)": build_run(root, args.long_steps, 50),
-    }
+    if args.reuse:  # oldest first: demo raise, demo warn, the long run
+        demos = sorted(root.glob("demo-*"))
+        runs = {"demo (raise)": demos[0], "demo (warn)": demos[1], "long run": next(root.glob("big-*"))}
+    else:
+        runs = {
+            "demo (raise)": build_demo(root, args.demo_steps, "raise"),
+            "demo (warn)": build_demo(root, args.demo_steps, "warn"),
+            f"long ({args.long_steps} steps x 50 metrics)": build_run(root, args.long_steps, 50),
+        }
+    sys.stdout.reconfigure(line_buffering=True)
     print(f"{'run':<34} {'report':>10} {'gzipped':>9} {'anomalies':>9} {'cards':>6}")
     for name, run in runs.items():
         size, gz, n, groups = report_row(run)

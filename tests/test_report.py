@@ -226,8 +226,8 @@ def test_figures_keep_nan_inf_skips_and_anomalies_visible(run: Any) -> None:
     heat = _fig(figs, "layers")["data"]
     assert heat[0]["y"] == ["fc1.weight", "fc2.weight"]
     # 8 steps -> 8 columns of width 1; cell = log10 of the norm
-    assert heat[0]["z"][0][5] == pytest.approx(math.log10(60.0))
-    assert heat[0]["z"][1][7] == pytest.approx(math.log10(0.125))
+    assert heat[0]["z"][0][5] == pytest.approx(math.log10(60.0), abs=5e-4)  # 3 decimals
+    assert heat[0]["z"][1][7] == pytest.approx(math.log10(0.125), abs=5e-4)
     assert heat[0]["z"][0][6] is None and heat[1]["x"] == [6.0, 6.0]  # Inf and NaN marked, not dropped
     mem = _trace(_fig(figs, "memory"), "rss")
     assert mem["y"][0] == 100.0 and mem["y"][7] == 107.0  # MiB

@@ -32,7 +32,8 @@ _COLORS = {
 
 def _line(name: str, pts: Points, **extra: Any) -> dict[str, Any]:
     """A line trace; non-finite values become gaps (None) and are drawn separately by ``_nonfinite``."""
-    vals = [v if is_finite(v) else None for v in pts["values"]]
+    # 6 significant digits: what a hover shows, at half the JSON of a float's full repr
+    vals = [float(f"{v:.6g}") if is_finite(v) else None for v in pts["values"]]
     trace: dict[str, Any] = {
         "type": "scatter",
         "mode": "lines",
@@ -292,7 +293,7 @@ def _bucket_max(
         if not is_finite(v):
             bad.append(c)
             continue
-        lv = math.log10(v) if v > 0 else _ZERO_LOG
+        lv = round(math.log10(v), 3) if v > 0 else _ZERO_LOG  # a colour: 3 decimals are plenty
         cur = cells[c]
         cells[c] = lv if cur is None or lv > cur else cur
     return cells, sorted(set(bad))
