@@ -9,6 +9,9 @@ Known limitations:
 - Charts show at most ``max_points`` points per series: min/max envelopes, so spikes and NaN/Inf stay.
 - Per-parameter update-ratio lines are capped at 24 parameters (largest last value); the heatmap has
   every parameter.
+- The live dashboard appends new steps to what it drew and asks for a whole re-downsampled copy every
+  30 s: until then a chart's one-line summary describes the run as it was at the last full copy, and
+  per-layer heatmap columns added in between are one step wide.
 """
 
 from __future__ import annotations
