@@ -137,6 +137,8 @@ def describe(name: str, pts: Points, unit: str = "") -> str:
     u = f" {unit}" if unit else ""
     if len(fin) == 1:
         return f"{name} {fmt_num(v0)}{u} at step {s0}{tail}"
+    if lo[1] == hi[1]:
+        return f"{name} {fmt_num(v0)}{u} throughout (steps {s0} to {s1}){tail}"
     return (
         f"{name} {fmt_num(v0)}{u} at step {s0} -> {fmt_num(v1)}{u} at step {s1} "
         f"(min {fmt_num(lo[1])} at step {lo[0]}, max {fmt_num(hi[1])} at step {hi[0]}){tail}"
