@@ -195,7 +195,9 @@ def test_show_text(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", str(golden)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith("run        golden  (id ")
+    # the verdict first: two anomalies (steps 3 and 2, logged in that order): the earliest step's is named
+    assert lines[0] == "finished, 2 steps with non-finite values, first at step 2: inf in backward of fc1"
+    assert lines[1].startswith("run        golden  (id ")
     assert "status     finished" in lines
     assert "steps      4 (last step 3)" in lines
     # only options that differ from DebugConfig's defaults ("lr" is not an option: shown as is)

@@ -174,8 +174,8 @@ def test_html_is_one_self_contained_file(run: Any, tmp_path: Path) -> None:
     html = render_report(run, "html", path=tmp_path / "r.html")
     assert isinstance(html, str)
     assert not _REMOTE.search(html), "the report must load nothing from the network"
-    assert "<script src" not in html  # plotly.js is inlined, not referenced
-    assert len(html) > 1_000_000  # plotly.js bundle inlined
+    assert "<script src" not in html  # the chart renderer is inlined, not referenced
+    assert "window.tdCharts" in html and len(html) < 200_000  # 8 steps: ~30 KB renderer + data
     for chart in (
         "loss",
         "grad_norm",
@@ -226,8 +226,8 @@ def test_figures_keep_nan_inf_skips_and_anomalies_visible(run: Any) -> None:
     heat = _fig(figs, "layers")["data"]
     assert heat[0]["y"] == ["fc1.weight", "fc2.weight"]
     # 8 steps -> 8 columns of width 1; cell = log10 of the norm
-    assert heat[0]["z"][0][5] == pytest.approx(math.log10(60.0))
-    assert heat[0]["z"][1][7] == pytest.approx(math.log10(0.125))
+    assert heat[0]["z"][0][5] == pytest.approx(math.log10(60.0), abs=5e-4)  # 3 decimals
+    assert heat[0]["z"][1][7] == pytest.approx(math.log10(0.125), abs=5e-4)
     assert heat[0]["z"][0][6] is None and heat[1]["x"] == [6.0, 6.0]  # Inf and NaN marked, not dropped
     mem = _trace(_fig(figs, "memory"), "rss")
     assert mem["y"][0] == 100.0 and mem["y"][7] == 107.0  # MiB

@@ -171,12 +171,21 @@ def test_views_and_pages(client: Any, small_id: str) -> None:
     assert v["status"] == "finished"
     assert [f["id"] for f in v["figures"]][:3] == ["loss", "grad_norm", "nonfinite"]
     assert "aten.addmm at train.py:42" in v["cards_html"]
+    assert v["last_step"] == 7 and v["verdict"].startswith("finished, but non-finite values at step 6")
+    # the live page's poll: only steps >= since_step, and no fragments when its version is current
+    inc = client.get(f"/api/runs/{small_id}/views", params={"since_step": 7, "frag": v["frag"]}).json()
+    loss = next(f for f in inc["figures"] if f["id"] == "loss")
+    assert loss["data"][0]["x"] == [7] and "cards_html" not in inc and inc["frag"] == v["frag"]
+    layers = next(f for f in inc["figures"] if f["id"] == "layers")
+    assert layers["data"][0]["x"] == [7.0]  # one new heatmap column
+    late = client.get(f"/api/runs/{small_id}/views", params={"since_step": 8}).json()  # nothing new yet
+    assert late["figures"][0]["data"][0]["x"] == [] and "cards_html" in late  # no version sent: all of them
     index = client.get("/")
     assert index.status_code == 200 and f'href="/runs/{small_id}"' in index.text
     page = client.get(f"/runs/{small_id}")
-    assert '<script src="/static/plotly.min.js"></script>' in page.text
+    assert '<script src="/static/tdcharts.js"></script>' in page.text
     assert f"/api/runs/{small_id}/views" in page.text
-    js = client.get("/static/plotly.min.js")
+    js = client.get("/static/tdcharts.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("application/javascript")
 
 
@@ -239,7 +248,7 @@ def test_token_is_required_on_every_request(runs_dir: Path, small_id: str) -> No
         assert httpx.get(f"{h.url}/openapi.json").status_code == 401
         assert httpx.get(f"{h.url}/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(f"{h.url}/runs/{small_id}", params={"token": "s3cret"}).status_code == 200
-        assert httpx.get(f"{h.url}/static/plotly.min.js").status_code == 200  # library code, no run data
+        assert httpx.get(f"{h.url}/static/tdcharts.js").status_code == 200  # library code, no run data
         assert httpx.post(f"{h.url}/training-logs/debug/clear").status_code == 401
 
 

@@ -219,13 +219,14 @@ def test_a_malformed_run_fails_alone(tmp_path: Path, template: Path, damage: str
         assert "unreadable" in out and reason in out
     for cmd in ("show", "report"):
         code, out, err = _cli(cmd, str(bad))
-        reads = {"show": ("anomaly_list", "anomaly_deep", "frames_text")}.get(
+        # show reads the anomalies and, for its verdict line, the events
+        reads = {"show": ("anomaly_list", "anomaly_deep", "frames_text", "event_data_list")}.get(
             cmd, tuple(set(_DAMAGE) - {"stats_text"})
         )
         if where == "meta" or damage in reads:
             assert code == 1, (cmd, out)
             assert err.count("\n") == 1 and reason in err and "internal error" not in err, err
-        else:  # show reads no event data, tensor stats nor the value at step 3; the text report no stats
+        else:  # show reads no tensor stats nor the value at step 3; the text report no stats
             assert code == 0, err
 
     with TestClient(create_app(served, warm=0), base_url="http://127.0.0.1") as client:

@@ -20,6 +20,7 @@ from torch import nn
 from .._robust import MAD_TO_SIGMA, RunningMedian, Streak
 from ..events import RuleEvent, training_summary
 from ..stats import foreach_norms
+from .divergence import DivergenceRule
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
 WINDOW = 200
@@ -736,8 +737,8 @@ class GradientHealth:
     """The ``gradients`` instrument (with its ``gradient_details`` and ``activations`` parts).
 
     Every step, host side after the monitor's transfer (the monitor itself logs ``loss``,
-    ``grad_norm``, ``lr/<group>`` and ``amp_scale``): the explosion, loss spike/plateau, LR and AMP
-    rules, and ``grad_norm_clipped`` when the user clipped. Every ``detail_every`` steps
+    ``grad_norm``, ``lr/<group>`` and ``amp_scale``): the explosion, loss spike/plateau/divergence
+    (``health/divergence.py``), LR and AMP rules, and ``grad_norm_clipped`` when the user clipped. Every ``detail_every`` steps
     (``gradient_details``): per-parameter ``grad_norm/<param>``, ``weight_norm/<param>`` and
     ``update_ratio/<param>`` (|Δθ|/|θ| measured across the optimizer step on the device) and the
     vanishing and update-ratio rules. With ``activations`` (``activation_stats=True`` or the
@@ -802,6 +803,7 @@ class GradientHealth:
         self.vanishing = VanishingRule(cfg.vanish_threshold, cfg.vanish_patience)
         self.spike = LossSpikeRule(cfg.loss_spike_mads, cfg.explode_warmup)
         self.plateau = LossPlateauRule(cfg.loss_plateau_window, cfg.loss_plateau_rel)
+        self.divergence = DivergenceRule()
         self.lr_rule = LRRule()
         self.amp = AmpScaleRule(cfg.scale_floor, cfg.scale_shrink_steps)
         self.dead = DeadUnitRule(cfg.dead_unit_fraction)
@@ -946,7 +948,7 @@ class GradientHealth:
         if loss is not None and not record.skipped:
             # a skipped AMP step's loss is unscaled with the scale after update(): not comparable
             loss = float(loss)
-            for rule in (self.spike, self.plateau):
+            for rule in (self.spike, self.plateau, self.divergence):
                 event = rule.update(step, loss)
                 if event is not None:
                     self._emit(mon, event)

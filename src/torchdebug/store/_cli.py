@@ -141,10 +141,12 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 def _show(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
     from ._ranks import rank_overview
+    from ._verdict import verdict
     from .reader import open_run
 
     path = resolve_run(args.run, args.runs or default_runs_dir())
     with open_run(path, rank=args.rank) as run:
+        judged = verdict(run)
         summary = run.summary()
         last = run.last_values()
         anomalies = run.anomalies()
@@ -155,12 +157,14 @@ def _show(args: argparse.Namespace) -> int:
             summary["meta"] = run.meta
             summary["last_values"] = {k: {"step": s, "value": v} for k, (s, v) in last.items()}
             summary["anomaly_list"] = anomalies
+            summary["verdict"] = {k: judged[k] for k in ("status", "level", "text", "anomaly_steps")}
             from ..events import plain
 
             print(json.dumps(plain(summary), indent=2, default=str))
             return 0
         meta = run.meta
         out = [
+            judged["text"],  # the verdict first: status and the most important finding
             f"run        {run.name}  (id {run.run_id})",
             f"path       {path}",
             f"status     {summary['status']}"
@@ -201,10 +205,16 @@ def _show(args: argparse.Namespace) -> int:
         else:
             out.append("  none")
         out.append("")
-        out.append(f"anomalies ({len(anomalies)})")
-        out.extend(f"  {_anomaly_line(a)}" for a in anomalies[:_MAX_ANOMALIES])
-        if len(anomalies) > _MAX_ANOMALIES:
-            out.append(f"  ... and {len(anomalies) - _MAX_ANOMALIES} more")
+        groups = judged["groups"]
+        folded = f", {len(groups)} groups by origin" if len(groups) < len(anomalies) else ""
+        out.append(f"anomalies ({len(anomalies)}{folded})")
+        for g in groups[:_MAX_ANOMALIES]:
+            line = f"  {_anomaly_line(g['anomaly'])}"
+            if g["count"] > 1:
+                line += f"  [{g['count']}x, steps {g['first_step']}-{g['last_step']}]"
+            out.append(line)
+        if len(groups) > _MAX_ANOMALIES:
+            out.append(f"  ... and {len(groups) - _MAX_ANOMALIES} more groups")
         if not anomalies:
             out.append("  none")
         out.append("")

@@ -2,11 +2,16 @@
 
 Everything here reads the run store only, so it works on a run folder copied from another machine.
 
+The HTML report inlines its own small chart renderer (``static/tdcharts.js``, about 30 KB), so it is
+one file that opens with no network; a 2000-step run's report weighs a few hundred KB.
+
 Known limitations:
-- The HTML report inlines plotly.js (about 4.5 MB) so it opens with no network.
 - Charts show at most ``max_points`` points per series: min/max envelopes, so spikes and NaN/Inf stay.
 - Per-parameter update-ratio lines are capped at 24 parameters (largest last value); the heatmap has
   every parameter.
+- The live dashboard appends new steps to what it drew and asks for a whole re-downsampled copy every
+  30 s: until then a chart's one-line summary describes the run as it was at the last full copy, and
+  per-layer heatmap columns added in between are one step wide.
 """
 
 from __future__ import annotations
@@ -28,19 +33,6 @@ FORMATS = ("text", "json", "html", "png")
 REPORT_EXTRA = "pip install 'torchdebug[report]'"
 
 
-def plotly_js() -> str:
-    """The plotly.js bundle shipped inside the installed plotly package (no network).
-
-    Raises:
-        ImportError: plotly is not installed (the message names the extra to install).
-    """
-    try:
-        from plotly.offline import get_plotlyjs
-    except ImportError as e:
-        raise ImportError(f"the HTML report needs plotly: {REPORT_EXTRA}") from e
-    return str(get_plotlyjs())
-
-
 @contextmanager
 def _opened(run: Any) -> Iterator[Any]:
     """Yield an open Run for a Run or a run folder path (closing only what we opened)."""
@@ -56,24 +48,43 @@ def _opened(run: Any) -> Iterator[Any]:
         yield run
 
 
-def collect_views(run: Any, max_points: int = 2000) -> dict[str, Any]:
-    """What a report page shows: meta, summary report (no metric table), figures, anomalies, events.
+def collect_views(run: Any, max_points: int = 2000, since_step: int | None = None) -> dict[str, Any]:
+    """What a report page shows: meta, verdict, summary report (no metric table), figures, anomalies, events.
+
+    ``since_step``: the figures hold only the steps from there on (the dashboard appends them to
+    what it drew); the verdict, summary, anomalies and events are always the whole run's.
 
     Example: ``collect_views(open_run(path))["figures"][0]["id"] == "loss"``.
     Cost: one downsampled query per metric and a full read of timings and memory samples.
     """
     timings, memory = run.timings(), run.memory()  # read once, used by both
-    data = collect_data(run, max_points=max_points, timings=timings, memory=memory)
     report = build_report(run, metrics=False, timings=timings, memory=memory)
+    if since_step is None:
+        data = collect_data(run, max_points=max_points, timings=timings, memory=memory)
+    else:
+        data = collect_data(
+            run,
+            max_points=max_points,
+            since_step=since_step,
+            timings=[t for t in timings if t["step"] >= since_step],
+            memory=[m for m in memory if m["step"] >= since_step],
+        )
+        for key in ("anomalies", "events"):
+            data[key] = [x for x in data[key] if isinstance(x.get("step"), int) and x["step"] >= since_step]
+        tn = data["tensor_nonfinite"]
+        keep = [i for i, s in enumerate(tn["steps"]) if s >= since_step]
+        data["tensor_nonfinite"] = {k: [tn[k][i] for i in keep] for k in ("steps", "nan", "inf")}
     meta = dict(run.meta)
     meta["status"] = report["run"]["status"]
     return {
         "meta": meta,
         "status": meta["status"],
+        "verdict": report["verdict"],
+        "last_step": run.summary()["last_step"],
         "report": report,
         "figures": build_figures(data),
-        "anomalies": data["anomalies"],
-        "events": data["events"],
+        "anomalies": report["anomalies"],
+        "events": report["events"],
     }
 
 
@@ -91,11 +102,12 @@ def render_report(run: Any, format: str = "text", path: str | os.PathLike[str] |
 
     Raises:
         ValueError: unknown format (lists the allowed ones).
-        ImportError: html/png without plotly/matplotlib (names ``pip install 'torchdebug[report]'``).
+        ImportError: png without matplotlib (names ``pip install 'torchdebug[report]'``).
         RunStoreError: the run cannot be read.
 
     Example: ``print(render_report("runs/demo-20250101-120000"))``.
-    Cost: text/json read every metric point (about 0.5 s per million); html inlines 4.5 MB of plotly.js.
+    Cost: text/json read every metric point (about 0.5 s per million); html downsamples each series
+    to 2000 points and inlines a 30 KB chart renderer.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -106,8 +118,7 @@ def render_report(run: Any, format: str = "text", path: str | os.PathLike[str] |
         elif format == "json":
             out = json.dumps(json_safe(build_report(r)), indent=2, sort_keys=True, allow_nan=False) + "\n"
         elif format == "html":
-            js = plotly_js()
-            out = render_page(collect_views(r), plotly_js=js)
+            out = render_page(collect_views(r))
         else:
             try:
                 import matplotlib  # noqa: F401
@@ -135,7 +146,6 @@ __all__ = [
     "fragments",
     "json_safe",
     "metric_table",
-    "plotly_js",
     "render_page",
     "render_report",
     "render_text",

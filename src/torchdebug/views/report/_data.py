@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ...store._verdict import anomaly_text, judge
 from ._format import envelope, event_category, is_finite
 
 # meta.json keys shown as the run's identity; "path" is left out on purpose (absolute, machine-bound).
@@ -121,6 +122,10 @@ def build_report(
         - ``records_lost`` (only when the writer could not store some records: disk full ...):
           ``count``, ``from_step``, ``error``; the run is incomplete.
         - ``ranks`` (only for a run with several ranks): ``torchdebug.store._ranks.rank_overview``.
+        - ``verdict``: ``status``, ``level`` (ok | running | warning | error), ``text`` (the one
+          sentence every view leads with), ``anomaly_steps`` and ``groups`` (repeated anomalies
+          folded by origin or symptom: ``summary``, ``count``, ``first_step``, ``last_step``), see
+          ``torchdebug.store._verdict.judge``.
 
     Raises:
         RunStoreError: the run's database cannot be read.
@@ -190,6 +195,29 @@ def build_report(
     if metrics:
         report["metrics"] = metric_table(run)
     lost = run.summary()
+    v = judge(
+        str(meta["status"]),
+        steps=report["summary"]["total_debug_operations"],
+        last_step=lost["last_step"],
+        anomalies=anomalies,
+        events=events,
+        lost=int(lost.get("lost") or 0),
+    )
+    report["verdict"] = {
+        "status": v["status"],
+        "level": v["level"],
+        "text": v["text"],
+        "anomaly_steps": v["anomaly_steps"],
+        "groups": [
+            {
+                "summary": anomaly_text(g["anomaly"]),
+                "count": g["count"],
+                "first_step": g["first_step"],
+                "last_step": g["last_step"],
+            }
+            for g in v["groups"]
+        ],
+    }
     if lost.get("lost"):  # only then: a whole run's report is unchanged
         report["records_lost"] = {
             "count": lost["lost"],

@@ -1,4 +1,4 @@
-"""Chart specs (plain plotly figure dicts, JSON-ready) built from collected run data; shared by HTML and dashboard."""
+"""Chart specs (plain JSON for tdcharts.js) built from collected run data; shared by the HTML report and the dashboard."""
 
 from __future__ import annotations
 
@@ -6,15 +6,16 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._format import event_category, is_finite, natural_key, nonfinite_label
+from ._format import event_category, fmt_num, is_finite, natural_key, nonfinite_label
 
-# Figures are plain dicts ({"data": [...], "layout": {...}}) rather than plotly.graph_objects: building
-# graph objects validates every point in Python, which costs seconds on 100k-step runs; the browser's
-# plotly.js takes the same dicts directly.
+# Figures are plain dicts ({"data": [...traces], "layout": {...}}) drawn by static/tdcharts.js. A trace
+# is {"type": "scatter" | "heatmap", "mode": "lines" | "markers" | "lines+markers", "name", "x", "y",
+# "yaxis": "y2" (right axis) | "y3" (markers at a height in [0, 1]), "line", "marker", "text",
+# "stackgroup"}; the heatmap's {"x", "y" (row names), "z"}.
 
 Points = Mapping[str, Sequence[Any]]  # {"steps": [...], "values": [...]}
 
-_MARK_AXIS = "y3"  # hidden overlay axis on [0, 1] that carries event/NaN markers at fixed heights
+_MARK_AXIS = "y3"  # markers at a fixed height in [0, 1] of the plot area (events, NaN points)
 _HEAT_COLUMNS = 200  # heatmap columns (step buckets); each cell is the bucket's max
 _ZERO_LOG = -12.0  # log10 floor shown for an exactly-zero gradient norm
 _MAX_LINES = 24  # per-parameter line charts show at most this many parameters (largest last value)
@@ -31,7 +32,8 @@ _COLORS = {
 
 def _line(name: str, pts: Points, **extra: Any) -> dict[str, Any]:
     """A line trace; non-finite values become gaps (None) and are drawn separately by ``_nonfinite``."""
-    vals = [v if is_finite(v) else None for v in pts["values"]]
+    # 6 significant digits: what a hover shows, at half the JSON of a float's full repr
+    vals = [float(f"{v:.6g}") if is_finite(v) else None for v in pts["values"]]
     trace: dict[str, Any] = {
         "type": "scatter",
         "mode": "lines",
@@ -50,7 +52,7 @@ def _nonfinite(name: str, pts: Points) -> list[dict[str, Any]]:
         label = nonfinite_label(v) if isinstance(v, float) else None
         if label is not None:
             by_kind.setdefault(label, []).append(s)
-    height = {"nan": 0.96, "inf": 0.9, "-inf": 0.84}
+    height = {"nan": 0.95, "inf": 0.89, "-inf": 0.83}
     out = []
     for kind, steps in by_kind.items():
         out.append(
@@ -82,28 +84,65 @@ def _markers(name: str, steps: list[int], texts: list[str], height: float, color
     }
 
 
-def _layout(title: str, ytitle: str, *, log: bool = False, **extra: Any) -> dict[str, Any]:
+def _layout(
+    ytitle: str, *, log: bool = False, toggles: tuple[str, ...] = (), height: int = 280, **extra: Any
+) -> dict[str, Any]:
+    """The chart's axes for ``tdcharts.js``: ``yaxis`` (title, linear|log), an optional ``yaxis2``
+    (right side), ``toggles`` (``"log"``: a log-scale switch, ``"smooth"``: EMA smoothing) and height.
+    Traces on ``yaxis: "y3"`` are markers at a fixed height in [0, 1] of the plot area."""
     layout: dict[str, Any] = {
-        "title": {"text": title},
-        "xaxis": {"title": {"text": "step"}},
-        "yaxis": {"title": {"text": ytitle}, "type": "log" if log else "linear"},
-        _MARK_AXIS.replace("y", "yaxis"): {
-            "overlaying": "y",
-            "range": [0, 1],
-            "visible": False,
-            "fixedrange": True,
-        },
-        "margin": {"l": 60, "r": 30, "t": 40, "b": 40},
-        "height": 340,
-        "legend": {"orientation": "h", "y": -0.25},
-        "hovermode": "closest",
+        "yaxis": {"title": ytitle, "type": "log" if log else "linear"},
+        "toggles": list(toggles),
+        "height": height,
     }
     layout.update(extra)
     return layout
 
 
-def _fig(fid: str, title: str, data: list[dict[str, Any]], layout: dict[str, Any], empty: str) -> dict:
-    return {"id": fid, "title": title, "data": data, "layout": layout, "empty": empty if not data else ""}
+def _fig(
+    fid: str, title: str, data: list[dict[str, Any]], layout: dict[str, Any], empty: str, summary: str = ""
+) -> dict:
+    """A chart: ``summary`` is its one-line text alternative (shown under the title, read by screen readers)."""
+    return {
+        "id": fid,
+        "title": title,
+        "summary": summary if data else "",
+        "data": data,
+        "layout": layout,
+        "empty": empty if not data else "",
+    }
+
+
+def _finite_points(pts: Points) -> list[tuple[int, float]]:
+    return [(s, float(v)) for s, v in zip(pts["steps"], pts["values"]) if is_finite(v)]
+
+
+def _nonfinite_count(pts: Points) -> int:
+    return sum(1 for v in pts["values"] if isinstance(v, float) and not math.isfinite(v))
+
+
+def describe(name: str, pts: Points, unit: str = "") -> str:
+    """``loss 2.3 at step 0 -> 0.018 at step 1999 (min 0.017 at step 1500, max 17.6 at step 1300); 3 NaN/Inf``.
+
+    The series' first and last finite points, its extremes, and how many points were not finite.
+    """
+    fin = _finite_points(pts)
+    bad = _nonfinite_count(pts)
+    tail = f"; {bad} NaN/Inf points" if bad else ""
+    if not fin:
+        return f"{name}: no finite values{tail}"
+    (s0, v0), (s1, v1) = fin[0], fin[-1]
+    lo = min(fin, key=lambda p: p[1])
+    hi = max(fin, key=lambda p: p[1])
+    u = f" {unit}" if unit else ""
+    if len(fin) == 1:
+        return f"{name} {fmt_num(v0)}{u} at step {s0}{tail}"
+    if lo[1] == hi[1]:
+        return f"{name} {fmt_num(v0)}{u} throughout (steps {s0} to {s1}){tail}"
+    return (
+        f"{name} {fmt_num(v0)}{u} at step {s0} -> {fmt_num(v1)}{u} at step {s1} "
+        f"(min {fmt_num(lo[1])} at step {lo[0]}, max {fmt_num(hi[1])} at step {hi[0]}){tail}"
+    )
 
 
 def _with_prefix(series: Mapping[str, Points], prefix: str) -> list[str]:
@@ -112,12 +151,14 @@ def _with_prefix(series: Mapping[str, Points], prefix: str) -> list[str]:
 
 def _anomaly_markers(anomalies: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     steps = [a["step"] for a in anomalies if isinstance(a.get("step"), int)]
-    texts = [
-        str(a.get("summary", a.get("kind", "anomaly"))) for a in anomalies if isinstance(a.get("step"), int)
+    texts = [  # short: a run may hold hundreds of anomalies, each marker carries its text
+        f"{a.get('kind', 'anomaly')} in {a.get('module') or a.get('parameter') or a.get('symptom') or '?'}"
+        for a in anomalies
+        if isinstance(a.get("step"), int)
     ]
     if not steps:
         return []
-    return [_markers("anomaly", steps, texts, 1.0, _COLORS["anomaly"], "x-thin-open")]
+    return [_markers("anomaly", steps, texts, 0.76, _COLORS["anomaly"], "x-thin-open")]
 
 
 def _event_markers(events: Sequence[Mapping[str, Any]], category: str) -> list[dict[str, Any]]:
@@ -131,7 +172,7 @@ def _event_markers(events: Sequence[Mapping[str, Any]], category: str) -> list[d
             f"{category} events",
             [e["step"] for e in chosen],
             [f"{e['kind']}: {e.get('message', '')}" for e in chosen],
-            0.78,
+            0.62,
             _COLORS["event"],
             "diamond",
         )
@@ -139,39 +180,39 @@ def _event_markers(events: Sequence[Mapping[str, Any]], category: str) -> list[d
 
 
 def loss_figure(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Loss (left axis) and learning rate per param group (right axis, log), with NaN/Inf loss markers."""
+    """Loss (left axis, log toggle, smoothing) and learning rate per param group (right axis), with
+    NaN/Inf loss markers, anomalies and loss rule events (divergence, spikes)."""
     series = data["series"]
     traces: list[dict[str, Any]] = []
+    parts = []
     if "loss" in series:
         traces.append(_line("loss", series["loss"]))
         traces += _nonfinite("loss", series["loss"])
-    for name in _with_prefix(series, "lr/"):
+        parts.append(describe("loss", series["loss"]))
+    lr_names = _with_prefix(series, "lr/")
+    for name in lr_names:
         traces.append(_line(name, series[name], yaxis="y2", line={"dash": "dot"}))
+    if lr_names:
+        parts.append(describe("learning rate" if len(lr_names) == 1 else lr_names[0], series[lr_names[0]]))
     traces += _anomaly_markers(data["anomalies"])
     traces += _event_markers(data["events"], "loss")
-    lr_axis: dict[str, Any] = {
-        "title": {"text": "learning rate"},
-        "overlaying": "y",
-        "side": "right",
-        "tickformat": ".2~e",  # 1e-3 and 2.5e-4 read as such, not as repeated "0.001"
-    }
-    lrs = [v for n in _with_prefix(series, "lr/") for v in series[n]["values"] if is_finite(v)]
-    if lrs and max(lrs) == min(lrs):
-        # plotly autoranges a constant series to [c-1, c+1] (negative learning rates): pin it
-        c = lrs[0]
-        lr_axis["range"] = [0, 2 * c] if c > 0 else [-1, 1]
-    # linear with exponent ticks: a log axis draws odd ticks for the common constant lr
-    layout = _layout("Loss and learning rate", "loss", yaxis2=lr_axis)
-    return _fig("loss", "Loss and learning rate", traces, layout, "no loss or lr recorded")
+    layout = _layout(
+        "loss",
+        toggles=("log", "smooth"),
+        yaxis2={"title": "learning rate", "type": "linear"} if lr_names else None,
+    )
+    return _fig("loss", "Loss and learning rate", traces, layout, "no loss or lr recorded", "; ".join(parts))
 
 
 def grad_norm_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     """Total gradient norm (log) with skipped steps, anomalies, gradient rule events and NaN/Inf markers."""
     series = data["series"]
     traces: list[dict[str, Any]] = []
+    parts = []
     if "grad_norm" in series:
         traces.append(_line("grad_norm", series["grad_norm"]))
         traces += _nonfinite("grad_norm", series["grad_norm"])
+        parts.append(describe("gradient norm", series["grad_norm"]))
     if "amp_scale" in series:
         traces.append(_line("amp_scale", series["amp_scale"], yaxis="y2", line={"dash": "dot"}))
     if "skipped" in series:
@@ -180,35 +221,41 @@ def grad_norm_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         if steps:
             traces.append(
                 _markers(
-                    "skipped step", steps, ["skipped"] * len(steps), 0.72, _COLORS["skipped"], "triangle-down"
+                    "skipped step", steps, ["skipped"] * len(steps), 0.69, _COLORS["skipped"], "triangle-down"
                 )
             )
+            parts.append(f"{len(steps)} skipped steps")
     traces += _anomaly_markers(data["anomalies"])
     traces += _event_markers(data["events"], "gradient")
     layout = _layout(
-        "Total gradient norm",
         "‖g‖₂",
         log=True,
-        yaxis2={"title": {"text": "AMP scale"}, "overlaying": "y", "side": "right", "type": "log"},
+        toggles=("log", "smooth"),
+        yaxis2={"title": "AMP scale", "type": "log"} if "amp_scale" in series else None,
     )
-    return _fig("grad_norm", "Total gradient norm", traces, layout, "no gradient norms recorded")
+    return _fig(
+        "grad_norm", "Total gradient norm", traces, layout, "no gradient norms recorded", "; ".join(parts)
+    )
+
+
+def _any_bad(values: Sequence[Any]) -> bool:
+    """A count series that ever left zero (or was not finite)."""
+    return any(not is_finite(v) or v > 0 for v in values)
 
 
 def nonfinite_figure(data: Mapping[str, Any]) -> dict[str, Any]:
-    """NaN/Inf counts as their own series: params with non-finite grads, tensor-stat NaN/Inf totals."""
+    """NaN/Inf counts, only when there are any: params with non-finite grads, tensor-stat NaN/Inf
+    totals, every metric's non-finite points. A run without any gets no chart, one line of text."""
     series = data["series"]
     traces: list[dict[str, Any]] = []
-    if "grad_nonfinite" in series:
-        traces.append(
-            _line(
-                "params with non-finite grad",
-                series["grad_nonfinite"],
-                mode="lines+markers",
-                line={"shape": "hv"},
-            )
-        )
+    parts = []
+    gn = series.get("grad_nonfinite")
+    if gn is not None and _any_bad(gn["values"]):
+        traces.append(_line("params with non-finite grad", gn, mode="lines+markers", line={"shape": "hv"}))
+        bad = [s for s, v in zip(gn["steps"], gn["values"]) if not is_finite(v) or v > 0]
+        parts.append(f"{len(bad)} steps with non-finite gradients, first at step {bad[0]}")
     tn = data.get("tensor_nonfinite") or {}
-    if tn.get("steps"):
+    if tn.get("steps") and (_any_bad(tn["nan"]) or _any_bad(tn["inf"])):
         traces.append(
             _line("NaN values (tensor stats)", {"steps": tn["steps"], "values": tn["nan"]}, mode="markers")
         )
@@ -216,12 +263,24 @@ def nonfinite_figure(data: Mapping[str, Any]) -> dict[str, Any]:
             _line("Inf values (tensor stats)", {"steps": tn["steps"], "values": tn["inf"]}, mode="markers")
         )
     # Every other metric's non-finite points, one marker trace per metric that has any.
+    metrics = []
     for name in sorted(series, key=natural_key):
-        traces += _nonfinite(name, series[name])
+        marks = _nonfinite(name, series[name])
+        if marks:
+            metrics.append(name)
+        traces += marks
+    if metrics:
+        shown = ", ".join(metrics[:3]) + (f" and {len(metrics) - 3} more" if len(metrics) > 3 else "")
+        parts.append(f"non-finite values in {shown}")
     if traces:  # anomaly markers alone would draw an empty-looking chart: say "none seen" instead
         traces += _anomaly_markers(data["anomalies"])
     return _fig(
-        "nonfinite", "NaN / Inf counts", traces, _layout("NaN / Inf counts", "count"), "no NaN/Inf seen"
+        "nonfinite",
+        "NaN / Inf counts",
+        traces,
+        _layout("count"),
+        "none in this run",
+        "; ".join(parts),
     )
 
 
@@ -236,7 +295,7 @@ def _bucket_max(
         if not is_finite(v):
             bad.append(c)
             continue
-        lv = math.log10(v) if v > 0 else _ZERO_LOG
+        lv = round(math.log10(v), 3) if v > 0 else _ZERO_LOG  # a colour: 3 decimals are plenty
         cur = cells[c]
         cells[c] = lv if cur is None or lv > cur else cur
     return cells, sorted(set(bad))
@@ -245,15 +304,9 @@ def _bucket_max(
 def layer_heatmap_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     """Per-layer gradient norm heatmap: rows = parameters, columns = step buckets, cell = max log10 ‖g‖."""
     series = data["series"]
-    names = _with_prefix(series, "grad_norm/")
+    names = [n for n in _with_prefix(series, "grad_norm/") if series[n]["steps"]]  # none new: no columns
     if not names:
-        return _fig(
-            "layers",
-            "Per-layer gradient norm",
-            [],
-            _layout("Per-layer gradient norm", ""),
-            "no per-layer norms",
-        )
+        return _fig("layers", "Per-layer gradient norm", [], _layout(""), "no per-layer norms")
     all_steps = [s for n in names for s in series[n]["steps"]]
     distinct = sorted(set(all_steps))
     lo, hi = distinct[0], distinct[-1]
@@ -305,15 +358,16 @@ def layer_heatmap_figure(data: Mapping[str, Any]) -> dict[str, Any]:
                 "hovertemplate": "%{y}: NaN/Inf near step %{x}<extra></extra>",
             }
         )
-    layout = {
-        "title": {"text": "Per-layer gradient norm (max per bucket)"},
-        "xaxis": {"title": {"text": "step"}},
-        "yaxis": {"automargin": True, "autorange": "reversed"},
-        "margin": {"l": 60, "r": 30, "t": 40, "b": 40},
-        "height": max(300, 60 + 18 * len(rows)),
-        "showlegend": False,
-    }
-    return _fig("layers", "Per-layer gradient norm", traces, layout, "")
+    layout = _layout("", height=min(max(160, 60 + 16 * len(rows)), 900))
+    hot = [(max((v for v in row if v is not None), default=None), n) for row, n in zip(z, rows)]
+    hot_known = [h for h in hot if h[0] is not None]
+    summary = f"{len(rows)} parameters over {len(xs)} step columns (max per column, log10 ‖g‖)"
+    if hot_known:
+        top = max(hot_known)
+        summary += f"; largest in {top[1]} (10^{top[0]:.2f})"
+    if bad_x:
+        summary += f"; {len(bad_x)} non-finite cells"
+    return _fig("layers", "Per-layer gradient norm (max per column)", traces, layout, "", summary)
 
 
 def _largest_last(series: Mapping[str, Points], names: list[str]) -> list[str]:
@@ -329,6 +383,11 @@ def _largest_last(series: Mapping[str, Points], names: list[str]) -> list[str]:
     return [n for n in names if n in keep]
 
 
+def _last_finite(pts: Points) -> float | None:
+    fin = [v for v in pts["values"] if is_finite(v)]
+    return float(fin[-1]) if fin else None
+
+
 def update_ratio_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     """Update/weight ratio per parameter (log y); healthy training sits near 1e-3."""
     series = data["series"]
@@ -340,8 +399,15 @@ def update_ratio_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     title = "Update / weight ratio per parameter"
     if len(names) < len(_with_prefix(series, "update_ratio/")):
         title += f" (top {_MAX_LINES} by last value)"
-    layout = _layout(title, "‖Δw‖ / ‖w‖", log=True)
-    return _fig("update_ratio", title, traces, layout, "no update ratios recorded")
+    layout = _layout("‖Δw‖ / ‖w‖", log=True, toggles=("log", "smooth"))
+    last = [(v, n) for n in names for v in [_last_finite(series[n])] if v is not None]
+    summary = f"{len(names)} parameters" + (
+        f"; last ratios from {fmt_num(min(last)[0])} ({min(last)[1][len('update_ratio/') :]}) to "
+        f"{fmt_num(max(last)[0])} ({max(last)[1][len('update_ratio/') :]}); healthy training sits near 1e-3"
+        if last
+        else ""
+    )
+    return _fig("update_ratio", title, traces, layout, "no update ratios recorded", summary)
 
 
 def memory_figure(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -360,7 +426,8 @@ def memory_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         pts = mem[key]
         mib = [v / 2**20 if is_finite(v) else v for v in pts["values"]]
         traces.append(_line(key, {"steps": pts["steps"], "values": mib}))
-    return _fig("memory", "Memory", traces, _layout("Memory", "MiB"), "no memory samples recorded")
+    summary = "; ".join(describe(t["name"], {"steps": t["x"], "values": t["y"]}, "MiB") for t in traces[:2])
+    return _fig("memory", "Memory", traces, _layout("MiB"), "no memory samples recorded", summary)
 
 
 _PHASES = ("data", "forward", "backward", "optimizer", "other")
@@ -385,13 +452,14 @@ def step_time_figure(data: Mapping[str, Any]) -> dict[str, Any]:
                 "step total", {"steps": t["total"]["steps"], "values": ms}, line={"color": "#333", "width": 1}
             )
         )
-    return _fig(
-        "step_time",
-        "Step time breakdown",
-        traces,
-        _layout("Step time breakdown", "ms"),
-        "no timings recorded",
-    )
+    summary = ""
+    if "total" in t:
+        fin = _finite_points({"steps": t["total"]["steps"], "values": t["total"]["values"]})
+        if fin:
+            med = sorted(v for _, v in fin)[len(fin) // 2]
+            worst = max(fin, key=lambda p: p[1])
+            summary = f"median step {fmt_num(med * 1e3)} ms; slowest {fmt_num(worst[1] * 1e3)} ms at step {worst[0]}"
+    return _fig("step_time", "Step time breakdown", traces, _layout("ms"), "no timings recorded", summary)
 
 
 def throughput_figure(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -407,7 +475,8 @@ def throughput_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         ytitle = "steps / s"
     else:
         traces, ytitle = [], ""
-    return _fig("throughput", "Throughput", traces, _layout("Throughput", ytitle), "no timings recorded")
+    summary = describe(ytitle, {"steps": traces[0]["x"], "values": traces[0]["y"]}) if traces else ""
+    return _fig("throughput", "Throughput", traces, _layout(ytitle), "no timings recorded", summary)
 
 
 def build_figures(data: Mapping[str, Any]) -> list[dict[str, Any]]:

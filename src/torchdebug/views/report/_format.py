@@ -14,7 +14,7 @@ from ...events import module_label
 # A kind matches the first category whose pattern it contains; anything else is "other".
 _CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory", ("memory", "leak", "oom", "fragment")),
-    ("loss", ("loss",)),
+    ("loss", ("loss", "diverg")),
     ("gradient", ("grad", "explod", "vanish", "dead", "update_ratio", "clip", "nonfinite", "overflow")),
     ("performance", ("slow", "bound", "throughput", "stall", "sync", "recompil", "time", "straggler")),
 )

@@ -5,29 +5,74 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from typing import Any
 
 from ...events import module_label
+from ...store._verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, json_safe
 from ._rankview import render_ranks
 
 _CSS = """
-:root { --fg:#1d2330; --muted:#5b6475; --line:#dde1e8; --bg:#f6f7f9; --card:#fff; --bad:#c62828; --warn:#ef6c00; }
+:root { color-scheme: light dark; --fg:#1d2330; --muted:#5b6475; --line:#dde1e8; --grid:#e8ebf0; --bg:#f6f7f9;
+        --card:#fff; --bad:#c62828; --warn:#b45309; --ok:#2e7d32; --run:#1976d2; --head:#1d2330; --hint:#fff8e1;
+        --link:#0b57d0; }
+@media (prefers-color-scheme: dark) {
+  :root { --fg:#e3e6ec; --muted:#a0a8b8; --line:#3a4150; --grid:#2c3240; --bg:#14171d; --card:#1c2028;
+          --bad:#ef5350; --warn:#f0a030; --ok:#66bb6a; --run:#64b5f6; --head:#0c0e12; --hint:#3a3320;
+          --link:#8ab4f8; }
+}
 * { box-sizing: border-box; }
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
        background: var(--bg); margin: 0; }
-header { background: #1d2330; color: #fff; padding: 14px 24px; display: flex; gap: 16px; align-items: baseline; }
-header h1 { font-size: 18px; margin: 0; font-weight: 600; }
+a { color: var(--link); }
+header { background: var(--head); color: #fff; padding: 12px 24px; display: flex; flex-wrap: wrap; gap: 6px 16px;
+         align-items: baseline; }
+header h1 { font-size: 18px; margin: 0; font-weight: 600; overflow-wrap: anywhere; }
 header a { color: #9ecbff; }
-main { padding: 16px 24px; max-width: 1500px; margin: 0 auto; }
+main { padding: 12px 24px; max-width: 1500px; margin: 0 auto; }
 section { margin-bottom: 22px; }
 h2 { font-size: 16px; margin: 18px 0 8px; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; background: #607d8b; color: #fff; }
-.badge.running { background: #1976d2; } .badge.finished { background: #2e7d32; } .badge.failed { background: var(--bad); }
-.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(620px, 1fr)); gap: 12px; }
-.chart { background: var(--card); border: 1px solid var(--line); border-radius: 6px; min-height: 120px; padding: 4px; }
+.badge.running { background: var(--run); } .badge.ok { background: #2e7d32; } .badge.warning { background: #b45309; }
+.badge.error { background: #c62828; }
+.verdict { margin: 12px 0 4px; padding: 10px 14px; border-radius: 6px; background: var(--card);
+           border: 1px solid var(--line); border-left: 6px solid #607d8b; font-size: 16px; overflow-wrap: anywhere; }
+.verdict.ok { border-left-color: var(--ok); } .verdict.running { border-left-color: var(--run); }
+.verdict.warning { border-left-color: var(--warn); } .verdict.error { border-left-color: var(--bad); }
+.verdict b { font-weight: 600; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(min(100%, 560px), 1fr)); gap: 12px; }
+.chart { background: var(--card); border: 1px solid var(--line); border-radius: 6px; padding: 8px 10px; margin: 0;
+         min-width: 0; }
 .chart.wide { grid-column: 1 / -1; }
-.empty { color: var(--muted); padding: 12px; margin: 0; }
+.chart.is-empty { background: none; border: none; padding: 0 2px; grid-column: 1 / -1; }
+.chart.is-empty .empty { padding: 0; }
+.chart-head { display: flex; flex-wrap: wrap; justify-content: space-between; gap: 4px 12px; }
+.chart-title { font-size: 14px; margin: 0; }
+.chart-summary { margin: 2px 0 4px; color: var(--muted); font-size: 12px; overflow-wrap: anywhere; }
+.chart-tools { display: flex; gap: 10px; align-items: center; font-size: 12px; color: var(--muted); }
+.chart-tools select, .chart-tools button { font: inherit; color: var(--fg); background: var(--card);
+         border: 1px solid var(--line); border-radius: 4px; }
+.plot { position: relative; width: 100%; }
+.plot svg { display: block; overflow: hidden; }
+.plot .tick { font-size: 11px; fill: var(--muted); }
+.plot .axis-title { font-size: 12px; fill: var(--fg); }
+.plot .grid { stroke: var(--grid); stroke-width: 1; }
+.plot .frame { fill: none; stroke: var(--line); }
+.plot .cross { stroke: var(--muted); stroke-dasharray: 3,3; }
+.plot .zoomband { fill: var(--muted); fill-opacity: 0.15; }
+.tip { position: absolute; pointer-events: none; background: var(--card); border: 1px solid var(--line);
+       border-radius: 4px; padding: 4px 8px; font-size: 12px; box-shadow: 0 2px 6px rgba(0,0,0,.2);
+       max-width: 360px; z-index: 2; }
+.tip div { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.legend { font-size: 12px; }
+.legend summary { font-size: 12px; }
+.legend-items { display: flex; flex-wrap: wrap; gap: 2px 10px; max-height: 120px; overflow: auto; }
+.legend-item { border: none; background: none; color: var(--fg); font: inherit; cursor: pointer; padding: 1px 2px;
+               overflow-wrap: anywhere; text-align: left; }
+.legend-item.off { opacity: .4; text-decoration: line-through; }
+.swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 4px; vertical-align: -1px; }
+.empty { color: var(--muted); padding: 8px 0; margin: 0; }
 .kv { display: grid; grid-template-columns: max-content 1fr; gap: 2px 14px; }
 .kv dt { color: var(--muted); } .kv dd { margin: 0; font-family: ui-monospace, Menlo, monospace; word-break: break-all; }
 .tiles { display: flex; flex-wrap: wrap; gap: 10px; }
@@ -35,9 +80,10 @@ h2 { font-size: 16px; margin: 18px 0 8px; }
 .tile b { display: block; font-size: 20px; } .tile span { color: var(--muted); font-size: 12px; }
 .tile.bad b { color: var(--bad); }
 .card { background: var(--card); border: 1px solid var(--line); border-left: 4px solid var(--bad);
-        border-radius: 6px; padding: 10px 14px; margin-bottom: 10px; }
+        border-radius: 6px; padding: 10px 14px; margin-bottom: 10px; overflow-wrap: anywhere; }
 .card h3 { font-size: 14px; margin: 0 0 6px; font-family: ui-monospace, Menlo, monospace; }
-.card .hint { background: #fff8e1; border-radius: 4px; padding: 4px 8px; margin: 6px 0; }
+.card .repeat { color: var(--bad); font-weight: 600; margin: 0 0 6px; }
+.card .hint { background: var(--hint); border-radius: 4px; padding: 4px 8px; margin: 6px 0; }
 table { border-collapse: collapse; width: 100%; background: var(--card); }
 th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid var(--line); vertical-align: top; }
 th { color: var(--muted); font-weight: 600; }
@@ -48,51 +94,15 @@ code, pre { font-family: ui-monospace, Menlo, monospace; font-size: 12px; }
 pre { background: var(--bg); padding: 8px; overflow: auto; max-height: 320px; }
 details summary { cursor: pointer; color: var(--muted); }
 #rank-select a.rank { padding: 1px 8px; border: 1px solid var(--line); border-radius: 10px; }
-#rank-select a.rank.current { background: #1d2330; color: #fff; }
+#rank-select a.rank.current { background: var(--head); color: #fff; }
+.table-wrap { overflow-x: auto; }
 """
 
-# Chart drawing shared by the static report and the live dashboard: the figures are prebuilt dicts
-# (see _figures.py), so the browser only hands them to plotly.js. Plotly.react diffs, so the live
-# page can redraw every poll without flicker.
-_JS = """
-function tdDraw(figs) {
-  for (const f of figs) {
-    const el = document.getElementById('chart-' + f.id);
-    if (!el) continue;
-    if (!f.data.length) {
-      if (el.dataset.drawn) { Plotly.purge(el); delete el.dataset.drawn; }
-      el.innerHTML = '';
-      const p = document.createElement('p'); p.className = 'empty'; p.textContent = f.title + ': ' + f.empty;
-      el.appendChild(p);
-      continue;
-    }
-    if (!el.dataset.drawn) { el.innerHTML = ''; el.dataset.drawn = '1'; }
-    Plotly.react(el, f.data, f.layout, {responsive: true, displaylogo: false});
-  }
-}
-function tdLive(url, token, everyMs) {
-  const headers = token ? {'Authorization': 'Bearer ' + token} : {};
-  async function poll() {
-    try {
-      const r = await fetch(url, {headers: headers, cache: 'no-store'});
-      if (r.ok) {
-        const v = await r.json();
-        tdDraw(v.figures);
-        for (const key of ['summary', 'ranks', 'cards', 'events', 'meta']) {
-          const el = document.getElementById(key);
-          if (el && el.dataset.html !== v[key + '_html']) { el.innerHTML = v[key + '_html']; el.dataset.html = v[key + '_html']; }
-        }
-        const st = document.getElementById('status');
-        st.textContent = v.status; st.className = 'badge ' + v.status;
-        document.getElementById('updated').textContent = 'updated ' + new Date().toLocaleTimeString();
-        if (v.status !== 'running') return;  // a finished run no longer changes
-      }
-    } catch (e) { document.getElementById('updated').textContent = 'connection lost, retrying'; }
-    setTimeout(poll, everyMs);
-  }
-  poll();
-}
-"""
+
+def charts_js() -> str:
+    """The chart renderer (``static/tdcharts.js``, ~30 KB) shipped inside the package: no network."""
+    return (resources.files(__package__) / "static" / "tdcharts.js").read_text(encoding="utf-8")
+
 
 _WIDE = {"layers", "nonfinite"}
 
@@ -111,12 +121,27 @@ def _rng(lo: Any, hi: Any) -> str:
     return "-" if lo is None or hi is None else f"[{fmt_num(lo)}, {fmt_num(hi)}]"
 
 
+def render_verdict(verdict: Mapping[str, Any]) -> str:
+    """The run's one-sentence verdict (``torchdebug.store._verdict.judge``), coloured by its level."""
+    level = str(verdict.get("level", "warning"))
+    return f'<p class="verdict {_e(level)}" role="status"><b>{_e(verdict.get("text", ""))}</b></p>'
+
+
 def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
-    """Anomaly cards: summary, phase, module, op, line, step, hint, tensor and the frames before it."""
+    """Anomaly cards, one per group of anomalies with the same origin or symptom
+    (``group_anomalies``): summary, how often and when, phase, module, op, line, hint, tensor and
+    the frames before the first one."""
     if not anomalies:
         return '<p class="empty">No anomaly recorded: no NaN/Inf was born in this run.</p>'
+    groups = group_anomalies(anomalies)
     out = []
-    for a in anomalies:
+    if len(groups) < len(anomalies):
+        out.append(
+            f'<p class="empty">{len(anomalies)} anomalies in {len(groups)} '
+            f"group{'s' if len(groups) != 1 else ''} (same origin or symptom).</p>"
+        )
+    for g in groups:
+        a = g["anomaly"]
         rows = [
             *anomaly_rows(a),
             (
@@ -129,9 +154,14 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
             ("detected by", a.get("detected_by")),
         ]
         kv = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows if v not in (None, ""))
-        parts = [
-            f'<div class="card anomaly"><h3>{_e(a.get("summary") or a.get("kind"))}</h3><dl class="kv">{kv}</dl>'
-        ]
+        parts = [f'<div class="card anomaly"><h3>{_e(a.get("summary") or a.get("kind"))}</h3>']
+        if g["count"] > 1:
+            n_steps = len(g["steps"])
+            parts.append(
+                f'<p class="repeat">{g["count"]}× on {n_steps} step{"s" if n_steps != 1 else ""}, '
+                f"first at step {_e(g['first_step'])}, last at step {_e(g['last_step'])}</p>"
+            )
+        parts.append(f'<dl class="kv">{kv}</dl>')
         if a.get("hint"):
             parts.append(f'<div class="hint">hint: {_e(a["hint"])}</div>')
         t = a.get("tensor")
@@ -252,12 +282,16 @@ def render_meta(meta: Mapping[str, Any]) -> str:
         f"<dt>{_e(k)}</dt><dd>{_e(json.dumps(json_safe(v)) if isinstance(v, (dict, list)) else v)}</dd>"
         for k, v in sorted(config.items())
     )
-    return f'<dl class="kv">{kv}</dl><h2>Config</h2><dl class="kv">{cfg or "<dt>-</dt><dd>none recorded</dd>"}</dl>'
+    return (
+        f'<dl class="kv">{kv}</dl><details><summary>Config ({len(config)} options)</summary>'
+        f'<dl class="kv">{cfg or "<dt>-</dt><dd>none recorded</dd>"}</dl></details>'
+    )
 
 
 def fragments(views: Mapping[str, Any]) -> dict[str, str]:
     """The page's server-rendered parts, keyed as the live dashboard swaps them: ``<key>_html``."""
     return {
+        "verdict_html": render_verdict(views["verdict"]),
         "summary_html": render_summary(views["report"]),
         "cards_html": render_cards(views["anomalies"]),
         "events_html": render_events(views["events"]),
@@ -269,60 +303,74 @@ def fragments(views: Mapping[str, Any]) -> dict[str, str]:
 def render_page(
     views: Mapping[str, Any],
     *,
-    plotly_js: str | None = None,
-    plotly_src: str | None = None,
+    charts_src: str | None = None,
     live_url: str | None = None,
     nav: str = "",
     rank_select: str = "",
+    live_state: Mapping[str, Any] | None = None,
 ) -> str:
-    """The whole page for one run.
+    """The whole page for one run: the verdict first, summary tiles, charts, then the anomaly groups,
+    rule events and the run's metadata.
 
     Args:
-        views: from ``collect_views`` (meta, report, figures, anomalies, events).
-        plotly_js: plotly.js source to inline (the self-contained report).
-        plotly_src: a same-origin URL of plotly.js (the dashboard serves its own copy).
-        live_url: when given, the page polls this JSON URL every 2 s and redraws (dashboard).
+        views: from ``collect_views`` (meta, verdict, report, figures, anomalies, events).
+        charts_src: a same-origin URL of ``tdcharts.js`` (the dashboard serves it); None inlines it
+            (the self-contained report).
+        live_url: when given, the page polls this JSON URL every 2 s for the steps after the last
+            one it holds and appends them (dashboard).
         nav: extra header HTML (the dashboard's link back to the run list).
         rank_select: the dashboard's rank selector (``_rankview.render_rank_selector``), shown above
             the summary of a run of several ranks.
+        live_state: ``{"last_step", "frag"}`` the page starts from (its first poll asks only for
+            what came after).
 
     Returns:
         The HTML text. It loads nothing from the network.
     """
-    if (plotly_js is None) == (plotly_src is None):
-        raise ValueError("pass exactly one of plotly_js (inline) or plotly_src (served URL)")
     meta = views["meta"]
     frag = fragments(views)
     status = str(meta.get("status", "unknown"))
+    level = str(views["verdict"].get("level", ""))
     charts = "".join(
-        f'<div class="chart{" wide" if f["id"] in _WIDE else ""}" id="chart-{_e(f["id"])}"></div>'
+        f'<figure class="chart{" wide" if f["id"] in _WIDE else ""}" id="chart-{_e(f["id"])}">'
+        f'<figcaption><h3 class="chart-title">{_e(f["title"])}</h3>'
+        f'<p class="chart-summary">{_e(f.get("summary") or f.get("empty") or "")}</p></figcaption></figure>'
         for f in views["figures"]
     )
-    plotly_tag = (
-        f"<script>{plotly_js}</script>"
-        if plotly_js is not None
-        else f'<script src="{_e(plotly_src)}"></script>'
+    script = (
+        f"<script>{charts_js()}</script>"
+        if charts_src is None
+        else f'<script src="{_e(charts_src)}"></script>'
     )
-    boot = f"tdDraw({_script_json(views['figures'])});"
+    figs = _script_json(views["figures"])
+    boot = f"tdCharts.draw({figs});"
     if live_url is not None:
-        boot += f"tdLive({_script_json(live_url)}, new URLSearchParams(location.search).get('token'), 2000);"
+        state = dict(live_state or {})
+        boot = (
+            f"var tdFigs = {figs}; tdCharts.draw(tdFigs);"
+            f"tdCharts.live({_script_json(live_url)}, new URLSearchParams(location.search).get('token'), 2000,"
+            f" {{figures: tdFigs, last_step: {_script_json(state.get('last_step'))},"
+            f" frag: {_script_json(state.get('frag', ''))}}});"
+        )
     title = f"torchdebug: {meta.get('name') or meta.get('run_id') or 'run'}"
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="color-scheme" content="light dark">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{_e(title)}</title>'
-        f"<style>{_CSS}</style>{plotly_tag}</head><body>"
-        f'<header>{nav}<h1>{_e(title)}</h1><span id="status" class="badge {_e(status)}">{_e(status)}</span>'
+        f"<style>{_CSS}</style></head><body>"
+        f'<header>{nav}<h1>{_e(title)}</h1><span id="status" class="badge {_e(status)} {_e(level)}">{_e(status)}</span>'
         f'<small id="updated"></small></header><main>'
+        f'<div id="verdict">{frag["verdict_html"]}</div>'
         + (f"<section>{rank_select}</section>" if rank_select else "")
         + f'<section><h2>Summary</h2><div id="summary">{frag["summary_html"]}</div></section>'
+        + f'<section><h2>Charts</h2><div class="grid">{charts}</div></section>'
+        + f'<section><h2>Anomalies</h2><div id="cards">{frag["cards_html"]}</div></section>'
+        + f'<section><h2>Rule events</h2><div id="events" class="table-wrap">{frag["events_html"]}</div></section>'
         + (
-            f'<section><h2>Ranks</h2><div id="ranks">{frag["ranks_html"]}</div></section>'
+            f'<section><h2>Ranks</h2><div id="ranks" class="table-wrap">{frag["ranks_html"]}</div></section>'
             if frag["ranks_html"]
             else ""
         )
-        + f'<section><h2>Anomalies</h2><div id="cards">{frag["cards_html"]}</div></section>'
-        + f'<section><h2>Charts</h2><div class="grid">{charts}</div></section>'
-        f'<section><h2>Rule events</h2><div id="events">{frag["events_html"]}</div></section>'
-        f'<section><h2>Run</h2><div id="meta">{frag["meta_html"]}</div></section>'
-        f"</main><script>{_JS}\n{boot}</script></body></html>\n"
+        + f'<section><h2>Run</h2><div id="meta">{frag["meta_html"]}</div></section>'
+        f"</main>{script}<script>{boot}</script></body></html>\n"
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..._term import printable
 from ...events import module_label
+from ...store._verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, natural_key
 
 _RULE = "-" * 78
@@ -50,7 +51,9 @@ def render_text(report: Mapping[str, Any]) -> str:
     """
     run, s = report["run"], report["summary"]
     perf, mem, grad = report["performance_analysis"], report["memory_analysis"], report["gradient_analysis"]
+    verdict = report.get("verdict") or {}
     out = [
+        f"{verdict.get('text') or run.get('status')}",
         f"torchdebug report: {run.get('name')}",
         f"run id   {run.get('run_id')}",
         f"status   {run.get('status')}",
@@ -75,11 +78,21 @@ def render_text(report: Mapping[str, Any]) -> str:
     if tbp:
         total = sum(tbp.values()) or 1.0
         out.append("  time by phase        " + ", ".join(f"{k} {v / total:.0%}" for k, v in tbp.items()))
-    out += [_RULE, f"Anomalies ({len(report['anomalies'])})"]
+    groups = group_anomalies(report["anomalies"])
+    n = len(report["anomalies"])
+    grouped = f", {len(groups)} group{'s' if len(groups) != 1 else ''} by origin" if len(groups) < n else ""
+    out += [_RULE, f"Anomalies ({n}{grouped})"]
     if not report["anomalies"]:
         out.append("  none: no NaN/Inf was born in this run")
-    for a in report["anomalies"]:
-        out += ["  " + line for line in _anomaly_card(a)]
+    for g in groups:
+        card = _anomaly_card(g["anomaly"])
+        if g["count"] > 1:
+            card.insert(
+                1,
+                f"    {'repeated':<10}{g['count']}x on {len(g['steps'])} steps, "
+                f"first {g['first_step']}, last {g['last_step']}",
+            )
+        out += ["  " + line for line in card]
     out += [_RULE, f"Rule events ({len(report['events'])})"]
     if not report["events"]:
         out.append("  none")

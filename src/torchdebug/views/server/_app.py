@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import html
 import ipaddress
@@ -23,14 +24,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..._errors import RunStoreError
 from ..._version import __version__
 from ...events import is_anomalous, rule_counts, training_summary
-from ..report import build_report, collect_views, fragments, plotly_js, render_page
+from ..report import build_report, collect_views, fragments, render_page
 from ..report._format import json_safe
+from ..report._html import charts_js
 from ..report._rankview import render_rank_selector
 from ._cache import CachedRun, SeriesCache, ViewsCache
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 # library code and the browser's icon probe, no run data: loadable by <script> without a header
-_PUBLIC = {"/static/plotly.min.js", "/favicon.ico"}
+_PUBLIC = {"/static/tdcharts.js", "/favicon.ico"}
+CHARTS_URL = "/static/tdcharts.js"
 DEFAULT_MAX_POINTS = 2000
 # Host names every dashboard answers to: loopback. IP literals are accepted too (a DNS-rebinding page
 # reaches the server under its own domain name, never under an address).
@@ -188,24 +191,80 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
     return training_summary(total, anomaly_steps, *rule_counts(kinds))
 
 
-def _runs_page(infos: list[Any], token_q: str) -> str:
-    rows = "".join(
-        f'<tr><td><a href="/runs/{html.escape(Path(i.path).name)}{token_q}">{html.escape(i.name)}</a></td>'
-        f'<td><span class="badge {html.escape(i.status)}">{html.escape(i.status)}</span>'
-        f"{f' <b>incomplete: {i.lost} records lost</b>' if i.lost else ''}</td>"
-        f"<td class=num>{i.steps}</td><td class=num>{i.anomalies}</td><td>{html.escape(i.created or '-')}</td>"
-        f"<td><code>{html.escape(Path(i.path).name)}</code></td></tr>"
-        for i in reversed(infos)
+def _run_row(i: Any, token_q: str) -> str:
+    rid = html.escape(Path(i.path).name)
+    lost = f" <b>incomplete: {i.lost} records lost</b>" if i.lost else ""
+    return (
+        f'<tr data-id="{rid}"><td><a href="/runs/{rid}{token_q}">{html.escape(i.name)}</a></td>'
+        f'<td data-k="status"><span class="badge {html.escape(i.status)}">{html.escape(i.status)}</span>{lost}</td>'
+        f'<td class=num data-k="steps">{i.steps}</td><td class=num data-k="anomalies">{i.anomalies}</td>'
+        f"<td>{html.escape(i.created or '-')}</td><td><code>{rid}</code></td></tr>"
     )
+
+
+# The run list refreshes itself in place: new runs are inserted, changed cells rewritten; rows the
+# user is on (focus, scroll) stay the same elements.
+_RUNS_JS = """
+(function () {
+  var tok = new URLSearchParams(location.search).get('token');
+  var headers = tok ? {'Authorization': 'Bearer ' + tok} : {};
+  var q = tok ? '?token=' + encodeURIComponent(tok) : '';
+  function cell(tr, k) { return tr.querySelector('[data-k="' + k + '"]'); }
+  async function poll() {
+    try {
+      var r = await fetch('/api/runs', {headers: headers, cache: 'no-store'});
+      if (r.ok) {
+        var runs = (await r.json()).runs, body = document.getElementById('runs-body');
+        runs.forEach(function (run) {
+          var tr = body.querySelector('tr[data-id="' + CSS.escape(run.id) + '"]');
+          if (!tr) {
+            tr = document.createElement('tr'); tr.dataset.id = run.id;
+            var a = document.createElement('a'); a.href = '/runs/' + encodeURIComponent(run.id) + q; a.textContent = run.name;
+            var c0 = document.createElement('td'); c0.appendChild(a); tr.appendChild(c0);
+            ['status', 'steps', 'anomalies'].forEach(function (k) {
+              var td = document.createElement('td'); td.dataset.k = k; if (k !== 'status') td.className = 'num'; tr.appendChild(td);
+            });
+            var c4 = document.createElement('td'); c4.textContent = run.created || '-'; tr.appendChild(c4);
+            var c5 = document.createElement('td'), code = document.createElement('code'); code.textContent = run.id;
+            c5.appendChild(code); tr.appendChild(c5);
+            body.insertBefore(tr, body.firstChild);
+            var none = document.getElementById('no-runs'); if (none) none.remove();
+          }
+          var st = cell(tr, 'status'), badge = st.querySelector('.badge');
+          if (!badge) { badge = document.createElement('span'); st.appendChild(badge); }
+          if (badge.textContent !== run.status) { badge.textContent = run.status; badge.className = 'badge ' + run.status; }
+          if (cell(tr, 'steps').textContent !== String(run.steps)) cell(tr, 'steps').textContent = run.steps;
+          if (cell(tr, 'anomalies').textContent !== String(run.anomalies)) cell(tr, 'anomalies').textContent = run.anomalies;
+        });
+      }
+    } catch (e) {}
+    setTimeout(poll, 5000);
+  }
+  setTimeout(poll, 5000);
+})();
+"""
+
+
+def _runs_page(infos: list[Any], token_q: str) -> str:
+    rows = "".join(_run_row(i, token_q) for i in reversed(infos))
     from ..report._html import _CSS
 
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8><title>torchdebug runs</title>"
-        f"<meta http-equiv=refresh content=5><style>{_CSS}</style></head><body><header><h1>torchdebug runs</h1>"
-        f"<small>torchdebug {html.escape(__version__)}</small></header><main><table><tr><th>run</th><th>status</th>"
-        f"<th>steps</th><th>anomalies</th><th>created</th><th>folder</th></tr>{rows}</table>"
-        f"{'' if infos else '<p class=empty>No runs yet.</p>'}</main></body></html>"
+        '<meta name="color-scheme" content="light dark">'
+        f"<style>{_CSS}</style></head><body><header><h1>torchdebug runs</h1>"
+        f"<small>torchdebug {html.escape(__version__)}</small></header><main><table><thead><tr><th>run</th><th>status</th>"
+        f'<th>steps</th><th>anomalies</th><th>created</th><th>folder</th></tr></thead><tbody id="runs-body">{rows}</tbody></table>'
+        f"{'' if infos else '<p class=empty id=no-runs>No runs yet.</p>'}</main><script>{_RUNS_JS}</script></body></html>"
     )
+
+
+def _frag_version(frag: dict[str, str], status: str) -> str:
+    """A short hash of the page fragments: the live page sends it back and gets them only when they changed."""
+    h = hashlib.sha1(status.encode())
+    for k in sorted(frag):
+        h.update(frag[k].encode())
+    return h.hexdigest()[:16]
 
 
 def create_app(
@@ -262,6 +321,11 @@ def create_app(
             '(never dropped). Errors answer {"error": message}.'
         ),
     )
+
+    # pages, JSON and the chart script travel compressed (the browser always asks for gzip)
+    from starlette.middleware.gzip import GZipMiddleware
+
+    app.add_middleware(GZipMiddleware, minimum_size=1000)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -366,8 +430,12 @@ def create_app(
             select = render_rank_selector(list(run.ranks), run.rank, lambda k: f"{base}?rank={k}{tok}")
         back = "" if catalog.single else f'<a href="/{token_query(request)}">all runs</a>'
         live = f"/api/runs/{run_id}/views" + (f"?rank={rank}" if rank is not None else "")
+        state = {
+            "last_step": views.get("last_step"),
+            "frag": _frag_version(fragments(views), views["status"]),
+        }
         page = render_page(
-            views, plotly_src="/static/plotly.min.js", live_url=live, nav=back, rank_select=select
+            views, charts_src=CHARTS_URL, live_url=live, nav=back, rank_select=select, live_state=state
         )
         return HTMLResponse(page)
 
@@ -375,16 +443,20 @@ def create_app(
     def favicon() -> Response:
         return Response(status_code=204)  # no icon; answered so browsers log no 404
 
-    @app.get("/static/plotly.min.js", include_in_schema=False)
-    def plotly_bundle() -> Response:
-        if "plotly" not in state:
-            state["plotly"] = plotly_js().encode()
-        return Response(
-            state["plotly"], media_type="application/javascript", headers={"Cache-Control": "max-age=86400"}
-        )
+    @app.get(CHARTS_URL, include_in_schema=False)
+    def charts_bundle(request: Request) -> Response:
+        if "charts" not in state:
+            body = charts_js().encode()
+            state["charts"] = (body, '"' + hashlib.sha1(body).hexdigest()[:20] + '"')
+        body, etag = state["charts"]
+        # cached for an hour, then revalidated: an upgrade's new script arrives within the hour
+        headers = {"Cache-Control": "public, max-age=3600", "ETag": etag}
+        if etag in request.headers.get("if-none-match", ""):
+            return Response(status_code=304, headers=headers)
+        return Response(body, media_type="application/javascript", headers=headers)
 
-    def _views(run: Any, max_points: int) -> dict[str, Any]:
-        v = collect_views(run, max_points=max_points)
+    def _views(run: Any, max_points: int, since_step: int | None = None) -> dict[str, Any]:
+        v = collect_views(run, max_points=max_points, since_step=since_step)
         return json_safe(v)
 
     # -- JSON API ----------------------------------------------------------------------------------
@@ -496,13 +568,41 @@ def create_app(
         run_id: str,
         max_points: int = Query(DEFAULT_MAX_POINTS, ge=2, le=100_000),
         rank: int | None = Query(None, ge=0, description="which rank's database (default 0)"),
+        since_step: int | None = Query(
+            None, ge=0, description="figures hold only steps >= this (the live page appends them)"
+        ),
+        frag: str | None = Query(
+            None,
+            max_length=64,
+            description="the fragments' version the page holds: unchanged ones are left out",
+        ),
     ) -> Response:
-        """What the live page redraws every 2 s: plotly figures and server-rendered HTML fragments."""
+        """What the live page polls every 2 s: the verdict, the figures (with ``since_step``: only the
+        new steps, to append) and the server-rendered HTML fragments when they changed.
+
+        ``last_step`` is the run's last step: the page's next ``since_step``. ``frag`` is the
+        fragments' version; when the request's ``frag`` equals it the ``*_html`` keys are left out.
+        """
         with opened(run_id, rank) as run:
-            views = views_cache.get(
-                run.path, f"views:{max_points}:{run.rank}", lambda: _views(run, max_points)
-            )
-        payload = {"status": views["status"], "figures": views["figures"], **fragments(views)}
+            if since_step is None:
+                views = views_cache.get(
+                    run.path, f"views:{max_points}:{run.rank}", lambda: _views(run, max_points)
+                )
+            else:
+                views = _views(run, max_points, since_step)
+        parts = fragments(views)
+        version = _frag_version(parts, views["status"])
+        payload: dict[str, Any] = {
+            "status": views["status"],
+            "level": views["verdict"]["level"],
+            "verdict": views["verdict"]["text"],
+            "last_step": views.get("last_step"),
+            "since_step": since_step,
+            "figures": views["figures"],
+            "frag": version,
+        }
+        if frag != version:
+            payload.update(parts)
         return _json(payload)
 
     # -- seed-era endpoints ------------------------------------------------------------------------

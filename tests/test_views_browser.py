@@ -1,0 +1,336 @@
+"""The report and the dashboard in a real headless Chromium: verdict, groups, charts, weight, dark mode, live.
+
+Runs come from the real ``watch()`` on tiny models (``watched_runs`` in conftest); the dashboard is
+the real server on a free port.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+pytest.importorskip("fastapi")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from tests.fixtures.runs import train_steps  # noqa: E402
+from tests.test_dashboard_browser import ARGS, CHROMIUM  # noqa: E402
+from torchdebug.store import create_run  # noqa: E402
+from torchdebug.views.report import render_report  # noqa: E402
+from torchdebug.views.server import serve  # noqa: E402
+
+pytestmark = pytest.mark.browser
+
+REPORT_BUDGET = 1_000_000  # bytes: one self-contained report file
+PAGE_BUDGET = 1_500_000  # bytes transferred: a dashboard page and everything it loads
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no browser at {CHROMIUM} (install it: bash scripts/ensure_browser.sh)")
+    with sync_api.sync_playwright() as p:
+        try:
+            b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        except Exception as e:  # a broken install must not fail the suite
+            pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def reports(watched_runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("reports")
+    paths = {}
+    for name, run in watched_runs.items():
+        paths[name] = out / f"{name}.html"
+        render_report(run, "html", path=paths[name])
+    return paths
+
+
+def _open(browser: Any, url: str, width: int = 1366, scheme: str = "light") -> tuple[Any, list[str]]:
+    page = browser.new_page(viewport={"width": width, "height": 900}, color_scheme=scheme)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function(
+        "window.tdCharts !== undefined && document.querySelector('.chart svg, .chart.is-empty')"
+    )
+    return page, errors
+
+
+# --------------------------------------------------------------------------------- verdict and groups
+
+
+@pytest.mark.parametrize(
+    ("name", "level", "start"),
+    [
+        ("failed", "error", "failed at step 3: nan born in forward of blocks.1.act (LogAct): aten.log at "),
+        ("diverged", "warning", "finished, but diverged at step 10"),
+        ("healthy", "ok", "finished: 140 steps, no anomalies"),
+    ],
+)
+def test_the_verdict_comes_first_in_report_and_dashboard(
+    browser: Any, reports: dict[str, Path], watched_runs: dict[str, Path], name: str, level: str, start: str
+) -> None:
+    page, errors = _open(browser, reports[name].as_uri())
+    try:
+        verdict = page.locator("main > *").first
+        assert verdict.get_attribute("id") == "verdict"  # before the summary, charts and cards
+        assert page.inner_text("#verdict").startswith(start)
+        assert page.locator(f"#verdict .verdict.{level}").count() == 1
+        assert level in (page.get_attribute("#status", "class") or "").split()
+    finally:
+        page.close()
+    with serve(watched_runs[name].parent, port=0) as h:
+        page, errors2 = _open(browser, f"{h.url}/runs/{watched_runs[name].name}")
+        try:
+            assert page.inner_text("#verdict").startswith(start)
+            assert page.locator(f"#verdict .verdict.{level}").count() == 1
+        finally:
+            page.close()
+    assert errors == [] and errors2 == []
+
+
+def test_repeated_anomalies_are_grouped_below_the_charts(browser: Any, reports: dict[str, Path]) -> None:
+    page, errors = _open(browser, reports["warned"].as_uri())
+    try:
+        # 30 anomalies (steps 10..39): the first traced at blocks.1.act, 29 then seen in the weights
+        assert page.locator("#cards .card.anomaly").count() == 2
+        assert "30 anomalies in 2 groups" in page.inner_text("#cards")
+        second = page.locator("#cards .card.anomaly").nth(1).inner_text()
+        assert "29× on 29 steps, first at step 11, last at step 39" in second
+        charts_y = page.locator("h2", has_text="Charts").bounding_box()["y"]
+        cards_y = page.locator("h2", has_text="Anomalies").bounding_box()["y"]
+        assert charts_y < cards_y
+    finally:
+        page.close()
+    assert errors == []
+
+
+# --------------------------------------------------------------------------------- charts
+
+
+_OVERFLOW_JS = """() => {
+  const bad = [];
+  for (const svg of document.querySelectorAll('.chart svg')) {
+    const box = svg.getBoundingClientRect();
+    const ticks = [];
+    for (const t of svg.querySelectorAll('text')) {
+      const r = t.getBoundingClientRect();
+      if (!r.width) continue;
+      if (r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5 || r.bottom > box.bottom + 0.5)
+        bad.push(svg.closest('.chart').id + ': "' + t.textContent + '" outside its chart');
+      ticks.push([t.textContent, r]);
+    }
+    for (let i = 0; i < ticks.length; i++) for (let j = i + 1; j < ticks.length; j++) {
+      const a = ticks[i][1], b = ticks[j][1];
+      const w = Math.min(a.right, b.right) - Math.max(a.left, b.left);
+      const hgt = Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top);
+      if (w > 1 && hgt > 1) bad.push(svg.closest('.chart').id + ': "' + ticks[i][0] + '" overprints "' + ticks[j][0] + '"');
+    }
+  }
+  for (const svg of document.querySelectorAll('.chart svg')) {  // event / NaN markers inside the plot area
+    const frame = svg.querySelector('rect.frame');
+    if (!frame) continue;
+    const f = frame.getBoundingClientRect();
+    for (const m of svg.querySelectorAll('g.marks path')) {
+      const r = m.getBoundingClientRect();
+      if (r.left < f.left - 0.5 || r.right > f.right + 0.5 || r.top < f.top - 0.5 || r.bottom > f.bottom + 0.5)
+        bad.push(svg.closest('.chart').id + ': a marker outside the plot area');
+    }
+  }
+  if (document.documentElement.scrollWidth > window.innerWidth) bad.push('page scrolls sideways');
+  return bad;
+}"""
+
+
+_TICK_VALUES_JS = """(sel) => {
+  const sup = {'⁻': '-', '⁰': '0', '¹': '1', '²': '2', '³': '3', '⁴': '4', '⁵': '5', '⁶': '6', '⁷': '7', '⁸': '8', '⁹': '9'};
+  const ticks = [...document.querySelectorAll(sel + ' text.tick.y')].map(t => [t.getBoundingClientRect().top, t.textContent]);
+  ticks.sort((a, b) => a[0] - b[0]);
+  return ticks.map(([_, s]) => /^10[⁻⁰¹²³⁴⁵⁶⁷⁸⁹]+$/.test(s) ? Math.pow(10, Number([...s.slice(2)].map(c => sup[c]).join(''))) : Number(s));
+}"""
+
+
+@pytest.mark.parametrize("width", [800, 1366])
+@pytest.mark.parametrize("name", ["diverged", "warned"])
+def test_no_label_is_cut_or_overprinted(
+    browser: Any, reports: dict[str, Path], name: str, width: int
+) -> None:
+    page, errors = _open(browser, reports[name].as_uri(), width=width)
+    try:
+        assert page.locator(".chart svg").count() >= 4
+        assert page.locator("g.marks path").count() >= 1  # markers drawn (and checked below)
+        assert page.evaluate(_OVERFLOW_JS) == []
+        # log axes read as powers of ten or whole numbers, never a bare minor digit
+        # log axes: every label is the full value at its height (a bare minor digit "2" between
+        # "10⁻³" and "10⁻²" would break the order), read top to bottom
+        for chart in ("grad_norm", "update_ratio"):
+            values = page.evaluate(_TICK_VALUES_JS, f"#chart-{chart}")
+            assert len(values) >= 2 and values == sorted(values, reverse=True), values
+            assert len(set(values)) == len(values)
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_charts_have_a_text_alternative_and_no_empty_plot(browser: Any, reports: dict[str, Path]) -> None:
+    page, errors = _open(browser, reports["healthy"].as_uri())
+    try:
+        for fig in page.locator(".chart.has-plot").all():
+            assert fig.locator(".chart-title").inner_text()
+            assert fig.locator(".chart-summary").inner_text()
+            label = fig.locator("svg").get_attribute("aria-label") or ""
+            assert label.startswith(fig.locator(".chart-title").inner_text() + ". ")
+        # no NaN/Inf in a healthy run: one line of text, no chart
+        assert page.locator("#chart-nonfinite svg").count() == 0
+        assert page.inner_text("#chart-nonfinite") == "NaN / Inf counts: none in this run"
+        assert page.inner_text("#chart-loss .chart-summary").startswith("loss 1.401 at step 0 -> ")
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_log_toggle_smoothing_and_legend_below_the_plot(browser: Any, reports: dict[str, Path]) -> None:
+    page, errors = _open(browser, reports["diverged"].as_uri())
+    try:
+        before = page.locator("#chart-loss text.tick.y").all_text_contents()
+        page.check("#chart-loss input[data-tool=log]")
+        after = page.locator("#chart-loss text.tick.y").all_text_contents()
+        assert before != after and any(t.startswith("10") and len(t) > 2 for t in after)  # 10⁻¹, 10²...
+        paths = page.locator("#chart-loss svg path").count()
+        page.select_option("#chart-loss select[data-tool=smooth]", "0.9")
+        assert page.locator("#chart-loss svg path").count() == paths + 1  # the smoothed line over the raw one
+        plot = page.locator("#chart-update_ratio svg").bounding_box()
+        legend = page.locator("#chart-update_ratio .legend").bounding_box()
+        assert legend["y"] >= plot["y"] + plot["height"] - 0.5  # below, never over the plot
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_dark_mode_follows_the_system(browser: Any, reports: dict[str, Path]) -> None:
+    lum = "(c => { const [r, g, b] = c.match(/\\d+/g).map(Number); return (0.2126*r + 0.7152*g + 0.0722*b) / 255; })"
+    page, errors = _open(browser, reports["diverged"].as_uri(), scheme="dark")
+    try:
+        bg = page.evaluate(f"{lum}(getComputedStyle(document.body).backgroundColor)")
+        card = page.evaluate(f"{lum}(getComputedStyle(document.querySelector('.chart')).backgroundColor)")
+        tick = page.evaluate(f"{lum}(getComputedStyle(document.querySelector('#chart-loss text.tick')).fill)")
+        assert bg < 0.15 and card < 0.2 and tick > 0.5
+    finally:
+        page.close()
+    page, _ = _open(browser, reports["diverged"].as_uri(), scheme="light")
+    try:
+        assert page.evaluate(f"{lum}(getComputedStyle(document.body).backgroundColor)") > 0.9
+    finally:
+        page.close()
+    assert errors == []
+
+
+# --------------------------------------------------------------------------------- weight and network
+
+
+def test_report_weight_is_under_the_budget(reports: dict[str, Path]) -> None:
+    for name, path in reports.items():
+        assert path.stat().st_size < REPORT_BUDGET, name
+
+
+def test_dashboard_stays_on_its_own_origin_and_under_the_weight_budget(
+    browser: Any, watched_runs: dict[str, Path]
+) -> None:
+    run = watched_runs["diverged"]
+    with serve(run.parent, port=0) as h:
+        page = browser.new_page(viewport={"width": 1366, "height": 900})
+        requests: list[Any] = []
+        page.on("requestfinished", lambda r: requests.append(r))
+        page.goto(f"{h.url}/runs/{run.name}")
+        page.wait_for_selector("#chart-loss svg")
+        page.wait_for_load_state("networkidle")
+        try:
+            origin = urlsplit(h.url).netloc
+            assert requests and all(urlsplit(r.url).netloc == origin for r in requests), [
+                r.url for r in requests
+            ]
+            moved = sum(r.sizes()["responseBodySize"] + r.sizes()["responseHeadersSize"] for r in requests)
+            assert moved < PAGE_BUDGET
+            script = next(r for r in requests if r.url.endswith("/static/tdcharts.js"))
+            headers = script.response().all_headers()
+            assert headers.get("content-encoding") == "gzip" and headers.get("etag")
+            assert "max-age" in headers.get("cache-control", "")
+            # nothing that uploads or shares: no form, no link off the machine, no "share" control
+            assert page.locator("form").count() == 0
+            hosts = page.evaluate("[...document.querySelectorAll('a[href]')].map(a => new URL(a.href).host)")
+            assert all(x == origin for x in hosts)
+            text = page.inner_text("body").lower()
+            assert "share" not in text and "cloud" not in text
+        finally:
+            page.close()
+
+
+# --------------------------------------------------------------------------------- live updates
+
+
+def test_live_page_appends_new_steps_without_reloading(browser: Any, tmp_path: Path) -> None:
+    writer = create_run(root=tmp_path, name="live", flush_interval=0.1)
+    train_steps(writer, 5)
+    writer.flush()
+    stop = threading.Event()
+
+    def training() -> None:
+        step = 5
+        while not stop.is_set() and step < 300:
+            train_steps(writer, 1, start=step, seed=step)
+            step += 1
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=training, daemon=True)
+    try:
+        with serve(tmp_path, port=0) as h:
+            page = browser.new_page(viewport={"width": 1366, "height": 900})
+            views: list[str] = []
+            page.on("request", lambda r: views.append(r.url) if "/views" in r.url else None)
+            page.goto(f"{h.url}/runs/{writer.path.name}")
+            page.wait_for_selector("#chart-loss svg")
+            page.evaluate("window.__kept = 42")
+            first = page.evaluate("document.getElementById('chart-loss').data[0].x.length")
+            thread.start()
+            page.wait_for_function(
+                f"document.getElementById('chart-loss').data[0].x.length > {first} + 5", timeout=20_000
+            )
+            assert page.evaluate("window.__kept") == 42  # the same document: no reload
+            assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+            assert views and all("since_step=" in u for u in views)  # only new steps asked for
+            xs = page.evaluate("document.getElementById('chart-loss').data[0].x")
+            assert xs == sorted(set(xs))  # appended in order, no step twice
+            page.close()
+    finally:
+        stop.set()
+        thread.join(30)
+        writer.close()
+
+
+def test_run_list_updates_in_place(browser: Any, tmp_path: Path) -> None:
+    first = create_run(root=tmp_path, name="first")
+    train_steps(first, 2)
+    first.close()
+    with serve(tmp_path, port=0) as h:
+        page = browser.new_page(viewport={"width": 1366, "height": 900})
+        page.goto(f"{h.url}/")
+        page.evaluate("window.__kept = 7")
+        page.focus("#runs-body a")
+        second = create_run(root=tmp_path, name="second")
+        train_steps(second, 3)
+        second.close()
+        try:
+            page.wait_for_function("document.querySelectorAll('#runs-body tr').length === 2", timeout=20_000)
+            assert page.evaluate("window.__kept") == 7
+            assert page.evaluate("document.activeElement.textContent") == "first"  # focus kept
+            assert page.locator("#runs-body tr").first.locator("a").inner_text() == "second"
+        finally:
+            page.close()
