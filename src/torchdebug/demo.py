@@ -191,7 +191,10 @@ def register(subparsers: Any) -> None:
 
     p.add_argument("--steps", type=int_in_range(1), default=300, help="training steps (default 300)")
     p.add_argument(
-        "--bad-step", type=int, default=200, help="step whose batch holds an all-padding sequence (-1: none)"
+        "--bad-step",
+        type=_bad_step,
+        default=200,
+        help="step in [0, steps) whose batch holds an all-padding sequence, or 'none' (default 200)",
     )
     p.add_argument(
         "--policy",
@@ -201,11 +204,32 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--runs", default="runs", help="folder for the run (default ./runs)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, demo_parser=p)
+
+
+def _bad_step(text: str) -> int | None:
+    """``--bad-step``: a step >= 0 or ``none``; the upper bound (``--steps``) is checked in ``_run``."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a step >= 0 or 'none' (no bad batch), got {text[:40]!r}")
+    return value
 
 
 def _run(args: argparse.Namespace) -> int:
-    bad = None if args.bad_step is None or args.bad_step < 0 else args.bad_step
+    bad = args.bad_step
+    if bad is not None and bad >= args.steps and getattr(args, "scenario", None) in (None, "autograd"):
+        try:  # the parser's own usage line and exit code 2, as for a bad value of any other option
+            args.demo_parser.error(
+                f"argument --bad-step: expected a step in [0, {args.steps}) (--steps {args.steps}) or "
+                f"'none' (no bad batch), got {bad}"
+            )
+        except SystemExit as usage:
+            return int(usage.code or 2)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     if getattr(args, "scenario", None) not in (None, "autograd"):
         from .demos import run_scenario

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._config import DebugConfig, DebugLevel, coerce_config
+from .._config import DebugConfig, DebugLevel, check_path, coerce_config
 from .._errors import NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._tensors import unwrap_optimizer
@@ -134,6 +134,8 @@ class Monitor:
         self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
         self.scaler = scaler
         self.early_stopping = early_stopping
+        if isinstance(run, (str, bytes, os.PathLike)):
+            check_path(os.fspath(run), "run")  # a NUL byte would only fail later, inside the user's `with`
         self._run_arg = run
         self.names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
