@@ -271,6 +271,14 @@ def writer_is_open(run_dir: Path, rank: int) -> bool:
     return False
 
 
+def describe(error: BaseException | None) -> str:
+    """A SQLite failure in words. Text that is not UTF-8 inside the file (a flipped byte in the
+    schema, or in a name) surfaces as Python's bare ``'utf-8' codec can't decode ...``: say what it is."""
+    if isinstance(error, UnicodeDecodeError):
+        return f"database disk image is malformed: bytes that are not UTF-8 text at offset {error.start} of a text"
+    return str(error)
+
+
 _MAGIC = b"SQLite format 3\x00"
 
 
@@ -324,11 +332,17 @@ def _connect(path: Path, query: str) -> _ReadConnection:
 def _read_mode(path: Path, header: bytes) -> str:
     """How to open ``path`` without writing a byte into its folder: a URI query, or "copy" (read a
     private copy of the database and its -wal)."""
-    if header[18] != 2:  # rollback journal (every closed run): a read creates no file
-        return "mode=ro"
     wal, shm = Path(str(path) + "-wal"), Path(str(path) + "-shm")
     m = _RANK_DB.match(path.name)
-    if m and writer_is_open(path.parent, int(m.group(1))):
+    live = m is not None and writer_is_open(path.parent, int(m.group(1)))
+    if header[18] != 2:  # rollback journal: every closed run (the writer checkpointed everything)
+        if not live and (wal.exists() or shm.exists()):
+            # A stray -wal/-shm beside a closed database (a copy, a tool, random bytes): mode=ro would
+            # replay it and build a -shm, i.e. write into the run. Nothing newer than the file can be
+            # in it (close() checkpoints before leaving WAL mode), so read the file alone.
+            return "immutable=1"
+        return "mode=ro"  # a read creates no file
+    if live:
         return "mode=ro"  # a live writer owns the -shm index; readers share it as SQLite intends
     if wal.exists() and shm.exists():
         # A killed writer: read the WAL into memory and leave the stale -shm alone (plain mode=ro
@@ -414,7 +428,7 @@ def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
         if conn is not None:
             conn.close()
         raise
-    except (sqlite3.Error, OSError) as e:
+    except (sqlite3.Error, OSError, UnicodeDecodeError) as e:
         if conn is not None:
             conn.close()
         first_error = e
@@ -429,16 +443,16 @@ def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
         if conn is not None:
             conn.close()
         raise
-    except sqlite3.Error as e:
+    except (sqlite3.Error, UnicodeDecodeError) as e:
         if conn is not None:
             conn.close()
         raise RunStoreError(
-            f"{path} is corrupt ({first_error}; an immutable read fails too: {e}); the run cannot be read, "
-            "restore it from a backup"
+            f"{path} is corrupt ({describe(first_error)}; an immutable read fails too: {describe(e)}); the run "
+            "cannot be read, restore it from a backup"
         ) from e
     if wal.exists() and wal.stat().st_size > 0:
         note = (
-            f"read without {wal.name} ({first_error}): records of the last seconds before the writer "
+            f"read without {wal.name} ({describe(first_error)}): records of the last seconds before the writer "
             "stopped may be missing; copy the run folder to writable storage to read them"
         )
     return conn, version, note

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._errors import RunStoreError, SchemaVersionError
 from . import _rollup, _validate
-from ._schema import SCHEMA_VERSION, open_for_reading
+from ._schema import SCHEMA_VERSION, describe, open_for_reading
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
 # A timing sample's "step" key is its index; the step's duration, logged as "step", reads as "total".
@@ -264,9 +264,9 @@ class Run:
             raise ValueError(f"a step or count out of range: {e}") from None
         except sqlite3.ProgrammingError as e:
             raise RunStoreError(f"{self.db_path}: {e} (was the run closed?)") from e
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
             raise RunStoreError(
-                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it from a backup"
+                f"{self.db_path} is corrupt ({describe(e)}); the run cannot be read, restore it from a backup"
             ) from e
 
     def _db_meta(self) -> dict[str, Any]:
@@ -281,7 +281,14 @@ class Run:
 
     def metric_names(self) -> list[str]:
         """Names of all logged metrics, sorted."""
-        return [r[0] for r in self._rows("SELECT name FROM metrics ORDER BY name")]
+        rows = self._rows("SELECT id, name FROM metrics ORDER BY name")
+        for mid, name in rows:
+            if not isinstance(name, str):
+                raise RunStoreError(
+                    f"{self.db_path}: metrics row {mid} holds {name!r:.40} where a name belongs; the run's "
+                    "database is corrupt or was altered, restore it from a backup"
+                )
+        return [name for _, name in rows]
 
     def _metric_id(self, name: str) -> int:
         if not isinstance(name, str):
