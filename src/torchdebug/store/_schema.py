@@ -18,7 +18,7 @@ from . import _rollup
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -99,12 +99,26 @@ def _add_rollups_v2(conn: sqlite3.Connection) -> None:
     # v2: per-bucket metric summaries (see _rollup.py), built here for the raw rows a v1 writer left
     # (a resumed run); a reader of a v1 file never migrates it and reads raw rows instead.
     conn.execute(_rollup.CREATE)
+    _add_last_v3(conn)  # the upsert writes the v3 columns
     _rollup.backfill(conn)
+
+
+def _add_last_v3(conn: sqlite3.Connection) -> None:
+    # v3: each rollup row keeps its bucket's last point; long runs are compacted (see _compact.py),
+    # so a reader of v2 must not read a compacted file as if every raw row were there.
+    have = {row[1] for row in conn.execute("PRAGMA table_info(metric_rollup)")}
+    for statement in _rollup.ADD_LAST:
+        if statement.split()[-2] not in have:  # "ALTER TABLE ... ADD COLUMN <name> REAL"
+            conn.execute(statement)
 
 
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _create_v1, 1: _add_rollups_v2}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    0: _create_v1,
+    1: _add_rollups_v2,
+    2: _add_last_v3,
+}
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
 
