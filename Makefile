@@ -38,6 +38,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/memory_timing_overhead.py
 	$(BIN)/python benchmarks/store_throughput.py
 	$(BIN)/python benchmarks/dashboard_api.py
+	$(BIN)/python benchmarks/store_scale.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -76,12 +76,12 @@ def test_every_spike_stays_on_the_chart_and_the_mean_and_last_are_kept(long_run:
 def test_timings_keep_each_buckets_last_and_slowest_sample(long_run: Path) -> None:
     with open_run(long_run) as run:
         steps = sorted({t["step"] for t in run.timings() if t["step"] < 4096})
-        # one chunk: 256 buckets of 16 steps, each keeps its last step (16b + 15) and its slowest:
-        # every step takes 0.5 s there, and among ties the first (16b) counts as the slowest
-        assert steps == sorted([b * 16 for b in range(256)] + [b * 16 + 15 for b in range(256)])
-        slow = [t for t in run.timings() if 6992 <= t["step"] < 7008]
-        # the bucket [6992, 7008): its slowest (7003, 2 s) and its last (7007)
-        assert [(t["step"], t["total"]) for t in slow] == [(7003, 2.0), (7007, 0.5)]
+        # one chunk: 64 buckets of 64 steps, each keeps its last step (64b + 63) and its slowest:
+        # every step takes 0.5 s there, and among ties the first (64b) counts as the slowest
+        assert steps == sorted([b * 64 for b in range(64)] + [b * 64 + 63 for b in range(64)])
+        slow = [t for t in run.timings() if 6976 <= t["step"] < 7040]
+        # the bucket [6976, 7040): its slowest (7003, 2 s) and its last (7039)
+        assert [(t["step"], t["total"]) for t in slow] == [(7003, 2.0), (7039, 0.5)]
 
 
 def test_runs_reads_a_closed_runs_summary_not_its_database(long_run: Path, tmp_path: Path) -> None:

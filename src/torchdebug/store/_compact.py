@@ -8,7 +8,7 @@ bucket is whole) are compacted in one transaction:
   rollups keep every bucket's min, max (spikes), sum/count (mean), last and earliest NaN.
 - ``metric_rollup``: levels below ``KEEP_LEVEL`` are deleted (a chart of a compacted span reads
   buckets of at least ``KEEP_LEVEL`` steps; 1M steps at 2000 points need 1024).
-- ``timings``: per 16-step bucket the last step's sample and the slowest step's sample stay (the
+- ``timings``: per 64-step bucket the last step's sample and the slowest step's sample stay (the
   means stay sampled, the slow steps stay visible), plus every sample near an event or anomaly.
 - ``anomalies``, ``events``, ``segments``, ``memory`` (one sample per ``memory_every`` steps) and
   ``tensor_stats`` (detail steps) are never compacted.
@@ -36,7 +36,7 @@ NEAR = 32
 #: Finest rollup level kept in compacted spans.
 KEEP_LEVEL = 256
 #: Timing samples: one bucket of this many steps keeps its last and its slowest sample.
-TIMING_BUCKET = 16
+TIMING_BUCKET = 64
 
 
 def _meta_int(conn: sqlite3.Connection, key: str) -> int:
