@@ -148,22 +148,26 @@ def _read_meta(path: Path) -> dict[str, Any]:
 _RUN_FILE = re.compile(r"^(meta\.json|rank\d+\.sqlite(-wal|-shm)?)$")
 
 
-def outside_root(run_dir: Path, root: Path) -> str | None:
+def outside_root(run_dir: Path, root: Path, resolved: Path | None = None) -> str | None:
     """Why ``run_dir`` may not be served from ``root``, or None: it, or one of its files, resolves
     (through symlinks) outside. A served folder shows only what is inside it.
 
+    ``resolved``: ``root.resolve()``, passed when ``run_dir`` is known to be a plain folder (not a
+    link) directly under ``root`` (``list_runs``): no path is resolved then but the links inside.
+
     Example: ``outside_root(Path("runs/a"), Path("runs"))`` -> None for an ordinary run folder.
     """
-    real_root = root.resolve()
-    real = run_dir.resolve()
+    real_root = resolved if resolved is not None else root.resolve()
+    real = real_root / run_dir.name if resolved is not None else run_dir.resolve()
     if real.parent != real_root:
         return f"{run_dir} leads outside {root} (to {real}); refused"
     try:
-        entries = list(run_dir.iterdir())
+        with os.scandir(run_dir) as it:
+            links = [Path(e.path) for e in it if _RUN_FILE.match(e.name) and e.is_symlink()]
     except OSError:
         return None  # opening it will say why
-    for f in entries:
-        if _RUN_FILE.match(f.name) and f.resolve().parent != real:
+    for f in links:  # a plain file cannot lead elsewhere: only links are resolved
+        if f.resolve().parent != real:
             return f"{f} links outside its run folder; refused"
     return None
 
@@ -823,10 +827,16 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
         raise RunStoreError(f"{base} is not a folder of runs (it does not exist or is a file)")
     infos: list[RunInfo] = []
     real_base = base.resolve()
-    for p in sorted(base.iterdir()):
-        if p.resolve().parent != real_base or not (p / "meta.json").is_file():
+    with os.scandir(base) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        p = Path(entry.path)
+        # DirEntry answers from the directory listing: only a symlink needs resolving
+        if entry.is_symlink() and p.resolve().parent != real_base:
             continue
-        why = outside_root(p, base)
+        if not (p / "meta.json").is_file():
+            continue
+        why = outside_root(p, base, resolved=real_base if not entry.is_symlink() else None)
         if why is not None:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, why))
             continue
