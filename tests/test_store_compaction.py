@@ -11,6 +11,8 @@ import pytest
 
 from torchdebug.store import _compact, create_run, list_runs, open_run
 
+pytestmark = pytest.mark.slow  # the fixture writes 14,388 steps through the real writer (~10 s)
+
 # keep_recent=2000 over 14,388 steps: chunks of 4096 are compacted while 14387 - 2000 >= start + 4096,
 # i.e. [0, 4096), [4096, 8192), [8192, 12288): compacted_to = 12288.
 STEPS = 3 * 4096 + 2000 + 100
