@@ -40,6 +40,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/dashboard_api.py
 	$(BIN)/python benchmarks/sinks.py
 	$(BIN)/python benchmarks/view_weight.py
+	$(BIN)/python benchmarks/store_scale.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

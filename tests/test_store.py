@@ -450,7 +450,7 @@ def test_close_is_idempotent_and_writer_refuses_logs_after(tmp_path: Path) -> No
         assert run.status == "failed" and run.series("loss").values == [1.0]
         assert run._db_meta()["status"] == "failed"
     # A closed run is left in rollback-journal mode with no WAL files beside it.
-    assert sorted(p.name for p in w.path.iterdir()) == ["meta.json", "rank0.sqlite"]
+    assert sorted(p.name for p in w.path.iterdir()) == ["meta.json", "rank0.sqlite", "summary.json"]
 
 
 def test_context_manager_marks_failed_on_exception(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def test_a_second_writer_in_the_same_process_is_refused(tmp_path: Path) -> None:
     again = create_run(path=w.path)
     again.log_scalar("loss", 2, 0.25)
     again.close()
-    assert sorted(p.name for p in w.path.iterdir()) == ["meta.json", "rank0.sqlite"]
+    assert sorted(p.name for p in w.path.iterdir()) == ["meta.json", "rank0.sqlite", "summary.json"]
     with open_run(w.path) as run:
         assert run.series("loss").steps == [0, 1, 2]  # each step once: the refused writer wrote nothing
         assert run.status == "finished"

@@ -13,6 +13,7 @@ import enum
 import json
 import math
 import os
+import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -266,9 +267,12 @@ def _opt(
     gt: float | None = None,
     le: float | None = None,
     plain_name: bool = False,
+    path: bool = False,
 ) -> Any:
-    """A dataclass field with a range (or, for names, no path separator) checked on every assignment."""
-    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "plain_name": plain_name})
+    """A dataclass field with a range (or, for names, no path separator; for paths, only characters
+    the OS accepts) checked on every assignment."""
+    meta = {"ge": ge, "gt": gt, "le": le, "plain_name": plain_name, "path": path or plain_name}
+    return field(default=default, metadata=meta)
 
 
 Policy = Literal["raise", "warn", "skip"]
@@ -397,7 +401,7 @@ class DebugConfig:
     memory_profiling_frequency: int = _opt(50, ge=1)
     performance_profiling_frequency: int = _opt(10, ge=1)
     save_debug_info: bool = False
-    debug_output_dir: str = "debug_outputs"
+    debug_output_dir: str = _opt("debug_outputs", path=True)
     log_gradients: bool = False
     log_activations: bool = False
     log_weights: bool = False
@@ -422,11 +426,11 @@ class DebugConfig:
     replay: bool = True
     frames: int = _opt(16, ge=0, le=10_000)
     # engine: run store and exports
-    run_dir: str = "runs"
+    run_dir: str = _opt("runs", path=True)
     run_name: str | None = _opt(None, plain_name=True)
     store: bool = True
     announce: bool = True
-    tensorboard: bool | str = False
+    tensorboard: bool | str = _opt(False, path=True)
     report_to: tuple[str, ...] = ()
     trace_loss: bool = True
     # engine: schedules and opt-in depth
@@ -699,6 +703,7 @@ class _Spec:
     gt: float | None = None
     le: float | None = None
     plain_name: bool = False  # a folder-name prefix: no path separator
+    path: bool = False  # a file system path (or part of one): only characters the OS accepts
 
     def allowed(self) -> str:
         """Human description of the accepted values, for error messages."""
@@ -748,9 +753,13 @@ class _Spec:
             if isinstance(value, str) and value.strip():
                 if self.plain_name and ("/" in value or "\\" in value):
                     raise ConfigError(f"{label}={value!r} must not contain a path separator")
+                if self.path:
+                    check_path(value, label)
                 return value
         elif self.kind == "bool_or_str":
             if isinstance(value, bool) or (isinstance(value, str) and value.strip()):
+                if self.path and isinstance(value, str):
+                    check_path(value, label)
                 return value
         elif self.kind == "names":
             return self._names(value, label)
@@ -831,6 +840,37 @@ def _plain_value(value: Any) -> Any:
     return value
 
 
+# Characters Windows refuses in a file name besides NUL and control characters (":" only after a drive).
+_WINDOWS_REFUSED = set('<>"|?*')
+
+
+def check_path(value: str | bytes, label: str) -> None:
+    """ConfigError unless the OS can take ``value`` as a path: no NUL, nothing the filesystem encoding
+    cannot hold (a lone surrogate), and on Windows none of ``<>"|?*`` nor control characters."""
+    fix = "pick a folder name of ordinary characters"
+    if isinstance(value, bytes):
+        if b"\x00" in value:
+            raise ConfigError(f"{label}={value!r:.60} cannot be a path: it holds a NUL byte; {fix}")
+        return
+    if "\x00" in value:
+        raise ConfigError(f"{label}={_short(value)} cannot be a path: it holds a NUL character; {fix}")
+    try:
+        os.fsencode(value)
+    except UnicodeError as exc:
+        bad = value[exc.start : exc.end] if isinstance(exc, UnicodeEncodeError) else ""
+        raise ConfigError(
+            f"{label}={_short(value)} cannot be a path: {bad!r} has no encoding in this file system's "
+            f"{sys.getfilesystemencoding()!r}; {fix}"
+        ) from None
+    if sys.platform == "win32":
+        rest = value[2:] if value[1:2] == ":" else value
+        bad_chars = sorted({c for c in rest if c in _WINDOWS_REFUSED or ord(c) < 32})
+        if bad_chars:
+            raise ConfigError(
+                f"{label}={_short(value)} cannot be a path: Windows refuses {''.join(bad_chars)!r}; {fix}"
+            )
+
+
 # Every integer option fits a 64-bit integer (SQLite, C sizes): 10**30 is a typo, not a setting.
 _INT_MAX = 2**63 - 1
 
@@ -853,13 +893,15 @@ def _spec_for(f: dataclasses.Field[Any], hint: Any) -> _Spec:
         rest = [a for a in args if a is not type(None)]
         hint = rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]  # noqa: UP007
         args = typing.get_args(hint)
-    bounds = {k: f.metadata[k] for k in ("ge", "gt", "le", "plain_name") if f.metadata.get(k) is not None}
+    bounds = {
+        k: f.metadata[k] for k in ("ge", "gt", "le", "plain_name", "path") if f.metadata.get(k) is not None
+    }
     if typing.get_origin(hint) is Literal:
         return _Spec("choice", optional, choices=tuple(args))
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return _Spec("enum", optional, choices=tuple(m.value for m in hint), enum_type=hint)
     if set(args) == {bool, str}:
-        return _Spec("bool_or_str", optional)
+        return _Spec("bool_or_str", optional, path=bool(f.metadata.get("path")))
     if typing.get_origin(hint) is tuple:  # report_to: names of trackers
         return _Spec("names", optional, choices=(*REPORT_TO_NAMES, "all", "none"))
     kinds = {bool: "bool", int: "int", float: "float", str: "str"}

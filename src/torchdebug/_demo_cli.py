@@ -36,9 +36,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--bad-step",
-        type=int,
+        type=_bad_step,
         default=DEFAULT_BAD_STEP,
-        help=f"step whose batch holds an all-padding sequence (default {DEFAULT_BAD_STEP}; -1: none)",
+        help=f"step in [0, steps) whose batch holds an all-padding sequence, or 'none' (default {DEFAULT_BAD_STEP})",
     )
     p.add_argument(
         "--policy",
@@ -48,16 +48,37 @@ def register(subparsers: Any) -> None:
     )
     add_runs_option(p, what="folder for the run")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, demo_parser=p)
+
+
+def _bad_step(text: str) -> int | None:
+    """``--bad-step``: a step >= 0 or ``none``; the upper bound (``--steps``) is checked in ``_run``."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a step >= 0 or 'none' (no bad batch), got {text[:40]!r}")
+    return value
 
 
 def _run(args: argparse.Namespace) -> int:
+    bad = args.bad_step
+    if bad is not None and bad >= args.steps and args.scenario in (None, "autograd"):
+        try:  # the parser's own usage line and exit code 2, as for a bad value of any other option
+            args.demo_parser.error(
+                f"argument --bad-step: expected a step in [0, {args.steps}) (--steps {args.steps}) or "
+                f"'none' (no bad batch), got {bad}"
+            )
+        except SystemExit as usage:
+            return int(usage.code or 2)
     import torch
 
     from .cli import default_runs_dir
 
     runs = args.runs or default_runs_dir()
-    bad = None if args.bad_step is None or args.bad_step < 0 else args.bad_step
     # The demos' models are tiny: one thread is as fast on a quiet machine, and on a busy one it
     # avoids threads spin-waiting for each other (20 GPT steps: 2 s with one thread, 30 s with two
     # at a load average of 14 on the 2-core VM).

@@ -822,7 +822,8 @@ class GradientHealth:
         if self.activations:
             for mod in mon.model.modules():
                 if next(iter(mod.children()), None) is None:
-                    self._hooks.append(mod.register_forward_hook(self._make_act_hook(mon.names.get(mod, ""))))
+                    hook = mod.register_forward_hook(self._make_act_hook(mon.names.get(mod, "")))
+                    self._hooks.append(mon.installs.hook(hook) if hasattr(mon, "installs") else hook)
 
     def remove(self, mon: Any) -> None:
         for h in self._hooks:

@@ -41,7 +41,8 @@ class ActivationInstrument:
         self.dead = DeadUnitRule(mon.config.dead_unit_fraction)
         for mod in mon.model.modules():
             if next(iter(mod.children()), None) is None:
-                self._hooks.append(mod.register_forward_hook(self._hook(mon.names.get(mod, ""))))
+                hook = mod.register_forward_hook(self._hook(mon.names.get(mod, "")))
+                self._hooks.append(mon.installs.hook(hook) if hasattr(mon, "installs") else hook)
 
     def remove(self, mon: Any) -> None:
         for h in self._hooks:

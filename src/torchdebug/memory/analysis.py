@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .._frames import _OWN_DIR, _TORCH_DIR
+from .._installs import Installs
 from .._trees import tensor_leaves
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -258,7 +259,7 @@ def live_tensors(
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which lazy/deprecated module proxies
         # answer with a warning (torch.distributed.reduce_op) and dead weakproxies with an error
-        if not issubclass(type(obj), torch.Tensor):
+        if not issubclass(type(obj), torch.Tensor) or issubclass(type(obj), _NO_MEMORY):
             continue
         if device is not None and obj.device.type != device:
             continue
@@ -286,6 +287,28 @@ def live_tensors(
             best[key] = info
     out = sorted(best.values(), key=lambda t: -t.bytes)
     return out[:top] if top is not None else out
+
+
+def _no_memory_types() -> tuple[type, ...]:
+    """Tensor types that hold no memory of their own: torch.compile's fake and functional tensors
+    (Dynamo keeps some alive in its caches; their shapes may be symbolic)."""
+    out: list[type] = []
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        out.append(FakeTensor)
+    except ImportError:
+        pass
+    try:
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        out.append(FunctionalTensor)
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+_NO_MEMORY = _no_memory_types()
 
 
 def tensor_census() -> dict[int, weakref.ref[torch.Tensor]]:
@@ -543,8 +566,9 @@ class SavedTensorTracker:
         48
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, installs: Installs | None = None) -> None:
         self.model = model
+        self.installs = installs if installs is not None else Installs()
         self.names = {id(m): n for n, m in model.named_modules()}
         self.by_module: dict[str, int] = {}
         self.outside = 0
@@ -599,11 +623,15 @@ class SavedTensorTracker:
         if self.active:
             return
         self.reset()
+        # The context first: under torch.func.grad it refuses (saved-tensor hooks are disabled there),
+        # and then no module hook may be left registered.
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.installs.enter(ctx)
+        self._ctx = ctx
+        add = self.installs.hook
         for m in self.model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post, always_call=True))
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
+            self._handles.append(add(m.register_forward_pre_hook(self._pre)))
+            self._handles.append(add(m.register_forward_hook(self._post, always_call=True)))
         self.active = True
 
     def stop(self) -> None:
@@ -613,11 +641,11 @@ class SavedTensorTracker:
         self.active = False
         try:
             if self._ctx is not None:
-                self._ctx.__exit__(None, None, None)
+                self.installs.leave(self._ctx)  # on its own thread; elsewhere it went with its thread
         finally:
             self._ctx = None
             for h in self._handles:
-                h.remove()
+                self.installs.remove(h)
             self._handles.clear()
             self._stack.clear()
 

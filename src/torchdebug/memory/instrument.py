@@ -7,6 +7,7 @@ import json
 import math
 import operator
 import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -683,7 +684,9 @@ class MemoryInstrument:
         self._phase = "forward"
         self._batch_shape = _first_shape(args, kwargs)
         st = self._leak
-        if st.phase in ("armed", "capturing") and st.capture is not None and not st.mode_entered:
+        here = threading.current_thread() is getattr(mon, "thread", threading.current_thread())
+        # a function mode lives on the stack of the thread that enters it: only on the session's thread
+        if here and st.phase in ("armed", "capturing") and st.capture is not None and not st.mode_entered:
             st.capture.__enter__()
             st.mode_entered = True
             st.phase = "capturing"
@@ -880,6 +883,10 @@ def _memory_of(series: str) -> str:
     return "host" if series in ("heap_in_use", "rss") else series
 
 
+_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
+_saved_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
+
+
 class ModuleMemoryInstrument:
     """Per-module memory on the first 3 due steps (``memory_every``): activations, params, grads, state.
 
@@ -902,9 +909,10 @@ class ModuleMemoryInstrument:
         self._fwd_peak: int | None = None
         self._bwd_peak: int | None = None
         self._cuda = False
+        self._said_transform = False
 
     def install(self, mon: Any) -> None:
-        self._tracker = SavedTensorTracker(mon.model)
+        self._tracker = SavedTensorTracker(mon.model, getattr(mon, "installs", None))
         self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def remove(self, mon: Any) -> None:
@@ -919,6 +927,20 @@ class ModuleMemoryInstrument:
 
     def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
         if len(self.tables) >= self.steps or self._tracker is None:
+            return
+        if _functorch_level() is not None or not _saved_hooks_enabled():
+            # torch.func.grad refuses saved-tensor hooks, and what vmap saves is batched: not measured
+            if not self._said_transform:
+                self._said_transform = True
+                mon.emit(
+                    RuleEvent(
+                        "module_memory_not_measured",
+                        mon.global_step,
+                        "per-module memory not measured: the forward runs inside a torch.func transform, "
+                        "where saved-tensor hooks are off; use td.measure_module_memory on a plain forward",
+                        "info",
+                    )
+                )
             return
         if not self._measuring:
             if not mon.due(int(getattr(mon.config, "memory_every", 50))):

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import threading
 import weakref
 from typing import Any
 
@@ -112,7 +113,10 @@ class Sentinel:
             if t.requires_grad and n < _MAX_OUT_HOOKS:
                 n += 1
                 t.register_hook(functools.partial(_store_grad, weakref.ref(cap), i))
-        if mon.config.trace_loss:
+        if mon.config.trace_loss and threading.current_thread() is mon.thread:
+            # A function mode lives on its thread's stack: opened in a worker thread's forward it would
+            # miss the loss code (run here) and outlive the session there. Without a tape the replay
+            # starts from the gradient captured at the outputs.
             cap.tape_complete = True
             self.tape = LossTape(cap)
             self.tape.__enter__()

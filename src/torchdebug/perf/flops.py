@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from .._installs import Installs
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
 from ..memory.analysis import called_by_torchdebug
@@ -105,6 +107,9 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
+
+
 def _qualify(tracker_name: str, root_type: str) -> str | None:
     """ModuleTracker names ("Net.blocks.0") -> qualified names ("blocks.0"); the root -> ""."""
     if tracker_name == root_type:
@@ -117,8 +122,9 @@ def _qualify(tracker_name: str, root_type: str) -> str | None:
 class _FlopSession:
     """One FlopCounterMode + op recorder over forward (+loss) + backward, split at the phase marks."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, installs: Installs | None = None) -> None:
         self.model = model
+        self.installs = installs if installs is not None else Installs()
         self.root_type = type(model).__name__
         self.counter: flop_counter.FlopCounterMode | None = None
         self.recorder: _OpRecorder | None = None
@@ -130,6 +136,7 @@ class _FlopSession:
         self.views: set[str] = set()
         self.registry = {str(k) for k in flop_counter.flop_registry}
         self._mark: dict[str, dict[str, int]] = {}
+        self.thread = threading.current_thread()
         self.active = False
 
     def _counts(self) -> dict[str, dict[str, int]]:
@@ -154,10 +161,21 @@ class _FlopSession:
         with contextlib.suppress(AttributeError):
             self.counter.mod_tracker._get_mod_name(self.model)
             make_tracker_safe(self.counter.mod_tracker)  # else it breaks torch.autograd.grad() penalties
-        self.counter.__enter__()
+        inst = self.installs
+        inst.enter(self.counter)
+        # the tracker's global module hooks: removable from any thread, even if this one ends first
+        with contextlib.suppress(AttributeError):
+            inst.hook(self.counter.mod_tracker._fw_pre_handle)
+            inst.hook(self.counter.mod_tracker._fw_post_handle)
         self.recorder = _OpRecorder()
-        self.recorder.__enter__()
+        try:
+            inst.enter(self.recorder)
+        except BaseException:
+            inst.leave(self.counter)
+            self.counter = None
+            raise
         self._mark = {}
+        self.thread = threading.current_thread()
         self.active = True
 
     def forward_end(self) -> None:
@@ -175,15 +193,20 @@ class _FlopSession:
         self.active = False
         rec, cnt = self.recorder, self.counter
         assert rec is not None and cnt is not None
+        if threading.current_thread() is not self.thread:
+            # the modes are on the stack of the thread that started counting: unreachable from here
+            # (its global hooks are removed with the session's installs)
+            self.counter = self.recorder = None
+            raise RuntimeError("FLOP counting began in another thread; the count was abandoned")
         if _get_current_dispatch_mode() is not rec:
             # another dispatch mode was entered above ours and is still open: leaving now would pop
             # it instead; give up on this count rather than corrupt the caller's mode stack
             raise RuntimeError("FLOP counting overlapped another dispatch mode; the count was abandoned")
-        rec.__exit__(None, None, None)
+        self.installs.leave(rec)
         try:
             self._add_delta({"backward": self.backward, "forward": self.forward, "other": self.other}[phase])
         finally:
-            cnt.__exit__(None, None, None)
+            self.installs.leave(cnt)
         for k, v in rec.calls.items():
             self.calls[k] += v
         for k, v in rec.elements.items():
@@ -397,7 +420,7 @@ class FlopsInstrument:
         self._phase = "forward"
 
     def install(self, mon: Any) -> None:
-        self._session = _FlopSession(mon.model)
+        self._session = _FlopSession(mon.model, getattr(mon, "installs", None))
 
     def remove(self, mon: Any) -> None:
         s = self._session
@@ -418,6 +441,24 @@ class FlopsInstrument:
                     mon.global_step,
                     "FLOPs",
                     "count them on the eager model with td.count_flops",
+                )
+            )
+            return
+        elsewhere = threading.current_thread() is not getattr(mon, "thread", threading.current_thread())
+        if (elsewhere or _functorch_level() is not None) and self._state == "counting":
+            return  # a later micro-step of the counted step: left out of the count
+        if elsewhere or _functorch_level() is not None:
+            # A dispatch mode belongs to the thread that enters it, and under torch.func it would sit
+            # below the transform's own layers: count only a plain forward on the session's thread.
+            self._state = "done"
+            where = "in another thread" if elsewhere else "inside a torch.func transform"
+            mon.emit(
+                RuleEvent(
+                    "flops_not_counted",
+                    mon.global_step,
+                    f"FLOPs not counted: the model's forward runs {where}; count them with "
+                    "td.count_flops on a plain forward",
+                    "info",
                 )
             )
             return

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._installs import Installs
 from .._robust import RunningMedian
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
@@ -565,8 +566,9 @@ class ModuleTimer:
         True
     """
 
-    def __init__(self, model: nn.Module, cuda: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, cuda: bool | None = None, installs: Installs | None = None) -> None:
         self.model = model
+        self.installs = installs if installs is not None else Installs()
         self.names = {id(m): n for n, m in model.named_modules()}
         self.types = {n: type(m).__name__ for n, m in model.named_modules()}
         use_cuda = cuda if cuda is not None else any(p.is_cuda for p in model.parameters())
@@ -616,14 +618,17 @@ class ModuleTimer:
         """Install the hooks (idempotent)."""
         if self.active:
             return
+        add = self.installs.hook
         for m in self.model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+            self._handles.append(add(m.register_forward_pre_hook(self._pre)))
+            self._handles.append(add(m.register_forward_hook(self._post, always_call=True)))
         self.active = True
 
     def stop(self) -> None:
         """Remove every hook, including gradient hooks still pending (idempotent)."""
-        for h in self._handles + self._grad_handles:
+        for h in self._handles:
+            self.installs.remove(h)
+        for h in self._grad_handles:
             h.remove()
         self._handles.clear()
         self._grad_handles.clear()
@@ -681,7 +686,7 @@ class ModuleTimeInstrument:
         self._measured: list[int] = []
 
     def install(self, mon: Any) -> None:
-        self._timer = ModuleTimer(mon.model)
+        self._timer = ModuleTimer(mon.model, installs=getattr(mon, "installs", None))
 
     def remove(self, mon: Any) -> None:
         if self._timer is not None:

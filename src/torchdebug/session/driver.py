@@ -28,12 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._installs import Installs
+
 if TYPE_CHECKING:
     from .monitor import Monitor
 
 _ACTIVE: list[Monitor] = []  # the sessions the global patches serve
 _TLS = threading.local()
-_ORIGINALS: dict[str, Any] = {}
+_ORIGINALS: dict[str, Any] = {}  # non-empty while the global patches are installed
+_PATCHES = Installs()  # the global patches, shared by every active session
 
 
 # -- global patches, installed while at least one session is active -----------------------------------
@@ -150,64 +153,46 @@ def _getstate_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _install_patches() -> None:
-    if _ORIGINALS:
+    if len(_PATCHES):
         return
-    _ORIGINALS["Module.__getstate__"] = nn.Module.__getstate__
-    nn.Module.__getstate__ = _getstate_wrapper(nn.Module.__getstate__)  # type: ignore[method-assign]
-    _ORIGINALS["Tensor.backward"] = torch.Tensor.backward
-    _ORIGINALS["autograd.backward"] = torch.autograd.backward
-    torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
-    torch.autograd.backward = _backward_wrapper(torch.autograd.backward, False)  # type: ignore[assignment]
+    _PATCHES.patch(nn.Module, "__getstate__", _getstate_wrapper(nn.Module.__getstate__))
+    _PATCHES.patch(torch.Tensor, "backward", _backward_wrapper(torch.Tensor.backward, True))
+    _PATCHES.patch(torch.autograd, "backward", _backward_wrapper(torch.autograd.backward, False))
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_mod
 
     for mod in (nn_utils, clip_mod):
-        _ORIGINALS[f"{mod.__name__}.clip_grad_norm_"] = mod.clip_grad_norm_
-        mod.clip_grad_norm_ = _clip_wrapper(mod.clip_grad_norm_)  # type: ignore[attr-defined]
+        _PATCHES.patch(mod, "clip_grad_norm_", _clip_wrapper(mod.clip_grad_norm_))
     try:
         from torch.amp.grad_scaler import GradScaler
 
-        _ORIGINALS["GradScaler.step"] = GradScaler.step
-        GradScaler.step = _scaler_step_wrapper(GradScaler.step)  # type: ignore[method-assign]
+        _PATCHES.patch(GradScaler, "step", _scaler_step_wrapper(GradScaler.step))
     except ImportError:  # torch without torch.amp.grad_scaler
         pass
+    _ORIGINALS["installed"] = True  # read by tests: {} once every session is gone
 
 
 def _remove_patches() -> None:
-    if not _ORIGINALS:
-        return
-    if getattr(torch.Tensor.backward, "__torchdebug_wrapper__", False):
-        torch.Tensor.backward = _ORIGINALS["Tensor.backward"]  # type: ignore[method-assign]
-    if getattr(torch.autograd.backward, "__torchdebug_wrapper__", False):
-        torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
-    if getattr(nn.Module.__getstate__, "__torchdebug_wrapper__", False):
-        nn.Module.__getstate__ = _ORIGINALS["Module.__getstate__"]  # type: ignore[method-assign]
-    import torch.nn.utils as nn_utils
-    import torch.nn.utils.clip_grad as clip_mod
-
-    for mod in (nn_utils, clip_mod):
-        key = f"{mod.__name__}.clip_grad_norm_"
-        if key in _ORIGINALS and getattr(mod.clip_grad_norm_, "__torchdebug_wrapper__", False):
-            mod.clip_grad_norm_ = _ORIGINALS[key]  # type: ignore[attr-defined]
-    if "GradScaler.step" in _ORIGINALS:
-        from torch.amp.grad_scaler import GradScaler
-
-        if getattr(GradScaler.step, "__torchdebug_wrapper__", False):
-            GradScaler.step = _ORIGINALS["GradScaler.step"]  # type: ignore[method-assign]
+    _PATCHES.close()  # a patch someone wrapped again after ours stays theirs
     _ORIGINALS.clear()
 
 
 def _compile_guard(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` that does nothing while Dynamo traces (``is_compiling()`` folds to a constant: no break)."""
+    """``hook`` that does nothing while Dynamo traces (``is_compiling()`` folds to a constant: no break)
+    or inside a ``torch.func`` transform (``grad``, ``vmap``: a tensor kept from in there escapes its
+    transform and fails when read; ``maybe_current_level()`` is None outside any, ~0.1 µs)."""
 
     @functools.wraps(hook)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
+        if torch.compiler.is_dynamo_compiling() or _functorch_level() is not None:
             return None
         return hook(*args, **kwargs)
 
     guarded.__torchdebug_guard__ = True  # type: ignore[attr-defined]
     return guarded
+
+
+_functorch_level = torch._C._functorch.maybe_current_level
 
 
 class PlainLoopDriver:
@@ -228,12 +213,13 @@ class PlainLoopDriver:
         mon = self.mon
         _ACTIVE.append(mon)
         _install_patches()
-        self._handles.append(self.root.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
-        self._handles.append(self.root.register_forward_hook(mon.forward_done))
+        add = mon.installs.hook
+        self._handles.append(add(self.root.register_forward_pre_hook(mon.forward_started, with_kwargs=True)))
+        self._handles.append(add(self.root.register_forward_hook(mon.forward_done)))
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        self._handles.append(add(register_optimizer_step_pre_hook(self._opt_pre)))
+        self._handles.append(add(register_optimizer_step_post_hook(self._opt_post)))
 
     def remove(self) -> None:
         self.unwrap_compiled()

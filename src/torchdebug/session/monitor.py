@@ -39,6 +39,7 @@ import importlib
 import math
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -48,9 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._config import DebugConfig, DebugLevel, coerce_config
+from .._config import DebugConfig, DebugLevel, check_path, coerce_config
 from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
+from .._installs import Installs
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
@@ -159,7 +161,12 @@ class Monitor:
         self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
         self.scaler = scaler
         self.early_stopping = early_stopping
+        if isinstance(run, (str, bytes, os.PathLike)):
+            check_path(os.fspath(run), "run")  # a NUL byte would only fail later, inside the user's `with`
         self._run_arg = run
+        # everything the session and its instruments install: taken off in _teardown, whatever failed
+        self.installs = Installs()
+        self.thread = threading.current_thread()  # modes are entered only here (see _installs.py)
         self.names: dict[nn.Module, str] = {m: n for n, m in model.named_modules()}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.param_names: list[str] = [n for n, _ in named]
@@ -536,6 +543,7 @@ class Monitor:
                 "this watch() session is already active: it is not re-entrant; create a new one"
             )
         self._entered = True
+        self.thread = threading.current_thread()
         try:
             self._open_store()
             self._install()
@@ -584,6 +592,7 @@ class Monitor:
                 if hasattr(inst, "remove"):
                     inst.remove(self)
         self._plain.remove()
+        self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self._reset_step()
         status = "finished" if exc is None else "failed"
         if self.writer is not None and self._owns_writer:

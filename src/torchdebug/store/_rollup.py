@@ -44,14 +44,23 @@ CREATE TABLE metric_rollup (
 ) WITHOUT ROWID
 """
 
+#: v3 adds the last point of each bucket (compacted spans keep min, max, mean and last):
+#: ``last_value`` (NULL: NaN, or a row written before v3), ``last_wall``.
+ADD_LAST = (
+    "ALTER TABLE metric_rollup ADD COLUMN last_value REAL",
+    "ALTER TABLE metric_rollup ADD COLUMN last_wall REAL",
+)
+
 # Merge a batch's partial row into the stored one. In an UPDATE every column on the right-hand side
 # is the row's old value, so the *_step/*_wall columns compare against the old min/max. Ties keep
 # the stored point (the first logged). `x < NULL` is NULL (false), hence the IS NULL arms.
 UPSERT = """
 INSERT INTO metric_rollup(metric_id, level, bucket, count, nan_count, first_step, last_step, sum,
-    min_value, min_step, min_wall, max_value, max_step, max_wall, nan_step, nan_wall)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    min_value, min_step, min_wall, max_value, max_step, max_wall, nan_step, nan_wall, last_value, last_wall)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (metric_id, level, bucket) DO UPDATE SET
+    last_value = CASE WHEN excluded.last_step >= last_step THEN excluded.last_value ELSE last_value END,
+    last_wall = CASE WHEN excluded.last_step >= last_step THEN excluded.last_wall ELSE last_wall END,
     count = count + excluded.count,
     nan_count = nan_count + excluded.nan_count,
     first_step = min(first_step, excluded.first_step),
@@ -79,7 +88,7 @@ ON CONFLICT (metric_id, level, bucket) DO UPDATE SET
 
 # One aggregate, as a list for in-place updates:
 # [count, nan_count, first_step, last_step, sum, min_value, min_step, min_wall,
-#  max_value, max_step, max_wall, nan_step, nan_wall]
+#  max_value, max_step, max_wall, nan_step, nan_wall, last_value, last_wall]
 _Agg = list
 
 
@@ -91,8 +100,9 @@ def _merge(into: _Agg, a: _Agg) -> None:
     into[1] += a[1]
     if a[2] < into[2]:
         into[2] = a[2]
-    if a[3] > into[3]:
+    if a[3] >= into[3]:
         into[3] = a[3]
+        into[13:15] = a[13:15]
     if a[5] is not None and (into[5] is None or a[5] < into[5]):
         into[5:8] = a[5:8]
     if a[8] is not None and (into[8] is None or a[8] > into[8]):
@@ -115,8 +125,27 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
         a = get(key)
         if v is None or v != v:  # NaN
             if a is None:
-                finest[key] = [1, 1, step, step, None, None, None, None, None, None, None, step, wall]
+                finest[key] = [
+                    1,
+                    1,
+                    step,
+                    step,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    step,
+                    wall,
+                    None,
+                    wall,
+                ]
                 continue
+            if step >= a[3]:
+                a[13] = None
+                a[14] = wall
             a[0] += 1
             a[1] += 1
             if a[11] is None or step < a[11]:
@@ -124,8 +153,11 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
                 a[12] = wall
         else:
             if a is None:
-                finest[key] = [1, 0, step, step, v, v, step, wall, v, step, wall, None, None]
+                finest[key] = [1, 0, step, step, v, v, step, wall, v, step, wall, None, None, v, wall]
                 continue
+            if step >= a[3]:
+                a[13] = v
+                a[14] = wall
             a[0] += 1
             a[4] = v if a[4] is None else a[4] + v
             if a[5] is None or v < a[5]:
@@ -185,17 +217,20 @@ def backfill(conn: sqlite3.Connection, chunk: int = 200_000) -> None:
         write(conn, rows)
 
 
-def choose_width(lo: int, hi: int, buckets: int) -> tuple[int, int] | None:
+def choose_width(lo: int, hi: int, buckets: int, min_level: int | None = None) -> tuple[int, int] | None:
     """How to read steps ``lo..hi`` as at most ``buckets`` chart buckets: ``(level, k)`` or None.
 
     Chart buckets are ``step // (k * level)``. ``k == 1``: the finest level with at most ``buckets``
     buckets over the range, read row for row. Only when even the coarsest level has too many (over
     ~4M steps at 1000 buckets) are ``k`` consecutive rows of it merged. None: the chart asks for
     buckets narrower than the finest level (``16 * buckets > steps``), so raw rows serve it better.
+    ``min_level``: no level below it (a compacted span keeps no finer rollups); never None then.
     """
-    if LEVELS[0] * buckets > hi - lo + 1:
+    if min_level is None and LEVELS[0] * buckets > hi - lo + 1:
         return None
     for level in LEVELS:
+        if min_level is not None and level < min_level:
+            continue
         if hi // level - lo // level + 1 <= buckets:
             return level, 1
     level = LEVELS[-1]

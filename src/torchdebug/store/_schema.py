@@ -18,7 +18,7 @@ from . import _rollup
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -99,12 +99,26 @@ def _add_rollups_v2(conn: sqlite3.Connection) -> None:
     # v2: per-bucket metric summaries (see _rollup.py), built here for the raw rows a v1 writer left
     # (a resumed run); a reader of a v1 file never migrates it and reads raw rows instead.
     conn.execute(_rollup.CREATE)
+    _add_last_v3(conn)  # the upsert writes the v3 columns
     _rollup.backfill(conn)
+
+
+def _add_last_v3(conn: sqlite3.Connection) -> None:
+    # v3: each rollup row keeps its bucket's last point; long runs are compacted (see _compact.py),
+    # so a reader of v2 must not read a compacted file as if every raw row were there.
+    have = {row[1] for row in conn.execute("PRAGMA table_info(metric_rollup)")}
+    for statement in _rollup.ADD_LAST:
+        if statement.split()[-2] not in have:  # "ALTER TABLE ... ADD COLUMN <name> REAL"
+            conn.execute(statement)
 
 
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _create_v1, 1: _add_rollups_v2}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    0: _create_v1,
+    1: _add_rollups_v2,
+    2: _add_last_v3,
+}
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
 
@@ -271,6 +285,14 @@ def writer_is_open(run_dir: Path, rank: int) -> bool:
     return False
 
 
+def describe(error: BaseException | None) -> str:
+    """A SQLite failure in words. Text that is not UTF-8 inside the file (a flipped byte in the
+    schema, or in a name) surfaces as Python's bare ``'utf-8' codec can't decode ...``: say what it is."""
+    if isinstance(error, UnicodeDecodeError):
+        return f"database disk image is malformed: bytes that are not UTF-8 text at offset {error.start} of a text"
+    return str(error)
+
+
 _MAGIC = b"SQLite format 3\x00"
 
 
@@ -324,11 +346,17 @@ def _connect(path: Path, query: str) -> _ReadConnection:
 def _read_mode(path: Path, header: bytes) -> str:
     """How to open ``path`` without writing a byte into its folder: a URI query, or "copy" (read a
     private copy of the database and its -wal)."""
-    if header[18] != 2:  # rollback journal (every closed run): a read creates no file
-        return "mode=ro"
     wal, shm = Path(str(path) + "-wal"), Path(str(path) + "-shm")
     m = _RANK_DB.match(path.name)
-    if m and writer_is_open(path.parent, int(m.group(1))):
+    live = m is not None and writer_is_open(path.parent, int(m.group(1)))
+    if header[18] != 2:  # rollback journal: every closed run (the writer checkpointed everything)
+        if not live and (wal.exists() or shm.exists()):
+            # A stray -wal/-shm beside a closed database (a copy, a tool, random bytes): mode=ro would
+            # replay it and build a -shm, i.e. write into the run. Nothing newer than the file can be
+            # in it (close() checkpoints before leaving WAL mode), so read the file alone.
+            return "immutable=1"
+        return "mode=ro"  # a read creates no file
+    if live:
         return "mode=ro"  # a live writer owns the -shm index; readers share it as SQLite intends
     if wal.exists() and shm.exists():
         # A killed writer: read the WAL into memory and leave the stale -shm alone (plain mode=ro
@@ -414,7 +442,7 @@ def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
         if conn is not None:
             conn.close()
         raise
-    except (sqlite3.Error, OSError) as e:
+    except (sqlite3.Error, OSError, UnicodeDecodeError) as e:
         if conn is not None:
             conn.close()
         first_error = e
@@ -429,16 +457,16 @@ def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
         if conn is not None:
             conn.close()
         raise
-    except sqlite3.Error as e:
+    except (sqlite3.Error, UnicodeDecodeError) as e:
         if conn is not None:
             conn.close()
         raise RunStoreError(
-            f"{path} is corrupt ({first_error}; an immutable read fails too: {e}); the run cannot be read, "
-            "restore it from a backup"
+            f"{path} is corrupt ({describe(first_error)}; an immutable read fails too: {describe(e)}); the run "
+            "cannot be read, restore it from a backup"
         ) from e
     if wal.exists() and wal.stat().st_size > 0:
         note = (
-            f"read without {wal.name} ({first_error}): records of the last seconds before the writer "
+            f"read without {wal.name} ({describe(first_error)}): records of the last seconds before the writer "
             "stopped may be missing; copy the run folder to writable storage to read them"
         )
     return conn, version, note

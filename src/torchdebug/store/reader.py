@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import re
 import socket
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError, SchemaVersionError
-from . import _rollup, _validate
-from ._schema import SCHEMA_VERSION, open_for_reading
+from . import _compact, _rollup, _validate
+from ._schema import SCHEMA_VERSION, describe, open_for_reading
+from .writer import SUMMARY_FILE
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
 # A timing sample's "step" key is its index; the step's duration, logged as "step", reads as "total".
@@ -146,22 +148,26 @@ def _read_meta(path: Path) -> dict[str, Any]:
 _RUN_FILE = re.compile(r"^(meta\.json|rank\d+\.sqlite(-wal|-shm)?)$")
 
 
-def outside_root(run_dir: Path, root: Path) -> str | None:
+def outside_root(run_dir: Path, root: Path, resolved: Path | None = None) -> str | None:
     """Why ``run_dir`` may not be served from ``root``, or None: it, or one of its files, resolves
     (through symlinks) outside. A served folder shows only what is inside it.
 
+    ``resolved``: ``root.resolve()``, passed when ``run_dir`` is known to be a plain folder (not a
+    link) directly under ``root`` (``list_runs``): no path is resolved then but the links inside.
+
     Example: ``outside_root(Path("runs/a"), Path("runs"))`` -> None for an ordinary run folder.
     """
-    real_root = root.resolve()
-    real = run_dir.resolve()
+    real_root = resolved if resolved is not None else root.resolve()
+    real = real_root / run_dir.name if resolved is not None else run_dir.resolve()
     if real.parent != real_root:
         return f"{run_dir} leads outside {root} (to {real}); refused"
     try:
-        entries = list(run_dir.iterdir())
+        with os.scandir(run_dir) as it:
+            links = [Path(e.path) for e in it if _RUN_FILE.match(e.name) and e.is_symlink()]
     except OSError:
         return None  # opening it will say why
-    for f in entries:
-        if _RUN_FILE.match(f.name) and f.resolve().parent != real:
+    for f in links:  # a plain file cannot lead elsewhere: only links are resolved
+        if f.resolve().parent != real:
             return f"{f} links outside its run folder; refused"
     return None
 
@@ -361,9 +367,9 @@ class Run:
             raise ValueError(f"a step or count out of range: {e}") from None
         except sqlite3.ProgrammingError as e:
             raise RunStoreError(f"{self.db_path}: {e} (was the run closed?)") from e
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
             raise RunStoreError(
-                f"{self.db_path} is corrupt ({e}); the run cannot be read, restore it from a backup"
+                f"{self.db_path} is corrupt ({describe(e)}); the run cannot be read, restore it from a backup"
             ) from e
 
     def _db_meta(self) -> dict[str, Any]:
@@ -378,7 +384,14 @@ class Run:
 
     def metric_names(self) -> list[str]:
         """Names of all logged metrics, sorted."""
-        return [r[0] for r in self._rows("SELECT name FROM metrics ORDER BY name")]
+        rows = self._rows("SELECT id, name FROM metrics ORDER BY name")
+        for mid, name in rows:
+            if not isinstance(name, str):
+                raise RunStoreError(
+                    f"{self.db_path}: metrics row {mid} holds {name!r:.40} where a name belongs; the run's "
+                    "database is corrupt or was altered, restore it from a backup"
+                )
+        return [name for _, name in rows]
 
     def _metric_id(self, name: str) -> int:
         if not isinstance(name, str):
@@ -425,18 +438,31 @@ class Run:
             raise ValueError(f"max_points must be >= 2 (a min and a max per bucket), got {max_points}")
         rows: list[tuple[Any, ...]] | None = None
         downsampled = False
+        compacted = self._compacted_to() if self.has_rollups else 0
         if max_points is not None:
             n, lo, hi = self._extent(mid, since)
             if n > max_points:
                 downsampled = True
                 nb = max_points // 2
                 width = None
-                if self.has_rollups and n > _RAW_DOWNSAMPLE_ROWS:
+                if since < compacted and lo is not None:
+                    # the raw rows of a compacted span are gone: its rollups (>= KEEP_LEVEL) answer
+                    width = _rollup.choose_width(lo, hi, nb, min_level=_compact.KEEP_LEVEL)
+                elif self.has_rollups and n > _RAW_DOWNSAMPLE_ROWS:
                     width = _rollup.choose_width(lo, hi, nb)
                 if width is not None:
                     rows = self._rollup_downsample(mid, since, hi, *width)
                 else:
                     rows = self._raw_downsample(mid, since, lo, hi, nb)
+        if rows is None and since < compacted:
+            # A full read of a compacted run: each compacted bucket's lowest and highest point, then
+            # every raw row from the compacted edge on.
+            downsampled = True
+            rows = self._rollup_downsample(mid, since, compacted - 1, _compact.KEEP_LEVEL, 1)
+            rows += self._rows(
+                "SELECT step, value, wall_time FROM scalars WHERE metric_id = ? AND step >= ? ORDER BY step, rowid",
+                (mid, compacted),
+            )
         if rows is None:
             rows = self._rows(
                 "SELECT step, value, wall_time FROM scalars WHERE metric_id = ? AND step >= ? ORDER BY step, rowid",
@@ -455,6 +481,24 @@ class Run:
             wall_times=[r[2] for r in rows],
             downsampled=downsampled,
         )
+
+    def _compaction(self) -> tuple[int, int]:
+        """(compacted_to, compacted_steps) from the meta table: steps below the first are compacted,
+        and the second counts the steps none of whose raw rows are left (see store/_compact.py)."""
+        got = dict(self._rows("SELECT key, value FROM meta WHERE key IN ('compacted_to', 'compacted_steps')"))
+        out = []
+        for key in ("compacted_to", "compacted_steps"):
+            try:
+                out.append(max(0, int(got.get(key, 0))))
+            except (TypeError, ValueError):
+                raise RunStoreError(
+                    f"{self.db_path}: meta table key {key!r} holds {got.get(key)!r:.40} where a step count "
+                    "belongs; the run's database was altered, restore it from a backup"
+                ) from None
+        return out[0], out[1]
+
+    def _compacted_to(self) -> int:
+        return self._compaction()[0]
 
     @property
     def has_rollups(self) -> bool:
@@ -733,8 +777,10 @@ class Run:
         }
 
     def steps(self) -> int:
-        """Number of distinct steps with at least one metric. Cost: one index scan."""
-        return int(self._rows("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)")[0][0])
+        """Number of distinct steps with at least one metric (compacted steps included). Cost: one
+        index scan of the raw rows left."""
+        raw = int(self._rows("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)")[0][0])
+        return raw + (self._compaction()[1] if self.has_rollups else 0)
 
     def summary(self) -> dict[str, Any]:
         """Counts for a quick look: steps, last step, metrics, anomalies, events by kind, status, dropped."""
@@ -833,6 +879,44 @@ def open_run(path: str | os.PathLike[str], rank: int | None = None) -> Run:
     return Run(p, meta, rank)
 
 
+def _quick_info(path: Path) -> RunInfo | None:
+    """A closed run's line from meta.json and the summary its writer left (no database opened), or
+    None when that cannot stand for the database: a running run, no or a malformed summary, a
+    database whose size or mtime changed since, a -wal beside it. Cost: two small reads, two stats."""
+    try:
+        meta = _read_meta(path)
+        status = meta.get("status")
+        if status not in ("finished", "failed") or meta.get("rank", 0) != 0:
+            return None
+        doc = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
+        db = path / "rank0.sqlite"
+        st = db.stat()
+        if (
+            not isinstance(doc, dict)
+            or doc.get("db_size") != st.st_size
+            or doc.get("db_mtime_ns") != st.st_mtime_ns
+            or Path(str(db) + "-wal").exists()
+            or not all(type(doc.get(k)) is int and doc[k] >= 0 for k in ("steps", "anomalies"))
+        ):
+            return None
+    except (OSError, ValueError, RunStoreError):
+        return None
+    lost = meta.get("lost")
+    frm, err = meta.get("lost_from_step"), meta.get("write_error")
+    return RunInfo(
+        path,
+        str(meta.get("name") or path.name),
+        str(status),
+        meta.get("created"),
+        doc["steps"],
+        doc["anomalies"],
+        meta.get("run_id"),
+        lost=lost if type(lost) is int and lost > 0 else 0,
+        lost_from_step=frm if type(frm) is int else None,
+        write_error=err if isinstance(err, str) else None,
+    )
+
+
 def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
     """Every run directly under ``root``, oldest first; unreadable runs are listed with their error.
 
@@ -842,19 +926,31 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
     A folder that leads outside ``root`` through a symlink is neither opened nor listed; a run whose
     meta.json or database links outside its folder is listed as unreadable, and not opened.
 
-    Example: ``[r.name for r in list_runs("runs")]``. Cost: opens each run's rank-0 database.
+    Example: ``[r.name for r in list_runs("runs")]``. Cost: a closed run is read from its meta.json
+    and the summary.json its writer left (about 0.3 ms); a running, crashed or changed run opens its
+    rank-0 database.
     """
     base = Path(root)
     if not base.is_dir():
         raise RunStoreError(f"{base} is not a folder of runs (it does not exist or is a file)")
     infos: list[RunInfo] = []
     real_base = base.resolve()
-    for p in sorted(base.iterdir()):
-        if p.resolve().parent != real_base or not (p / "meta.json").is_file():
+    with os.scandir(base) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        p = Path(entry.path)
+        # DirEntry answers from the directory listing: only a symlink needs resolving
+        if entry.is_symlink() and p.resolve().parent != real_base:
             continue
-        why = outside_root(p, base)
+        if not (p / "meta.json").is_file():
+            continue
+        why = outside_root(p, base, resolved=real_base if not entry.is_symlink() else None)
         if why is not None:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, why))
+            continue
+        quick = _quick_info(p)
+        if quick is not None:
+            infos.append(quick)
             continue
         try:
             with open_run(p) as run:

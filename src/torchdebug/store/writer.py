@@ -28,7 +28,7 @@ from typing import Any
 from .._errors import RunStoreError, TorchDebugWarning
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
-from . import _rollup, _validate
+from . import _compact, _rollup, _validate
 from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
@@ -174,8 +174,12 @@ class _Core:
         batch_size: int,
         flush_interval: float,
         lock_fd: int | None = None,
+        keep_recent: int | None = _compact.RECENT,
     ) -> None:
         self.conn = conn
+        self.keep_recent = keep_recent  # steps kept whole at the end; None: never compact
+        self.compacted_to = _compact.compacted_to(conn)
+        self.max_step = -1
         self.lock_fd = lock_fd  # this rank's writer lock, held until close() (or process death)
         self.db_path = db_path
         self.meta_path = meta_path  # None for ranks > 0: rank 0 owns meta.json
@@ -228,6 +232,7 @@ class _Core:
                 stopping = self.stopping
             try:
                 self._write(low, high, dropped, lost)
+                self._compact()
             except BaseException as e:  # keep the thread alive: training must not die with the store
                 self._lose(low, high, e)
                 # The rolled-back batch may have named new metrics: forget ids that were not kept.
@@ -245,6 +250,17 @@ class _Core:
                 self.flushed.notify_all()
             if stopping:
                 return
+
+    def _compact(self) -> None:
+        """Compact whole chunks that fell ``keep_recent`` steps behind (see _compact.py); never raises
+        into the batch: a failed compaction rolls back, leaves every row as it was and stops."""
+        if self.keep_recent is None or self.max_step - self.keep_recent < self.compacted_to + _compact.CHUNK:
+            return
+        try:
+            _compact.maybe_compact(self.conn, self.max_step, self.keep_recent)
+            self.compacted_to = _compact.compacted_to(self.conn)
+        except sqlite3.Error:
+            self.keep_recent = None  # the rows stay whole; the file just grows as before
 
     def _lose(self, low: deque[tuple[Any, ...]], high: deque[tuple[Any, ...]], error: BaseException) -> None:
         """Count a failed batch's records as lost (their lowest step too) and arm the one warning."""
@@ -305,6 +321,9 @@ class _Core:
                         cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (rec[1],))
                         ids[rec[1]] = int(cur.lastrowid or 0)
                 rows = [(ids[n], s, v, w) for _, n, s, v, w in scalars]
+                top = max(r[1] for r in rows)
+                if top > self.max_step:
+                    self.max_step = top
                 conn.executemany(
                     "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)", rows
                 )
@@ -397,6 +416,7 @@ class _Core:
             final.update(lost=self.lost, lost_from_step=self.lost_from, write_error=self.write_error)
         conn = self.conn
         end_error: BaseException | None = None
+        summary: dict[str, Any] | None = None
         try:
             conn.execute("BEGIN IMMEDIATE")
             conn.executemany(
@@ -404,6 +424,7 @@ class _Core:
                 [(k, json.dumps(v)) for k, v in final.items()],
             )
             conn.execute("COMMIT")
+            summary = _summary(conn) if self.meta_path is not None else None
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             # A finished run is left in rollback-journal mode: a read-only reader of a WAL file with no
             # -wal/-shm beside it would have to create them, and readers must never write the folder.
@@ -420,6 +441,13 @@ class _Core:
             conn.close()
             release_writer_lock(self.db_path.parent, self.meta["rank"], self.lock_fd)
         where = str(self.db_path)
+        if self.meta_path is not None and summary is not None and end_error is None:
+            # What `torchdebug runs` shows, without opening the database (see reader.list_runs);
+            # it names the database's size and mtime, so a file changed since is opened instead.
+            with contextlib.suppress(OSError):
+                st = os.stat(self.db_path)
+                summary.update(db_size=st.st_size, db_mtime_ns=st.st_mtime_ns)
+                write_json_atomic(self.meta_path.with_name(SUMMARY_FILE), summary)
         if self.meta_path is not None:  # even if the database failed: meta.json says how the run ended
             self.meta.update(final)
             try:
@@ -438,6 +466,24 @@ class _Core:
                 ),
                 stacklevel=3,
             )
+
+
+#: The small file rank 0's writer leaves at close: the run's counts for ``list_runs``.
+SUMMARY_FILE = "summary.json"
+
+
+def _summary(conn: sqlite3.Connection) -> dict[str, Any]:
+    """Counts of a closed rank database (steps, last step, anomalies): a few index scans."""
+    raw = conn.execute("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)").fetchone()[0]
+    last = conn.execute(
+        "SELECT max(s) FROM (SELECT max(step) AS s FROM scalars UNION ALL SELECT max(step) FROM anomalies "
+        "UNION ALL SELECT max(step) FROM events)"
+    ).fetchone()[0]
+    return {
+        "steps": int(raw) + _compact.compacted_steps(conn),
+        "last_step": last,
+        "anomalies": int(conn.execute("SELECT count(*) FROM anomalies").fetchone()[0]),
+    }
 
 
 # Writers not yet closed. At interpreter exit each is closed: "failed" when an uncaught exception
@@ -811,6 +857,7 @@ def create_run(
     max_queue: int = 100_000,
     batch_size: int = 10_000,
     flush_interval: float = 0.5,
+    keep_recent: int | None = _compact.RECENT,
 ) -> RunWriter:
     """Create a run folder (rank 0) or join one (rank > 0) and return its ``RunWriter``.
 
@@ -825,6 +872,9 @@ def create_run(
         max_queue: low-priority records kept in memory before the oldest are dropped.
         batch_size: low-priority records that wake the writer thread before its timer.
         flush_interval: seconds between commits.
+        keep_recent: steps at the end of the run kept at full resolution (default 20,000); older
+            per-step rows are compacted into rollups except near events and anomalies (see the
+            architecture doc's run store contract). None: never compact.
 
     Returns:
         The writer; ``writer.path`` is the run folder.
@@ -865,6 +915,10 @@ def create_run(
         or flush_interval <= 0
     ):
         raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
+    if keep_recent is not None and (
+        isinstance(keep_recent, bool) or not isinstance(keep_recent, int) or keep_recent < 0
+    ):
+        raise ValueError(f"keep_recent must be an int >= 0 or None, got {keep_recent!r}")
 
     now = _dt.datetime.now().astimezone()
     meta_path: Path | None
@@ -957,6 +1011,8 @@ def create_run(
             if path is None:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise RunStoreError(f"cannot write {meta_path}: {e}") from e
-    core = _Core(conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval), lock_fd)
+    core = _Core(
+        conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval), lock_fd, keep_recent
+    )
     _LIVE.add(core)
     return RunWriter(core, run_dir)

@@ -49,6 +49,28 @@ def _split_host(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
+# RFC 9110 Host = uri-host [ ":" port ]: a bracketed IPv6 literal or a name/IPv4 of letters, digits,
+# ".", "-", "_" (no userinfo "@", no path, no spaces), then at most one port of 1-5 digits.
+_HOST_HEADER = re.compile(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::(?P<port>[0-9]{1,5}))?$")
+
+
+def parse_host(value: str) -> str | None:
+    """The host of a ``Host`` header, lower-cased and without port or brackets; None when malformed.
+
+    Example: ``parse_host("[::1]:6007")`` -> ``"::1"``; ``parse_host("localhost:80@evil.com")`` -> None.
+    """
+    m = _HOST_HEADER.match(value)
+    if m is None or (m.group("port") is not None and int(m.group("port")) > 65535):
+        return None
+    if m.group("v6") is not None:
+        try:
+            ipaddress.IPv6Address(m.group("v6"))
+        except ValueError:
+            return None
+        return m.group("v6").lower()
+    return m.group("name").lower()
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -71,15 +93,38 @@ class RequestGuard:
         self.hosts = {_split_host(h) for h in (*LOOPBACK_HOSTS, *allowed_hosts) if h.strip()}
         self.origins = {o.strip().rstrip("/").lower() for o in allowed_origins if o.strip()}
 
-    def refusal(self, method: str, host_header: str | None, origin: str | None) -> str | None:
-        """None when the request may go on, else the reason it is refused (answered 403)."""
-        host = _split_host(host_header or "")
-        if host_header is not None and not ("*" in self.hosts or host in self.hosts or _is_ip(host)):
-            return (
+    def check_host(self, host_header: str | None) -> tuple[int, str | None]:
+        """``(200, None)`` when the Host header may go on, else the status and the reason: 400 for a
+        header that is not ``host[:port]`` (userinfo, empty host, bad port), 403 for a foreign host."""
+        if host_header is None:  # HTTP/1.0 without Host: not a browser
+            return 200, None
+        host = parse_host(host_header)
+        if host is None:
+            return 400, (
+                f"bad request: Host {host_header[:100]!r} is not host[:port] (a name, an IPv4 address or "
+                "a bracketed IPv6 address, then an optional port 0-65535)"
+            )
+        if not ("*" in self.hosts or host in self.hosts or _is_ip(host)):
+            return 403, (
                 f"forbidden: Host {host_header[:100]!r} is not an address of this dashboard (protection "
                 "against DNS rebinding); to allow it pass td.serve(..., allowed_hosts=[...]) or "
                 "torchdebug serve --allowed-host NAME"
             )
+        return 200, None
+
+    def verdict(self, method: str, host_header: str | None, origin: str | None) -> tuple[int, str] | None:
+        """None when the request may go on, else ``(status, reason)``: 400 malformed Host, 403 refused."""
+        status, why = self.check_host(host_header)
+        if why is not None:
+            return status, why
+        why = self.refusal(method, host_header, origin)
+        return None if why is None else (403, why)
+
+    def refusal(self, method: str, host_header: str | None, origin: str | None) -> str | None:
+        """None when the request may go on, else the reason it is refused."""
+        _, why = self.check_host(host_header)
+        if why is not None:
+            return why
         if method.upper() in _UNSAFE_METHODS and origin is not None:
             given = origin.strip().rstrip("/").lower()
             own = (host_header or "").strip().lower()
@@ -343,9 +388,9 @@ def create_app(
     # added after _auth, so it runs first: a foreign Host or Origin is refused before anything else
     @app.middleware("http")
     async def _guard(request: Request, call_next: Any) -> Response:
-        why = guard.refusal(request.method, request.headers.get("host"), request.headers.get("origin"))
-        if why is not None:
-            return _json({"error": why}, 403)
+        refused = guard.verdict(request.method, request.headers.get("host"), request.headers.get("origin"))
+        if refused is not None:
+            return _json({"error": refused[1]}, refused[0])
         return await call_next(request)
 
     if guard.origins:  # CORS only when asked, for exactly these origins

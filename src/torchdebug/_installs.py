@@ -1,0 +1,134 @@
+"""The one registry of what torchdebug puts into torch and the user's model, and takes off on exit.
+
+Every instrument installs through an ``Installs``: hook handles (module, global module, optimizer,
+tensor hooks), patches (``setattr`` on torch or a module) and thread-bound contexts (dispatch and
+function modes, saved-tensor hooks). ``close()`` takes everything off in reverse order, whatever
+happened in between: an instrument that failed half-way, a forward that ran in a worker thread, a
+``torch.func`` transform that refused a context after its hooks were registered.
+
+Thread-bound contexts live on the stack of the thread that entered them (torch keeps mode stacks
+and saved-tensor hooks per thread), so only that thread can leave them. ``leave``/``close`` on
+another thread: if the entering thread has ended, its stack ended with it and nothing is left;
+if it still runs, the context cannot be reached from here and is counted in ``stranded`` (the
+instruments enter contexts only on the thread that runs them to the end, so this stays 0).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_MISSING = object()
+
+
+class Installs:
+    """Hooks, patches and contexts of one session (or one standalone tool), removed by ``close()``.
+
+    Example::
+
+        inst = Installs()
+        inst.hook(model.register_forward_hook(fn))
+        inst.patch(torch.Tensor, "backward", wrapped)
+        mode = inst.enter(MyDispatchMode())
+        ...
+        inst.close()  # the hook removed, Tensor.backward restored, the mode left (on its thread)
+
+    Cost: one list append per install; nothing on the hot path.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[int, Any] = {}  # id -> handle, in install order (O(1) removal)
+        self._patches: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, installed)
+        self._contexts: list[tuple[Any, threading.Thread]] = []
+        self.stranded = 0  # contexts whose thread still runs elsewhere at close (see module docstring)
+
+    def __len__(self) -> int:
+        return len(self._handles) + len(self._patches) + len(self._contexts)
+
+    # -- installing ----------------------------------------------------------------------------------
+    def hook(self, handle: Any) -> Any:
+        """Keep a handle with ``remove()`` (a ``RemovableHandle``); returns it."""
+        with self._lock:
+            self._handles[id(handle)] = handle
+        return handle
+
+    def patch(self, owner: Any, name: str, value: Any) -> Any:
+        """``setattr(owner, name, value)``, the original restored by ``close()``; returns the original."""
+        original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name)
+        setattr(owner, name, value)
+        with self._lock:
+            self._patches.append((owner, name, original, value))
+        return original
+
+    def enter(self, ctx: Any) -> Any:
+        """Enter a context (a mode, ``saved_tensors_hooks``) on this thread; returns what it gives.
+
+        If entering raises, nothing is recorded and the error propagates.
+        """
+        out = ctx.__enter__()
+        with self._lock:
+            self._contexts.append((ctx, threading.current_thread()))
+        return out
+
+    # -- removing ------------------------------------------------------------------------------------
+    def remove(self, handle: Any) -> None:
+        """Remove one handle now (and forget it)."""
+        with self._lock:
+            self._handles.pop(id(handle), None)
+        handle.remove()
+
+    def leave(self, ctx: Any) -> bool:
+        """Leave one context entered with ``enter``; True when it is off a live stack or gone with its
+        thread, False when another live thread holds it (it stays recorded, counted at ``close``)."""
+        with self._lock:
+            entry = next((e for e in self._contexts if e[0] is ctx), None)
+            if entry is None:
+                return True
+            thread = entry[1]
+            if thread is not threading.current_thread() and thread.is_alive():
+                return False
+            self._contexts.remove(entry)
+        if thread is threading.current_thread():
+            ctx.__exit__(None, None, None)
+        return True
+
+    def close(self) -> list[BaseException]:
+        """Take everything off, newest first: contexts (on their own thread), handles, patches.
+
+        Never raises; returns the errors met (each item is still taken off where possible).
+        """
+        errors: list[BaseException] = []
+        with self._lock:
+            contexts, self._contexts = self._contexts, []
+            handles, self._handles = list(self._handles.values()), {}
+            patches, self._patches = self._patches, []
+        me = threading.current_thread()
+        for ctx, thread in reversed(contexts):
+            if thread is me:
+                try:
+                    ctx.__exit__(None, None, None)
+                except Exception as e:  # another mode was left open above it: pop what we can
+                    errors.append(e)
+            elif thread.is_alive():
+                self.stranded += 1
+        for h in reversed(handles):
+            try:
+                h.remove()
+            except Exception as e:
+                errors.append(e)
+        for owner, name, original, installed in reversed(patches):
+            try:
+                current = owner.__dict__.get(name) if hasattr(owner, "__dict__") else getattr(owner, name)
+                if current is not installed:
+                    continue  # someone patched over us: theirs stays (restoring would drop it)
+                if original is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
+            except Exception as e:
+                errors.append(e)
+        return errors
+
+
+__all__ = ["Installs"]
