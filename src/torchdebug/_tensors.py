@@ -135,6 +135,7 @@ class Plan:
             inverse[i] = j
         self.empty = self.n - len(self.small) - len(self.big)
         self.inverse = None if order == list(range(self.n)) else torch.tensor(inverse, dtype=torch.long)
+        self.lengths_all = torch.tensor(numel, dtype=torch.long, device=self.device)
 
     @staticmethod
     def build(tensors: Sequence[torch.Tensor]) -> Plan | None:
@@ -193,6 +194,17 @@ class Plan:
                 parts.append(torch.segment_reduce(flat.float(), "sum", lengths=self.lengths))
             parts += [t.sum(dtype=torch.float32).reshape(1) for t in self.big_get(tensors)]
             return self._order(parts)
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every tensor copied into one flat buffer (one call): a snapshot :meth:`segment_norms` reads."""
+        with torch.no_grad():
+            return torch._utils._flatten_dense_tensors(list(tensors))  # type: ignore[attr-defined]
+
+    def segment_norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-tensor L2 norms (float32) of a buffer laid out as :meth:`flatten` lays the list out."""
+        with torch.no_grad():
+            f = flat.float()
+            return torch.segment_reduce(f * f, "sum", lengths=self.lengths_all).sqrt()
 
     def _order(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if self.empty:
