@@ -13,12 +13,13 @@ tensors). Variants on one model and optimizer: ``plain``; ``watch`` (the default
 sentinel, gradient health, memory, timing, the run store); ``sentinel`` (``mode="anomaly_detection"``);
 ``none`` (``mode="none"``).
 
-Printed per workload and variant: CPU ms per step (the median over blocks of each block's mean, so
-detail steps count as often as they occur: every ``detail_every`` = 10 steps, memory samples every
-50; blocks are ``--chunk`` steps, a multiple of 50, each a fresh session), the ratio to plain, the
-added microseconds per step and per parameter tensor; for ``watch`` also the median of its ordinary
-and of its detail steps. Then the blocking device-to-host reads torchdebug makes on an ordinary step
-and on a detail step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
+Printed per workload and variant: CPU ms per step with the detail steps counted as often as they
+occur (``detail_every`` = 10, memory samples every ``memory_every`` = 50): the median of each kind
+of step (ordinary; detail; detail and memory), weighted by how often it occurs, so a step slowed by
+another process does not move the figure the way it moves a mean; the ratio to plain, the added
+microseconds per step and per parameter tensor; for ``watch`` also the median of its ordinary and
+of its detail steps. Blocks are ``--chunk`` steps (a multiple of 50), each a fresh session. Then the
+blocking device-to-host reads torchdebug makes on an ordinary step and on a detail step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
 __bool__/__float__/__int__/__index__`` whose first frame outside torch is torchdebug's).
 
 ``--rss N``: the 5,000-tensor model under the default watch for N steps (one session), RSS every
@@ -86,10 +87,10 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
     model = w.build()
     opt = w.optimizer(model)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
-    block_means: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    ordinary: list[float] = []
-    detail: list[float] = []
     every = CONFIGS["watch"].detail_every
+    mem_every = CONFIGS["watch"].memory_every
+    # per variant and kind of step (0 ordinary, 1 detail, 2 detail + memory sample): CPU seconds
+    kinds: dict[str, tuple[list[float], list[float], list[float]]] = {v: ([], [], []) for v in VARIANTS}
     with quiet():
         _block(w, model, opt, batches, 5)  # warm-up
         for v in VARIANTS[1:]:
@@ -102,12 +103,17 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
                 else:
                     with td.watch(model, opt, run=writer, config=CONFIGS[v]) as mon:
                         t = _block(w, model, opt, batches, chunk, mon)
-                    if v == "watch":
-                        for j, x in enumerate(t):
-                            (detail if j % every == 0 else ordinary).append(x)
-                block_means[v].append(sum(t) / len(t))
-    med = {v: statistics.median(block_means[v]) for v in VARIANTS}
+                for j, x in enumerate(t):
+                    kinds[v][_kind(j, every, mem_every)].append(x)
+    counts = [0, 0, 0]
+    for j in range(chunk):
+        counts[_kind(j, every, mem_every)] += 1
+    med = {
+        v: sum(statistics.median(k[i] or k[0]) * counts[i] for i in range(3)) / chunk
+        for v, k in kinds.items()
+    }
     plain = med["plain"]
+    ordinary, detail = kinds["watch"][0], kinds["watch"][1] + kinds["watch"][2]
     return {
         "workload": w.name,
         "tensors": n_tensors,
@@ -118,6 +124,11 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
         "detail_ratio": statistics.median(detail) / plain,
         "reads": count_reads(w, model, opt, batches, writer),
     }
+
+
+def _kind(j: int, every: int, mem_every: int) -> int:
+    """Step j of a session: 0 ordinary, 1 a detail step, 2 a detail step with a memory sample."""
+    return 2 if j % mem_every == 0 else (1 if j % every == 0 else 0)
 
 
 def count_reads(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -> dict[str, int]:
@@ -193,7 +204,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 50-step blocks, mlp4 + gpt2")
     ap.add_argument("--only", default="gpt2,deep_mlp,mlp4")
     ap.add_argument("--many", action="store_true", help="also the 5,000-tensor model")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=100, help="steps per block (a multiple of 50)")
     ap.add_argument("--rss", type=int, default=0, help="RSS over this many steps of the 5,000-tensor model")
     args = ap.parse_args()
@@ -215,7 +226,7 @@ def main() -> None:
         writer = create_run(root=tmp, name="host_cost", config={})
         try:
             for n in names:
-                chunk = args.chunk if n != "many5000" else max(args.chunk // 2, 50)
+                chunk = args.chunk if n != "many5000" else 50
                 print(table(bench(WORKLOADS[n], args.repeats, chunk, writer)), flush=True)
                 print()
             if args.rss:
