@@ -123,6 +123,7 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
         "ordinary_ratio": statistics.median(ordinary) / plain,
         "detail_ratio": statistics.median(detail) / plain,
         "reads": count_reads(w, model, opt, batches, writer),
+        "calls": count_calls(w, model, opt, batches, writer),
     }
 
 
@@ -144,6 +145,35 @@ def count_reads(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -
                 got["ordinary"] = reads.count
             if i == every:
                 got["detail"] = reads.count
+    return got
+
+
+def count_calls(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -> dict[str, int]:
+    """Function calls torchdebug makes on an ordinary and a detail step of the default watch: Python
+    frames of torchdebug's code plus the C functions those frames call (``sys.setprofile`` events).
+    Deterministic, unlike time on a shared machine: it says whether host work grows with the model."""
+    every = CONFIGS["watch"].detail_every
+    got: dict[str, int] = {}
+    n = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event in ("call", "c_call") and str(frame.f_globals.get("__name__", "")).startswith("torchdebug"):
+            n += 1
+
+    with quiet(), td.watch(model, opt, run=writer, config=CONFIGS["watch"]) as mon:
+        for i in range(every + 1):
+            n = 0
+            sys.setprofile(prof)
+            try:
+                train_step(w, model, opt, batches[i % len(batches)])
+                mon.step()
+            finally:
+                sys.setprofile(None)
+            if i == 1:
+                got["ordinary"] = n
+            if i == every:
+                got["detail"] = n
     return got
 
 
@@ -194,7 +224,9 @@ def table(r: dict[str, Any]) -> str:
     lines.append(
         f"watch: ordinary steps {r['ordinary_ratio']:.3f}x, detail steps {r['detail_ratio']:.3f}x (medians); "
         f"torchdebug's blocking reads: {r['reads'].get('ordinary')} on an ordinary step, "
-        f"{r['reads'].get('detail')} on a detail step"
+        f"{r['reads'].get('detail')} on a detail step; torchdebug's function calls (Python frames and "
+        f"the C calls they make): {r['calls'].get('ordinary')} on an ordinary step, "
+        f"{r['calls'].get('detail')} on a detail step"
     )
     return "\n".join(lines)
 
