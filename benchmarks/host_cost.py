@@ -14,19 +14,22 @@ sentinel, gradient health, memory, timing, the run store); ``sentinel`` (``mode=
 ``none`` (``mode="none"``).
 
 Printed per workload and variant: CPU ms per step with the detail steps counted as often as they
-occur (``detail_every`` = 10, memory samples every ``memory_every`` = 50): the median of each kind
-of step (ordinary; detail; detail and memory), weighted by how often it occurs, so a step slowed by
-another process does not move the figure the way it moves a mean; the ratio to plain, the added
-microseconds per step and per parameter tensor; for ``watch`` also the median of its ordinary and
-of its detail steps. Blocks are ``--chunk`` steps (a multiple of 50), each a fresh session. Then the
-blocking device-to-host reads torchdebug makes on an ordinary step and on a detail step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
+occur: the median of each kind of step (ordinary; detail; detail with a memory sample), weighted by
+how often it occurs in a long run (1 - 1/``detail_every``, 1/``detail_every`` - 1/``memory_every``,
+1/``memory_every``), so a step slowed by another process does not move the figure the way it moves a
+mean; the ratio to plain, the added microseconds per step and per parameter tensor; for ``watch``
+also the median of its ordinary and of its detail steps. Blocks are ``--chunk`` steps, short (10) so
+that the variants alternate many times while the machine's load drifts; each watched block is a
+fresh session (entered and left outside the timing), whose first step is a detail step with a memory
+sample. Then the blocking device-to-host reads torchdebug makes on an ordinary step and on a detail
+step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
 __bool__/__float__/__int__/__index__`` whose first frame outside torch is torchdebug's).
 
 ``--rss N``: the 5,000-tensor model under the default watch for N steps (one session), RSS every
 ``N // 20`` steps, and the growth after the first 10%.
 
-    python benchmarks/host_cost.py [--quick] [--only gpt2,deep_mlp,mlp4] [--many] [--repeats 3]
-                                   [--chunk 100] [--rss 5000]
+    python benchmarks/host_cost.py [--quick] [--only gpt2,deep_mlp,mlp4] [--many] [--repeats 15]
+                                   [--chunk 10] [--rss 5000]
 """
 
 from __future__ import annotations
@@ -105,11 +108,10 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
                         t = _block(w, model, opt, batches, chunk, mon)
                 for j, x in enumerate(t):
                     kinds[v][_kind(j, every, mem_every)].append(x)
-    counts = [0, 0, 0]
-    for j in range(chunk):
-        counts[_kind(j, every, mem_every)] += 1
+    weights = (1 - 1 / every, 1 / every - 1 / mem_every, 1 / mem_every)  # as often as they occur
     med = {
-        v: sum(statistics.median(k[i] or k[0]) * counts[i] for i in range(3)) / chunk
+        # a kind a short block never shows (detail without memory) counts as the next dearer kind
+        v: sum(statistics.median(k[i] or k[2] or k[0]) * weights[i] for i in range(3))
         for v, k in kinds.items()
     }
     plain = med["plain"]
@@ -236,14 +238,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 50-step blocks, mlp4 + gpt2")
     ap.add_argument("--only", default="gpt2,deep_mlp,mlp4")
     ap.add_argument("--many", action="store_true", help="also the 5,000-tensor model")
-    ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--chunk", type=int, default=100, help="steps per block (a multiple of 50)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--chunk", type=int, default=10, help="steps per block")
     ap.add_argument("--rss", type=int, default=0, help="RSS over this many steps of the 5,000-tensor model")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = [n for n in args.only.split(",") if n]
     if args.quick:
-        args.repeats, args.chunk, names = 1, 50, ["mlp4", "gpt2"]
+        args.repeats, args.chunk, names = 2, 10, ["mlp4", "gpt2"]
     if args.many:
         names.append("many5000")
     unknown = [n for n in names if n not in WORKLOADS]
@@ -258,8 +260,8 @@ def main() -> None:
         writer = create_run(root=tmp, name="host_cost", config={})
         try:
             for n in names:
-                chunk = args.chunk if n != "many5000" else 50
-                print(table(bench(WORKLOADS[n], args.repeats, chunk, writer)), flush=True)
+                repeats = args.repeats if n != "many5000" else max(args.repeats // 4, 2)
+                print(table(bench(WORKLOADS[n], repeats, args.chunk, writer)), flush=True)
                 print()
             if args.rss:
                 rss_run(args.rss, writer)
