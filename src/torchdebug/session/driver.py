@@ -5,6 +5,7 @@ boundaries from what the loop does anyway:
 
 - global patches, installed while at least one session is active: ``Tensor.backward`` /
   ``torch.autograd.backward`` (backward began / done), ``GradScaler.step`` (the scaler's verdict),
+  ``Optimizer.zero_grad`` / ``Module.zero_grad`` (the loss tape steps aside while they run),
   ``torch.nn.utils.clip_grad_norm_`` (a clip the sentinel can judge without a pass over the
   gradients), ``nn.Module.__getstate__`` (copies and checkpoints of a watched model carry no hooks);
 - per session: forward pre/post hooks on the module the loop calls (forward began / done), and the
@@ -97,8 +98,11 @@ def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
             params = [parameters]
         elif parameters is not None:
             params = list(parameters)
-            # still a generator for a generator: torch warns about an empty one
-            parameters = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+            # an empty generator stays one: torch warns about it (for anything else a list and a
+            # generator are the same to torch, which makes a list of it first; no frame per item)
+            parameters = (
+                (p for p in params) if isinstance(parameters, types.GeneratorType) and not params else params
+            )
             if args:
                 args = (parameters, *args[1:])
             else:
@@ -113,6 +117,29 @@ def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     clip_grad_norm_.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return clip_grad_norm_
+
+
+def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``zero_grad`` with the loss tape set aside: a loop that zeroes between the loss and backward()
+    would send every ``p.grad`` read and write through the tape's ``__torch_function__`` (two per
+    parameter, ~1 us each); the tape keeps none of them (they are not the loss's making)."""
+
+    @functools.wraps(orig)
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _ACTIVE or torch.compiler.is_dynamo_compiling():
+            return orig(self, *args, **kwargs)
+        n = torch._C._len_torch_function_stack()
+        top = torch._C._get_function_stack_at(n - 1) if n else None
+        if top is None or not any(m.sentinel.tape is top for m in _ACTIVE):
+            return orig(self, *args, **kwargs)
+        torch._C._pop_torch_function_stack()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch._C._push_on_torch_function_stack(top)
+
+    zero_grad.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return zero_grad
 
 
 def is_ours(hook: Any) -> bool:
@@ -158,6 +185,8 @@ def _install_patches() -> None:
     _PATCHES.patch(nn.Module, "__getstate__", _getstate_wrapper(nn.Module.__getstate__))
     _PATCHES.patch(torch.Tensor, "backward", _backward_wrapper(torch.Tensor.backward, True))
     _PATCHES.patch(torch.autograd, "backward", _backward_wrapper(torch.autograd.backward, False))
+    _PATCHES.patch(torch.optim.Optimizer, "zero_grad", _zero_grad_wrapper(torch.optim.Optimizer.zero_grad))
+    _PATCHES.patch(nn.Module, "zero_grad", _zero_grad_wrapper(nn.Module.zero_grad))
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_mod
 

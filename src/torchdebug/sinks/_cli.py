@@ -52,6 +52,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _send(args: argparse.Namespace, run: object, path: Path, to: str) -> int:
     from . import export_run
+
     if to == "tensorboard":
         from ._tensorboard import export_tensorboard
 
