@@ -214,6 +214,8 @@ class DeferredReads:
         """``mon.step()`` of a staged step: keep its state for the read; None: a blocking step."""
         p, mon = self.staged, self.mon
         if p is None:
+            if mon.sentinel.manual_update(mon):
+                self.why_not(None)  # an update by hand: said once
             self.resolve(block=True)  # a blocking step after async ones: theirs come first
             return None
         self.staged = None
