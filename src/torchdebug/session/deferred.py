@@ -142,11 +142,12 @@ class DeferredReads:
                     else f"{type(opt).__name__} cannot skip its update on the device (only fused "
                     "optimizers take found_inf, e.g. torch.optim.AdamW(..., fused=True))"
                 )
-            reason = self._why_not[key]
-            if reason is None:
+            cached = self._why_not[key]
+            if cached is None:
                 # the first update creates the state (fused SGD fills its momentum with empty_like and
                 # would keep it if skipped): that one step is read blocking, said nowhere
                 return "its state does not exist yet" if not opt.state else None
+            reason = cached
         mon._warn_once(
             f"async:{reason}",
             f"torchdebug: sync='async' falls back to the blocking read (one host sync per step): {reason}",
@@ -267,7 +268,7 @@ class DeferredReads:
         bad, halt = values.pop(_BAD, 0.0), values.pop(_HALT, 0.0)
         if halt > 0 and self.halt is not None:
             self.halt.zero_()  # read: later updates follow their own flag again (queued before them)
-        assert p.transfer is not None and p.state is not None
+        assert p.transfer is not None and p.state is not None and p.events is not None  # set at step end
         live = (
             mon.transfer,
             {k: getattr(s, k) for k in self._keys},

@@ -1,0 +1,208 @@
+"""Step time of a GPT-2-small-shaped model: plain loop vs ``watch`` blocking vs ``watch(sync="async")``.
+
+CUDA (the default when a GPU is present): GPT-2 small (12 blocks, d=768, 12 heads, vocab 50257,
+tied embeddings, seq 1024, batch 8) under ``torch.autocast(bfloat16)``, fused AdamW, gradient
+clipping. Variants share one model and optimizer and run interleaved in chunks of ``--chunk`` steps
+(``torch.cuda.synchronize()`` at each chunk's ends only, so a chunk's wall time is what the GPU and
+host together took); the median per-step time over ``--repeats`` chunks is printed with its ratio to
+plain. With ``sync="async"`` an ordinary step makes no blocking device-to-host read, so the host
+can keep queueing while the GPU works; the blocking mode waits once per step.
+
+CPU (``--device cpu``): the launch-bound proxy of the same shapes (12 blocks, width 32, 4 heads,
+vocab 256, seq 16, batch 2: host work bounds the step as it does on a GPU), measured as process CPU
+time with one thread (``time.process_time``), interleaved chunks, medians.
+
+Variants: ``plain``; ``sentinel`` (``mode="anomaly_detection"``) and ``default`` (the default
+instruments, no run folder), each with ``sync="blocking"`` and ``sync="async"``. Also printed per
+async variant: the staged reads (one per step, no wait) and the waits (queue full or exit).
+
+    python benchmarks/gpu_step.py [--device cuda|cpu] [--repeats 7] [--chunk 20] [--warmup 5]
+
+Without a GPU and without ``--device cpu`` it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchdebug as td
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # (B, T, C)
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, n_layer: int, n_head: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList([Block(d, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+SHAPES = {
+    "cuda": {"vocab": 50257, "seq": 1024, "d": 768, "n_layer": 12, "n_head": 12, "batch": 8},
+    "cpu": {"vocab": 256, "seq": 16, "d": 32, "n_layer": 12, "n_head": 4, "batch": 2},
+}
+
+
+def variants(device: str) -> dict[str, Callable[[nn.Module, Any], contextlib.AbstractContextManager]]:
+    sentinel = td.DebugConfig(mode="anomaly_detection", store=False)
+    default = td.DebugConfig(store=False)
+    out: dict[str, Callable[[nn.Module, Any], contextlib.AbstractContextManager]] = {
+        "plain": lambda m, o: contextlib.nullcontext()
+    }
+    for name, cfg in (("sentinel", sentinel), ("default", default)):
+        for sync in ("blocking", "async"):
+            out[f"{name}/{sync}"] = lambda m, o, c=cfg, s=sync: td.watch(m, o, config=c, sync=s, run=False)
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
+    device = args.device
+    shape = SHAPES[device]
+    torch.manual_seed(0)
+    model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["n_layer"], shape["n_head"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    B, T, V = shape["batch"], shape["seq"], shape["vocab"]
+    data = torch.randint(0, V, (16, B, T + 1), device=device)
+    cuda = device == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    counter = [0]
+
+    def step() -> None:
+        batch = data[counter[0] % len(data)]
+        counter[0] += 1
+        x, y = batch[:, :-1], batch[:, 1:]
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    vs = variants(device)
+    times: dict[str, list[float]] = {k: [] for k in vs}
+    reads: dict[str, list[tuple[int, int, int]]] = {k: [] for k in vs}
+    for _ in range(args.warmup):
+        step()
+    for rep in range(args.repeats + 1):  # repeat 0 warms each variant up (not counted)
+        order = list(vs) if rep % 2 == 0 else list(reversed(vs))  # interleaved, both orders
+        for name in order:
+            with vs[name](model, opt) as mon:
+                mon_step = getattr(mon, "step", lambda: None)
+                for _ in range(2):  # the optimizer's first update under a session, and its own warm-up
+                    step()
+                    mon_step()
+                t0 = clock()
+                for _ in range(args.chunk):
+                    step()
+                    mon_step()
+                t1 = clock()
+            a = getattr(mon, "_async", None)
+            if a is not None:  # after exit: the last step's numbers are read there
+                reads[name].append((args.chunk + 2, a.host_reads, a.blocking_reads))
+            if rep > 0:
+                times[name].append((t1 - t0) / args.chunk)
+    unit = "wall ms/step (CUDA, synchronised per chunk)" if cuda else "CPU ms/step (1 thread, process_time)"
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"GPT-2-shaped: {shape['n_layer']} blocks, d={shape['d']}, vocab {V}, seq {T}, batch {B}, "
+        f"{params / 1e6:.1f}M parameters, {len(list(model.parameters()))} tensors; {device}; "
+        f"torch {torch.__version__}; {args.repeats} x {args.chunk} steps per variant"
+    )
+    plain = statistics.median(times["plain"])
+    print(f"{'variant':<20} {unit:>44} {'ratio':>8}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        extra = ""
+        if reads[name]:
+            steps, staged, waits = reads[name][-1]
+            extra = f"   staged reads {staged}/{steps} steps, waits {waits}"
+        print(f"{name:<20} {med * 1e3:>44.3f} {med / plain:>8.3f}{extra}")
+    for sync in ("blocking", "async"):
+        s = statistics.median(times[f"sentinel/{sync}"])
+        d = statistics.median(times[f"default/{sync}"])
+        print(
+            f"added per step, {sync:<8}: sentinel {(s - plain) * 1e6:8.0f} us, default {(d - plain) * 1e6:8.0f} us"
+        )
+    if not all(math.isfinite(x) for ts in times.values() for x in ts):
+        raise SystemExit("non-finite timing")
+
+
+@contextlib.contextmanager
+def _one_thread(device: str) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # CPU time of one thread: what the host adds, not the BLAS pool's
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--chunk", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.device is None:
+        if not torch.cuda.is_available():
+            print(
+                "no CUDA GPU here: nothing to measure. Run on a GPU machine, or with --device cpu for the "
+                "launch-bound CPU proxy of the same shapes"
+            )
+            return 0
+        args.device = "cuda"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA GPU here")
+        return 0
+    with _one_thread(args.device):
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
