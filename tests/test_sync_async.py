@@ -392,3 +392,56 @@ def test_cuda_ordinary_steps_do_not_synchronize() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     assert [r.step for r in mon.records] == list(range(6))
+
+
+def test_a_late_read_holds_the_next_update_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the copy of step k may still be in flight when step k+1's update starts: the sticky flag
+    # then skips step k+1's update too, so step k's replay still sees the weights it saw. Simulated on
+    # CPU: step k's numbers report "not copied yet" until step k+2 begins.
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    k = 2
+    box: dict[str, Any] = {}
+    real_ready = deferred._Pending.ready
+    monkeypatch.setattr(
+        deferred._Pending,
+        "ready",
+        lambda self: real_ready(self) and not (self.step == k and box["mon"].global_step < k + 2),
+    )
+
+    def each(i: int, mon: Any) -> None:
+        if i == k - 1:
+            box["before"] = copy.deepcopy({"params": model.state_dict(), "opt": opt.state_dict()})
+        if i == k + 1:  # steps k and k+1 both ran their update with found_inf = 1: nothing changed
+            assert len(mon.records) == k  # neither is read yet
+            assert all(torch.equal(box["before"]["params"][n], t) for n, t in model.state_dict().items())
+            assert all(
+                torch.equal(v, opt.state_dict()["state"][p][name])
+                for p, st in box["before"]["opt"]["state"].items()
+                for name, v in st.items()
+            )
+
+    with (
+        pytest.warns(td.TorchDebugWarning) as said,
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async", policy="skip") as mon,
+    ):
+        box["mon"] = mon
+        for i in range(5):
+            x = torch.zeros(3, 4) if i == k else torch.randn(3, 4)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            mon.step()
+            each(i, mon)
+    assert [r.skipped for r in mon.records] == [False, False, True, True, False]
+    assert mon.records[k].anomaly is not None and mon.records[k].anomaly.location == origin_line("div")
+    assert mon.records[k + 1].anomaly is None
+    assert mon.records[k + 1].skip_reason.startswith("skipped by policy: held on the device")
+    assert [str(w.message)[:34] for w in said] == [
+        "torchdebug: step 2 skipped by poli",
+        "torchdebug: 2 steps skipped by pol",
+    ]
+    assert str(said[1].message).endswith("(steps 2-3); training resumed at step 4")
+    assert mon.counters["anomaly_steps"] == 1 and mon.counters["skipped_steps"] == 2
+    assert {float(s["step"]) for s in opt.state.values()} == {3.0}  # updates 0, 1 and 4 ran

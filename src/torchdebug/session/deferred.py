@@ -159,8 +159,17 @@ class DeferredReads:
         """Stage the step's numbers and hand the optimizer the skip flag; False: judge it blocking."""
         mon, s = self.mon, self.mon.sentinel
         self.resolve(block=False)
-        if mon.transfer.synced or self.staged is not None:
-            return self.staged is not None  # a second optimizer in the same step: judged with the first
+        if self.staged is not None:  # a second optimizer in the same step: the same verdict covers it
+            if opt is not None and opt is not self.staged.opt:
+                if self.why_not(opt) is None:
+                    self._hand_flag(opt)
+                elif self.halt is not None and float(self.halt) > 0:  # blocking: it cannot skip itself
+                    for g in opt.param_groups:
+                        for p in g["params"]:
+                            p.grad = None
+            return True
+        if mon.transfer.synced:
+            return False  # this step was read blocking already
         if self.why_not(opt) is not None:
             self.resolve(block=True)  # the blocking verdict comes after every earlier step's
             return False
@@ -186,14 +195,17 @@ class DeferredReads:
             self.halt.copy_(torch.maximum(self.halt, bad.float().to(dev, non_blocking=True)))
             flat = torch.cat([flat, bad.float().reshape(1), self.halt.reshape(1).to(flat.device)])
         names = [*names, _BAD, _HALT]
-        if id(opt) not in self._set:
-            self._set[id(opt)] = (opt, hasattr(opt, "found_inf"), getattr(opt, "found_inf", None))
-        opt.found_inf = self.halt  # the fused kernel skips the update on the device when it is 1
+        self._hand_flag(opt)
         d = (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index)
         s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
         self.staged = _Pending(mon.global_step, opt, names, [self._copy(flat)], d)
         mon.transfer.synced = True
         return True
+
+    def _hand_flag(self, opt: Any) -> None:
+        if id(opt) not in self._set:
+            self._set[id(opt)] = (opt, hasattr(opt, "found_inf"), getattr(opt, "found_inf", None))
+        opt.found_inf = self.halt  # the fused kernel skips the update on the device when it is 1
 
     def _copy(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if flat.device.type != "cuda":
@@ -288,12 +300,14 @@ class DeferredReads:
             s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
             if halt > 0 and not s.skipped:
                 held = bad == 0 and s.step_anomaly is None
-                s.mark_skipped(
+                why = (
                     "held on the device: an earlier step's NaN/Inf was not read yet (sync='async')"
                     if held
-                    else "the update was skipped on the device (sync='async')",
-                    severity="info",  # the anomaly (or the earlier one) was said already
+                    else "the update was skipped on the device (sync='async')"
                 )
+                if held and mon.config.policy == "skip":
+                    why = "skipped by policy: " + why  # counted with the run of skipped steps
+                s.mark_skipped(why, severity="info")  # the anomaly (or the earlier one) was said already
             record = mon._record(lr=p.lr, time_s=p.time_s)
             s.after_step_end(mon, False)
             mon._each("on_step_end", record, record.values)
