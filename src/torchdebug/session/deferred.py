@@ -267,6 +267,12 @@ class DeferredReads:
         """Judge every pending step whose copy is complete (``block``: all of them, waiting)."""
         while self.pending and (block or self.pending[0].ready()):
             self._resolve(self.pending.popleft(), block)
+        for p in self.pending:  # still in flight (CUDA, the device behind): keep less while waiting
+            for cap in (p.state or {}).get("captures", ()):
+                if getattr(cap, "tape_complete", False):
+                    # the replay re-runs the loss from its tape; the outputs' gradients (on a language
+                    # model the logits' gradient) are only its fallback: not kept through this forward
+                    cap.out_grads = {}
 
     def _resolve(self, p: _Pending, block: bool) -> None:
         mon, s = self.mon, self.mon.sentinel
