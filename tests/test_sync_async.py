@@ -445,3 +445,21 @@ def test_a_late_read_holds_the_next_update_on_the_device(monkeypatch: pytest.Mon
     assert str(said[1].message).endswith("(steps 2-3); training resumed at step 4")
     assert mon.counters["anomaly_steps"] == 1 and mon.counters["skipped_steps"] == 2
     assert {float(s["step"]) for s in opt.state.values()} == {3.0}  # updates 0, 1 and 4 ran
+
+
+def test_sync_can_be_switched_on_a_live_session() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    seen: list[bool] = []
+
+    def each(i: int, mon: Any) -> None:
+        seen.append(mon._async is not None)
+        if i == 1:
+            mon.reconfigure(sync="async")  # applied at the end of the next mon.step()
+        if i == 4:
+            mon.reconfigure(sync="blocking")
+
+    mon = _loop(model, opt, lambda i: torch.randn(4, 8), 7, each)
+    assert seen == [False, False, True, True, True, False, False]
+    assert [r.step for r in mon.records] == list(range(7)) and all(r.loss is not None for r in mon.records)

@@ -606,6 +606,10 @@ class Monitor:
         self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
         self.sentinel.active = "nonfinite" in self._enabled
+        if (self._async is not None) != (self.config.sync == "async"):  # sync switched live
+            if self._async is not None:
+                self._async.finish()  # the steps in flight are judged now (may raise)
+            self._async = DeferredReads(self) if self._async is None else None
         ours = {spec[1] for spec in _INSTRUMENTS.values()}
         for inst in [i for i in self.instruments if type(i).__name__ in ours]:
             self.instruments.remove(inst)  # rebuilt below: their depth follows the level
