@@ -7,6 +7,8 @@ one host transfer (:func:`read`) reads a handful of numbers.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +86,131 @@ def _probe_one(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():  # real and imaginary parts: a NaN in either is a NaN gradient
         return torch.view_as_real(t).sum(dtype=torch.float32)
     return t.new_zeros((), dtype=torch.float32)  # integer tensors hold no NaN/Inf
+
+
+SMALL = 1 << 15  # elements: tensors up to this size are reduced together on the CPU (see Plan)
+grad_of: Callable[[Any], Any] = operator.attrgetter("grad")  # map(grad_of, params): a C loop, no Python frame
+version_of: Callable[[Any], int] = operator.attrgetter("_version")
+
+
+def _getter(idx: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``f(seq) -> tuple(seq[i] for i in idx)`` in C (``itemgetter`` returns a bare item for one index)."""
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda seq: (seq[i],)
+    if not idx:
+        return lambda seq: ()
+    return operator.itemgetter(*idx)
+
+
+class Plan:
+    """How one fixed list of tensors (a session's parameters, or their gradients: the same shapes) is
+    reduced per step with a handful of torch calls, whatever its length: built once, cached.
+
+    On the CPU torch's foreach kernels are a loop of ordinary kernels (a dispatch, ~1-3 us, per
+    tensor), so the small tensors are flattened into one buffer (``_flatten_dense_tensors``: one call,
+    a copy of at most ``SMALL`` elements per tensor) and reduced at once: per-tensor norms or sums with
+    one ``segment_reduce``. Tensors over ``SMALL`` elements are reduced one by
+    one without a copy (their kernels cost more than the launch). Elsewhere (CUDA ...) the fused
+    ``torch._foreach_norm`` (one kernel per chunk of tensors). ``None`` from :meth:`build` when the
+    list does not fit (mixed devices, complex, sparse, non-float, DTensor shards): callers then take
+    the general path.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.n = len(tensors)
+        self.device = tensors[0].device
+        self.cpu = self.device.type == "cpu"
+        numel = [t.numel() for t in tensors]
+        self.small = [i for i, k in enumerate(numel) if 0 < k <= SMALL]
+        self.big = [i for i, k in enumerate(numel) if k > SMALL]
+        self.small_get = _getter(self.small)
+        self.big_get = _getter(self.big)
+        self.small_total = sum(numel[i] for i in self.small)
+        self.lengths = torch.tensor([numel[i] for i in self.small], dtype=torch.long)
+        # the per-tensor result in list order: [small..., big..., zeros for empty tensors] -> order
+        order = self.small + self.big + [i for i, k in enumerate(numel) if k == 0]
+        inverse = [0] * self.n
+        for j, i in enumerate(order):
+            inverse[i] = j
+        self.empty = self.n - len(self.small) - len(self.big)
+        self.inverse = None if order == list(range(self.n)) else torch.tensor(inverse, dtype=torch.long)
+        self.lengths_all = torch.tensor(numel, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def build(tensors: Sequence[torch.Tensor]) -> Plan | None:
+        if not tensors:
+            return None
+        dev = tensors[0].device
+        for t in tensors:
+            if (
+                (DTENSOR is not None and isinstance(t, DTENSOR))
+                or t.layout is not torch.strided
+                or not t.is_floating_point()
+                or t.device != dev
+            ):
+                return None
+        return Plan(tensors)
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Cheap guard per step: the same count (shapes are the parameters' by construction)."""
+        return len(tensors) == self.n
+
+    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        if not self.small:
+            return None
+        small = self.small_get(tensors)
+        flat = torch._utils._flatten_dense_tensors(small)  # type: ignore[attr-defined]  # one copy
+        if flat.numel() != self.small_total:
+            raise ValueError("tensor sizes changed since the plan was built")
+        return flat
+
+    def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-tensor L2 norms, float32, in list order; no host sync. A float32 sum of squares can
+        overflow for finite inputs: callers confirm non-finite entries exactly."""
+        with torch.no_grad():
+            if not self.cpu:
+                return torch.stack(torch._foreach_norm(list(tensors), dtype=torch.float32))  # fused
+            parts: list[torch.Tensor] = []
+            flat = self._flat(tensors)
+            if flat is not None:
+                flat = flat.float()
+                parts.append(torch.segment_reduce(flat * flat, "sum", lengths=self.lengths))
+            for t in self.big_get(tensors):
+                v = t.reshape(-1).float()
+                parts.append(torch.dot(v, v).reshape(1))  # BLAS, no copy for float32
+            return self._order(parts).sqrt()
+
+    def sums(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-tensor float32 sums in list order (a finiteness probe: a finite sum proves the tensor
+        finite; a sum of finite values can overflow, so callers confirm non-finite entries exactly);
+        no host sync."""
+        with torch.no_grad():
+            if not self.cpu:
+                return self.norms(tensors)  # the fused norm: one kernel, the same finiteness
+            parts: list[torch.Tensor] = []
+            flat = self._flat(tensors)
+            if flat is not None:
+                parts.append(torch.segment_reduce(flat.float(), "sum", lengths=self.lengths))
+            parts += [t.sum(dtype=torch.float32).reshape(1) for t in self.big_get(tensors)]
+            return self._order(parts)
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every tensor copied into one flat buffer (one call): a snapshot :meth:`segment_norms` reads."""
+        with torch.no_grad():
+            return torch._utils._flatten_dense_tensors(list(tensors))  # type: ignore[attr-defined]
+
+    def segment_norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-tensor L2 norms (float32) of a buffer laid out as :meth:`flatten` lays the list out."""
+        with torch.no_grad():
+            f = flat.float()
+            return torch.segment_reduce(f * f, "sum", lengths=self.lengths_all).sqrt()
+
+    def _order(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if self.empty:
+            parts.append(torch.zeros(self.empty))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return out if self.inverse is None else out.index_select(0, self.inverse)
 
 
 def unwrap_optimizer(opt: Any) -> Any:

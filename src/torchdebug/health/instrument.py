@@ -780,11 +780,13 @@ class GradientHealth:
             "gradient_vanishing": 0,
             "loss_anomalies": 0,
         }
-        self.last_clip: dict[str, Any] | None = None
+        self._last_clip: dict[str, Any] | None = None
+        self._clip_norms: tuple[Sequence[str], Sequence[float] | None] = ((), None)
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
         self._hooks: list[Any] = []
         self._auto_clipping = False  # inside clip_on_spike's own clip: not the user's clip
+        self._names_cache: Any = None
 
     # ----------------------------------------------------------------- setup
 
@@ -809,7 +811,7 @@ class GradientHealth:
         self.clip_on_spike: float | None = cfg.clip_on_spike
         self._synced_step: int | None = None  # the step whose transfer already ran (collect was called)
         self._judged_step: int | None = None  # the step the explosion rule already judged
-        self._before: list[torch.Tensor] | None = None  # weights before a detail step's update
+        self._before: Any = None  # weights before a detail step's update (a flat copy, or a list)
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (step, ratios, weight norms)
         self._handed: dict[str, Any] = {}  # what this step's collect calls handed to the transfer
         self._clip: tuple[torch.Tensor, float, float] | None = None
@@ -885,17 +887,26 @@ class GradientHealth:
                     ),
                 )
         if self.details and mon.due(self.every) and mon.params:
-            with torch.no_grad():
-                self._before = [p.detach().clone() for p in mon.params]  # detail steps only
+            plan = _plan(mon)
+            with torch.no_grad():  # detail steps only: one copy of the weights
+                self._before = (
+                    plan.flatten(mon.params) if plan is not None else [p.detach().clone() for p in mon.params]
+                )
 
     def after_optimizer_step(self, mon: Any) -> None:
         before, self._before = self._before, None
         if before is None:
             return
-        params = [p.detach() for p in mon.params]
         with torch.no_grad():
-            delta = foreach_norms(torch._foreach_sub(params, before))
-            weight = foreach_norms(params)
+            if isinstance(before, torch.Tensor):  # the plan's flat copy: a few torch calls in all
+                plan = _plan(mon)
+                now = plan.flatten(mon.params)  # type: ignore[union-attr]
+                delta = plan.segment_norms(now - before)  # type: ignore[union-attr]
+                weight = plan.segment_norms(now)  # type: ignore[union-attr]
+            else:
+                params = [p.detach() for p in mon.params]
+                delta = foreach_norms(torch._foreach_sub(params, before))
+                weight = foreach_norms(params)
             ratio = delta / weight.clamp_min(torch.finfo(torch.float32).tiny)
         self._pending = (mon.global_step, ratio, weight)
 
@@ -912,9 +923,8 @@ class GradientHealth:
         if self._pending is not None:
             step, ratio, weight = self._pending
             self._pending = None
-            for i, (r, w) in enumerate(zip(ratio.unbind(), weight.unbind())):
-                out[f"health.ratio.{i}"] = r
-                out[f"health.weight.{i}"] = w
+            out["health.ratio"] = ratio  # read as one list each (the transfer's VECTORS)
+            out["health.weight"] = weight
             self._handed["update"] = (step, len(ratio))
         if self._act:
             for mod, stats in self._act.items():
@@ -963,8 +973,7 @@ class GradientHealth:
         if "clip" in handed and "health.clip_total" in values:
             self._clip_insight(mon, step, float(values["health.clip_total"]), handed["clip"], record, scalars)
         if self.details and mon.due(self.every) and norms_host is not None:
-            for n, v in zip(names, norms_host):
-                scalars[f"grad_norm/{n}"] = float(v)
+            scalars.update(zip(self._detail_names(mon)[3], norms_host))  # host floats, names built once
             if not record.skipped:
                 event = self.vanishing.update(step, layer_norms(names, norms_host))
                 if event is not None:
@@ -973,7 +982,11 @@ class GradientHealth:
         if scalars:
             mon.log_scalars(scalars, step=step)
         if "update" in handed:
-            self._update_insight(mon, handed["update"], values)
+            step_u = handed["update"][0]
+            vectors = mon.transfer.vectors
+            self._update_insight(
+                mon, step_u, vectors.get("health.ratio", []), vectors.get("health.weight", [])
+            )
         if "act" in handed:
             self._act_insight(mon, step, handed["act"], values)
         if mon.early_stopping is not None:
@@ -994,28 +1007,22 @@ class GradientHealth:
         scalars: dict[str, float],
     ) -> None:
         max_norm, norm_type = clip
-        names, norms_host = list(mon.param_names), mon.grad_norms_host
+        names, norms_host = mon.param_names, mon.grad_norms_host
         finite = math.isfinite(total)
         # clip_grad_norm_ scales the gradients by min(1, max_norm / (total + 1e-6))
         post = total * min(1.0, max_norm / (total + 1e-6)) if finite else math.nan
         scalars["grad_norm_clipped"] = post
-        shares: list[tuple[str, float]] = []
-        if norms_host is not None and norm_type == 2.0:
-            sq = [v * v for v in norms_host]
-            tot = sum(v for v in sq if math.isfinite(v))
-            if tot > 0:
-                shares = sorted(
-                    ((n, v / tot) for n, v in zip(names, sq) if math.isfinite(v)), key=lambda x: -x[1]
-                )[:TOP_K]
-        self.last_clip = {
+        self._clip_norms = (names, norms_host)
+        self._last_clip = {
             "step": step,
             "pre": total,
             "post": post,
             "max_norm": max_norm,
             "norm_type": norm_type,
             "clipped": finite and total > max_norm,
-            "shares": dict(shares),
         }
+        if norm_type != 2.0:
+            self._last_clip["shares"] = {}
         if not finite and not record.skipped:
             # per-parameter norms the monitor read (confirmed exactly when not finite): Inf/NaN here
             # means a gradient really held Inf/NaN (an Inf times clip_coef 0 is NaN, so clipping
@@ -1055,15 +1062,31 @@ class GradientHealth:
                     ),
                 )
 
-    def _update_insight(self, mon: Any, update: tuple[int, int], values: Mapping[str, float]) -> None:
-        step, n = update
-        names = list(mon.param_names)[:n]
-        ratios = {name: float(values[f"health.ratio.{i}"]) for i, name in enumerate(names)}
-        weights = {name: float(values[f"health.weight.{i}"]) for i, name in enumerate(names)}
-        scalars = {f"update_ratio/{k}": v for k, v in ratios.items()}
-        scalars.update({f"weight_norm/{k}": v for k, v in weights.items()})
+    @property
+    def last_clip(self) -> dict[str, Any] | None:
+        """The last ``clip_grad_norm_`` seen: ``step, pre, post, max_norm, norm_type, clipped`` and
+        ``shares`` (the largest parameters' shares of the squared norm; worked out when read)."""
+        clip = self._last_clip
+        if clip is not None and "shares" not in clip:
+            names, norms_host = self._clip_norms
+            shares: list[tuple[str, float]] = []
+            if norms_host is not None:
+                sq = [v * v for v in norms_host]
+                tot = sum(v for v in sq if math.isfinite(v))
+                if tot > 0:
+                    shares = sorted(
+                        ((n, v / tot) for n, v in zip(names, sq) if math.isfinite(v)), key=lambda x: -x[1]
+                    )[:TOP_K]
+            clip["shares"] = dict(shares)
+        return clip
+
+    def _update_insight(self, mon: Any, step: int, ratio: Sequence[float], weight: Sequence[float]) -> None:
+        names = mon.param_names[: len(ratio)]
+        names_u, names_w, ndims, _ = self._detail_names(mon)
+        scalars = dict(zip(names_u, ratio))
+        scalars.update(zip(names_w, weight))
         mon.log_scalars(scalars, step=step)
-        ndims = {name: p.dim() for name, p in zip(names, mon.params)}
+        ratios = dict(zip(names, ratio))
         event = self.ratio_rule.update(step, ratios, ndims)
         if event is not None:
             self._emit(mon, event)
@@ -1132,11 +1155,24 @@ class GradientHealth:
         step, ratio, weight = pending
         host = torch.cat([ratio, weight]).tolist()  # one transfer at exit for an update no step collected
         n = len(ratio)
-        values = {f"health.ratio.{i}": host[i] for i in range(n)}
-        values.update({f"health.weight.{i}": host[n + i] for i in range(n)})
-        self._update_insight(mon, (step, n), values)
+        self._update_insight(mon, step, host[:n], host[n:])
 
     # ----------------------------------------------------------------- helpers
+
+    def _detail_names(self, mon: Any) -> tuple[list[str], list[str], dict[str, int], list[str]]:
+        """The detail steps' scalar names and the parameters' ``ndim`` (built once per parameter list)."""
+        key = (id(mon.param_names), len(mon.param_names))
+        got = self._names_cache
+        if got is None or got[0] != key:
+            names = mon.param_names
+            got = self._names_cache = (
+                key,
+                [f"update_ratio/{n}" for n in names],
+                [f"weight_norm/{n}" for n in names],
+                {n: p.dim() for n, p in zip(names, mon.params)},
+                [f"grad_norm/{n}" for n in names],
+            )
+        return got[1], got[2], got[3], got[4]
 
     def _top(self, mon: Any) -> list[tuple[str, float]]:
         norms = mon.grad_norms_host
@@ -1158,6 +1194,12 @@ class GradientHealth:
             c["gradient_vanishing"],
             c["loss_anomalies"],
         )
+
+
+def _plan(mon: Any) -> Any:
+    """The session's cached reduction plan of its parameters (``torchdebug._tensors.Plan``), or None."""
+    transfer = getattr(mon, "transfer", None)
+    return transfer.plan(mon.params)[0] if transfer is not None and hasattr(transfer, "plan") else None
 
 
 __all__ = [

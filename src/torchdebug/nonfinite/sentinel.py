@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 import weakref
 from typing import Any
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
-from .._tensors import entries, finite_probe, local, unwrap_optimizer
+from .._tensors import DTENSOR, finite_probe, grad_of, local, unwrap_optimizer, version_of
 from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, RuleEvent
 from .locate import LossTape, StepCapture, replay_capture
@@ -64,14 +65,16 @@ class Sentinel:
         self.update_held = False
         self.grads_gone = False
         self._index = {id(p): i for i, p in enumerate(mon.params)}
+        # FSDP2 DTensor parameters: the clip's fast path (whole local tensors) does not apply
+        self._sharded = DTENSOR is not None and any(isinstance(p, DTENSOR) for p in mon.params)
         self.reset()
 
     def reset(self) -> None:
         """Per-step state (the session's step end)."""
         self.captures: list[StepCapture] = []
         self.cap: StepCapture | None = None
-        # what backward() left, for the edit check as the update starts: index -> (grad, its _version)
-        self.grad_seen: dict[int, tuple[torch.Tensor, int]] = {}
+        # what backward() left, for the edit check as the update starts (see saw_gradients)
+        self.seen = SeenGrads()
         self.edit_index: list[int] = []  # gradients changed since backward() measured them
         self.edit_probe: torch.Tensor | None = None
         self.edit_bad: list[int] = []  # ... and non-finite when the update started (confirmed exactly)
@@ -141,9 +144,9 @@ class Sentinel:
             cap.loss_grad = gradient if isinstance(gradient, torch.Tensor) else None
 
     def saw_gradients(self, idx: list[int], grads: list[torch.Tensor]) -> None:
-        """The gradient tensors backward() left and their versions (a Python read per gradient)."""
+        """The gradient tensors backward() left and their versions (one C-level pass over the list)."""
         if self.active:
-            self.grad_seen = {i: (g, g._version) for i, g in zip(idx, grads)}
+            self.seen = SeenGrads(idx, grads, len(self.mon.params))
 
     def on_backward_end(self, mon: Any) -> None:
         if self.manual and self.active and mon.driver is None and not self.replaying:
@@ -175,11 +178,21 @@ class Sentinel:
             # step's gradients were already flagged: non-finite weights are then their consequence.
             # Under DDP each rank probes its share (the parameters are the same on every rank).
             share = mon._coord.param_share(mon) if mon._coord is not None else None
-            params = mon.params if share is None else [mon.params[i] for i in share]
-            self.deferred["param_norms"] = finite_probe(params)
+            self.deferred["param_norms"] = self._param_probe(mon, share)
             self.deferred_index = share
             self.deferred_step = mon.global_step
-        self.grad_seen = {}  # the references are not needed after the update
+        self.seen = SeenGrads()  # the references are not needed after the update
+
+    def _param_probe(self, mon: Any, share: list[int] | None = None) -> torch.Tensor:
+        """A finiteness probe of the parameters (``share``: of those only), on the device: one float32
+        per tensor, a few torch calls for the whole list (the session's cached plan)."""
+        if share is None:
+            plan, _ = mon.transfer.plan(mon.params)
+            if plan is not None:
+                with contextlib.suppress(RuntimeError, ValueError):
+                    return plan.sums(mon.params)
+            return finite_probe(mon.params)
+        return finite_probe([mon.params[i] for i in share])
 
     def scaler_step_started(self, mon: Any, scaler: Any) -> None:
         scale = getattr(scaler, "_scale", None)
@@ -216,39 +229,44 @@ class Sentinel:
 
     def probe_edits(self, opt: Any = None) -> None:
         """Gradients changed since backward() measured them (clipping, normalisation, unscaling, a hook):
-        a finiteness probe of those only, on the device, read with this step's transfer. Unedited
-        gradients cost a Python comparison each (the same tensor, the same ``_version``)."""
+        a finiteness probe of those only, on the device, read with this step's transfer. The usual
+        answer, nothing edited (the same tensors at the same ``_version``), costs two C-level passes."""
         params = self.mon.params
-        seen = {} if self.scaler_unscaled(opt) else self.grad_seen  # unscaled: every gradient changed
-        edited = []
-        for i, p in enumerate(params):
-            g = p.grad
-            if g is None:
-                continue  # dropped: nothing reaches the weight
-            prev = seen.get(i)
-            if prev is None or prev[0] is not g or prev[1] != g._version:
-                edited.append(i)
+        unscaled = self.scaler_unscaled(opt)  # unscaled: every gradient changed (no version bump)
+        grads = list(map(grad_of, params))
+        seen = self.seen
+        if not unscaled and seen.unchanged(grads):
+            return
+        edited = [i for i, g in enumerate(grads) if g is not None and (unscaled or not seen.same(i, g))]
         if edited:
             self.edit_index = edited
-            self.edit_probe = finite_probe([params[i].grad for i in edited])  # type: ignore[misc]
+            if len(edited) == len(params):
+                plan, _ = self.mon.transfer.plan(params)
+                if plan is not None:
+                    with contextlib.suppress(RuntimeError, ValueError):
+                        self.edit_probe = plan.sums(grads)
+                        return
+            self.edit_probe = finite_probe([grads[i] for i in edited])  # type: ignore[misc]
 
     def before_clip(self, params: list[Any]) -> list[int]:
         """``clip_grad_norm_`` is about to scale these parameters' gradients: the ones backward() left
         unedited (their after-backward check stands), else []."""
         if not self.active or self.replaying or self.synced_at_backward or self.mon.transfer.synced:
             return []  # a manual-update loop, or after the step's transfer: the probe judges the clip
+        seen = self.seen
+        mine = self.mon.params
+        if (
+            not self._sharded
+            and len(params) == len(mine)
+            and all(map(operator.is_, params, mine))
+            and seen.unchanged(list(map(grad_of, mine)))
+        ):
+            return seen.idx  # the usual call, clip_grad_norm_(model.parameters(), ...): C-level checks
         idx: list[int] = []
         for p in params:
             i = self._index.get(id(p), -1)
             g = p.grad
-            seen = self.grad_seen.get(i)
-            if (
-                seen is not None
-                and g is not None
-                and seen[0] is g
-                and seen[1] == g._version
-                and local(g) is g
-            ):
+            if g is not None and seen.same(i, g) and local(g) is g:
                 idx.append(i)
         return idx
 
@@ -265,11 +283,7 @@ class Sentinel:
         with torch.no_grad():
             coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
             self.clips.append((torch.isfinite(coef).logical_not(), idx))
-        params = self.mon.params
-        for i in idx:
-            g = params[i].grad
-            if g is not None:
-                self.grad_seen[i] = (g, g._version)  # scaled by that factor: judged by the flag
+        self.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
 
     # -- step end ------------------------------------------------------------------------------------
     def manual_update(self, mon: Any) -> bool:
@@ -281,7 +295,7 @@ class Sentinel:
         if manual and self.step_anomaly is None:
             # no optimizer hook: the user's update already ran; check the parameters on the device, read
             # with this transfer, or the next one when this step's already ran (at the end of backward())
-            self.deferred["param_norms"] = finite_probe(mon.params)
+            self.deferred["param_norms"] = self._param_probe(mon)
             self.deferred_index = None
             self.deferred_step = mon.global_step
             if self.synced_at_backward:
@@ -323,8 +337,9 @@ class Sentinel:
         """After the read: which edited gradients are non-finite (confirmed exactly)."""
         bad: list[int] = []
         if self.edit_probe is not None:
-            ep = entries(values, "_edit", len(self.edit_index))
-            bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
+            ep = self.mon.transfer.vector("_edit", len(self.edit_index))
+            if not all(map(math.isfinite, ep)):  # C loop: the usual answer
+                bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
             self.edit_probe = None
         for k, (_, idx) in enumerate(self.clips):
             if values.get(f"_clip{k}", 0.0) > 0:  # a non-finite clip factor: every gradient it scaled
@@ -336,16 +351,18 @@ class Sentinel:
     def read_deferred(self, values: dict[str, float]) -> None:
         """After the read: the parameter probe of the last update (may raise under ``raise``)."""
         mon = self.mon
-        v = values
         if "param_norms" not in self.deferred:
             return
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
-        pn = entries(v, "_def_param_norms", sizes["param_norms"])
-        index = self.deferred_index if self.deferred_index is not None else list(range(len(pn)))
+        transfer = mon.transfer
+        pn = transfer.vector("_def_param_norms", sizes["param_norms"])
         coord = mon._coord
         flagged = coord.params_flagged(mon) if coord is not None else None
         if flagged is None:  # this rank's own probe
-            suspects = [index[j] for j, x in enumerate(pn) if not math.isfinite(x) and j < len(index)]
+            suspects = []
+            if not all(map(math.isfinite, pn)):  # C loop: the usual answer
+                index = self.deferred_index if self.deferred_index is not None else list(range(len(pn)))
+                suspects = [index[j] for j, x in enumerate(pn) if not math.isfinite(x) and j < len(index)]
         else:  # several ranks: any rank's probe (of its share under DDP) flags every parameter
             suspects = list(range(len(mon.params))) if flagged else []
         bad = [
@@ -356,13 +373,12 @@ class Sentinel:
         ]
         ranks = coord.params_agree(bool(bad)) if flagged else []  # the same decision on every rank
         step = self.deferred_step
-        de = entries(v, "_def_edit", sizes["edit"]) if "edit" in sizes else []
+        de = transfer.vector("_def_edit", sizes["edit"]) if "edit" in sizes else []
         edited, self.deferred_edit_index = self.deferred_edit_index, []
         self.deferred.clear()
         self.deferred_index = None
-        for name, n in sizes.items():
-            for k in [f"_def_{name}"] if n == 1 else [f"_def_{name}#{i}" for i in range(n)]:
-                v.pop(k, None)
+        for name in sizes:
+            transfer.vectors.pop(f"_def_{name}", None)  # VECTORS items: one list each
         self.params_bad_now = bool(bad)
         # (probe values, not confirmed: the gradients are gone by now; they only choose the phase)
         edit_bad = [i for j, i in enumerate(edited) if j < len(de) and not math.isfinite(de[j])]
@@ -390,8 +406,8 @@ class Sentinel:
         """
         if self.grads_gone:
             return False  # judged one step later (sync="async"): the probe's verdict stands
-        seen = None if now else self.grad_seen.get(i)
-        g = local(seen[0] if seen is not None else self.mon.params[i].grad)
+        seen = None if now else self.seen.get(i)
+        g = local(seen if seen is not None else self.mon.params[i].grad)
         return g is None or bool(torch.isfinite(g).all())
 
     def grads_bad(self) -> bool:
@@ -755,6 +771,61 @@ class Sentinel:
             )
         )
         warn_at_user(TorchDebugWarning(f"torchdebug: {message}"))
+
+
+class SeenGrads:
+    """The gradient tensors backward() left and their ``_version`` s, by parameter index: the edit check
+    compares them with the gradients as the update starts. Built with one C-level pass per backward."""
+
+    __slots__ = ("grads", "idx", "versions", "whole")
+
+    def __init__(self, idx: list[int] | None = None, grads: list[Any] | None = None, n: int = 0) -> None:
+        self.idx: list[int] = idx or []
+        self.whole = idx is not None and grads is not None and len(idx) == n  # every parameter, in order
+        if self.whole:
+            self.grads: list[Any] = grads  # type: ignore[assignment]
+        else:
+            self.grads = [None] * n
+            for i, g in zip(self.idx, grads or ()):
+                self.grads[i] = g
+        self.versions: list[int] = (
+            list(map(version_of, self.grads))
+            if self.whole
+            else [-1 if g is None else g._version for g in self.grads]
+        )
+
+    def get(self, i: int) -> Any:
+        """The gradient parameter i had after backward(), or None."""
+        return self.grads[i] if 0 <= i < len(self.grads) else None
+
+    def same(self, i: int, g: Any) -> bool:
+        """Parameter i's gradient is the tensor backward() left, unchanged since."""
+        return 0 <= i < len(self.grads) and self.grads[i] is g and self.versions[i] == g._version
+
+    def unchanged(self, grads: list[Any]) -> bool:
+        """Every gradient (``grads``: all parameters, in order) is the one backward() left, unchanged."""
+        return (
+            self.whole
+            and len(grads) == len(self.grads)
+            and all(map(operator.is_, grads, self.grads))
+            and list(map(version_of, grads)) == self.versions
+        )
+
+    def rebase(self, idx: list[int], params: list[Any]) -> None:
+        """Those gradients changed in a way judged elsewhere (a clip's factor): take them as seen now."""
+        if self.whole and idx is self.idx:  # the clip's fast path: every gradient
+            self.grads = list(map(grad_of, params))
+            if not any(g is None for g in self.grads):
+                self.versions = list(map(version_of, self.grads))
+                return
+            self.whole = False
+            self.versions = [-1 if g is None else g._version for g in self.grads]
+            return
+        for i in idx:
+            g = params[i].grad
+            if g is not None and 0 <= i < len(self.grads):
+                self.grads[i] = g
+                self.versions[i] = g._version
 
 
 def _lift_mode(mode: Any) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from .._tensors import Items, local
 from ..events import StepRecord
-from .transfer import Transfer
+from .transfer import Transfer, stack
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -64,7 +64,7 @@ class _Pending:
 
     step: int
     opt: Any
-    names: list[str]
+    spec: list[tuple[str, int]]  # each staged item's name and size, in order
     buffers: list[tuple[torch.Tensor, Any]]  # (host buffer, CUDA event or None); one per staging
     deferred: tuple[dict[str, torch.Tensor], int | None, list[int] | None, list[int]]
     transfer: Transfer | None = None  # set at the step end
@@ -90,16 +90,12 @@ def _cat(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     return torch.cat([local(t).detach().reshape(-1).float().to(dev, non_blocking=True) for t in tensors])
 
 
-def _stack(items: Items) -> tuple[list[str], torch.Tensor]:
-    """Named device numbers as one float32 vector on the first item's device (names as ``read`` gives)."""
-    names: list[str] = []
-    flat: list[torch.Tensor] = []
-    for name, t in items:
-        t = local(t).detach().reshape(-1).float()
-        names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
-        flat.append(t)
+def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
+    """The items as one float32 vector on the first item's device, and each item's name and size."""
+    flat = stack(items)
     dev = flat[0].device
-    return names, torch.cat([t.to(dev, non_blocking=True) for t in flat])
+    spec = [(name, t.numel()) for (name, _), t in zip(items, flat)]
+    return spec, torch.cat([t.to(dev, non_blocking=True) for t in flat])
 
 
 class DeferredReads:
@@ -179,7 +175,7 @@ class DeferredReads:
         items = mon._step_items()
         if not items or any([t.is_meta for _, t in items]):
             return False  # nothing to read, or a meta model: the blocking path says so
-        names, flat = _stack(items)
+        spec, flat = _stack(items)
         with torch.no_grad():
             # one pass over the step's items (a handful: losses, the gradient vector, flags), not elements
             vals = [t for n, t in items if n.startswith(_BAD_VALUES)]
@@ -193,12 +189,12 @@ class DeferredReads:
             if self.halt is None or self.halt.device != dev:
                 self.halt = torch.zeros((), dtype=torch.float32, device=dev)
             self.halt.copy_(torch.maximum(self.halt, bad.float().to(dev, non_blocking=True)))
-            flat = torch.cat([flat, bad.float().reshape(1), self.halt.reshape(1).to(flat.device)])
-        names = [*names, _BAD, _HALT]
+            flat = torch.cat([bad.float().reshape(1), self.halt.reshape(1).to(flat.device), flat])
+        spec = [(_BAD, 1), (_HALT, 1), *spec]
         self._hand_flag(opt)
         d = (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index)
         s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
-        self.staged = _Pending(mon.global_step, opt, names, [self._copy(flat)], d)
+        self.staged = _Pending(mon.global_step, opt, spec, [self._copy(flat)], d)
         mon.transfer.synced = True
         return True
 
@@ -234,8 +230,8 @@ class DeferredReads:
         self.staged = None
         more = mon._collect()  # numbers made after the update (detail steps)
         if more:
-            names, flat = _stack(more)
-            p.names += names
+            spec, flat = _stack(more)
+            p.spec += spec
             p.buffers.append(self._copy(flat))
         s = mon.sentinel
         p.transfer = mon.transfer
@@ -276,14 +272,14 @@ class DeferredReads:
 
     def _resolve(self, p: _Pending, block: bool) -> None:
         mon, s = self.mon, self.mon.sentinel
-        values: dict[str, float] = {}
+        host: list[float] = []
         for buf, ev in p.buffers:
             if ev is not None and not ev.query():
                 ev.synchronize()  # only when the queue is full or the session ends
                 self.blocking_reads += 1
-            values.update(zip(p.names[len(values) : len(values) + buf.numel()], host_values(buf)))
+            host += host_values(buf)
         self.host_reads += 1
-        bad, halt = values.pop(_BAD, 0.0), values.pop(_HALT, 0.0)
+        bad, halt = host[0], host[1]  # staged first: _BAD, _HALT
         if halt > 0 and self.halt is not None:
             self.halt.zero_()  # read: later updates follow their own flag again (queued before them)
         assert p.transfer is not None and p.state is not None and p.events is not None  # set at step end
@@ -301,7 +297,9 @@ class DeferredReads:
         s.update_held = halt > 0
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
-            mon.transfer.values.update(values)
+            mon.transfer.unpack(p.spec, host)
+            mon.transfer.values.pop(_BAD, None)
+            mon.transfer.values.pop(_HALT, None)
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
             s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
             if halt > 0 and not s.skipped:

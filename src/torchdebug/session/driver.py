@@ -5,6 +5,7 @@ boundaries from what the loop does anyway:
 
 - global patches, installed while at least one session is active: ``Tensor.backward`` /
   ``torch.autograd.backward`` (backward began / done), ``GradScaler.step`` (the scaler's verdict),
+  ``Optimizer.zero_grad`` / ``Module.zero_grad`` (the loss tape steps aside while they run),
   ``torch.nn.utils.clip_grad_norm_`` (a clip the sentinel can judge without a pass over the
   gradients), ``nn.Module.__getstate__`` (copies and checkpoints of a watched model carry no hooks);
 - per session: forward pre/post hooks on the module the loop calls (forward began / done), and the
@@ -112,6 +113,29 @@ def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     return clip_grad_norm_
 
 
+def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``zero_grad`` with the loss tape set aside: a loop that zeroes between the loss and backward()
+    would send every ``p.grad`` read and write through the tape's ``__torch_function__`` (two per
+    parameter, ~1 us each); the tape keeps none of them (they are not the loss's making)."""
+
+    @functools.wraps(orig)
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _ACTIVE or torch.compiler.is_dynamo_compiling():
+            return orig(self, *args, **kwargs)
+        n = torch._C._len_torch_function_stack()
+        top = torch._C._get_function_stack_at(n - 1) if n else None
+        if top is None or not any(m.sentinel.tape is top for m in _ACTIVE):
+            return orig(self, *args, **kwargs)
+        torch._C._pop_torch_function_stack()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch._C._push_on_torch_function_stack(top)
+
+    zero_grad.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    return zero_grad
+
+
 def is_ours(hook: Any) -> bool:
     """True for a hook torchdebug registered (a bound method, closure or partial from its modules)."""
     while isinstance(hook, functools.partial):
@@ -156,6 +180,10 @@ def _install_patches() -> None:
     nn.Module.__getstate__ = _getstate_wrapper(nn.Module.__getstate__)  # type: ignore[method-assign]
     _ORIGINALS["Tensor.backward"] = torch.Tensor.backward
     _ORIGINALS["autograd.backward"] = torch.autograd.backward
+    _ORIGINALS["Optimizer.zero_grad"] = torch.optim.Optimizer.zero_grad
+    _ORIGINALS["Module.zero_grad"] = nn.Module.zero_grad
+    torch.optim.Optimizer.zero_grad = _zero_grad_wrapper(torch.optim.Optimizer.zero_grad)  # type: ignore[method-assign]
+    nn.Module.zero_grad = _zero_grad_wrapper(nn.Module.zero_grad)  # type: ignore[method-assign]
     torch.Tensor.backward = _backward_wrapper(torch.Tensor.backward, True)  # type: ignore[method-assign]
     torch.autograd.backward = _backward_wrapper(torch.autograd.backward, False)  # type: ignore[assignment]
     import torch.nn.utils as nn_utils
@@ -182,6 +210,10 @@ def _remove_patches() -> None:
         torch.autograd.backward = _ORIGINALS["autograd.backward"]  # type: ignore[assignment]
     if getattr(nn.Module.__getstate__, "__torchdebug_wrapper__", False):
         nn.Module.__getstate__ = _ORIGINALS["Module.__getstate__"]  # type: ignore[method-assign]
+    if getattr(torch.optim.Optimizer.zero_grad, "__torchdebug_wrapper__", False):
+        torch.optim.Optimizer.zero_grad = _ORIGINALS["Optimizer.zero_grad"]  # type: ignore[method-assign]
+    if getattr(nn.Module.zero_grad, "__torchdebug_wrapper__", False):
+        nn.Module.zero_grad = _ORIGINALS["Module.zero_grad"]  # type: ignore[method-assign]
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_mod
 

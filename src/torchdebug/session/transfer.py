@@ -10,13 +10,32 @@ into ``loss``, ``grad_norm``, ``grad_nonfinite`` and ``amp_scale``.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .._tensors import Items, entries, finite_probe, foreach_norms, read
+from .._tensors import DTENSOR, Items, Plan, entries, finite_probe, foreach_norms, grad_of, local
+
+# Items read as one list each (``Transfer.vectors``), not one ``values`` key per element: the
+# per-parameter numbers (gradient norms or probes, the parameter and edit probes, the update ratios
+# and weight norms of detail steps). One list slice per item, whatever the parameter count.
+VECTORS = frozenset({"_gnorm", "_edit", "_def_param_norms", "_def_edit", "health.ratio", "health.weight"})
+_IS_NONE = functools.partial(operator.is_, None)
+
+
+def stack(items: Items) -> list[torch.Tensor]:
+    """The items' numbers as flat float32 tensors (FSDP2 DTensors: this rank's shard), for one read."""
+    flat: list[torch.Tensor] = []
+    for _, t in items:
+        if DTENSOR is not None and isinstance(t, DTENSOR):
+            t = local(t)  # FSDP2: this rank's shard
+        t = t.detach().reshape(-1)
+        flat.append(t if t.dtype is torch.float32 else t.float())
+    return flat
 
 
 class Transfer:
@@ -30,7 +49,17 @@ class Transfer:
     def __init__(self) -> None:
         self.grad_norm: float | None = None
         self.grad_norms: list[float] | None = None
+        # the session's parameter list and how to reduce it (built once; rebuilt if the list changes)
+        self._plan_of: tuple[list[torch.Tensor], int, Plan | None, list[int]] | None = None
         self.reset()
+
+    def plan(self, params: list[torch.Tensor]) -> tuple[Plan | None, list[int]]:
+        """The cached :class:`Plan` of ``params`` (None: the general path) and ``range(len(params))``."""
+        got = self._plan_of
+        if got is None or got[0] is not params or got[1] != len(params):
+            plan = Plan.build(params) if params else None
+            got = self._plan_of = (params, len(params), plan, list(range(len(params))))
+        return got[2], got[3]
 
     def reset(self) -> None:
         self.loss_vals: list[torch.Tensor] = []
@@ -44,6 +73,7 @@ class Transfer:
         self.micro_bad_cleared = False  # every flagged gradient was confirmed finite exactly
         self.scale_used: torch.Tensor | None = None  # the loss scale this step's backward saw
         self.values: dict[str, float] = {}
+        self.vectors: dict[str, list[float]] = {}  # the VECTORS items the read gave (list order)
         self.synced = False
 
     # -- during the step (device work only) -------------------------------------------------------
@@ -57,11 +87,27 @@ class Transfer:
 
         ``share``: the parameters this rank measures when every rank holds the same gradients (DDP,
         after its all-reduce); the others' numbers arrive with the step's all-reduce. Returns every
-        parameter with a gradient and those gradients (the sentinel's edit check compares them)."""
-        idx = [i for i, p in enumerate(params) if p.grad is not None]
+        parameter with a gradient and those gradients (the sentinel's edit check compares them).
+
+        The common case (every parameter has a gradient, no share) costs a few torch calls and two
+        C-level passes over the list, whatever its length (:class:`Plan`)."""
+        grads_all = list(map(grad_of, params))  # a C loop
+        if share is None and not any(map(_IS_NONE, grads_all)):
+            plan, every = self.plan(params)
+            if plan is not None:
+                try:
+                    norms = plan.sums(grads_all) if probe else plan.norms(grads_all)
+                except (RuntimeError, ValueError):  # a gradient unlike its parameter (sparse, resized)
+                    pass
+                else:
+                    self.shared = None
+                    self.norms, self.norm_index, self.norms_probe = norms, every, probe
+                    self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                    return every, grads_all
+        idx = [i for i, g in enumerate(grads_all) if g is not None]
         if not idx:
             return [], []
-        grads: list[torch.Tensor] = [params[i].grad for i in idx]  # type: ignore[misc]
+        grads: list[torch.Tensor] = [grads_all[i] for i in idx]
         mine, own = idx, grads
         self.shared = None
         if share is not None:
@@ -94,9 +140,40 @@ class Transfer:
 
     # -- the read ------------------------------------------------------------------------------
     def read(self, items: Items) -> None:
-        """The host sync: every item's numbers into ``values``."""
-        if items:
-            self.values.update(read(items))
+        """The host sync: every item's numbers into ``values`` (an n-element item as ``name#0..n-1``),
+        those named in :data:`VECTORS` into ``vectors`` as one list each.
+
+        Cost: a few small torch calls per item (there are a handful) and ONE device-to-host copy
+        (``tolist``): on a GPU, the step's one blocking read."""
+        if not items:
+            return
+        flat = stack(items)
+        dev = flat[0].device
+        host = (
+            torch.cat([t if t.device == dev else t.to(dev) for t in flat]) if len(flat) > 1 else flat[0]
+        ).tolist()
+        self.unpack([(name, t.numel()) for (name, _), t in zip(items, flat)], host)
+
+    def unpack(self, spec: list[tuple[str, int]], host: list[float]) -> None:
+        """Numbers read on the host (``spec``: each item's name and size, in order) into ``values`` and
+        ``vectors`` (also for ``sync="async"``, which reads them one step later)."""
+        values, vectors = self.values, self.vectors
+        off = 0
+        for name, n in spec:
+            if name in VECTORS:
+                vectors[name] = host[off : off + n]
+            elif n == 1:
+                values[name] = host[off]
+            else:
+                values.update({f"{name}#{i}": x for i, x in enumerate(host[off : off + n])})
+            off += n
+
+    def vector(self, name: str, n: int) -> list[float]:
+        """The ``n`` numbers the item ``name`` gave (zeros for a missing item)."""
+        got = self.vectors.get(name)
+        if got is not None and len(got) == n:
+            return got
+        return entries(self.values, name, n)
 
     def fill_shares(self, whole: list[float]) -> None:
         """After the read, under a DDP share: every parameter's number from ``whole`` (the step's
@@ -106,13 +183,8 @@ class Transfer:
             return
         idx, micro = self.shared
         v = self.values
-        for k in [k for k in v if k == "_gnorm" or k.startswith("_gnorm#")]:
-            del v[k]
         nums = [whole[i] for i in idx]
-        if len(nums) == 1:
-            v["_gnorm"] = nums[0]
-        else:
-            v.update({f"_gnorm#{j}": x for j, x in enumerate(nums)})
+        self.vectors["_gnorm"] = nums
         v[f"_mbad#{micro}"] = 1.0 if any(not math.isfinite(x) for x in nums) else 0.0
         self.norm_index = idx
 
@@ -154,27 +226,37 @@ class Transfer:
             if scale and scaled:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
         if self.norms is not None:
-            gn = entries(v, "_gnorm", len(self.norm_index))
-            per = [0.0] * len(params)
-            for j, i in enumerate(self.norm_index):
-                per[i] = gn[j]
+            n_params = len(params)
+            gn = self.vector("_gnorm", len(self.norm_index))
+            whole = len(self.norm_index) == n_params  # every parameter measured (norm_index is 0..n-1)
+            per = list(gn) if whole else [0.0] * n_params
+            if not whole:
+                for j, i in enumerate(self.norm_index):
+                    per[i] = gn[j]
             # A float32 sum (probe) or sum of squares (norm) of finite values can overflow: confirm
             # every non-finite entry exactly before it counts (a host read, on this rare path only).
-            for i in [i for i in self.norm_index if not math.isfinite(per[i])]:
-                if grad_finite(i):
-                    g = params[i].grad
-                    per[i] = (
-                        0.0 if self.norms_probe or g is None else float(torch.linalg.vector_norm(g.double()))
-                    )
+            all_finite = all(map(math.isfinite, per))  # C loop: the usual answer
+            if not all_finite:
+                for i in [i for i in self.norm_index if not math.isfinite(per[i])]:
+                    if grad_finite(i):
+                        g = params[i].grad
+                        per[i] = (
+                            0.0
+                            if self.norms_probe or g is None
+                            else float(torch.linalg.vector_norm(g.double()))
+                        )
             if scale and scaled:  # measured after backward on the scaled gradients: report true norms
                 per = [x / scale for x in per]
-            gn = [per[i] for i in self.norm_index]
+            gn = per if whole else [per[i] for i in self.norm_index]
             self.grad_norms = per
-            bad_after_backward = {i for i in self.norm_index if not math.isfinite(per[i])}
+            bad_after_backward = (
+                set() if all_finite else {i for i in self.norm_index if not math.isfinite(per[i])}
+            )
             if not bad_after_backward:
                 self.micro_bad_cleared = True
             # the parameters whose gradient was non-finite after backward() or when the update started
-            v["grad_nonfinite"] = float(len(bad_after_backward | set(also_bad)))
+            also = set(also_bad)
+            v["grad_nonfinite"] = float(len(bad_after_backward | also) if also or bad_after_backward else 0)
             if self.norms_probe:
                 gn = []  # sums, not norms: nothing to report beyond finiteness
             if gn:
