@@ -26,6 +26,7 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -244,8 +245,8 @@ class DeferredReads:
         )
         now = time.perf_counter()
         p.time_s = now - mon._last_step_end
-        fresh = Transfer()
-        fresh.grad_norm, fresh.grad_norms = p.transfer.grad_norm, p.transfer.grad_norms
+        fresh = copy.copy(p.transfer)  # what outlives a step (the last norms, the reduction plan) ...
+        fresh.reset()  # ... and new per-step containers (reset assigns new ones: the pending's stay)
         mon.transfer = fresh
         self.pending.append(p)
         while len(self.pending) > _MAX_PENDING:
