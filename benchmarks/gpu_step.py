@@ -30,6 +30,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> None:
             return time.perf_counter()
         return time.process_time()
 
+    warnings.simplefilter("ignore", td.TorchDebugWarning)  # random tokens: the health rules speak up
     vs = {
         k: v for k, v in variants(device).items() if k == "plain" or not args.variants or k in args.variants
     }

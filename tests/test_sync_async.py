@@ -26,9 +26,20 @@ def _global_state_restored() -> Iterator[None]:
     from torch.amp.grad_scaler import GradScaler
     from torch.optim import optimizer as optim_mod
 
-    before = (torch.Tensor.backward, torch.autograd.backward, GradScaler.step, nn.Module.__getstate__)
+    def patched() -> tuple[Any, ...]:
+        return (
+            torch.Tensor.backward,
+            torch.autograd.backward,
+            GradScaler.step,
+            nn.Module.__getstate__,
+            nn.Module.zero_grad,
+            torch.optim.Optimizer.zero_grad,
+            torch.nn.utils.clip_grad_norm_,
+        )
+
+    before = patched()
     yield
-    assert (torch.Tensor.backward, torch.autograd.backward, GradScaler.step, nn.Module.__getstate__) == before
+    assert patched() == before
     assert not optim_mod._global_optimizer_pre_hooks and not optim_mod._global_optimizer_post_hooks
     assert torch._C._len_torch_function_stack() == 0
 
@@ -463,3 +474,36 @@ def test_sync_can_be_switched_on_a_live_session() -> None:
     mon = _loop(model, opt, lambda i: torch.randn(4, 8), 7, each)
     assert seen == [False, False, True, True, True, False, False]
     assert [r.step for r in mon.records] == list(range(7)) and all(r.loss is not None for r in mon.records)
+
+
+def test_gradient_health_judges_each_step_with_its_own_norm() -> None:
+    # the explosion rule sees the same (step, norm) series in both modes: in async mode the step's norm
+    # arrives one step later, and before the update an instrument sees no norm rather than the last one
+    def norms(sync: str) -> list[tuple[int, float]]:
+        from torchdebug.health.instrument import GradientHealth
+
+        seen: list[tuple[int, float]] = []
+        orig = GradientHealth.on_step_end
+
+        def spy(self: Any, mon: Any, record: Any, values: Any) -> None:
+            seen.append((record.step, values.get("grad_norm")))
+            orig(self, mon, record, values)
+
+        torch.manual_seed(0)
+        model = fx.MLP()
+        opt = _fused(model)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(GradientHealth, "on_step_end", spy)
+            mp.setattr(
+                GradientHealth,
+                "before_optimizer_step",
+                lambda self, mon: seen.append((-1, mon.grad_norm_host)) if sync == "async" else None,
+            )
+            _loop(model, opt, lambda i: torch.randn(4, 8), 4, config=td.DebugConfig(store=False), sync=sync)
+        return seen
+
+    blocking, late = norms("blocking"), norms("async")
+    assert [s for s, _ in blocking] == [0, 1, 2, 3]
+    # async: step 0 blocking (its norm read before its update), then no norm before each update
+    assert [x for x in late if x[0] == -1][1:] == [(-1, None)] * 3
+    assert [x for x in late if x[0] != -1] == blocking

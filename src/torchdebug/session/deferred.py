@@ -197,6 +197,9 @@ class DeferredReads:
         s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
         self.staged = _Pending(mon.global_step, opt, spec, [self._copy(flat)], d)
         mon.transfer.synced = True
+        # this step's norms come one step later: an instrument's before_optimizer_step (gradient
+        # health's explosion check, clip_on_spike) sees none rather than the last step's
+        mon.transfer.grad_norm = mon.transfer.grad_norms = None
         return True
 
     def _hand_flag(self, opt: Any) -> None:
