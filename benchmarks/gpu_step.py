@@ -17,7 +17,11 @@ instruments, no run folder), each with ``sync="blocking"`` and ``sync="async"``.
 async variant: the staged reads (one per step, no wait) and the waits (queue full or exit).
 
     python benchmarks/gpu_step.py [--device cuda|cpu] [--repeats 7] [--chunk 20] [--warmup 5]
-                                  [--variants sentinel/blocking,sentinel/async]
+                                  [--variants sentinel/blocking,sentinel/async] [--count]
+
+``--count``: per ordinary step, the aten ops run (about one kernel launch each on a GPU), the Python
+function calls and the host reads (``Tensor.item/tolist/cpu/numpy/__bool__/__float__``) of each
+variant; deterministic, so it does not depend on the machine's load.
 
 Without a GPU and without ``--device cpu`` it says so and exits 0.
 """
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchdebug as td
 
@@ -172,6 +177,102 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("non-finite timing")
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops run under it (on a GPU, about one kernel launch each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(args: argparse.Namespace) -> None:
+    """Per ordinary step: aten ops, Python function calls and host reads, plain and each variant.
+
+    Deterministic (no clock): what a launch-bound GPU step pays for is roughly the ops launched and
+    the Python run, plus each blocking read's wait."""
+    import cProfile
+    import pstats
+
+    device = args.device
+    shape = SHAPES[device]
+    torch.manual_seed(0)
+    model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["n_layer"], shape["n_head"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    V = shape["vocab"]
+    batch = torch.randint(0, V, (shape["batch"], shape["seq"] + 1), device=device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, V), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    from torchdebug.session import deferred
+
+    reads = {"n": 0, "staged": 0, "inside": 0}
+    originals = {
+        m: getattr(torch.Tensor, m) for m in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__")
+    }
+
+    def counting(orig: Any) -> Any:
+        def read(t: Any, *a: Any, **k: Any) -> Any:
+            if not reads["inside"]:
+                reads["n"] += 1
+            return orig(t, *a, **k)
+
+        return read
+
+    host_values = deferred.host_values
+
+    def staged(buf: torch.Tensor) -> list[float]:  # the async read of a buffer a step old: apart
+        reads["staged"] += 1
+        reads["inside"] = 1
+        try:
+            return host_values(buf)
+        finally:
+            reads["inside"] = 0
+
+    print(
+        f"{'variant':<20} {'aten ops/step':>14} {'python calls/step':>18} {'blocking reads/step':>20} "
+        f"{'staged reads/step':>18}"
+    )
+    for name, make in {
+        k: v for k, v in variants(device).items() if not args.variants or k in args.variants or k == "plain"
+    }.items():
+        with make(model, opt) as mon:
+            mon_step = getattr(mon, "step", lambda: None)
+            for _ in range(3):  # the first update under the session is read blocking (no state check)
+                step()
+                mon_step()
+            ops, prof = _OpCount(), cProfile.Profile()
+            n = 5
+            try:
+                deferred.host_values = staged  # type: ignore[assignment]
+                for m, orig in originals.items():
+                    setattr(torch.Tensor, m, counting(orig))
+                with ops:
+                    prof.enable()
+                    for _ in range(n):
+                        step()
+                        mon_step()
+                    prof.disable()
+            finally:
+                deferred.host_values = host_values  # type: ignore[assignment]
+                for m, orig in originals.items():
+                    setattr(torch.Tensor, m, orig)
+            calls = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
+            print(
+                f"{name:<20} {ops.n / n:>14.1f} {calls / n:>18.1f} {reads['n'] / n:>20.1f} "
+                f"{reads['staged'] / n:>18.1f}"
+            )
+            reads["n"] = reads["staged"] = 0
+
+
 @contextlib.contextmanager
 def _one_thread(device: str) -> Iterator[None]:
     before = torch.get_num_threads()
@@ -189,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--chunk", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--count", action="store_true", help="ops, Python calls and reads per step (no clock)")
     ap.add_argument(
         "--variants", type=lambda v: v.split(","), default=None, help="e.g. sentinel/blocking,sentinel/async"
     )
@@ -205,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA GPU here")
         return 0
     with _one_thread(args.device):
-        run(args)
+        (count if args.count else run)(args)
     return 0
 
 
