@@ -13,19 +13,23 @@ tensors). Variants on one model and optimizer: ``plain``; ``watch`` (the default
 sentinel, gradient health, memory, timing, the run store); ``sentinel`` (``mode="anomaly_detection"``);
 ``none`` (``mode="none"``).
 
-Printed per workload and variant: CPU ms per step (the median over blocks of each block's mean, so
-detail steps count as often as they occur: every ``detail_every`` = 10 steps, memory samples every
-50; blocks are ``--chunk`` steps, a multiple of 50, each a fresh session), the ratio to plain, the
-added microseconds per step and per parameter tensor; for ``watch`` also the median of its ordinary
-and of its detail steps. Then the blocking device-to-host reads torchdebug makes on an ordinary step
-and on a detail step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
+Printed per workload and variant: CPU ms per step with the detail steps counted as often as they
+occur: the median of each kind of step (ordinary; detail; detail with a memory sample), weighted by
+how often it occurs in a long run (1 - 1/``detail_every``, 1/``detail_every`` - 1/``memory_every``,
+1/``memory_every``), so a step slowed by another process does not move the figure the way it moves a
+mean; the ratio to plain, the added microseconds per step and per parameter tensor; for ``watch``
+also the median of its ordinary and of its detail steps. Blocks are ``--chunk`` steps, short (10) so
+that the variants alternate many times while the machine's load drifts; each watched block is a
+fresh session (entered and left outside the timing), whose first step is a detail step with a memory
+sample. Then the blocking device-to-host reads torchdebug makes on an ordinary step and on a detail
+step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
 __bool__/__float__/__int__/__index__`` whose first frame outside torch is torchdebug's).
 
 ``--rss N``: the 5,000-tensor model under the default watch for N steps (one session), RSS every
 ``N // 20`` steps, and the growth after the first 10%.
 
-    python benchmarks/host_cost.py [--quick] [--only gpt2,deep_mlp,mlp4] [--many] [--repeats 3]
-                                   [--chunk 100] [--rss 5000]
+    python benchmarks/host_cost.py [--quick] [--only gpt2,deep_mlp,mlp4] [--many] [--repeats 15]
+                                   [--chunk 10] [--rss 5000]
 """
 
 from __future__ import annotations
@@ -86,10 +90,10 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
     model = w.build()
     opt = w.optimizer(model)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
-    block_means: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    ordinary: list[float] = []
-    detail: list[float] = []
     every = CONFIGS["watch"].detail_every
+    mem_every = CONFIGS["watch"].memory_every
+    # per variant and kind of step (0 ordinary, 1 detail, 2 detail + memory sample): CPU seconds
+    kinds: dict[str, tuple[list[float], list[float], list[float]]] = {v: ([], [], []) for v in VARIANTS}
     with quiet():
         _block(w, model, opt, batches, 5)  # warm-up
         for v in VARIANTS[1:]:
@@ -102,12 +106,16 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
                 else:
                     with td.watch(model, opt, run=writer, config=CONFIGS[v]) as mon:
                         t = _block(w, model, opt, batches, chunk, mon)
-                    if v == "watch":
-                        for j, x in enumerate(t):
-                            (detail if j % every == 0 else ordinary).append(x)
-                block_means[v].append(sum(t) / len(t))
-    med = {v: statistics.median(block_means[v]) for v in VARIANTS}
+                for j, x in enumerate(t):
+                    kinds[v][_kind(j, every, mem_every)].append(x)
+    weights = (1 - 1 / every, 1 / every - 1 / mem_every, 1 / mem_every)  # as often as they occur
+    med = {
+        # a kind a short block never shows (detail without memory) counts as the next dearer kind
+        v: sum(statistics.median(k[i] or k[2] or k[0]) * weights[i] for i in range(3))
+        for v, k in kinds.items()
+    }
     plain = med["plain"]
+    ordinary, detail = kinds["watch"][0], kinds["watch"][1] + kinds["watch"][2]
     return {
         "workload": w.name,
         "tensors": n_tensors,
@@ -117,7 +125,13 @@ def bench(w: Workload, repeats: int, chunk: int, writer: Any) -> dict[str, Any]:
         "ordinary_ratio": statistics.median(ordinary) / plain,
         "detail_ratio": statistics.median(detail) / plain,
         "reads": count_reads(w, model, opt, batches, writer),
+        "calls": count_calls(w, model, opt, batches, writer),
     }
+
+
+def _kind(j: int, every: int, mem_every: int) -> int:
+    """Step j of a session: 0 ordinary, 1 a detail step, 2 a detail step with a memory sample."""
+    return 2 if j % mem_every == 0 else (1 if j % every == 0 else 0)
 
 
 def count_reads(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -> dict[str, int]:
@@ -133,6 +147,35 @@ def count_reads(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -
                 got["ordinary"] = reads.count
             if i == every:
                 got["detail"] = reads.count
+    return got
+
+
+def count_calls(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -> dict[str, int]:
+    """Function calls torchdebug makes on an ordinary and a detail step of the default watch: Python
+    frames of torchdebug's code plus the C functions those frames call (``sys.setprofile`` events).
+    Deterministic, unlike time on a shared machine: it says whether host work grows with the model."""
+    every = CONFIGS["watch"].detail_every
+    got: dict[str, int] = {}
+    n = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event in ("call", "c_call") and str(frame.f_globals.get("__name__", "")).startswith("torchdebug"):
+            n += 1
+
+    with quiet(), td.watch(model, opt, run=writer, config=CONFIGS["watch"]) as mon:
+        for i in range(every + 1):
+            n = 0
+            sys.setprofile(prof)
+            try:
+                train_step(w, model, opt, batches[i % len(batches)])
+                mon.step()
+            finally:
+                sys.setprofile(None)
+            if i == 1:
+                got["ordinary"] = n
+            if i == every:
+                got["detail"] = n
     return got
 
 
@@ -183,7 +226,9 @@ def table(r: dict[str, Any]) -> str:
     lines.append(
         f"watch: ordinary steps {r['ordinary_ratio']:.3f}x, detail steps {r['detail_ratio']:.3f}x (medians); "
         f"torchdebug's blocking reads: {r['reads'].get('ordinary')} on an ordinary step, "
-        f"{r['reads'].get('detail')} on a detail step"
+        f"{r['reads'].get('detail')} on a detail step; torchdebug's function calls (Python frames and "
+        f"the C calls they make): {r['calls'].get('ordinary')} on an ordinary step, "
+        f"{r['calls'].get('detail')} on a detail step"
     )
     return "\n".join(lines)
 
@@ -193,14 +238,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 50-step blocks, mlp4 + gpt2")
     ap.add_argument("--only", default="gpt2,deep_mlp,mlp4")
     ap.add_argument("--many", action="store_true", help="also the 5,000-tensor model")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=100, help="steps per block (a multiple of 50)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--chunk", type=int, default=10, help="steps per block")
     ap.add_argument("--rss", type=int, default=0, help="RSS over this many steps of the 5,000-tensor model")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = [n for n in args.only.split(",") if n]
     if args.quick:
-        args.repeats, args.chunk, names = 1, 50, ["mlp4", "gpt2"]
+        args.repeats, args.chunk, names = 2, 10, ["mlp4", "gpt2"]
     if args.many:
         names.append("many5000")
     unknown = [n for n in names if n not in WORKLOADS]
@@ -215,8 +260,8 @@ def main() -> None:
         writer = create_run(root=tmp, name="host_cost", config={})
         try:
             for n in names:
-                chunk = args.chunk if n != "many5000" else max(args.chunk // 2, 50)
-                print(table(bench(WORKLOADS[n], args.repeats, chunk, writer)), flush=True)
+                repeats = args.repeats if n != "many5000" else max(args.repeats // 4, 2)
+                print(table(bench(WORKLOADS[n], repeats, args.chunk, writer)), flush=True)
                 print()
             if args.rss:
                 rss_run(args.rss, writer)

@@ -150,11 +150,12 @@ class Plan:
                 or t.device != dev
             ):
                 return None
+        if dev.type != "cpu" and (
+            len({t.dtype for t in tensors}) > 1
+            or tensors[0].dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        ):
+            return None  # the fused norm takes one dtype and a float32 result: else the general path
         return Plan(tensors)
-
-    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Cheap guard per step: the same count (shapes are the parameters' by construction)."""
-        return len(tensors) == self.n
 
     def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         if not self.small:

@@ -68,8 +68,7 @@ def _fmt(x: float) -> str:
 def layer_norms(names: Sequence[str], norms: Sequence[float]) -> dict[str, float]:
     """Per-layer L2 norms from per-parameter L2 norms: sqrt of the sum of squares per owning module."""
     sq: dict[str, float] = {}
-    for n, v in zip(names, norms):
-        key = owner(n)
+    for key, v in zip(map(owner, names), norms):
         sq[key] = sq.get(key, 0.0) + v * v
     return {k: math.sqrt(v) if math.isfinite(v) else v for k, v in sq.items()}
 
@@ -253,7 +252,9 @@ class VanishingRule:
         """Feed the per-layer gradient norms of one detail check."""
         fired: dict[str, float] = {}
         for layer, v in norms.items():
-            streak = self.streaks.setdefault(layer, Streak(self.patience))
+            streak = self.streaks.get(layer)
+            if streak is None:  # not setdefault: no new Streak per layer per check
+                streak = self.streaks[layer] = Streak(self.patience)
             if streak.update(math.isfinite(v) and v <= self.threshold):
                 fired[layer] = v
         if not fired:
@@ -669,7 +670,9 @@ class UpdateRatioRule:
         judged = {n: r for n, r in ratios.items() if ndims.get(n, 0) >= 2 and r != 0 and r == r}  # no NaN
 
         def sustained(name: str, r: float) -> bool:
-            streak = self.streaks.setdefault(name, Streak(self.patience))
+            streak = self.streaks.get(name)
+            if streak is None:  # not setdefault: no new Streak per parameter per check
+                streak = self.streaks[name] = Streak(self.patience)
             streak.update(r < self.lo or r > self.hi)
             return streak.count >= self.patience
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import operator
 import weakref
@@ -815,7 +816,7 @@ class SeenGrads:
         """Those gradients changed in a way judged elsewhere (a clip's factor): take them as seen now."""
         if self.whole and idx is self.idx:  # the clip's fast path: every gradient
             self.grads = list(map(grad_of, params))
-            if not any(g is None for g in self.grads):
+            if not any(map(operator.is_, self.grads, itertools.repeat(None))):  # a C loop
                 self.versions = list(map(version_of, self.grads))
                 return
             self.whole = False

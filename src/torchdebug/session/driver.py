@@ -95,8 +95,11 @@ def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
             params = [parameters]
         elif parameters is not None:
             params = list(parameters)
-            # still a generator for a generator: torch warns about an empty one
-            parameters = (p for p in params) if isinstance(parameters, types.GeneratorType) else params
+            # an empty generator stays one: torch warns about it (for anything else a list and a
+            # generator are the same to torch, which makes a list of it first; no frame per item)
+            parameters = (
+                (p for p in params) if isinstance(parameters, types.GeneratorType) and not params else params
+            )
             if args:
                 args = (parameters, *args[1:])
             else:
