@@ -61,8 +61,8 @@ class Sentinel:
         self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
         self.skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
-        # sync="async" (session/deferred.py), while a step is judged one step later: its update was
-        # already skipped on the device (nothing to drop), and its gradients may be gone (no exact check)
+        # sync="async" (session/deferred.py), while a step is judged one step later: its update already
+        # ran or was skipped on the device (nothing to drop), and its gradients may be gone (no exact check)
         self.update_held = False
         self.grads_gone = False
         self._index = {id(p): i for i, p in enumerate(mon.params)}

@@ -298,7 +298,7 @@ class DeferredReads:
         for k, v in p.state.items():
             setattr(s, k, v)
         s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
-        s.update_held = halt > 0
+        s.update_held = True  # the update ran (or was skipped on the device) already: nothing to drop
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
             mon.transfer.unpack(p.spec, host)
