@@ -507,3 +507,31 @@ def test_gradient_health_judges_each_step_with_its_own_norm() -> None:
     # async: step 0 blocking (its norm read before its update), then no norm before each update
     assert [x for x in late if x[0] == -1][1:] == [(-1, None)] * 3
     assert [x for x in late if x[0] != -1] == blocking
+
+
+def test_a_failure_of_the_async_read_switches_it_off_not_the_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    real = deferred.host_values
+    calls = {"n": 0}
+
+    def broken(buf: torch.Tensor) -> list[float]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a broken read")
+        return real(buf)
+
+    monkeypatch.setattr(deferred, "host_values", broken)
+    with pytest.warns(td.TorchDebugWarning) as said, pytest.raises(td.NonFiniteError) as ei:
+        # step 1 is read at step 2's forward, step 2's read fails at step 3's forward: blocking from
+        # then on, so the NaN of step 4 is caught as the update starts, as without sync="async"
+        _loop(model, opt, lambda i: torch.zeros(3, 4) if i == 4 else torch.randn(3, 4), 6, sync="async")
+    assert [str(w.message) for w in said] == [
+        "torchdebug: sync='async' failed (RuntimeError('a broken read')) and was switched off: the "
+        "session reads each step blocking from now on"
+    ]
+    assert ei.value.anomaly.step == 4 and ei.value.anomaly.location == origin_line("div")
+    assert "found_inf" not in vars(opt)

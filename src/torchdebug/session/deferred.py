@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._errors import NonFiniteError
 from .._tensors import Items, local
 from ..events import StepRecord
 from .transfer import Transfer, stack
@@ -154,8 +155,19 @@ class DeferredReads:
     # -- update starting: stage the step ------------------------------------------------------------
     def update_starting(self, opt: Any) -> bool:
         """Stage the step's numbers and hand the optimizer the skip flag; False: judge it blocking."""
+        try:
+            return self._update_starting(opt)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            return False
+
+    def _update_starting(self, opt: Any) -> bool:
         mon, s = self.mon, self.mon.sentinel
         self.resolve(block=False)
+        if mon._async is not self:
+            return False  # switched off by a failure just now
         if self.staged is not None:  # a second optimizer in the same step: the same verdict covers it
             if opt is not None and opt is not self.staged.opt:
                 if self.why_not(opt) is None:
@@ -225,6 +237,15 @@ class DeferredReads:
     # -- step end -----------------------------------------------------------------------------------
     def step_end(self) -> StepRecord | None:
         """``mon.step()`` of a staged step: keep its state for the read; None: a blocking step."""
+        try:
+            return self._step_end()
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
+    def _step_end(self) -> StepRecord | None:
         p, mon = self.staged, self.mon
         if p is None:
             if mon.sentinel.manual_update(mon):
@@ -265,6 +286,28 @@ class DeferredReads:
     # -- the read -----------------------------------------------------------------------------------
     def resolve(self, block: bool) -> None:
         """Judge every pending step whose copy is complete (``block``: all of them, waiting)."""
+        try:
+            self._resolve_ready(block)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A failure of this machinery never stops training: one warning, blocking reads from now on."""
+        mon = self.mon
+        mon._warn_once(
+            "async:failed",
+            f"torchdebug: sync='async' failed ({exc!r}) and was switched off: the session reads each "
+            "step blocking from now on",
+        )
+        self.discard()
+        if self.halt is not None:
+            self.halt.zero_()
+        if mon._async is self:
+            mon._async = None
+
+    def _resolve_ready(self, block: bool) -> None:
         while self.pending and (block or self.pending[0].ready()):
             self._resolve(self.pending.popleft(), block)
         for p in self.pending:  # still in flight (CUDA, the device behind): keep less while waiting
