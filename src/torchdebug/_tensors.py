@@ -2,7 +2,7 @@
 
 FSDP2 DTensors are read through their local shard (no communication); gradients and parameters are
 reduced on the device to one float32 per tensor (norms, or a cheaper finiteness probe) so the step's
-one host transfer (:func:`read`) reads a handful of numbers.
+one host transfer (``session.transfer.Transfer.read``) reads a handful of numbers.
 """
 
 from __future__ import annotations
@@ -224,18 +224,6 @@ def unwrap_optimizer(opt: Any) -> Any:
             return opt
         opt = inner
     return opt
-
-
-def read(items: Items) -> dict[str, float]:
-    """Read named device numbers with ONE host transfer; an n-element tensor gives ``name#0..n-1``."""
-    names: list[str] = []
-    flat: list[torch.Tensor] = []
-    for name, t in items:
-        t = local(t).detach().reshape(-1).float()  # FSDP2 DTensor: this rank's shard
-        names += [name] if t.numel() == 1 else [f"{name}#{i}" for i in range(t.numel())]
-        flat.append(t)
-    dev = flat[0].device
-    return dict(zip(names, torch.cat([t.to(dev) for t in flat]).tolist()))
 
 
 def entries(values: dict[str, float], name: str, n: int) -> list[float]:
