@@ -17,11 +17,13 @@ instruments, no run folder), each with ``sync="blocking"`` and ``sync="async"``.
 async variant: the staged reads (one per step, no wait) and the waits (queue full or exit).
 
     python benchmarks/gpu_step.py [--device cuda|cpu] [--repeats 7] [--chunk 20] [--warmup 5]
-                                  [--variants sentinel/blocking,sentinel/async] [--count]
+                                  [--variants sentinel/blocking,sentinel/async] [--count] [--boundaries]
 
 ``--count``: per ordinary step, the aten ops run (about one kernel launch each on a GPU), the Python
 function calls and the host reads (``Tensor.item/tolist/cpu/numpy/__bool__/__float__``) of each
-variant; deterministic, so it does not depend on the machine's load.
+variant; deterministic, so it does not depend on the machine's load. ``--boundaries``: torchdebug's
+own CPU time per step, inside each step-protocol method of the session (medians of interleaved
+sessions), which the load of a shared machine blurs far less than a whole step's time.
 
 Without a GPU and without ``--device cpu`` it says so and exits 0.
 """
@@ -128,7 +130,6 @@ def run(args: argparse.Namespace) -> None:
             return time.perf_counter()
         return time.process_time()
 
-    warnings.simplefilter("ignore", td.TorchDebugWarning)  # random tokens: the health rules speak up
     vs = {
         k: v for k, v in variants(device).items() if k == "plain" or not args.variants or k in args.variants
     }
@@ -273,6 +274,78 @@ def count(args: argparse.Namespace) -> None:
             reads["n"] = reads["staged"] = 0
 
 
+def boundaries(args: argparse.Namespace) -> None:
+    """torchdebug's own host time per step, boundary by boundary (CPU time spent inside each
+    ``Monitor`` step-protocol method, the sentinel and instruments they call included), medians over
+    interleaved sessions; plus each variant's whole step."""
+    import collections
+
+    from torchdebug.session import monitor
+
+    acc: collections.Counter[str] = collections.Counter()
+    names = ("forward_started", "forward_done", "backward_started", "backward_done", "clip_starting")
+    names += ("clip_done", "update_starting", "update_done", "step")
+    originals = {n: getattr(monitor.Monitor, n) for n in names}
+
+    def timed(name: str, orig: Any) -> Any:
+        def method(*a: Any, **k: Any) -> Any:
+            t = time.process_time()
+            try:
+                return orig(*a, **k)
+            finally:
+                acc[name] += time.process_time() - t
+
+        return method
+
+    device = args.device
+    shape = SHAPES[device]
+    torch.manual_seed(0)
+    model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["n_layer"], shape["n_head"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    V = shape["vocab"]
+    data = torch.randint(0, V, (16, shape["batch"], shape["seq"] + 1), device=device)
+
+    def step(i: int) -> None:
+        b = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(b[:, :-1]).reshape(-1, V), b[:, 1:].reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    per: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    whole: dict[str, list[float]] = collections.defaultdict(list)
+    vs = {
+        k: v
+        for k, v in variants(device).items()
+        if k != "plain" and (not args.variants or k in args.variants)
+    }
+    try:
+        for n, orig in originals.items():
+            setattr(monitor.Monitor, n, timed(n, orig))
+        for rep in range(args.repeats):
+            for name in list(vs) if rep % 2 == 0 else list(reversed(vs)):
+                with vs[name](model, opt) as mon:
+                    for i in range(2):
+                        step(i)
+                        mon.step()
+                    acc.clear()
+                    t0 = time.process_time()
+                    for i in range(args.chunk):
+                        step(i)
+                        mon.step()
+                    whole[name].append((time.process_time() - t0) / args.chunk)
+                    per[name].append({k: v / args.chunk for k, v in acc.items()})
+    finally:
+        for n, orig in originals.items():
+            setattr(monitor.Monitor, n, orig)
+    print(f"{'variant':<20} {'step ms':>8} {'torchdebug us':>14}  per boundary (us)")
+    for name in vs:
+        parts = {n: statistics.median([r.get(n, 0.0) for r in per[name]]) * 1e6 for n in names}
+        own = sum(parts.values())
+        detail = ", ".join(f"{n} {x:.0f}" for n, x in parts.items() if x >= 1)
+        print(f"{name:<20} {statistics.median(whole[name]) * 1e3:>8.2f} {own:>14.0f}  {detail}")
+
+
 @contextlib.contextmanager
 def _one_thread(device: str) -> Iterator[None]:
     before = torch.get_num_threads()
@@ -292,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--count", action="store_true", help="ops, Python calls and reads per step (no clock)")
     ap.add_argument(
+        "--boundaries", action="store_true", help="torchdebug's CPU time per step protocol boundary"
+    )
+    ap.add_argument(
         "--variants", type=lambda v: v.split(","), default=None, help="e.g. sentinel/blocking,sentinel/async"
     )
     args = ap.parse_args(argv)
@@ -306,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA GPU here")
         return 0
+    warnings.simplefilter("ignore", td.TorchDebugWarning)  # random tokens: the health rules speak up
     with _one_thread(args.device):
-        (count if args.count else run)(args)
+        (count if args.count else boundaries if args.boundaries else run)(args)
     return 0
 
 
