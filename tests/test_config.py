@@ -66,6 +66,7 @@ EXPECTED_DEFAULTS = {
     ),
     # engine
     "policy": "raise",
+    "sync": "blocking",
     "replay": True,
     "frames": 16,
     "run_dir": "runs",

@@ -65,6 +65,10 @@ class Sentinel:
         self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
         self.skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
+        # sync="async" (session/deferred.py), while a step is judged one step later: its update already
+        # ran or was skipped on the device (nothing to drop), and its gradients may be gone (no exact check)
+        self.update_held = False
+        self.grads_gone = False
         self._index = {id(p): i for i, p in enumerate(mon.params)}
         # FSDP2 DTensor parameters: the clip's fast path (whole local tensors) does not apply
         dtensor = dtensor_type()
@@ -414,6 +418,8 @@ class Sentinel:
         The tensor backward() left (kept: users may set ``.grad`` to None before ``mon.step()``), or with
         ``now`` the gradient as it is.
         """
+        if self.grads_gone:
+            return False  # judged one step later (sync="async"): the probe's verdict stands
         seen = None if now else self.seen.get(i)
         g = local(seen if seen is not None else self.mon.params[i].grad)
         return g is None or bool(torch.isfinite(g).all())
@@ -500,9 +506,10 @@ class Sentinel:
         raise NonFiniteError(anomaly)
 
     def drop_grads(self, opt: Any) -> None:
-        for g in unwrap_optimizer(opt).param_groups:
-            for p in g["params"]:
-                p.grad = None  # the optimizer skips parameters without grads: no update, no state change
+        if not self.update_held:  # sync="async": the device skipped the update already
+            for g in unwrap_optimizer(opt).param_groups:
+                for p in g["params"]:
+                    p.grad = None  # the optimizer skips parameters without grads: no update, no state change
         self.mark_skipped(f"skipped by policy: {self.step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
 
     # -- anomalies ------------------------------------------------------------------------------------

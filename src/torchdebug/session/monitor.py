@@ -57,10 +57,12 @@ from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
+from .deferred import DeferredReads
 from .driver import PlainLoopDriver
 from .transfer import Items, Transfer
 
 POLICIES = ("raise", "warn", "skip")
+SYNCS = ("blocking", "async")
 _MAX_EVENTS = 10_000
 
 # instrument name -> (module, class); each class is constructed with no arguments
@@ -98,6 +100,7 @@ class Monitor:
         on_oom: str | None = None,
         report_to: Any = None,
         announce: bool | None = None,
+        sync: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -129,6 +132,10 @@ class Monitor:
             self._sink_objects = [i for i in items if not isinstance(i, str)]
         if announce is not None:
             changes["announce"] = announce
+        if sync is not None:
+            if not isinstance(sync, str) or sync.lower() not in SYNCS:
+                raise ValueError(f"watch(..., sync={sync!r}): sync must be one of {', '.join(SYNCS)}")
+            changes["sync"] = sync.lower()
         self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
         if self.config.report_to or self.config.tensorboard or self._sink_objects:
@@ -200,6 +207,8 @@ class Monitor:
         self.transfer = Transfer()
         self.sentinel = Sentinel(self)
         self.sentinel.active = "nonfinite" in self._enabled
+        # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
+        self._async = DeferredReads(self) if self.config.sync == "async" else None
         self._plain = PlainLoopDriver(self, self._called, self.model)
         self._entered = False
         self._closed = False
@@ -226,6 +235,8 @@ class Monitor:
         self.sentinel.pop_tape()
         if self._new_micro_step:
             self._new_micro_step = False
+            if self._async is not None:
+                self._async.resolve(block=False)  # the last step's numbers, copied by now (may raise)
             self.sentinel.on_forward_start(self, module, args, kwargs)
             self._each("on_forward_start", module, args, kwargs)
             if outside or self._called is not self.model:
@@ -285,13 +296,16 @@ class Monitor:
         if self.optimizer is not None and self._lr_used is None:  # the LR this update uses (a
             # scheduler stepped before mon.step() must not change what the step records)
             self._lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
-        self.sentinel.before_update(self, opt)
+        if self._async is None or not self._async.update_starting(opt):
+            self.sentinel.before_update(self, opt)
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
         if self.sentinel.replaying:
             return
+        if self._async is not None:
+            self._async.update_done(opt)
         self.sentinel.after_update(self)
         self._each("after_optimizer_step")
 
@@ -323,6 +337,11 @@ class Monitor:
         """
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        if self._async is not None:
+            early = self._async.step_end()  # a staged step: judged one step later
+            if early is not None:
+                self._advance()
+                return early
         sentinel, transfer = self.sentinel, self.transfer
         manual = sentinel.manual_update(self)
         synced = transfer.synced
@@ -335,9 +354,18 @@ class Monitor:
         record = self._record()
         sentinel.after_step_end(self, manual)
         self._each("on_step_end", record, record.values)
+        self._keep(record)
+        self._advance()
+        return record
+
+    def _keep(self, record: StepRecord) -> None:
+        """A step's full record (now, or one step later under sync="async"): counted and kept."""
         if is_anomalous(record.anomaly, [e.severity for e in self._step_events]):
             self.counters["anomalous_steps"] += 1
         self.records.append(record)
+
+    def _advance(self) -> None:
+        """The step is over: apply live changes, count it, reset the per-step state."""
         if self._pending_level is not None or self._pending_changes:
             level, self._pending_level = self._pending_level, None
             changes, self._pending_changes = self._pending_changes, {}
@@ -348,12 +376,11 @@ class Monitor:
         if hub is not None and hub.pending:
             hub.warn()  # a sink was switched off (on its thread): say it here, once
         self._last_step_end = time.perf_counter()
-        return record
 
     # -- the one transfer --------------------------------------------------------------------------
     def sync(self) -> None:
         """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
-        items = self.transfer.items(self.scaler) + self.sentinel.items() + self._collect()
+        items = self._step_items()
         self.transfer.synced = True
         if any([t.is_meta for _, t in items]):
             # a model on the meta device computes shapes only: there are no values to read or check
@@ -366,6 +393,14 @@ class Monitor:
         if not items:
             return
         self.transfer.read(items)  # the step's host sync
+        self._decode_read()
+
+    def _step_items(self) -> Items:
+        """The step's device numbers: its own, the sentinel's probes, every instrument's."""
+        return self.transfer.items(self.scaler) + self.sentinel.items() + self._collect()
+
+    def _decode_read(self) -> None:
+        """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
         if self._coord is not None:
             self._coord.fill_shares(self)  # DDP: the other ranks' shares of the gradient numbers
         values = self.transfer.values
@@ -401,18 +436,19 @@ class Monitor:
                     self.transfer.values[k] = float(v)
         return items
 
-    def _record(self) -> StepRecord:
-        """The step's record; its scalars go to the store."""
+    def _record(self, lr: tuple[float, ...] | None = None, time_s: float | None = None) -> StepRecord:
+        """The step's record; its scalars go to the store (``lr``, ``time_s``: kept from the step end)."""
         sentinel = self.sentinel
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
-        lr = (
-            self._lr_used
-            if self._lr_used is not None
-            else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
-            if self.optimizer is not None
-            else ()
-        )
+        if lr is None:
+            lr = (
+                self._lr_used
+                if self._lr_used is not None
+                else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+                if self.optimizer is not None
+                else ()
+            )
         record = StepRecord(
             step=self.global_step,
             micro_steps=len(self.transfer.micro_bad) or len(sentinel.captures),
@@ -422,7 +458,7 @@ class Monitor:
             skip_reason=sentinel.skip_reason,
             scale=v.get("amp_scale"),
             lr=lr,
-            time_s=now - self._last_step_end,
+            time_s=now - self._last_step_end if time_s is None else time_s,
             values=v,
             anomaly=sentinel.step_anomaly,
             events=self._step_events,
@@ -559,7 +595,16 @@ class Monitor:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         # Everything installed comes off whatever happens here (a warning turned into an error by the
         # user's filters, a NonFiniteError from the final check, an instrument that fails at exit).
+        late: NonFiniteError | None = None
         try:
+            if self._async is not None:
+                if exc is None:
+                    try:
+                        self._async.finish()  # sync="async": the steps still in flight are judged now
+                    except NonFiniteError as err:
+                        late = err  # raised below, after the instruments' on_exit
+                else:
+                    self._async.discard()
             if exc is not None and not isinstance(exc, NonFiniteError):
                 for inst in list(self.instruments):
                     self._call(inst, "on_exception", exc)
@@ -569,8 +614,10 @@ class Monitor:
             self.sentinel.say_skips(at_exit=True)
             for inst in list(self.instruments):
                 self._call(inst, "on_exit")
+            if late is not None:
+                raise late
         finally:
-            self._teardown(exc)
+            self._teardown(exc or late)
 
     def _install(self) -> None:
         self._plain.install()
@@ -586,6 +633,8 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        if self._async is not None:
+            self._async.discard()  # every optimizer's found_inf as it was
         self.sentinel.remove()
         for inst in list(self.instruments):
             with contextlib.suppress(Exception):
@@ -690,6 +739,10 @@ class Monitor:
         self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
         self.sentinel.active = "nonfinite" in self._enabled
+        if (self._async is not None) != (self.config.sync == "async"):  # sync switched live
+            if self._async is not None:
+                self._async.finish()  # the steps in flight are judged now (may raise)
+            self._async = DeferredReads(self) if self._async is None else None
         ours = {spec[1] for spec in _INSTRUMENTS.values()}
         for inst in [i for i in self.instruments if type(i).__name__ in ours]:
             self.instruments.remove(inst)  # rebuilt below: their depth follows the level
@@ -901,6 +954,7 @@ def watch(
     on_oom: str | None = None,
     report_to: Any = None,
     announce: bool | None = None,
+    sync: str | None = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -936,11 +990,26 @@ def watch(
         announce: print the run folder once on stderr as the session starts
             (``torchdebug: recording to runs/gpt-20260101-120000``; rank 0 only, nothing without a
             run folder). Default ``config.announce`` (True; ``TORCHDEBUG_ANNOUNCE=0`` turns it off).
+        sync: ``"blocking"`` (default: the step's numbers are read as the update starts, one
+            device-to-host sync per step) or ``"async"``: ordinary steps make no blocking read. The
+            numbers go to the host with a non-blocking copy (pinned memory and a CUDA event) and
+            are read at the next step's first forward; meanwhile a fused optimizer
+            (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``) gets a device flag as
+            ``found_inf`` and skips the update of a non-finite step on the device, so parameters and
+            optimizer state stay as before it and the step replays to the same origin. ``raise``
+            then raises at the next step's first forward (or at exit) naming the step of birth;
+            ``skip``/``warn`` record the step as skipped (its update never ran). ``mon.step()``
+            returns a record without numbers; the full record (``mon.records``, the store,
+            instruments' ``on_step_end``) follows one step later. Other optimizers, a GradScaler,
+            framework drivers, several ranks and updates by hand fall back to ``"blocking"`` with one
+            ``TorchDebugWarning``; the optimizer's first update is always read blocking (its state
+            does not exist yet). Cost: one small device-to-host copy per step, no wait.
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
             naming phase, module, op and source line (the failing step is replayed under tracing).
-        TypeError / ValueError: bad arguments, naming the fix (``ConfigError``: an unknown tracker name,
+        TypeError / ValueError: bad arguments, naming the fix (``sync`` not "blocking"/"async";
+            ``ConfigError``: an unknown tracker name,
             listing the allowed ones, or ``report_to`` without a run folder).
         ImportError: a tracker's library is missing (names the extra, e.g. ``torchdebug[wandb]``).
 
@@ -968,4 +1037,5 @@ def watch(
         on_oom=on_oom,
         report_to=report_to,
         announce=announce,
+        sync=sync,
     )

@@ -27,6 +27,16 @@ VECTORS = frozenset({"_gnorm", "_edit", "_def_param_norms", "_def_edit", "health
 _IS_NONE = functools.partial(operator.is_, None)
 
 
+def stack(items: Items) -> list[torch.Tensor]:
+    """The items' numbers as flat float32 tensors (FSDP2 DTensors: this rank's shard), for one read."""
+    flat: list[torch.Tensor] = []
+    for _, t in items:
+        t = local(t)  # FSDP2: this rank's shard; anything else as it is
+        t = t.detach().reshape(-1)
+        flat.append(t if t.dtype is torch.float32 else t.float())
+    return flat
+
+
 class Transfer:
     """One step's device numbers and what was read of them (``values``); reset at each step end.
 
@@ -136,19 +146,19 @@ class Transfer:
         (``tolist``): on a GPU, the step's one blocking read."""
         if not items:
             return
-        flat: list[torch.Tensor] = []
-        for _, t in items:
-            t = local(t)  # FSDP2: this rank's shard; anything else as it is
-            t = t.detach().reshape(-1)
-            flat.append(t if t.dtype is torch.float32 else t.float())
+        flat = stack(items)
         dev = flat[0].device
         host = (
             torch.cat([t if t.device == dev else t.to(dev) for t in flat]) if len(flat) > 1 else flat[0]
         ).tolist()
+        self.unpack([(name, t.numel()) for (name, _), t in zip(items, flat)], host)
+
+    def unpack(self, spec: list[tuple[str, int]], host: list[float]) -> None:
+        """Numbers read on the host (``spec``: each item's name and size, in order) into ``values`` and
+        ``vectors`` (also for ``sync="async"``, which reads them one step later)."""
         values, vectors = self.values, self.vectors
         off = 0
-        for (name, _), t in zip(items, flat):
-            n = t.numel()
+        for name, n in spec:
             if name in VECTORS:
                 vectors[name] = host[off : off + n]
             elif n == 1:

@@ -1,0 +1,400 @@
+"""sync="async": the step's numbers read one step later, while the device protects the weights.
+
+In the blocking mode (the default) the session reads the step's numbers as the update starts: one
+device-to-host sync per step, after which nothing is queued until the host has decided. Here no
+ordinary step blocks:
+
+- update starting: the step's items (losses, gradient probes, edit and clip flags, the last update's
+  parameter probe, the instruments' numbers) are stacked on the device; a one-element device flag
+  ``bad`` says whether any of them is non-finite; ``halt = max(halt, bad)`` (sticky until read) is
+  handed to the optimizer as ``found_inf``, the attribute ``GradScaler`` uses to drive fused
+  optimizers without a sync (torch/amp/grad_scaler.py ``_step_supports_amp_scaling``). The fused
+  kernels (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``, ``_fused_adagrad_``) then leave the
+  parameters and the optimizer state untouched when it is 1, and the ``step`` counters are put back
+  (``+1`` then ``-found_inf``). The stacked numbers go to the host with a non-blocking copy (pinned
+  memory and a CUDA event; on CPU the values exist at once and are simply kept);
+- the next step's first forward (or later boundaries, when a CUDA copy is not done yet): the
+  numbers are read from host memory (no sync: the event says the copy is complete) and the step is
+  judged by the sentinel's usual code with the step's state put back in place, so a bad step is
+  replayed to the same origin as in the blocking mode: its update never ran, so the weights are
+  those the step saw. Its record, store rows and ``on_step_end`` calls happen then.
+
+Where the optimizer cannot take the flag (not fused, a custom one, a GradScaler that owns
+``found_inf``, a framework driver, several ranks, an update by hand, the optimizer's first update
+while its state does not exist yet) the session says so once and reads that step blocking.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._errors import NonFiniteError
+from .._tensors import Items, local
+from ..events import StepRecord
+from .transfer import Transfer, stack
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+_MAX_PENDING = 2  # steps whose numbers are in flight; one more blocks on the oldest (bounded memory)
+_BAD = "_async_bad"  # this step's own items held a non-finite value
+_HALT = "_async_halt"  # the flag the optimizer saw (this step's or an earlier unread bad step's)
+_BAD_VALUES = ("_loss#", "_gnorm", "_edit")  # non-finite number = bad
+_BAD_FLAGS = ("_mbad#", "_clip")  # a flag > 0 = bad
+
+
+def host_values(buf: torch.Tensor) -> list[float]:
+    """The one host read of a staged step: a host buffer whose copy is complete (no device sync).
+
+    On CUDA ``buf`` is pinned memory filled by a non-blocking copy whose event reported completion; on
+    CPU it is the stacked numbers of the previous step. Kept as one function so tests can tell it
+    apart from a blocking read.
+    """
+    return buf.tolist()
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One step whose numbers are in flight: where they are and the step's state to judge them with."""
+
+    step: int
+    opt: Any
+    spec: list[tuple[str, int]]  # each staged item's name and size, in order
+    buffers: list[tuple[torch.Tensor, Any]]  # (host buffer, CUDA event or None); one per staging
+    deferred: tuple[dict[str, torch.Tensor], int | None, list[int] | None, list[int]]
+    transfer: Transfer | None = None  # set at the step end
+    state: dict[str, Any] | None = None  # the sentinel's per-step state
+    events: list[Any] | None = None
+    lr: tuple[float, ...] = ()
+    time_s: float | None = None
+
+    def ready(self) -> bool:
+        return all(ev is None or ev.query() for _, ev in self.buffers)
+
+
+def _step_keys() -> tuple[str, ...]:
+    """The sentinel's per-step attributes: those its ``reset`` sets (read from a bare instance)."""
+    from ..nonfinite.sentinel import Sentinel
+
+    bare = object.__new__(Sentinel)
+    Sentinel.reset(bare)
+    return tuple(vars(bare))
+
+
+def _cat(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    return torch.cat([local(t).detach().reshape(-1).float().to(dev, non_blocking=True) for t in tensors])
+
+
+def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
+    """The items as one float32 vector on the first item's device, and each item's name and size."""
+    flat = stack(items)
+    dev = flat[0].device
+    spec = [(name, t.numel()) for (name, _), t in zip(items, flat)]
+    return spec, torch.cat([t.to(dev, non_blocking=True) for t in flat])
+
+
+class DeferredReads:
+    """The async read of one session (``config.sync == "async"``); see the module docstring."""
+
+    def __init__(self, mon: Monitor) -> None:
+        self.mon = mon
+        self.pending: deque[_Pending] = deque()
+        self.staged: _Pending | None = None  # this step's numbers, staged at update_starting
+        self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it
+        self._why_not: dict[int, str | None] = {}  # id(optimizer) -> why it cannot skip on the device
+        self._set: dict[int, tuple[Any, bool, Any]] = {}  # optimizer -> its found_inf before ours
+        self._keys = _step_keys()
+        self.host_reads = 0  # staged steps read from host memory (no sync)
+        self.blocking_reads = 0  # waits for a copy: the pending queue was full, or the session ended
+
+    # -- which optimizer can skip on the device -----------------------------------------------------
+    def why_not(self, opt: Any) -> str | None:
+        """Why this step cannot be judged one step later (None: it can). Said once per reason."""
+        mon = self.mon
+        if not mon.sentinel.active:
+            return "the NaN/Inf sentinel is off"  # nothing to protect: said nowhere (the user's choice)
+        if mon.driver is not None:
+            reason = f"the {mon.driver} driver owns the update"
+        elif mon._coord is not None:
+            reason = "several ranks decide each step together (one all-reduced verdict)"
+        elif mon.scaler is not None and getattr(mon.scaler, "is_enabled", lambda: True)():
+            reason = "a GradScaler owns the optimizer's found_inf"
+        elif opt is None:
+            reason = "no optimizer object (an update by hand)"
+        else:
+            key = id(opt)
+            if key not in self._why_not:
+                fused = getattr(opt, "_step_supports_amp_scaling", False) and all(
+                    g.get("fused", True) for g in opt.param_groups
+                )
+                self._why_not[key] = (
+                    None
+                    if fused
+                    else f"{type(opt).__name__} cannot skip its update on the device (only fused "
+                    "optimizers take found_inf, e.g. torch.optim.AdamW(..., fused=True))"
+                )
+            cached = self._why_not[key]
+            if cached is None:
+                # the first update creates the state (fused SGD fills its momentum with empty_like and
+                # would keep it if skipped): that one step is read blocking, said nowhere
+                return "its state does not exist yet" if not opt.state else None
+            reason = cached
+        mon._warn_once(
+            f"async:{reason}",
+            f"torchdebug: sync='async' falls back to the blocking read (one host sync per step): {reason}",
+        )
+        return reason
+
+    # -- update starting: stage the step ------------------------------------------------------------
+    def update_starting(self, opt: Any) -> bool:
+        """Stage the step's numbers and hand the optimizer the skip flag; False: judge it blocking."""
+        try:
+            return self._update_starting(opt)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            return False
+
+    def _update_starting(self, opt: Any) -> bool:
+        mon, s = self.mon, self.mon.sentinel
+        self.resolve(block=False)
+        if mon._async is not self:
+            return False  # switched off by a failure just now
+        if self.staged is not None:  # a second optimizer in the same step: the same verdict covers it
+            if opt is not None and opt is not self.staged.opt:
+                if self.why_not(opt) is None:
+                    self._hand_flag(opt)
+                elif self.halt is not None and float(self.halt) > 0:  # blocking: it cannot skip itself
+                    for g in opt.param_groups:
+                        for p in g["params"]:
+                            p.grad = None
+            return True
+        if mon.transfer.synced:
+            return False  # this step was read blocking already
+        if self.why_not(opt) is not None:
+            self.resolve(block=True)  # the blocking verdict comes after every earlier step's
+            return False
+        s.opt_ran = s.opt_ran_in_scaler = True
+        s.manual = False
+        s.probe_edits(opt)  # device work: gradients changed since backward()
+        items = mon._step_items()
+        if not items or any([t.is_meta for _, t in items]):
+            return False  # nothing to read, or a meta model: the blocking path says so
+        spec, flat = _stack(items)
+        with torch.no_grad():
+            # one pass over the step's items (a handful: losses, the gradient vector, flags), not elements
+            vals = [t for n, t in items if n.startswith(_BAD_VALUES)]
+            flags = [t for n, t in items if n.startswith(_BAD_FLAGS)]
+            bad = torch.zeros((), device=flat.device, dtype=torch.bool)
+            if vals:
+                bad = bad | _cat(vals, flat.device).isfinite().logical_not().any()
+            if flags:
+                bad = bad | _cat(flags, flat.device).gt(0).any()
+            dev = next((p.device for g in opt.param_groups for p in g["params"]), flat.device)
+            if self.halt is None or self.halt.device != dev:
+                self.halt = torch.zeros((), dtype=torch.float32, device=dev)
+            self.halt.copy_(torch.maximum(self.halt, bad.float().to(dev, non_blocking=True)))
+            flat = torch.cat([bad.float().reshape(1), self.halt.reshape(1).to(flat.device), flat])
+        spec = [(_BAD, 1), (_HALT, 1), *spec]
+        self._hand_flag(opt)
+        d = (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index)
+        s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
+        self.staged = _Pending(mon.global_step, opt, spec, [self._copy(flat)], d)
+        mon.transfer.synced = True
+        # this step's norms come one step later: an instrument's before_optimizer_step (gradient
+        # health's explosion check, clip_on_spike) sees none rather than the last step's
+        mon.transfer.grad_norm = mon.transfer.grad_norms = None
+        return True
+
+    def _hand_flag(self, opt: Any) -> None:
+        if id(opt) not in self._set:
+            self._set[id(opt)] = (opt, hasattr(opt, "found_inf"), getattr(opt, "found_inf", None))
+        opt.found_inf = self.halt  # the fused kernel skips the update on the device when it is 1
+
+    def _copy(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if flat.device.type != "cuda":
+            return flat, None  # CPU: the values exist already; they are read one step later
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)  # the caching host allocator
+        host.copy_(flat, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def update_done(self, opt: Any) -> None:
+        """The update ran (or was skipped on the device): the optimizer's ``found_inf`` as it was."""
+        saved = self._set.pop(id(opt), None)
+        if saved is not None:
+            _restore(*saved)
+
+    # -- step end -----------------------------------------------------------------------------------
+    def step_end(self) -> StepRecord | None:
+        """``mon.step()`` of a staged step: keep its state for the read; None: a blocking step."""
+        try:
+            return self._step_end()
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
+    def _step_end(self) -> StepRecord | None:
+        p, mon = self.staged, self.mon
+        if p is None:
+            if mon.sentinel.manual_update(mon):
+                self.why_not(None)  # an update by hand: said once
+            self.resolve(block=True)  # a blocking step after async ones: theirs come first
+            return None
+        self.staged = None
+        more = mon._collect()  # numbers made after the update (detail steps)
+        if more:
+            spec, flat = _stack(more)
+            p.spec += spec
+            p.buffers.append(self._copy(flat))
+        s = mon.sentinel
+        p.transfer = mon.transfer
+        p.state = {k: getattr(s, k) for k in self._keys}
+        p.events = mon._step_events
+        p.lr = (
+            tuple([float(g.get("lr", math.nan)) for g in mon.optimizer.param_groups])
+            if mon.optimizer is not None
+            else ()
+        )
+        now = time.perf_counter()
+        p.time_s = now - mon._last_step_end
+        fresh = copy.copy(p.transfer)  # what outlives a step (the last norms, the reduction plan) ...
+        fresh.reset()  # ... and new per-step containers (reset assigns new ones: the pending's stay)
+        mon.transfer = fresh
+        self.pending.append(p)
+        while len(self.pending) > _MAX_PENDING:
+            self._resolve(self.pending.popleft(), block=True)
+        # the step's numbers come one step later (mon.records, the store, on_step_end)
+        return StepRecord(
+            step=p.step,
+            micro_steps=len(p.transfer.micro_bad) or len(p.state.get("captures", ())),
+            lr=p.lr,
+            time_s=p.time_s,
+        )
+
+    # -- the read -----------------------------------------------------------------------------------
+    def resolve(self, block: bool) -> None:
+        """Judge every pending step whose copy is complete (``block``: all of them, waiting)."""
+        try:
+            self._resolve_ready(block)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A failure of this machinery never stops training: one warning, blocking reads from now on."""
+        mon = self.mon
+        mon._warn_once(
+            "async:failed",
+            f"torchdebug: sync='async' failed ({exc!r}) and was switched off: the session reads each "
+            "step blocking from now on",
+        )
+        self.discard()
+        if self.halt is not None:
+            self.halt.zero_()
+        if mon._async is self:
+            mon._async = None
+
+    def _resolve_ready(self, block: bool) -> None:
+        while self.pending and (block or self.pending[0].ready()):
+            self._resolve(self.pending.popleft(), block)
+        for p in self.pending:  # still in flight (CUDA, the device behind): keep less while waiting
+            for cap in (p.state or {}).get("captures", ()):
+                if getattr(cap, "tape_complete", False):
+                    # the replay re-runs the loss from its tape; the outputs' gradients (on a language
+                    # model the logits' gradient) are only its fallback: not kept through this forward
+                    cap.out_grads = {}
+
+    def _resolve(self, p: _Pending, block: bool) -> None:
+        mon, s = self.mon, self.mon.sentinel
+        host: list[float] = []
+        for buf, ev in p.buffers:
+            if ev is not None and not ev.query():
+                ev.synchronize()  # only when the queue is full or the session ends
+                self.blocking_reads += 1
+            host += host_values(buf)
+        self.host_reads += 1
+        bad, halt = host[0], host[1]  # staged first: _BAD, _HALT
+        if halt > 0 and self.halt is not None:
+            self.halt.zero_()  # read: later updates follow their own flag again (queued before them)
+        assert p.transfer is not None and p.state is not None and p.events is not None  # set at step end
+        live = (
+            mon.transfer,
+            {k: getattr(s, k) for k in self._keys},
+            mon._step_events,
+            mon.global_step,
+            (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index),
+        )
+        mon.transfer, mon._step_events, mon.global_step = p.transfer, p.events, p.step
+        for k, v in p.state.items():
+            setattr(s, k, v)
+        s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
+        s.update_held = True  # the update ran (or was skipped on the device) already: nothing to drop
+        s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
+        try:
+            mon.transfer.unpack(p.spec, host)
+            mon.transfer.values.pop(_BAD, None)
+            mon.transfer.values.pop(_HALT, None)
+            mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
+            s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
+            if halt > 0 and not s.skipped:
+                held = bad == 0 and s.step_anomaly is None
+                why = (
+                    "held on the device: an earlier step's NaN/Inf was not read yet (sync='async')"
+                    if held
+                    else "the update was skipped on the device (sync='async')"
+                )
+                if held and mon.config.policy == "skip":
+                    why = "skipped by policy: " + why  # counted with the run of skipped steps
+                s.mark_skipped(why, severity="info")  # the anomaly (or the earlier one) was said already
+            record = mon._record(lr=p.lr, time_s=p.time_s)
+            s.after_step_end(mon, False)
+            mon._each("on_step_end", record, record.values)
+            mon._keep(record)
+        finally:
+            s.update_held = s.grads_gone = False
+            t = mon.transfer
+            mon.transfer, state, mon._step_events, mon.global_step, d = live
+            mon.transfer.grad_norm, mon.transfer.grad_norms = t.grad_norm, t.grad_norms
+            for k, v in state.items():
+                setattr(s, k, v)
+            s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d
+
+    # -- exit -----------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Session exit: read every step still in flight (waits; may raise under ``policy="raise"``)."""
+        self.restore()
+        if self.staged is not None:  # an update began but mon.step() never came: judge it now
+            self.step_end()
+        self.resolve(block=True)
+
+    def restore(self) -> None:
+        """Every optimizer's ``found_inf`` as it was before the session (also on exceptions)."""
+        for saved in self._set.values():
+            _restore(*saved)
+        self._set.clear()
+
+    def discard(self) -> None:
+        """An exception left the session: drop what is in flight, unread."""
+        self.restore()
+        self.pending.clear()
+        self.staged = None
+
+
+def _restore(opt: Any, had: bool, old: Any) -> None:
+    if had:
+        opt.found_inf = old
+    elif "found_inf" in vars(opt):
+        del opt.found_inf

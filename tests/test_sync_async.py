@@ -1,0 +1,538 @@
+"""watch(sync="async"): no blocking read on ordinary steps, the device skips a bad update, same origin."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchdebug as td
+from tests.fixtures import models as fx
+from tests.fixtures.models import origin_line
+from torchdebug.session import deferred
+
+SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")
+FALLBACK = "sync='async' falls back to the blocking read"
+
+
+@pytest.fixture(autouse=True)
+def _global_state_restored() -> Iterator[None]:
+    from torch.amp.grad_scaler import GradScaler
+    from torch.optim import optimizer as optim_mod
+
+    def patched() -> tuple[Any, ...]:
+        return (
+            torch.Tensor.backward,
+            torch.autograd.backward,
+            GradScaler.step,
+            nn.Module.__getstate__,
+            nn.Module.zero_grad,
+            torch.optim.Optimizer.zero_grad,
+            torch.nn.utils.clip_grad_norm_,
+        )
+
+    before = patched()
+    yield
+    assert patched() == before
+    assert not optim_mod._global_optimizer_pre_hooks and not optim_mod._global_optimizer_post_hooks
+    assert torch._C._len_torch_function_stack() == 0
+
+
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Count the reads of tensor values on the host, split into blocking reads and staged reads.
+
+    A blocking read is any call of ``Tensor.item/tolist/cpu/numpy/__bool__/__float__/__int__/__index__``
+    (what turns a device value into a host one; on CUDA each waits for the device). The async mode's
+    one read per step goes through ``deferred.host_values``, which reads a host buffer the previous
+    step filled: on CUDA a pinned buffer whose event reported the copy complete (no wait), on CPU the
+    previous step's numbers. Reads inside it are counted apart, with the session's step at the time.
+    """
+    counts: dict[str, Any] = {"blocking": 0, "where": [], "staged_at": [], "inside": False, "off": False}
+    for name in _READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self: torch.Tensor, *a: Any, _orig: Any = orig, _name: str = name, **k: Any) -> Any:
+            if not counts["inside"] and not counts["off"]:
+                counts["blocking"] += 1
+                counts["where"].append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    orig_host = deferred.host_values
+
+    def host_values(buf: torch.Tensor) -> list[float]:
+        counts["staged_at"].append(counts.get("step"))
+        counts["inside"] = True
+        try:
+            return orig_host(buf)
+        finally:
+            counts["inside"] = False
+
+    monkeypatch.setattr(deferred, "host_values", host_values)
+    try:
+        yield counts
+    finally:
+        monkeypatch.undo()
+
+
+def _fused(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    return torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
+
+
+def _loop(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Callable[[int], torch.Tensor],
+    steps: int,
+    each: Callable[[int, Any], None] = lambda i, mon: None,
+    **watch_kw: Any,
+) -> td.Monitor:
+    watch_kw.setdefault("config", SENTINEL_ONLY)
+    watch_kw.setdefault("run", False)
+    with td.watch(model, opt, **watch_kw) as mon:
+        for i in range(steps):
+            x = batches(i)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            mon.step()
+            each(i, mon)
+    return mon
+
+
+def test_sync_option_is_validated() -> None:
+    model = fx.MLP()
+    with pytest.raises(ValueError, match="sync must be one of blocking, async"):
+        td.watch(model, sync="eventually")
+    with pytest.raises(td.ConfigError, match="expected one of 'blocking', 'async'"):
+        td.DebugConfig(sync="later")  # type: ignore[arg-type]
+    assert td.watch(model, sync="ASYNC", run=False).config.sync == "async"
+    assert td.DebugConfig.from_env({"TORCHDEBUG_SYNC": "async"}).sync == "async"
+
+
+@pytest.mark.parametrize("config", [SENTINEL_ONLY, td.DebugConfig()], ids=["sentinel", "default"])
+def test_ordinary_steps_make_no_blocking_read(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    steps = 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # psutil-free memory sampling notes, if any
+        with count_reads(monkeypatch) as counts:
+
+            def each(i: int, mon: Any) -> None:
+                counts["step"] = mon.global_step
+                if i == 0:
+                    counts["blocking"], counts["where"] = 0, []  # step 0 is read blocking (no state yet)
+                counts["off"] = i == steps - 1  # the exit reads the last update's parameter probe
+
+            counts["step"] = 0
+            mon = _loop(model, opt, lambda i: torch.randn(4, 8), steps, each, config=config, sync="async")
+    # steps 1..5 are ordinary: not one read of a value on the training thread (the exit's own reads are
+    # not counted); their staged numbers
+    # are read once each, one step later: step j's at step j+1's first forward (global_step j+1, the
+    # counter's step updated after mon.step()), the last one at exit (global_step 6)
+    assert counts["where"] == [] and counts["blocking"] == 0
+    assert counts["staged_at"] == [2, 3, 4, 5, 6]
+    assert [r.step for r in mon.records] == list(range(steps))
+    assert all(r.loss is not None for r in mon.records)
+    assert mon._async is not None and (mon._async.host_reads, mon._async.blocking_reads) == (5, 0)
+
+
+def test_the_counter_sees_the_blocking_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same loop in the default mode: exactly one read per ordinary step (the step's tolist), so the
+    # counter above can fail
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    with count_reads(monkeypatch) as counts:
+        _loop(model, opt, lambda i: torch.randn(4, 8), 6)
+    assert counts["where"] == ["tolist"] * 7  # 6 steps, and the exit's (the last update's parameter probe)
+
+
+def test_numbers_arrive_one_step_later_and_equal_the_blocking_ones(tmp_path: Any) -> None:
+    def run(sync: str) -> tuple[list[td.StepRecord], list[td.StepRecord], Any]:
+        torch.manual_seed(0)
+        model = fx.MLP()
+        opt = _fused(model)
+        returned: list[td.StepRecord] = []
+        mon = _loop(
+            model,
+            opt,
+            lambda i: torch.randn(4, 8),
+            5,
+            lambda i, mon: returned.append(mon.records[-1] if mon.records else None),
+            sync=sync,
+            run=tmp_path / sync,
+        )
+        return returned, list(mon.records), mon.run_dir
+
+    blocking, blocking_all, _ = run("blocking")
+    returned, records, run_dir = run("async")
+    # blocking: mon.records[-1] after mon.step() is that step's; async: the one before (step 0 is
+    # blocking, so after step 1 the last full record is step 0's, ...)
+    assert [r.step for r in blocking] == [0, 1, 2, 3, 4]
+    assert [r.step for r in returned] == [0, 0, 1, 2, 3]
+    assert [(r.step, r.loss, r.grad_norm) for r in records] == [
+        (r.step, r.loss, r.grad_norm) for r in blocking_all
+    ]
+    with td.open_run(run_dir) as run:
+        assert run.series("loss").steps == [0, 1, 2, 3, 4]
+        assert run.series("loss").values == [r.loss for r in blocking_all]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "adagrad"])
+def test_nan_at_step_k_leaves_weights_and_state_bitwise_equal(kind: str) -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model, kind)
+    k = 3
+    snap: dict[str, Any] = {}
+    with (
+        pytest.raises(td.NonFiniteError) as ei,
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async") as mon,
+    ):
+        for i in range(6):
+            x = torch.zeros(3, 4) if i == k else torch.randn(3, 4)  # all-zero input: 0/0 in the forward
+            if i == k:
+                snap = copy.deepcopy({"params": model.state_dict(), "opt": opt.state_dict()})
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()  # at i = k + 1 the forward's first boundary raises
+            opt.step()
+            if i == k:
+                # the update ran on the device with found_inf = 1: nothing changed, step counters included
+                assert "found_inf" not in vars(opt)
+                now = {"params": model.state_dict(), "opt": opt.state_dict()}
+                assert all(torch.equal(snap["params"][n], t) for n, t in now["params"].items())
+                for p, state in snap["opt"]["state"].items():
+                    assert state.keys() == now["opt"]["state"][p].keys()
+                    assert all(torch.equal(v, now["opt"]["state"][p][name]) for name, v in state.items())
+            mon.step()
+    assert i == k + 1  # raised at the next step boundary
+    assert ei.value.anomaly.step == k
+    assert ei.value.anomaly.location == origin_line("div")
+    assert all(torch.equal(snap["params"][n], t) for n, t in model.state_dict().items())
+    assert "found_inf" not in vars(opt) and mon.closed
+
+
+def _anomaly_of(sync: str, fault: str) -> td.Anomaly:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+
+    def batch(i: int) -> torch.Tensor:
+        x = torch.randn(3, 4)
+        if i == 2 and fault == "div":
+            x = torch.zeros(3, 4)
+        if i == 2 and fault == "input":
+            x[1, 2] = float("nan")
+        return x
+
+    with pytest.raises(td.NonFiniteError) as ei:
+        _loop(model, opt, batch, 5, sync=sync)
+    return ei.value.anomaly
+
+
+@pytest.mark.parametrize(("fault", "phase"), [("div", "forward"), ("input", "input")])
+def test_the_anomaly_names_the_same_origin_as_the_blocking_mode(fault: str, phase: str) -> None:
+    blocking, late = _anomaly_of("blocking", fault), _anomaly_of("async", fault)
+    fields = ("phase", "module", "op", "location", "kind", "step", "micro_step", "reproducible")
+    assert [getattr(late, f) for f in fields] == [getattr(blocking, f) for f in fields]
+    assert (late.phase, late.step) == (phase, 2)
+    if fault == "div":
+        assert (late.op, late.location) == ("aten.div", origin_line("div"))
+
+
+def test_raise_at_exit_names_the_last_step() -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    with pytest.raises(td.NonFiniteError) as ei:
+        _loop(model, opt, lambda i: torch.zeros(3, 4) if i == 3 else torch.randn(3, 4), 4, sync="async")
+    assert ei.value.anomaly.step == 3 and ei.value.anomaly.location == origin_line("div")
+    assert "found_inf" not in vars(opt) and all(not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("policy", ["skip", "warn"])
+def test_skip_and_warn_go_on_from_the_unchanged_weights(policy: str) -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    with pytest.warns(td.TorchDebugWarning) as said:
+        mon = _loop(
+            model,
+            opt,
+            lambda i: torch.zeros(3, 4) if i == 2 else torch.randn(3, 4),
+            5,
+            policy=policy,
+            sync="async",
+        )
+    expected = {
+        "skip": [
+            "torchdebug: step 2 skipped by policy: nan born in forward of ZeroDivNet: aten.div",
+            "torchdebug: 1 step skipped by policy='skip' (step 2); training resumed at step 3",
+        ],
+        # warn: said once; the step is recorded as skipped (info): its update never ran on the device
+        "warn": ["torchdebug: nan born in forward of ZeroDivNet: aten.div"],
+    }[policy]
+    assert [str(w.message)[: len(e)] for w, e in zip(said, expected)] == expected and len(said) == len(
+        expected
+    )
+    assert [r.skipped for r in mon.records] == [False, False, True, False, False]
+    # step 2 is the one anomalous step (its NaN), counted when its record arrives one step later
+    assert mon.counters == {"anomaly_steps": 1, "skipped_steps": 1, "replays": 1, "anomalous_steps": 1}
+    assert mon.anomalies[0].location == origin_line("div") and mon.anomalies[0].step == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the step after the bad one trained again: 4 updates of 5 (AdamW's step counter)
+    assert {float(s["step"]) for s in opt.state.values()} == {4.0}
+
+
+def test_a_non_fused_optimizer_falls_back_once_and_is_still_protected() -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # foreach, not fused: no found_inf
+    with pytest.warns(td.TorchDebugWarning) as said:
+        mon = _loop(
+            model,
+            opt,
+            lambda i: torch.zeros(3, 4) if i == 3 else torch.randn(3, 4),
+            5,
+            policy="skip",
+            sync="async",
+        )
+    fallback = [str(w.message) for w in said if FALLBACK in str(w.message)]
+    assert fallback == [
+        "torchdebug: sync='async' falls back to the blocking read (one host sync per step): AdamW cannot "
+        "skip its update on the device (only fused optimizers take found_inf, e.g. "
+        "torch.optim.AdamW(..., fused=True))"
+    ]
+    assert [r.skipped for r in mon.records] == [False, False, False, True, False]
+    assert mon.anomalies[0].location == origin_line("div")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not hasattr(opt, "found_inf")
+
+
+def test_gradscaler_and_updates_by_hand_fall_back() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with (
+        pytest.warns(td.TorchDebugWarning, match="a GradScaler owns the optimizer's found_inf"),
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async", scaler=scaler) as mon,
+    ):
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            mon.step()
+    assert [r.loss is not None for r in mon.records] == [True] * 3  # read blocking, at each step
+
+    model = fx.MLP()
+    with (
+        pytest.warns(td.TorchDebugWarning, match=r"no optimizer object \(an update by hand\)"),
+        td.watch(model, run=False, config=SENTINEL_ONLY, sync="async") as mon,
+    ):
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            mon.step()
+    assert len(mon.records) == 3
+
+
+def test_found_inf_and_hooks_come_off_on_an_exception() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    theirs = torch.zeros(())
+    opt.found_inf = theirs  # type: ignore[attr-defined]  # someone else's flag (0: update): kept as it was
+
+    def fail(o: Any, args: Any, kwargs: Any) -> None:
+        raise RuntimeError("boom in the user's pre-hook")
+
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async") as mon,
+    ):
+        for i in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            if i == 2:
+                opt.register_step_pre_hook(fail)  # after ours: found_inf is set, the post-hook never runs
+            opt.step()
+            mon.step()
+    assert opt.found_inf is theirs  # type: ignore[attr-defined]
+    assert mon.closed and mon._async is not None and not mon._async.pending
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.set_sync_debug_mode")
+def test_cuda_ordinary_steps_do_not_synchronize() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP().cuda()
+    opt = _fused(model)
+    with td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async") as mon:
+        for i in range(6):
+            x = torch.randn(4, 8, device="cuda")
+            if i == 1:
+                torch.cuda.set_sync_debug_mode("error")  # step 0 (no optimizer state yet) is blocking
+            try:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+                mon.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    assert [r.step for r in mon.records] == list(range(6))
+
+
+def test_a_late_read_holds_the_next_update_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the copy of step k may still be in flight when step k+1's update starts: the sticky flag
+    # then skips step k+1's update too, so step k's replay still sees the weights it saw. Simulated on
+    # CPU: step k's numbers report "not copied yet" until step k+2 begins.
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    k = 2
+    box: dict[str, Any] = {}
+    real_ready = deferred._Pending.ready
+    monkeypatch.setattr(
+        deferred._Pending,
+        "ready",
+        lambda self: real_ready(self) and not (self.step == k and box["mon"].global_step < k + 2),
+    )
+
+    def each(i: int, mon: Any) -> None:
+        if i == k - 1:
+            box["before"] = copy.deepcopy({"params": model.state_dict(), "opt": opt.state_dict()})
+        if i == k + 1:  # steps k and k+1 both ran their update with found_inf = 1: nothing changed
+            assert len(mon.records) == k  # neither is read yet
+            assert all(torch.equal(box["before"]["params"][n], t) for n, t in model.state_dict().items())
+            assert all(
+                torch.equal(v, opt.state_dict()["state"][p][name])
+                for p, st in box["before"]["opt"]["state"].items()
+                for name, v in st.items()
+            )
+
+    with (
+        pytest.warns(td.TorchDebugWarning) as said,
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async", policy="skip") as mon,
+    ):
+        box["mon"] = mon
+        for i in range(5):
+            x = torch.zeros(3, 4) if i == k else torch.randn(3, 4)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            mon.step()
+            each(i, mon)
+    assert [r.skipped for r in mon.records] == [False, False, True, True, False]
+    assert mon.records[k].anomaly is not None and mon.records[k].anomaly.location == origin_line("div")
+    assert mon.records[k + 1].anomaly is None
+    assert mon.records[k + 1].skip_reason.startswith("skipped by policy: held on the device")
+    assert [str(w.message)[:34] for w in said] == [
+        "torchdebug: step 2 skipped by poli",
+        "torchdebug: 2 steps skipped by pol",
+    ]
+    assert str(said[1].message).endswith("(steps 2-3); training resumed at step 4")
+    assert mon.counters["anomaly_steps"] == 1 and mon.counters["skipped_steps"] == 2
+    assert {float(s["step"]) for s in opt.state.values()} == {3.0}  # updates 0, 1 and 4 ran
+
+
+def test_sync_can_be_switched_on_a_live_session() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    seen: list[bool] = []
+
+    def each(i: int, mon: Any) -> None:
+        seen.append(mon._async is not None)
+        if i == 1:
+            mon.reconfigure(sync="async")  # applied at the end of the next mon.step()
+        if i == 4:
+            mon.reconfigure(sync="blocking")
+
+    mon = _loop(model, opt, lambda i: torch.randn(4, 8), 7, each)
+    assert seen == [False, False, True, True, True, False, False]
+    assert [r.step for r in mon.records] == list(range(7)) and all(r.loss is not None for r in mon.records)
+
+
+def test_gradient_health_judges_each_step_with_its_own_norm() -> None:
+    # the explosion rule sees the same (step, norm) series in both modes: in async mode the step's norm
+    # arrives one step later, and before the update an instrument sees no norm rather than the last one
+    def norms(sync: str) -> list[tuple[int, float]]:
+        from torchdebug.health.instrument import GradientHealth
+
+        seen: list[tuple[int, float]] = []
+        orig = GradientHealth.on_step_end
+
+        def spy(self: Any, mon: Any, record: Any, values: Any) -> None:
+            seen.append((record.step, values.get("grad_norm")))
+            orig(self, mon, record, values)
+
+        torch.manual_seed(0)
+        model = fx.MLP()
+        opt = _fused(model)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(GradientHealth, "on_step_end", spy)
+            mp.setattr(
+                GradientHealth,
+                "before_optimizer_step",
+                lambda self, mon: seen.append((-1, mon.grad_norm_host)) if sync == "async" else None,
+            )
+            _loop(model, opt, lambda i: torch.randn(4, 8), 4, config=td.DebugConfig(store=False), sync=sync)
+        return seen
+
+    blocking, late = norms("blocking"), norms("async")
+    assert [s for s, _ in blocking] == [0, 1, 2, 3]
+    # async: step 0 blocking (its norm read before its update), then no norm before each update
+    assert [x for x in late if x[0] == -1][1:] == [(-1, None)] * 3
+    assert [x for x in late if x[0] != -1] == blocking
+
+
+def test_a_failure_of_the_async_read_switches_it_off_not_the_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    real = deferred.host_values
+    calls = {"n": 0}
+
+    def broken(buf: torch.Tensor) -> list[float]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a broken read")
+        return real(buf)
+
+    monkeypatch.setattr(deferred, "host_values", broken)
+    with pytest.warns(td.TorchDebugWarning) as said, pytest.raises(td.NonFiniteError) as ei:
+        # step 1 is read at step 2's forward, step 2's read fails at step 3's forward: blocking from
+        # then on, so the NaN of step 4 is caught as the update starts, as without sync="async"
+        _loop(model, opt, lambda i: torch.zeros(3, 4) if i == 4 else torch.randn(3, 4), 6, sync="async")
+    assert [str(w.message) for w in said] == [
+        "torchdebug: sync='async' failed (RuntimeError('a broken read')) and was switched off: the "
+        "session reads each step blocking from now on"
+    ]
+    assert ei.value.anomaly.step == 4 and ei.value.anomaly.location == origin_line("div")
+    assert "found_inf" not in vars(opt)
