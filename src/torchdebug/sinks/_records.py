@@ -245,7 +245,8 @@ class Tally:
     events, the first warning and the first error among the other events and their count; the number
     of distinct steps with stored metrics, the last step, and the records the writer lost.
     Steps arrive in order, so distinct steps are counted by comparing with the last one seen; anomaly
-    steps are also checked against the set of the kept ones (an export that reorders a few).
+    steps also against the set of the kept documents' steps and the earliest step seen (exact unless
+    an anomaly past the first ``KEEP`` comes at a step between earlier ones).
     """
 
     def __init__(self) -> None:
@@ -271,7 +272,7 @@ class Tally:
         """Count one record (a histogram, or scalars without stored metrics, counts for nothing:
         ``Run.summary()``'s steps and last step come from metrics, anomalies and events)."""
         step = getattr(rec, "step", None)
-        if isinstance(rec, Scalars) and not rec.metrics or isinstance(rec, Histogram):
+        if (isinstance(rec, Scalars) and not rec.metrics) or isinstance(rec, Histogram):
             return
         if isinstance(step, int) and (self.last_step is None or step > self.last_step):
             self.last_step = step
@@ -290,19 +291,20 @@ class Tally:
         self.anomalies += 1
         if self.first is None:
             self.first = rec
-        if step is not None:
-            new = step not in self._anomaly_steps and (
-                self._max_anomaly_step is None or step > self._max_anomaly_step or len(self._anomaly_docs) < KEEP
-            )
-            if new:
+        earliest = min(self._kept_min, _step_or_inf(self._earliest))
+        if step is not None and step not in self._anomaly_steps:
+            # a new step: any step while the kept documents' set holds them all; past the cap one
+            # after every step seen (in order) or before every step seen (never seen)
+            top = self._max_anomaly_step
+            if len(self._anomaly_docs) < KEEP or top is None or step > top or step < earliest:
                 self._anomaly_step_count += 1
-            self._max_anomaly_step = step if self._max_anomaly_step is None else max(self._max_anomaly_step, step)
+            self._max_anomaly_step = step if top is None else max(top, step)
         if len(self._anomaly_docs) < KEEP:
             self._anomaly_docs.append(doc)
             if step is not None:
                 self._anomaly_steps.add(step)
-            self._kept_min = min(self._kept_min, _step_or_inf(doc))
-        elif step is not None and step < min(self._kept_min, _step_or_inf(self._earliest)):
+                self._kept_min = min(self._kept_min, step)
+        elif step is not None and step < earliest:
             self._earliest = doc
 
     def _see_event(self, doc: dict[str, Any]) -> None:

@@ -189,9 +189,7 @@ def judge(
         first_step = first.get("step")
         nan_first = origin if first_step is None else f"at step {first_step}: {origin}"
         if n_bad > 1:
-            findings.append(
-                f"{n_bad} steps with non-finite values, first at step {first_step}: {origin}"
-            )
+            findings.append(f"{n_bad} steps with non-finite values, first at step {first_step}: {origin}")
         else:
             findings.append(f"non-finite values {nan_first}")
         level = "error"
