@@ -42,6 +42,18 @@ CFG = {"policy": "warn", "explode_warmup": 5, "detail_every": 5, "mode": "gradie
 EXPLODE_AT, NAN_AT, STEPS = 8, 10, 11
 
 
+def origin(module: str = "act") -> str:
+    """The NaN's origin as the verdict says it: the anomaly's summary without its "(step 10)"."""
+    return f"nan born in forward of {module} (LogAct): aten.log at {origin_line('log')}"
+
+
+def finished_verdict(module: str = "act") -> str:
+    """judge() for the faulty run that finished: one step with an anomaly (10), so "non-finite values
+    at step 10: <origin>"; the NaN outranks the gradient_explosion warning, which is not named; the
+    finding starts with a letter, so "finished, but ..."."""
+    return f"finished, but non-finite values at step {NAN_AT}: {origin(module)}"
+
+
 class FaultyNet(nn.Module):
     """inp -> tanh -> act (log, NaN when its shift is negative) -> out; inp's gradient x1e4 on ``fault``."""
 
@@ -187,9 +199,7 @@ def test_tensorboard_holds_the_run(faulty: dict[str, Any]) -> None:
     (event,) = text("torchdebug/events/gradient_explosion").items()
     assert event[0] == EXPLODE_AT and event[1].startswith("**warning** `gradient_explosion` [inp]: ")
     verdict = text("torchdebug/verdict")
-    assert verdict == {
-        NAN_AT: f"**finished: {headline}; 1 warning (gradient_explosion x1)**  \nrun folder: `{run.path}`"
-    }
+    assert verdict == {NAN_AT: f"**{finished_verdict()}**  \nrun folder: `{run.path}`"}
 
 
 def test_wandb_holds_the_run(faulty: dict[str, Any]) -> None:
@@ -209,7 +219,7 @@ def test_wandb_holds_the_run(faulty: dict[str, Any]) -> None:
     assert text.startswith(f"torchdebug: {headline}\n")
     assert f"\n  line      {origin_line('log')}\n" in text
     assert wb.summary["torchdebug/status"] == "finished"
-    assert wb.summary["torchdebug/verdict"] == f"finished: {headline}; 1 warning (gradient_explosion x1)"
+    assert wb.summary["torchdebug/verdict"] == finished_verdict()
     assert wb.summary["torchdebug/run_folder"] == str(run.path)
     assert {k: v for k, v in wb.summary.items() if k.startswith("torchdebug/first_anomaly/")} == {
         "torchdebug/first_anomaly/headline": headline,
@@ -252,7 +262,7 @@ def test_mlflow_holds_the_run(faulty: dict[str, Any]) -> None:
     tags = {k: v for k, v in mrun.data.tags.items() if k.startswith("torchdebug/")}
     assert tags == {
         "torchdebug/status": "finished",
-        "torchdebug/verdict": f"finished: {headline}; 1 warning (gradient_explosion x1)",
+        "torchdebug/verdict": finished_verdict(),
         "torchdebug/run_folder": str(run.path),
         "torchdebug/first_anomaly/headline": headline,
         "torchdebug/first_anomaly/phase": "forward",
@@ -292,6 +302,68 @@ def test_logging_sink_routes_findings_through_the_torchdebug_logger(faulty: dict
     }
     (end,) = [r for r in logs if r.torchdebug["record"] == "end"]
     assert end.torchdebug["status"] == "finished" and end.torchdebug["run_folder"] == str(run.path)
+
+
+def test_every_tracker_says_the_verdict_of_show(faulty: dict[str, Any]) -> None:
+    from torchdebug.store._verdict import verdict
+
+    run = faulty["run"]
+    shown = verdict(open_run(run.path))["text"]  # what `torchdebug show`, the reports and the dashboard say
+    assert shown == finished_verdict()
+    ea = EventAccumulator(str(run.path / "tensorboard"), size_guidance={"tensors": 0})
+    ea.Reload()
+    (tb,) = [e.tensor_proto.string_val[0].decode() for e in ea.Tensors("torchdebug/verdict/text_summary")]
+    _, mlflow_runs = faulty["mlflow"]
+    (end,) = [r for r in faulty["logs"] if r.torchdebug["record"] == "end"]
+    said = {
+        "tensorboard": tb.split("**")[1],  # "**<verdict>**  \nrun folder: ..."
+        "wandb": faulty["wandb"].summary["torchdebug/verdict"],
+        "mlflow": mlflow_runs[0].data.tags["torchdebug/verdict"],
+        "logging": end.torchdebug["verdict"],
+    }
+    assert said == dict.fromkeys(said, shown)
+
+
+def test_the_tally_keeps_the_verdict_exact_in_bounded_memory() -> None:
+    from torchdebug.sinks._records import KEEP, Finding, Scalars, Tally
+    from torchdebug.store._verdict import judge
+
+    def anomaly(step: int, module: str) -> dict[str, Any]:
+        return {
+            "kind": "nan",
+            "phase": "forward",
+            "module": module,
+            "summary": f"nan in {module} (step {step})",
+        }
+
+    def event(step: int, severity: str) -> dict[str, Any]:
+        return {"kind": "loss_spike", "severity": severity, "message": f"spike {step}", "data": None}
+
+    tally = Tally()
+    anomalies: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    n = KEEP + 1000
+    for step in range(5, 5 + n):  # one anomaly per step 5 .. 3004, two at step 5
+        tally.see(Scalars(step, {"torchdebug/loss": 1.0}, None, True))
+        docs = [anomaly(step, "fc1")] + ([anomaly(step, "fc2")] if step == 5 else [])
+        for doc in docs:
+            tally.see(Finding("anomaly", step, doc))
+            anomalies.append({**doc, "step": step})
+    late = anomaly(3, "fc3")  # logged after the cap, at an earlier step: it becomes the first
+    tally.see(Finding("anomaly", 3, late))
+    anomalies.append({**late, "step": 3})
+    for step, severity in [(7, "warning"), (9, "info"), (11, "error"), (12, "warning")]:
+        tally.see(Finding("event", step, event(step, severity)))
+        events.append({**event(step, severity), "step": step})
+    tally.see(Scalars(5 + n, {"torchdebug/memory/allocated": 1.0}))  # no stored metric: not a step
+    for status in ("finished", "failed"):
+        want = judge(status, steps=n, last_step=4 + n, anomalies=anomalies, events=events)["text"]
+        assert tally.end(status, None).verdict == want
+    # n + 1 distinct anomaly steps (5 .. 3004 and 3), the first at step 3 in fc3
+    assert (
+        want == f"failed at step {4 + n}: {n + 1} steps with non-finite values, first at step 3: nan in fc3"
+    )
+    assert len(tally._anomaly_docs) == KEEP and tally.steps == n and tally.anomalies == n + 2
 
 
 def test_export_sends_the_same_names_and_values_as_the_live_sinks(
@@ -497,7 +569,10 @@ def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.Mon
     run = open_run(mon.run_dir)
     assert run.status == "failed"
     headline = run.anomalies()[0]["summary"]
-    verdict = f"failed: {headline}; 1 warning (gradient_explosion x1)"
+    # judge(): failed with one anomaly step -> "failed at step 10: <origin>", nothing after it (the
+    # gradient_explosion warning is outranked)
+    verdict = f"failed at step {NAN_AT}: {origin()}"
+    assert headline == f"{origin()} (step {NAN_AT})"
     wb = wandb_run(tmp_path)
     assert wb.summary["torchdebug/status"] == "failed" and wb.summary["torchdebug/verdict"] == verdict
     assert [a[0] for a in wb.alerts] == [f"torchdebug: nan at step {NAN_AT}", "torchdebug: the run failed"]
@@ -506,6 +581,9 @@ def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.Mon
     (mrun,) = mlflow.MlflowClient().search_runs(["0"])
     assert mrun.info.status == "FAILED" and mrun.data.tags["torchdebug/verdict"] == verdict
     (end,) = [r for r in handler.records if r.torchdebug["record"] == "end"]
+    from torchdebug.store._verdict import verdict as judged
+
+    assert judged(run)["text"] == verdict  # the sentence of `torchdebug show`
     assert (end.levelname, end.torchdebug["status"], end.torchdebug["verdict"]) == (
         "ERROR",
         "failed",

@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.fixtures import health_models as hm
 from tests.fixtures.models import origin_line
-from tests.test_trackers import CFG, EXPLODE_AT, NAN_AT, STEPS, FaultyNet
+from tests.test_trackers import CFG, EXPLODE_AT, NAN_AT, STEPS, FaultyNet, finished_verdict
 from torchdebug.store import open_run
 
 
@@ -119,7 +119,7 @@ def test_lightning_loggers_get_scalars_findings_and_the_verdict(tmp_path: Path) 
 
     hparams = yaml.safe_load((tmp_path / "csv" / "version_0" / "hparams.yaml").read_text())
     assert hparams["torchdebug/status"] == "finished"
-    assert hparams["torchdebug/verdict"] == f"finished: {headline}; 1 warning (gradient_explosion x1)"
+    assert hparams["torchdebug/verdict"] == finished_verdict("net.act")  # relative to the LightningModule
     assert hparams["torchdebug/run_folder"] == str(run.path)
     assert hparams["torchdebug/first_anomaly/line"] == origin_line("log")
     assert hparams["torchdebug/first_anomaly/module"] == "net.act (LogAct)"  # relative to the LightningModule
@@ -132,7 +132,7 @@ def test_lightning_loggers_get_scalars_findings_and_the_verdict(tmp_path: Path) 
     _check_block(anomaly[1], headline)
     assert list(_texts(ea, "torchdebug/events/gradient_explosion")) == [EXPLODE_AT]
     assert _texts(ea, "torchdebug/verdict") == {
-        NAN_AT: f"**finished: {headline}; 1 warning (gradient_explosion x1)**  \nrun folder: `{run.path}`"
+        NAN_AT: f"**{finished_verdict('net.act')}**  \nrun folder: `{run.path}`"
     }
 
 
@@ -215,7 +215,6 @@ def test_hugging_face_report_to_ships_the_findings(tmp_path: Path, monkeypatch: 
         f"torchdebug error: step {NAN_AT}: clip_nonfinite [net.inp, net.out]: "
     )
     assert _texts(ea, "train/torchdebug/status") == {STEPS: "finished"}
-    assert _texts(ea, "train/torchdebug/verdict") == {
-        STEPS: f"finished: {headline}; 2 warnings (clip_nonfinite x1, gradient_explosion x1)"
-    }
+    # the NaN outranks both rule events (the clip_nonfinite error too): the verdict names only it
+    assert _texts(ea, "train/torchdebug/verdict") == {STEPS: finished_verdict("net.act")}
     assert _texts(ea, "train/torchdebug/run_folder") == {STEPS: str(run.path)}

@@ -52,4 +52,7 @@ def run_end(mon: Any, status: str) -> RunEnd:
     last = mon.global_step - 1 if mon.global_step else None
     if last is not None and (tally.last_step is None or last > tally.last_step):
         tally.last_step = last
+    tally.steps = mon.global_step  # every completed step stores its metrics (loss, gradient norm ...)
+    writer = getattr(mon, "writer", None)
+    tally.lost = int(getattr(writer, "lost", 0) or 0)
     return tally.end(status, mon.run_dir)

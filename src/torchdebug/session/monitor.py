@@ -654,7 +654,8 @@ class Monitor:
                     self.writer.flush()  # the listener has what was logged
                 self.writer.remove_listener(hub.feed)
             with contextlib.suppress(Exception):
-                hub.close(status, self.global_step - 1 if self.global_step else None)
+                lost = getattr(self.writer, "lost", 0)  # records the store could not write
+                hub.close(status, self.global_step - 1 if self.global_step else None, lost)
 
     def _open_store(self) -> None:
         run = self._run_arg

@@ -116,7 +116,8 @@ def export_run(run_or_path: Any, to: str, **options: Any) -> RunEnd:
     sink = make_sink(to, tensorboard_dir=logdir, **options)
     run = open_run(run_or_path) if isinstance(run_or_path, (str, os.PathLike)) else run_or_path
     try:
-        return deliver([sink], run_info(run), run_records(run), run.status)
+        lost = int(run.summary()["lost"] or 0)
+        return deliver([sink], run_info(run), run_records(run), run.status, lost)
     finally:
         if run is not run_or_path:
             run.close()

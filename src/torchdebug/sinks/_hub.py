@@ -204,16 +204,20 @@ class SinkHub:
     def put(self, records: list[Record]) -> None:
         """Queue records for every sink (one producer thread at a time; returns at once)."""
         for rec in records:
-            if isinstance(rec, Finding):
-                self.tally.see(rec)  # for the verdict
+            self.tally.see(rec)  # for the verdict
         for w in self._workers:
             w.put(records)
 
-    def close(self, status: str, last_step: int | None = None) -> RunEnd:
-        """Send how the run ended, wait for the sinks (``CLOSE_TIMEOUT`` in all), release them, warn."""
+    def close(self, status: str, last_step: int | None = None, lost: int = 0) -> RunEnd:
+        """Send how the run ended, wait for the sinks (``CLOSE_TIMEOUT`` in all), release them, warn.
+
+        ``last_step``: the session's last step, when no record reached this far; ``lost``: records
+        the run writer could not store (the verdict then says the run is incomplete, as ``show`` does).
+        """
         tally = self.tally
         if last_step is not None and (tally.last_step is None or last_step > tally.last_step):
             tally.last_step = last_step
+        tally.lost = max(tally.lost, lost)
         end = tally.end(status, self.run.path)
         if self._closed:
             return end
@@ -236,9 +240,13 @@ class SinkHub:
         return end
 
 
-def deliver(sinks: Sequence[Sink], run: RunInfo, records: Iterable[Record], status: str) -> RunEnd:
-    """Send records to sinks here and now (``torchdebug export``): errors propagate."""
+def deliver(
+    sinks: Sequence[Sink], run: RunInfo, records: Iterable[Record], status: str, lost: int = 0
+) -> RunEnd:
+    """Send records to sinks here and now (``torchdebug export``): errors propagate. ``lost``: the
+    records the run's writer could not store (``Run.summary()["lost"]``)."""
     tally = Tally()
+    tally.lost = lost
     opened: list[Sink] = []
     try:
         for s in sinks:

@@ -93,11 +93,13 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class Scalars:
-    """Values of one step under their tracker names (``torchdebug/loss`` ...)."""
+    """Values of one step under their tracker names (``torchdebug/loss`` ...); ``metrics``: the step
+    has stored metrics (not only memory, timings or tensor statistics), as ``Run.steps()`` counts."""
 
     step: int
     values: dict[str, float]
     wall_time: float | None = None
+    metrics: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,34 +232,118 @@ class RunEnd:
     last_step: int | None = None
 
 
+#: anomaly documents (and, apart, divergence events) a tally keeps; past it only counts (bounded memory)
+KEEP = 2000
+
+
 class Tally:
-    """Counts what went by, for the verdict: anomalies, warnings by kind, the first anomaly."""
+    """What went by, for the verdict: :func:`torchdebug.store._verdict.judge` over the same documents
+    ``show`` reads back, so every tracker gets the sentence of ``show``, the reports and the dashboard.
+
+    Kept, in bounded memory: the first ``KEEP`` anomaly documents (and the earliest-step one when it
+    comes later), the exact number of distinct steps with an anomaly; the first ``KEEP`` divergence
+    events, the first warning and the first error among the other events and their count; the number
+    of distinct steps with stored metrics, the last step, and the records the writer lost.
+    Steps arrive in order, so distinct steps are counted by comparing with the last one seen; anomaly
+    steps also against the set of the kept documents' steps and the earliest step seen (exact unless
+    an anomaly past the first ``KEEP`` comes at a step between earlier ones).
+    """
 
     def __init__(self) -> None:
         self.anomalies = 0
         self.events = 0
-        self.warnings: dict[str, int] = {}
         self.first: Finding | None = None
         self.last_step: int | None = None
+        self.steps = 0  # distinct steps with stored metrics
+        self.lost = 0
+        self._metric_step: int | None = None
+        self._anomaly_docs: list[dict[str, Any]] = []
+        self._earliest: dict[str, Any] | None = None  # a later anomaly at an earlier step than the kept ones
+        self._anomaly_steps: set[int] = set()  # of the kept documents
+        self._kept_min: float = math.inf  # their earliest step
+        self._max_anomaly_step: int | None = None
+        self._anomaly_step_count = 0
+        self._divergence_events: list[dict[str, Any]] = []
+        self._first_loud: dict[str, Any] | None = None
+        self._first_error: dict[str, Any] | None = None
+        self._loud = 0
 
     def see(self, rec: Any) -> None:
+        """Count one record (a histogram, or scalars without stored metrics, counts for nothing:
+        ``Run.summary()``'s steps and last step come from metrics, anomalies and events)."""
         step = getattr(rec, "step", None)
+        if (isinstance(rec, Scalars) and not rec.metrics) or isinstance(rec, Histogram):
+            return
         if isinstance(step, int) and (self.last_step is None or step > self.last_step):
             self.last_step = step
-        if isinstance(rec, Finding):
+        if isinstance(rec, Scalars):
+            if self._metric_step is None or rec.step > self._metric_step:
+                self._metric_step = rec.step
+                self.steps += 1
+        elif isinstance(rec, Finding):
+            doc = {**rec.doc, "step": step}  # as Run.anomalies() / Run.events() return it
             if rec.kind == "anomaly":
-                self.anomalies += 1
-                if self.first is None:
-                    self.first = rec
+                self._see_anomaly(rec, doc, step if isinstance(step, int) else None)
             else:
-                self.events += 1
-                if rec.severity != "info":
-                    self.warnings[rec.name] = self.warnings.get(rec.name, 0) + 1
+                self._see_event(doc)
+
+    def _see_anomaly(self, rec: Finding, doc: dict[str, Any], step: int | None) -> None:
+        self.anomalies += 1
+        if self.first is None:
+            self.first = rec
+        earliest = min(self._kept_min, _step_or_inf(self._earliest))
+        if step is not None and step not in self._anomaly_steps:
+            # a new step: any step while the kept documents' set holds them all; past the cap one
+            # after every step seen (in order) or before every step seen (never seen)
+            top = self._max_anomaly_step
+            if len(self._anomaly_docs) < KEEP or top is None or step > top or step < earliest:
+                self._anomaly_step_count += 1
+            self._max_anomaly_step = step if top is None else max(top, step)
+        if len(self._anomaly_docs) < KEEP:
+            self._anomaly_docs.append(doc)
+            if step is not None:
+                self._anomaly_steps.add(step)
+                self._kept_min = min(self._kept_min, step)
+        elif step is not None and step < earliest:
+            self._earliest = doc
+
+    def _see_event(self, doc: dict[str, Any]) -> None:
+        from ..store._verdict import DIVERGENCE, DIVERGENCE_END
+
+        self.events += 1
+        if doc.get("kind") in (DIVERGENCE, DIVERGENCE_END):
+            if len(self._divergence_events) < KEEP:
+                self._divergence_events.append(doc)
+        elif doc.get("severity") in ("warning", "error"):
+            self._loud += 1
+            if self._first_loud is None:
+                self._first_loud = doc
+            if self._first_error is None and doc.get("severity") == "error":
+                self._first_error = doc
+
+    def judge(self, status: str) -> dict[str, Any]:
+        """``judge(status, ...)`` over what was kept (the same result as over the whole run)."""
+        from ..store._verdict import judge
+
+        anomalies = self._anomaly_docs + ([self._earliest] if self._earliest is not None else [])
+        loud = [d for d in (self._first_loud, self._first_error) if d is not None]
+        if len(loud) == 2 and loud[0] is loud[1]:
+            loud = loud[:1]
+        return judge(
+            status,
+            steps=self.steps,
+            last_step=self.last_step,
+            anomalies=anomalies,
+            events=self._divergence_events + loud,
+            lost=self.lost,
+            anomaly_steps=self._anomaly_step_count,
+            loud_events=self._loud,
+        )
 
     def end(self, status: str, path: Path | None) -> RunEnd:
         return RunEnd(
             status,
-            verdict(status, self.anomalies, self.first, self.warnings),
+            self.judge(status)["text"],
             path,
             self.anomalies,
             self.events,
@@ -266,22 +352,9 @@ class Tally:
         )
 
 
-def verdict(status: str, anomalies: int, first: Finding | None, warnings: Mapping[str, int]) -> str:
-    """The run in one line, e.g. ``failed: nan born in forward of fc2 (Linear): aten.addmm at
-    train.py:42 (step 6)`` or ``finished: healthy (no anomaly, no warning)``."""
-    kinds = ", ".join(f"{k} x{n}" for k, n in sorted(warnings.items()))
-    n_warn = sum(warnings.values())
-    warned = f"{n_warn} warning{'s' if n_warn != 1 else ''} ({kinds})" if n_warn else ""
-    if anomalies and first is not None:
-        more = f" (+{anomalies - 1} more)" if anomalies > 1 else ""
-        text = f"{status}: {first.headline}{more}"
-        return f"{text}; {warned}" if warned else text
-    if status == "failed":
-        text = "failed: the training raised; no NaN/Inf was recorded"
-        return f"{text}; {warned}" if warned else text
-    if warned:
-        return f"{status}: no anomaly; {warned}"
-    return f"{status}: healthy (no anomaly, no warning)"
+def _step_or_inf(doc: Mapping[str, Any] | None) -> float:
+    step = doc.get("step") if doc is not None else None
+    return step if isinstance(step, int) else math.inf
 
 
 Record = Scalars | Histogram | Finding
@@ -313,11 +386,13 @@ def decode_low(low: Sequence[tuple[Any, ...]]) -> list[Record]:
     by_step: dict[int, dict[str, float]] = {}
     walls: dict[int, float] = {}
     hists: list[Record] = []
+    metric_steps: set[int] = set()
     for rec in low:
         tag = rec[0]
         if tag == "s":
             _, name, step, value, wall = rec
             by_step.setdefault(step, {})[metric_tag(name)] = value
+            metric_steps.add(step)
             walls.setdefault(step, wall)
         elif tag == "m" or tag == "T":
             _, step, items, wall = rec
@@ -333,7 +408,7 @@ def decode_low(low: Sequence[tuple[Any, ...]]) -> list[Record]:
             d[nan_tag], d[inf_tag] = _nonfinite_counts(stats)
             walls.setdefault(step, wall)
             hists.append(Histogram(step, name, stats, wall))
-    out: list[Record] = [Scalars(s, by_step[s], walls.get(s)) for s in sorted(by_step)]
+    out: list[Record] = [Scalars(s, by_step[s], walls.get(s), s in metric_steps) for s in sorted(by_step)]
     return out + hists
 
 
@@ -361,6 +436,7 @@ def run_records(run: Any) -> Iterator[Record]:
         for step, value, wall in zip(s.steps, s.values, s.wall_times):
             by_step.setdefault(step, {})[tag] = _finite_or(value)
             walls.setdefault(step, wall)
+    metric_steps = set(by_step)
     for sample in run.memory():
         d = by_step.setdefault(sample["step"], {})
         for k, v in sample.items():
@@ -382,7 +458,7 @@ def run_records(run: Any) -> Iterator[Record]:
         walls.setdefault(step, row["wall_time"])
         hists.append(Histogram(step, name, stats, row["wall_time"]))
     for step in sorted(by_step):
-        yield Scalars(step, by_step[step], walls.get(step))
+        yield Scalars(step, by_step[step], walls.get(step), step in metric_steps)
     yield from hists
     findings: list[Finding] = [
         Finding(

@@ -147,7 +147,7 @@ def export_tensorboard(run_or_path: Any, logdir: str | os.PathLike[str]) -> dict
     run = open_run(run_or_path) if isinstance(run_or_path, (str, os.PathLike)) else run_or_path
     try:
         sink = TensorBoardSink(logdir)
-        deliver([sink], run_info(run), run_records(run), run.status)
+        deliver([sink], run_info(run), run_records(run), run.status, int(run.summary()["lost"] or 0))
     finally:
         if run is not run_or_path:
             run.close()

@@ -143,6 +143,8 @@ def judge(
     anomalies: Sequence[Mapping[str, Any]],
     events: Sequence[Mapping[str, Any]],
     lost: int = 0,
+    anomaly_steps: int | None = None,
+    loud_events: int | None = None,
 ) -> dict[str, Any]:
     """The verdict of a run from what the store holds (pure: same input, same sentence).
 
@@ -151,6 +153,9 @@ def judge(
         steps: distinct steps with metrics; ``last_step``: the last step recorded (None: none).
         anomalies, events: ``run.anomalies()`` / ``run.events()``.
         lost: records the writer could not store (the run is incomplete).
+        anomaly_steps, loud_events: when ``anomalies`` / ``events`` are a bounded sample (the
+            trackers' tally of a live run), the exact number of distinct steps with an anomaly and of
+            warning/error events other than divergences; None: counted from the lists.
 
     Returns:
         ``{"status", "level": ok|running|warning|error, "text": one sentence, "groups":
@@ -163,6 +168,7 @@ def judge(
     """
     groups = group_anomalies(anomalies)
     bad_steps = sorted({a["step"] for a in anomalies if isinstance(a.get("step"), int)})
+    n_bad = len(bad_steps) if anomaly_steps is None else anomaly_steps
     divs = divergences(events)
     open_divs = [d for d in divs if d["recovered_step"] is None]
     loud = [
@@ -171,6 +177,7 @@ def judge(
         if e.get("severity") in ("warning", "error") and e.get("kind") not in (DIVERGENCE, DIVERGENCE_END)
     ]
     errors = [e for e in loud if e.get("severity") == "error"]
+    n_loud = len(loud) if loud_events is None else loud_events
 
     findings: list[str] = []  # the most important first
     level = "ok"
@@ -181,10 +188,8 @@ def judge(
         origin = anomaly_text(first)
         first_step = first.get("step")
         nan_first = origin if first_step is None else f"at step {first_step}: {origin}"
-        if len(bad_steps) > 1:
-            findings.append(
-                f"{len(bad_steps)} steps with non-finite values, first at step {first_step}: {origin}"
-            )
+        if n_bad > 1:
+            findings.append(f"{n_bad} steps with non-finite values, first at step {first_step}: {origin}")
         else:
             findings.append(f"non-finite values {nan_first}")
         level = "error"
@@ -193,13 +198,13 @@ def judge(
         level = "error" if level == "error" else "warning"
     if not findings and loud:
         e = (errors or loud)[0]
-        more = f" (and {len(loud) - 1} more)" if len(loud) > 1 else ""
+        more = f" (and {n_loud - 1} more)" if n_loud > 1 else ""
         findings.append(f"{e.get('kind')} at step {e.get('step')}: {e.get('message')}{more}")
         level = "error" if errors else "warning"
 
     if status == "failed":
         level = "error"
-        if nan_first is not None and (len(bad_steps) <= 1 or not nan_first.startswith("at step")):
+        if nan_first is not None and (n_bad <= 1 or not nan_first.startswith("at step")):
             text = f"failed {nan_first}" if nan_first.startswith("at step") else f"failed: {nan_first}"
             rest = findings[1:]
         else:
@@ -227,7 +232,7 @@ def judge(
         "level": level,
         "text": text,
         "groups": groups,
-        "anomaly_steps": len(bad_steps),
+        "anomaly_steps": n_bad,
         "divergences": divs,
     }
 
