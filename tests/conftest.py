@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 
@@ -33,3 +37,33 @@ def watched_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out["failed"] = W.failed_run(root)
     out["warned"] = W.many_nan_run(root)
     return out
+
+
+# -- one headless Chromium per test module (the browser tests of the dashboard, report and ranks) ------
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """A launched headless Chromium (playwright); skips without fastapi, playwright or the browser."""
+    pytest.importorskip("fastapi")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no browser at {CHROMIUM} (install it: bash scripts/ensure_browser.sh)")
+    with sync_api.sync_playwright() as p:
+        try:
+            b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        except Exception as e:  # a broken install must not fail the suite
+            pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
+        yield b
+        b.close()

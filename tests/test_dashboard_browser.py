@@ -5,47 +5,22 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("fastapi")
-sync_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
-from tests.fixtures.runs import ANOMALY, train_steps, write_small_run  # noqa: E402
-from torchdebug.store import create_run  # noqa: E402
-from torchdebug.views.report import render_report  # noqa: E402
-from torchdebug.views.server import serve  # noqa: E402
+from tests.fixtures.runs import ANOMALY, train_steps, write_small_run
+from torchdebug.store import create_run
+from torchdebug.views.report import render_report
+from torchdebug.views.server import serve
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no browser at {CHROMIUM} (install it: bash scripts/ensure_browser.sh)")
-    with sync_api.sync_playwright() as p:
-        try:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        except Exception as e:  # a broken install must not fail the suite
-            pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
-        yield b
-        b.close()
 
 
 def _points(page: Any, chart: str) -> int:

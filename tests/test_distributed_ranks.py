@@ -152,23 +152,6 @@ def test_one_process_anomaly_says_nothing_about_ranks():
 # -- the dashboard: one view of all ranks (a real server, a real headless Chromium) -------------------
 
 
-@pytest.fixture(scope="module")
-def browser():
-    pytest.importorskip("fastapi")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    from tests.test_dashboard_browser import ARGS, CHROMIUM
-
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no browser at {CHROMIUM} (install it: bash scripts/ensure_browser.sh)")
-    with sync_api.sync_playwright() as p:
-        try:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        except Exception as e:  # a broken install must not fail the suite
-            pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
-        yield b
-        b.close()
-
-
 def _cells(page, table: str) -> list[list[str]]:
     """The body rows of a table on the page, as the browser shows their text."""
     return page.evaluate(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,31 +15,17 @@ from urllib.parse import urlsplit
 import pytest
 
 pytest.importorskip("fastapi")
-sync_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
-from tests.fixtures.runs import train_steps  # noqa: E402
-from tests.test_dashboard_browser import ARGS, CHROMIUM  # noqa: E402
-from torchdebug.store import create_run  # noqa: E402
-from torchdebug.views.report import render_report  # noqa: E402
-from torchdebug.views.server import serve  # noqa: E402
+from tests.fixtures.runs import train_steps
+from torchdebug.store import create_run
+from torchdebug.views.report import render_report
+from torchdebug.views.server import serve
 
 pytestmark = pytest.mark.browser
 
 REPORT_BUDGET = 1_000_000  # bytes: one self-contained report file
 PAGE_BUDGET = 1_500_000  # bytes transferred: a dashboard page and everything it loads
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no browser at {CHROMIUM} (install it: bash scripts/ensure_browser.sh)")
-    with sync_api.sync_playwright() as p:
-        try:
-            b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        except Exception as e:  # a broken install must not fail the suite
-            pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
