@@ -37,6 +37,7 @@ from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._tensors import dtensor_type, finite_probe, grad_of, local, unwrap_optimizer, version_of
 from .._trees import tensor_leaves
+from .._step import Readout
 from ..events import Anomaly, Phase, RuleEvent
 from .locate import LossTape, StepCapture, replay_capture
 
@@ -344,32 +345,33 @@ class Sentinel:
     def items(self) -> list[tuple[str, torch.Tensor]]:
         """The sentinel's device numbers for the step's transfer."""
         items = [("_edit", self.edit_probe)] if self.edit_probe is not None else []
-        items += [(f"_clip{k}", flag) for k, (flag, _) in enumerate(self.clips)]
+        items += [("_clip", flag) for flag, _ in self.clips]
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
 
-    def read_edits(self, values: dict[str, float]) -> None:
+    def read_edits(self, readout: Readout) -> None:
         """After the read: which edited gradients are non-finite (confirmed exactly)."""
         bad: list[int] = []
         if self.edit_probe is not None:
-            ep = self.mon.transfer.vector("_edit", len(self.edit_index))
+            ep = _take(readout.edit, len(self.edit_index))
             if not all(map(math.isfinite, ep)):  # C loop: the usual answer
                 bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
             self.edit_probe = None
+        flags = readout.clips
         for k, (_, idx) in enumerate(self.clips):
-            if values.get(f"_clip{k}", 0.0) > 0:  # a non-finite clip factor: every gradient it scaled
+            if k < len(flags) and flags[k] > 0:  # a non-finite clip factor: every gradient it scaled
                 bad += [i for i in idx if i not in bad]
         self.clips = []
         if bad:
             self.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
 
-    def read_deferred(self, values: dict[str, float]) -> None:
+    def read_deferred(self, readout: Readout) -> None:
         """After the read: the parameter probe of the last update (may raise under ``raise``)."""
         mon = self.mon
         if "param_norms" not in self.deferred:
             return
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
         transfer = mon.transfer
-        pn = transfer.vector("_def_param_norms", sizes["param_norms"])
+        pn = _take(readout.param_probe, sizes["param_norms"])
         coord = mon._coord
         flagged = coord.params_flagged(mon) if coord is not None else None
         if flagged is None:  # this rank's own probe
@@ -387,12 +389,11 @@ class Sentinel:
         ]
         ranks = coord.params_agree(bool(bad)) if flagged else []  # the same decision on every rank
         step = self.deferred_step
-        de = transfer.vector("_def_edit", sizes["edit"]) if "edit" in sizes else []
+        de = _take(readout.late_edit, sizes["edit"]) if "edit" in sizes else []
         edited, self.deferred_edit_index = self.deferred_edit_index, []
         self.deferred.clear()
         self.deferred_index = None
-        for name in sizes:
-            transfer.vectors.pop(f"_def_{name}", None)  # VECTORS items: one list each
+        readout.param_probe, readout.late_edit = [], []
         self.params_bad_now = bool(bad)
         # (probe values, not confirmed: the gradients are gone by now; they only choose the phase)
         edit_bad = [i for j, i in enumerate(edited) if j < len(de) and not math.isfinite(de[j])]
@@ -440,7 +441,7 @@ class Sentinel:
         mon = self.mon
         if mon.transfer.any_loss_bad():
             return "non-finite loss under the GradScaler"
-        scale = mon.transfer.values.get("_scale")
+        scale = mon.transfer.readout.scale
         floor = float(getattr(mon.config, "scale_floor", 1.0))
         if scale is not None and scale < floor:
             return f"the gradients overflow at loss scale {scale:g} (below {floor:g}): the scale collapsed"
@@ -587,8 +588,7 @@ class Sentinel:
         """
         mon = self.mon
         t = mon.transfer
-        v = t.values
-        bad_micro = next((i for i in range(len(t.micro_bad)) if v.get(f"_mbad#{i}", 0) > 0), None)
+        bad_micro = t.first_bad_micro()
         losses_bad = t.losses_bad()
         idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
         micro = idx if len(t.micro_bad) > 1 else None
@@ -678,10 +678,8 @@ class Sentinel:
         kind = "nan" if any(math.isnan(x) for x in per) else "inf"
         if reproduced is False:
             # Say what was seen and what was compared; name no origin the replay could not confirm.
-            v = mon.transfer.values
-            loss_kinds = sorted(
-                {"nan" if math.isnan(v[f"_loss#{i}"]) else "inf" for i in losses_bad if f"_loss#{i}" in v}
-            )
+            losses = mon.transfer.readout.losses
+            loss_kinds = sorted({"nan" if math.isnan(losses[i]) else "inf" for i in losses_bad if i < len(losses)})
             if loss_kinds == ["nan"] or (not per and loss_kinds):
                 kind = loss_kinds[0]
             seen = []
@@ -840,6 +838,11 @@ class SeenGrads:
             if g is not None and 0 <= i < len(self.grads):
                 self.grads[i] = g
                 self.versions[i] = g._version
+
+
+def _take(numbers: list[float], n: int) -> list[float]:
+    """The ``n`` numbers an item gave (zeros when it was not read)."""
+    return numbers if len(numbers) == n else [0.0] * n
 
 
 def _lift_mode(mode: Any) -> None:

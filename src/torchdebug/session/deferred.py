@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 _MAX_PENDING = 2  # steps whose numbers are in flight; one more blocks on the oldest (bounded memory)
 _BAD = "_async_bad"  # this step's own items held a non-finite value
 _HALT = "_async_halt"  # the flag the optimizer saw (this step's or an earlier unread bad step's)
-_BAD_VALUES = ("_loss#", "_gnorm", "_edit")  # non-finite number = bad
-_BAD_FLAGS = ("_mbad#", "_clip")  # a flag > 0 = bad
+_BAD_VALUES = frozenset({"_loss", "_gnorm", "_edit"})  # non-finite number = bad
+_BAD_FLAGS = frozenset({"_mbad", "_clip"})  # a flag > 0 = bad
 
 
 def host_values(buf: torch.Tensor) -> list[float]:
@@ -191,8 +191,8 @@ class DeferredReads:
         spec, flat = _stack(items)
         with torch.no_grad():
             # one pass over the step's items (a handful: losses, the gradient vector, flags), not elements
-            vals = [t for n, t in items if n.startswith(_BAD_VALUES)]
-            flags = [t for n, t in items if n.startswith(_BAD_FLAGS)]
+            vals = [t for n, t in items if n in _BAD_VALUES]
+            flags = [t for n, t in items if n in _BAD_FLAGS]
             bad = torch.zeros((), device=flat.device, dtype=torch.bool)
             if vals:
                 bad = bad | _cat(vals, flat.device).isfinite().logical_not().any()
@@ -326,7 +326,7 @@ class DeferredReads:
                 self.blocking_reads += 1
             host += host_values(buf)
         self.host_reads += 1
-        bad, halt = host[0], host[1]  # staged first: _BAD, _HALT
+        bad, halt = host[0], host[1]  # staged first: _BAD, _HALT (not unpacked)
         if halt > 0 and self.halt is not None:
             self.halt.zero_()  # read: later updates follow their own flag again (queued before them)
         assert p.transfer is not None and p.state is not None and p.events is not None  # set at step end
@@ -344,9 +344,7 @@ class DeferredReads:
         s.update_held = True  # the update ran (or was skipped on the device) already: nothing to drop
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
-            mon.transfer.unpack(p.spec, host)
-            mon.transfer.values.pop(_BAD, None)
-            mon.transfer.values.pop(_HALT, None)
+            mon.transfer.unpack(p.spec[2:], host[2:])
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
             s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
             if halt > 0 and not s.skipped:

@@ -373,7 +373,7 @@ class Coordinator:
         """
         if (
             not (self.sharded and self._live())
-            or f"_dist#{_ROW_GRAD * self.world}" not in mon.transfer.values
+            or len(mon.transfer.readout.dist) <= _ROW_GRAD * self.world
         ):
             return local
         row = self._row(mon, _ROW_GRAD)
@@ -390,14 +390,14 @@ class Coordinator:
         the per-parameter entries of this step's vector (no extra collective or host sync); ``local``
         (in the order of ``mon.params``) as it is when the step sent none."""
         base = self._rows * self.world
-        v = mon.transfer.values
-        if local is None or not (self.sharded and self._live()) or f"_dist#{base}" not in v:
+        v = mon.transfer.readout.dist
+        if local is None or not (self.sharded and self._live()) or len(v) <= base:
             return local
         if any(x == -1.0 for x in self._row(mon, _ROW_GRAD)):
             return local
         out = list(local)
         for i in mon.transfer.norm_index:
-            sq = v.get(f"_dist#{base + i}", math.nan)
+            sq = v[base + i] if base + i < len(v) else math.nan
             out[i] = math.sqrt(sq) / (scale or 1.0) if sq >= 0 or math.isnan(sq) else math.nan
         return out
 
@@ -437,10 +437,10 @@ class Coordinator:
         if t.shared is None:
             return
         base = self._rows * self.world
-        v = t.values
+        v = t.readout.dist
         n = len(mon.params)
-        if f"_dist#{base + n - 1}" in v:
-            whole = [v[f"_dist#{base + i}"] for i in range(n)]
+        if len(v) >= base + n:
+            whole = v[base : base + n]
         else:  # rare: measured here, with a host read
             idx = t.shared[0]
             grads = [mon.params[i].grad for i in idx]
@@ -453,7 +453,7 @@ class Coordinator:
     def params_flagged(self, mon: Any) -> bool | None:
         """Whether any rank's probe of the last update's parameters read non-finite (from this step's
         all-reduced vector), or None when the vector carried none (a single rank, the check at exit)."""
-        if not self._live() or f"_dist#{_ROW_PARAM * self.world}" not in mon.transfer.values:
+        if not self._live() or len(mon.transfer.readout.dist) <= _ROW_PARAM * self.world:
             return None
         return any(not math.isfinite(x) for x in self._row(mon, _ROW_PARAM))
 
@@ -535,13 +535,13 @@ class Coordinator:
         return torch.device("cpu")
 
     def _row(self, mon: Any, r: int) -> list[float]:
-        v = mon.transfer.values
-        return [v.get(f"_dist#{r * self.world + k}", 0.0) for k in range(self.world)]
+        v = mon.transfer.readout.dist
+        return [v[r * self.world + k] if r * self.world + k < len(v) else 0.0 for k in range(self.world)]
 
     def on_step_end(self, mon: Any, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)
-        if self.collective and self.rank == 0 and f"_dist#{self.world}" in mon.transfer.values:
+        if self.collective and self.rank == 0 and len(mon.transfer.readout.dist) > self.world:
             self._straggler_rule(mon, int(record.step), self._row(mon, 1))
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
@@ -575,7 +575,7 @@ class Coordinator:
         probe's false alarm on one rank cannot split them; a non-finite loss on any rank then counts
         as one on every rank (the GradScaler's "non-finite loss" rule sees the same answer).
         """
-        if not self._live() or "_dist#0" not in mon.transfer.values:
+        if not self._live() or not mon.transfer.readout.dist:
             return bool(mon.sentinel.grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
@@ -584,11 +584,12 @@ class Coordinator:
         )
         if not suspect:
             return False
-        v = mon.transfer.values
-        loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
+        readout = mon.transfer.readout
+        loss_bad = readout.any_loss_bad()
         # gradients that never left this rank (micro-steps under no_sync): non-finite ones were born here
+        flags = readout.micro_bad
         local = self.ddp is not None and any(
-            v.get(f"_mbad#{i}", 0.0) > 0 for i, synced in enumerate(self._micro_sync) if not synced
+            i < len(flags) and flags[i] > 0 for i, synced in enumerate(self._micro_sync) if not synced
         )
         mine = torch.zeros(3, self.world, device=self._dev)  # NCCL reduces device tensors only
         mine[0, self.rank] = float(loss_bad)
@@ -599,10 +600,8 @@ class Coordinator:
         self._exact = mine.tolist()
         decision = any(x > 0 for row in self._exact for x in row)
         self._verdict = (mon.global_step, decision)
-        if decision and not loss_bad:
-            for r, x in enumerate(self._exact[0]):
-                if x > 0:  # rank r's loss was non-finite: this rank's checks see it as its own
-                    v[f"_loss#rank{r}"] = math.nan
+        if decision and not loss_bad and any(x > 0 for x in self._exact[0]):
+            readout.other_rank_loss_bad = True  # a rank's loss was non-finite: this rank's checks see it
         return decision
 
     def births(self) -> list[int]:

@@ -403,18 +403,18 @@ class Monitor:
         """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
         if self._coord is not None:
             self._coord.fill_shares(self)  # DDP: the other ranks' shares of the gradient numbers
-        values = self.transfer.values
-        self.sentinel.read_edits(values)
+        values, readout = self.transfer.values, self.transfer.readout
+        self.sentinel.read_edits(readout)
         scaled = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
         self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.sentinel.edit_bad)
         if (
             self._coord is not None and "grad_norm" in values
         ):  # FSDP2: the whole gradient's norm, not the shard's
-            scale = (values.get("_scale") if scaled else None) or 1.0
+            scale = (readout.scale if scaled else None) or 1.0
             values["grad_norm"] = self._coord.global_grad_norm(self, values["grad_norm"], scale)
             self.transfer.grad_norm = values["grad_norm"]
             self.transfer.grad_norms = self._coord.global_grad_norms(self, self.transfer.grad_norms, scale)
-        self.sentinel.read_deferred(values)  # the last update's parameter probe (may raise)
+        self.sentinel.read_deferred(readout)  # the last update's parameter probe (may raise)
 
     def _collect(self) -> Items:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
