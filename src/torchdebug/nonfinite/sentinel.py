@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import operator
 import threading
@@ -35,9 +34,9 @@ from torch import nn
 
 from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
-from .._tensors import dtensor_type, finite_probe, grad_of, local, unwrap_optimizer, version_of
+from .._step import Readout, SeenGrads, StepState
+from .._tensors import dtensor_type, finite_probe, grad_of, local, unwrap_optimizer
 from .._trees import tensor_leaves
-from .._step import Readout
 from ..events import Anomaly, Phase, RuleEvent
 from .locate import LossTape, StepCapture, replay_capture
 
@@ -74,29 +73,32 @@ class Sentinel:
         # FSDP2 DTensor parameters: the clip's fast path (whole local tensors) does not apply
         dtensor = dtensor_type()
         self._sharded = dtensor is not None and any(isinstance(p, dtensor) for p in mon.params)
-        self.reset()
 
-    def reset(self) -> None:
-        """Per-step state (the session's step end)."""
-        self.captures: list[StepCapture] = []
-        self.cap: StepCapture | None = None
-        # what backward() left, for the edit check as the update starts (see saw_gradients)
-        self.seen = SeenGrads()
-        self.edit_index: list[int] = []  # gradients changed since backward() measured them
-        self.edit_probe: torch.Tensor | None = None
-        self.edit_bad: list[int] = []  # ... and non-finite when the update started (confirmed exactly)
-        # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled)
-        self.clips: list[tuple[torch.Tensor, list[int]]] = []
-        self.synced_at_backward = False  # manual mode: the transfer ran at the end of backward()
-        self.grad_anomaly = False  # this step's anomaly came from the gradient check
-        self.params_bad_now = False  # the parameter probe read with this step's transfer was non-finite
-        self.opt_ran = False
-        self.opt_ran_in_scaler = False
-        self.scaler_ran = False
-        self.scaler_skipped = False
-        self.step_anomaly: Anomaly | None = None
-        self.skipped = False
-        self.skip_reason = ""
+    @property
+    def st(self) -> StepState:
+        """The session's state of the step now running (swapped by ``sync="async"`` to judge a step late)."""
+        return self.mon.state
+
+    # what a step's verdict left, as the session's step state has it (read by tests and the seed facades)
+    @property
+    def step_anomaly(self) -> Anomaly | None:
+        return self.mon.state.step_anomaly
+
+    @property
+    def skipped(self) -> bool:
+        return self.mon.state.skipped
+
+    @property
+    def skip_reason(self) -> str:
+        return self.mon.state.skip_reason
+
+    @property
+    def captures(self) -> list[StepCapture]:
+        return self.mon.state.captures
+
+    @property
+    def edit_index(self) -> list[int]:
+        return self.mon.state.edit_index
 
     def remove(self, mon: Any = None) -> None:
         self.pop_tape(force=True)
@@ -104,17 +106,17 @@ class Sentinel:
     # -- forward -------------------------------------------------------------------------------------
     def on_forward_start(self, mon: Any, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The first forward of a micro-step: keep what its replay needs (references, no copies)."""
-        if self.active and mon.config.replay and len(self.captures) < _MAX_CAPTURES:
-            self.cap = StepCapture.take(args, kwargs, mon._uses_cuda)
+        if self.active and mon.config.replay and len(self.st.captures) < _MAX_CAPTURES:
+            self.st.cap = StepCapture.take(args, kwargs, mon._uses_cuda)
             if module is not mon.model:
-                self.cap.module = module  # a driver hooked the submodule the training step calls
-            self.cap.batch = mon.batch
-            self.captures.append(self.cap)
+                self.st.cap.module = module  # a driver hooked the submodule the training step calls
+            self.st.cap.batch = mon.batch
+            self.st.captures.append(self.st.cap)
         else:
-            self.cap = None
+            self.st.cap = None
 
     def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
-        cap = self.cap
+        cap = self.st.cap
         if cap is None:
             return
         cap.outputs = output
@@ -148,7 +150,7 @@ class Sentinel:
 
     # -- backward ------------------------------------------------------------------------------------
     def on_backward_start(self, mon: Any, loss: Any, gradient: Any) -> None:
-        cap = self.cap
+        cap = self.st.cap
         if cap is not None and isinstance(loss, torch.Tensor):
             cap.loss = loss
             cap.loss_grad = gradient if isinstance(gradient, torch.Tensor) else None
@@ -156,7 +158,7 @@ class Sentinel:
     def saw_gradients(self, idx: list[int], grads: list[torch.Tensor]) -> None:
         """The gradient tensors backward() left and their versions (one C-level pass over the list)."""
         if self.active:
-            self.seen = SeenGrads(idx, grads, len(self.mon.params))
+            self.st.seen = SeenGrads(idx, grads, len(self.mon.params))
 
     def on_backward_end(self, mon: Any) -> None:
         if (
@@ -167,20 +169,20 @@ class Sentinel:
         ):
             # no optimizer hook will run before the user's update: check here, before it
             mon.sync()
-            self.synced_at_backward = True
+            self.st.synced_at_backward = True
             self.check_gradients(at_optimizer=False)
 
     # -- update --------------------------------------------------------------------------------------
     def update_not_skipped(self) -> None:
-        self.opt_ran_in_scaler = True  # inside GradScaler.step: the update was not skipped
+        self.st.opt_ran_in_scaler = True  # inside GradScaler.step: the update was not skipped
 
     def before_update(self, mon: Any, opt: Any) -> None:
         """Update starting: the gradients are final. The step's transfer and the verdict (may raise)."""
-        self.opt_ran = True
-        self.opt_ran_in_scaler = True
+        self.st.opt_ran = True
+        self.st.opt_ran_in_scaler = True
         self.manual = False
-        if self.synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
-            mon.transfer.synced, self.synced_at_backward = False, False
+        if self.st.synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
+            mon.transfer.synced, self.st.synced_at_backward = False, False
         if self.active:
             if not mon.transfer.synced:  # a second optimizer in the same step reuses this step's transfer
                 self.probe_edits(opt)  # clipping, normalisation, unscaling since backward()
@@ -188,7 +190,7 @@ class Sentinel:
             self.check_gradients(at_optimizer=True, opt=opt)
 
     def after_update(self, mon: Any) -> None:
-        if self.active and not self.skipped and self.step_anomaly is None:
+        if self.active and not self.st.skipped and self.st.step_anomaly is None:
             # checked on the device now, read with the next transfer (no extra sync). Skipped when this
             # step's gradients were already flagged: non-finite weights are then their consequence.
             # Under DDP each rank probes its share (the parameters are the same on every rank).
@@ -196,7 +198,7 @@ class Sentinel:
             self.deferred["param_norms"] = self._param_probe(mon, share)
             self.deferred_index = share
             self.deferred_step = mon.global_step
-        self.seen = SeenGrads()  # the references are not needed after the update
+        self.st.seen = SeenGrads()  # the references are not needed after the update
 
     def _param_probe(self, mon: Any, share: list[int] | None = None) -> torch.Tensor:
         """A finiteness probe of the parameters (``share``: of those only), on the device: one float32
@@ -213,13 +215,13 @@ class Sentinel:
         scale = getattr(scaler, "_scale", None)
         if isinstance(scale, torch.Tensor):
             mon.transfer.scale_used = scale.detach().clone()  # the scale backward saw (update() comes later)
-        self.scaler_ran = True
-        self.opt_ran_in_scaler = False
+        self.st.scaler_ran = True
+        self.st.opt_ran_in_scaler = False
 
     def scaler_step_done(self, mon: Any, scaler: Any, failed: bool = False) -> None:
-        if failed or self.opt_ran_in_scaler:
+        if failed or self.st.opt_ran_in_scaler:
             return
-        self.scaler_skipped = True
+        self.st.scaler_skipped = True
         if self.active and not self.replaying:
             # the scaler found Inf/NaN and skipped the update: judge it now, while the (unscaled) gradients
             # are still there (users zero them before mon.step()); this is the step's transfer
@@ -233,7 +235,7 @@ class Sentinel:
         sc = self.mon.scaler
         if sc is None or not getattr(sc, "is_enabled", lambda: True)():
             return False
-        if self.scaler_ran:
+        if self.st.scaler_ran:
             return True  # scaler.step() unscales before it calls the optimizer or skips it
         states = getattr(sc, "_per_optimizer_states", {})
         for o in (opt, self.mon.optimizer):
@@ -249,26 +251,26 @@ class Sentinel:
         params = self.mon.params
         unscaled = self.scaler_unscaled(opt)  # unscaled: every gradient changed (no version bump)
         grads = list(map(grad_of, params))
-        seen = self.seen
+        seen = self.st.seen
         if not unscaled and seen.unchanged(grads):
             return
         edited = [i for i, g in enumerate(grads) if g is not None and (unscaled or not seen.same(i, g))]
         if edited:
-            self.edit_index = edited
+            self.st.edit_index = edited
             if len(edited) == len(params):
                 plan, _ = self.mon.transfer.plan(params)
                 if plan is not None:
                     with contextlib.suppress(RuntimeError, ValueError):
-                        self.edit_probe = plan.sums(grads)
+                        self.st.edit_probe = plan.sums(grads)
                         return
-            self.edit_probe = finite_probe([grads[i] for i in edited])  # type: ignore[misc]
+            self.st.edit_probe = finite_probe([grads[i] for i in edited])  # type: ignore[misc]
 
     def before_clip(self, params: list[Any]) -> list[int]:
         """``clip_grad_norm_`` is about to scale these parameters' gradients: the ones backward() left
         unedited (their after-backward check stands), else []."""
-        if not self.active or self.replaying or self.synced_at_backward or self.mon.transfer.synced:
+        if not self.active or self.replaying or self.st.synced_at_backward or self.mon.transfer.synced:
             return []  # a manual-update loop, or after the step's transfer: the probe judges the clip
-        seen = self.seen
+        seen = self.st.seen
         mine = self.mon.params
         if (
             not self._sharded
@@ -297,30 +299,30 @@ class Sentinel:
             return
         with torch.no_grad():
             coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
-            self.clips.append((torch.isfinite(coef).logical_not(), idx))
-        self.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
+            self.st.clips.append((torch.isfinite(coef).logical_not(), idx))
+        self.st.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
 
     # -- step end ------------------------------------------------------------------------------------
     def manual_update(self, mon: Any) -> bool:
         """True when this step's update ran without an optimizer the session saw (an update by hand)."""
-        return self.active and not self.opt_ran and mon.optimizer is None and not mon._adopted
+        return self.active and not self.st.opt_ran and mon.optimizer is None and not mon._adopted
 
     def before_step_end(self, mon: Any, manual: bool) -> None:
         """Step end: the verdict when the update did not already give it (may raise)."""
-        if manual and self.step_anomaly is None:
+        if manual and self.st.step_anomaly is None:
             # no optimizer hook: the user's update already ran; check the parameters on the device, read
             # with this transfer, or the next one when this step's already ran (at the end of backward())
             self.deferred["param_norms"] = self._param_probe(mon)
             self.deferred_index = None
             self.deferred_step = mon.global_step
-            if self.synced_at_backward:
+            if self.st.synced_at_backward:
                 # checked at the end of backward(): an edit after it (clipping, normalisation) is seen
                 # here, read with the next transfer, so a NaN it made is not blamed on the update
                 self.probe_edits()
-                if self.edit_probe is not None:
-                    self.deferred["edit"] = self.edit_probe
-                    self.deferred_edit_index = list(self.edit_index)
-                    self.edit_probe = None
+                if self.st.edit_probe is not None:
+                    self.deferred["edit"] = self.st.edit_probe
+                    self.deferred_edit_index = list(self.st.edit_index)
+                    self.st.edit_probe = None
         if self.active and not mon.transfer.synced:
             self.probe_edits()
             mon.sync()
@@ -328,7 +330,7 @@ class Sentinel:
 
     def after_step_end(self, mon: Any, manual: bool) -> None:
         self.say_skips()
-        if manual and mon.driver is None and not self.scaler_ran and mon.transfer.micro_bad:
+        if manual and mon.driver is None and not self.st.scaler_ran and mon.transfer.micro_bad:
             self.manual = True  # from the next step on, the check runs at the end of backward()
 
     def final_check(self, mon: Any) -> None:
@@ -344,25 +346,25 @@ class Sentinel:
     # -- the transfer ---------------------------------------------------------------------------------
     def items(self) -> list[tuple[str, torch.Tensor]]:
         """The sentinel's device numbers for the step's transfer."""
-        items = [("_edit", self.edit_probe)] if self.edit_probe is not None else []
-        items += [("_clip", flag) for flag, _ in self.clips]
+        items = [("_edit", self.st.edit_probe)] if self.st.edit_probe is not None else []
+        items += [("_clip", flag) for flag, _ in self.st.clips]
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
 
     def read_edits(self, readout: Readout) -> None:
         """After the read: which edited gradients are non-finite (confirmed exactly)."""
         bad: list[int] = []
-        if self.edit_probe is not None:
-            ep = _take(readout.edit, len(self.edit_index))
+        if self.st.edit_probe is not None:
+            ep = _take(readout.edit, len(self.st.edit_index))
             if not all(map(math.isfinite, ep)):  # C loop: the usual answer
-                bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
-            self.edit_probe = None
+                bad = [i for j, i in enumerate(self.st.edit_index) if not math.isfinite(ep[j])]
+            self.st.edit_probe = None
         flags = readout.clips
-        for k, (_, idx) in enumerate(self.clips):
+        for k, (_, idx) in enumerate(self.st.clips):
             if k < len(flags) and flags[k] > 0:  # a non-finite clip factor: every gradient it scaled
                 bad += [i for i in idx if i not in bad]
-        self.clips = []
+        self.st.clips = []
         if bad:
-            self.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
+            self.st.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
 
     def read_deferred(self, readout: Readout) -> None:
         """After the read: the parameter probe of the last update (may raise under ``raise``)."""
@@ -370,7 +372,6 @@ class Sentinel:
         if "param_norms" not in self.deferred:
             return
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
-        transfer = mon.transfer
         pn = _take(readout.param_probe, sizes["param_norms"])
         coord = mon._coord
         flagged = coord.params_flagged(mon) if coord is not None else None
@@ -394,19 +395,19 @@ class Sentinel:
         self.deferred.clear()
         self.deferred_index = None
         readout.param_probe, readout.late_edit = [], []
-        self.params_bad_now = bool(bad)
+        self.st.params_bad_now = bool(bad)
         # (probe values, not confirmed: the gradients are gone by now; they only choose the phase)
         edit_bad = [i for j, i in enumerate(edited) if j < len(de) and not math.isfinite(de[j])]
         if bad and edit_bad:
             # a manual update used gradients that an edit after backward() made non-finite
-            self.edit_bad = edit_bad
+            self.st.edit_bad = edit_bad
             nan = any(math.isnan(x) for x in de)
             anomaly = self.gradient_edit_anomaly(None, kind="nan" if nan else "inf")
-            self.edit_bad = []
+            self.st.edit_bad = []
             self.record(dataclasses.replace(anomaly, step=step))
             if mon.config.policy == "raise":
                 mon._flush_store()
-                raise NonFiniteError(self.step_anomaly)  # type: ignore[arg-type]
+                raise NonFiniteError(self.st.step_anomaly)  # type: ignore[arg-type]
             mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
         elif (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
             # blamed on the update only when the gradients it used were finite; else they are the cause
@@ -421,14 +422,14 @@ class Sentinel:
         """
         if self.grads_gone:
             return False  # judged one step later (sync="async"): the probe's verdict stands
-        seen = None if now else self.seen.get(i)
+        seen = None if now else self.st.seen.get(i)
         g = local(seen if seen is not None else self.mon.params[i].grad)
         return g is None or bool(torch.isfinite(g).all())
 
     def grads_bad(self) -> bool:
         """This rank's verdict after the read: a non-finite loss or gradient (confirmed)."""
         t = self.mon.transfer
-        return t.any_loss_bad() or t.micro_flagged() or bool(self.edit_bad)
+        return t.any_loss_bad() or t.micro_flagged() or bool(self.st.edit_bad)
 
     def scaler_cannot_fix(self) -> str | None:
         """Why a GradScaler overflow step is an anomaly rather than an ordinary skipped step, or None.
@@ -464,13 +465,13 @@ class Sentinel:
         mon = self.mon
         coord = mon._coord
         bad = self.grads_bad() if coord is None else coord.step_bad(mon)  # the same on every rank
-        if self.step_anomaly is not None:
-            if at_optimizer and opt is not None and self.grad_anomaly and mon.config.policy == "skip":
+        if self.st.step_anomaly is not None:
+            if at_optimizer and opt is not None and self.st.grad_anomaly and mon.config.policy == "skip":
                 self.drop_grads(opt)  # flagged at the end of backward(), before an optimizer turned up
             return
-        if not bad or (self.skipped and not at_optimizer):
+        if not bad or (self.st.skipped and not at_optimizer):
             return
-        scaler_skip = (self.scaler_ran and self.scaler_skipped) or (
+        scaler_skip = (self.st.scaler_ran and self.st.scaler_skipped) or (
             at_optimizer and mon.driver is not None and self.scaler_will_skip(opt)
         )
         if scaler_skip and at_optimizer and self.scaler_cannot_fix() is None:
@@ -482,12 +483,12 @@ class Sentinel:
                 if self.scaler_cannot_fix() is None:
                     self.mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
                     return
-            elif (mon.optimizer is not None or mon._adopted) and not self.synced_at_backward:
+            elif (mon.optimizer is not None or mon._adopted) and not self.st.synced_at_backward:
                 self.mark_skipped("non-finite gradients and the optimizer step was not called")
                 return
-        late = not at_optimizer and not scaler_skip and not self.synced_at_backward
+        late = not at_optimizer and not scaler_skip and not self.st.synced_at_backward
         anomaly = self.build_anomaly(late=late) if coord is None else coord.anomaly(mon)
-        self.grad_anomaly = True
+        self.st.grad_anomaly = True
         self.record(anomaly)
         policy = mon.config.policy
         if policy == "skip":
@@ -511,7 +512,7 @@ class Sentinel:
             for g in unwrap_optimizer(opt).param_groups:
                 for p in g["params"]:
                     p.grad = None  # the optimizer skips parameters without grads: no update, no state change
-        self.mark_skipped(f"skipped by policy: {self.step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
+        self.mark_skipped(f"skipped by policy: {self.st.step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
 
     # -- anomalies ------------------------------------------------------------------------------------
     def optimizer_anomaly(self, bad: list[str], step: int | None, ranks: list[int] | None = None) -> None:
@@ -592,12 +593,12 @@ class Sentinel:
         losses_bad = t.losses_bad()
         idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
         micro = idx if len(t.micro_bad) > 1 else None
-        if self.edit_bad and not t.micro_flagged() and not losses_bad:
+        if self.st.edit_bad and not t.micro_flagged() and not losses_bad:
             # backward() made finite gradients (measured then); code before the update made them non-finite
             return self.gradient_edit_anomaly(micro)
         first_replay = mon.counters["replays"] == 0
-        replayable = not (late and self.params_bad_now)
-        if mon.config.replay and first_replay and replayable and idx < len(self.captures):
+        replayable = not (late and self.st.params_bad_now)
+        if mon.config.replay and first_replay and replayable and idx < len(self.st.captures):
             mon.counters["replays"] += 1
             self.replaying = True
             try:
@@ -607,7 +608,7 @@ class Sentinel:
                     with mon._plain.eager():
                         tracer = replay_capture(
                             mon.model,
-                            self.captures[idx],
+                            self.st.captures[idx],
                             names=mon.names,
                             frames=mon.config.frames,
                             uses_cuda=mon._uses_cuda,
@@ -640,11 +641,11 @@ class Sentinel:
 
     def gradient_edit_anomaly(self, micro: int | None, kind: str | None = None) -> Anomaly:
         mon = self.mon
-        bad = [mon.param_names[i] for i in self.edit_bad]
+        bad = [mon.param_names[i] for i in self.st.edit_bad]
         first = bad[0] if bad else None
         owner = first.rpartition(".")[0] if first else ""
         mod = mon.model.get_submodule(owner) if owner else mon.model
-        g = mon.params[self.edit_bad[0]].grad if self.edit_bad else None
+        g = mon.params[self.st.edit_bad[0]].grad if self.st.edit_bad else None
         if kind is None:
             kind = "nan" if g is not None and bool(torch.isnan(g).any()) else "inf"  # exact: rare path only
         more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
@@ -679,7 +680,9 @@ class Sentinel:
         if reproduced is False:
             # Say what was seen and what was compared; name no origin the replay could not confirm.
             losses = mon.transfer.readout.losses
-            loss_kinds = sorted({"nan" if math.isnan(losses[i]) else "inf" for i in losses_bad if i < len(losses)})
+            loss_kinds = sorted(
+                {"nan" if math.isnan(losses[i]) else "inf" for i in losses_bad if i < len(losses)}
+            )
             if loss_kinds == ["nan"] or (not per and loss_kinds):
                 kind = loss_kinds[0]
             seen = []
@@ -731,7 +734,7 @@ class Sentinel:
 
     def record(self, anomaly: Anomaly) -> None:
         mon = self.mon
-        self.step_anomaly = anomaly
+        self.st.step_anomaly = anomaly
         mon.counters["anomaly_steps"] += 1
         if len(mon.anomalies) < _MAX_ANOMALIES:
             mon.anomalies.append(anomaly)
@@ -742,29 +745,29 @@ class Sentinel:
     # -- skipped steps ----------------------------------------------------------------------------------
     def mark_skipped(self, reason: str, scaler: bool = False, severity: str = "warning") -> None:
         mon = self.mon
-        self.skipped = True
-        self.skip_reason = reason
+        self.st.skipped = True
+        self.st.skip_reason = reason
         mon.counters["skipped_steps"] += 1
         if not scaler:
             mon.emit(RuleEvent("skipped_step", mon.global_step, reason, severity))
 
     def note_scaler_skip(self) -> None:
         """Step end: a step the GradScaler skipped is a skipped step (never an anomaly by itself)."""
-        if self.scaler_ran and self.scaler_skipped and not self.skipped:
+        if self.st.scaler_ran and self.st.scaler_skipped and not self.st.skipped:
             self.mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
 
     def say_skips(self, at_exit: bool = False) -> None:
         """policy="skip": say a run of skipped steps once when it starts and once, with its count, when it ends."""
         mon = self.mon
         run = self.skip_run
-        if not at_exit and self.skipped and self.skip_reason.startswith("skipped by policy"):
+        if not at_exit and self.st.skipped and self.st.skip_reason.startswith("skipped by policy"):
             if run is not None:
                 run[1] += 1
                 return
             self.skip_run = [mon.global_step, 1]
             warn_at_user(
                 TorchDebugWarning(
-                    f"torchdebug: step {mon.global_step} {self.skip_reason}; the parameters and the "
+                    f"torchdebug: step {mon.global_step} {self.st.skip_reason}; the parameters and the "
                     "optimizer state are unchanged (policy='skip'). Skipped steps in a row are counted "
                     "and said once when they stop"
                 )
@@ -783,61 +786,6 @@ class Sentinel:
             )
         )
         warn_at_user(TorchDebugWarning(f"torchdebug: {message}"))
-
-
-class SeenGrads:
-    """The gradient tensors backward() left and their ``_version`` s, by parameter index: the edit check
-    compares them with the gradients as the update starts. Built with one C-level pass per backward."""
-
-    __slots__ = ("grads", "idx", "versions", "whole")
-
-    def __init__(self, idx: list[int] | None = None, grads: list[Any] | None = None, n: int = 0) -> None:
-        self.idx: list[int] = idx or []
-        self.whole = idx is not None and grads is not None and len(idx) == n  # every parameter, in order
-        if self.whole:
-            self.grads: list[Any] = grads  # type: ignore[assignment]
-        else:
-            self.grads = [None] * n
-            for i, g in zip(self.idx, grads or ()):
-                self.grads[i] = g
-        self.versions: list[int] = (
-            list(map(version_of, self.grads))
-            if self.whole
-            else [-1 if g is None else g._version for g in self.grads]
-        )
-
-    def get(self, i: int) -> Any:
-        """The gradient parameter i had after backward(), or None."""
-        return self.grads[i] if 0 <= i < len(self.grads) else None
-
-    def same(self, i: int, g: Any) -> bool:
-        """Parameter i's gradient is the tensor backward() left, unchanged since."""
-        return 0 <= i < len(self.grads) and self.grads[i] is g and self.versions[i] == g._version
-
-    def unchanged(self, grads: list[Any]) -> bool:
-        """Every gradient (``grads``: all parameters, in order) is the one backward() left, unchanged."""
-        return (
-            self.whole
-            and len(grads) == len(self.grads)
-            and all(map(operator.is_, grads, self.grads))
-            and list(map(version_of, grads)) == self.versions
-        )
-
-    def rebase(self, idx: list[int], params: list[Any]) -> None:
-        """Those gradients changed in a way judged elsewhere (a clip's factor): take them as seen now."""
-        if self.whole and idx is self.idx:  # the clip's fast path: every gradient
-            self.grads = list(map(grad_of, params))
-            if not any(map(operator.is_, self.grads, itertools.repeat(None))):  # a C loop
-                self.versions = list(map(version_of, self.grads))
-                return
-            self.whole = False
-            self.versions = [-1 if g is None else g._version for g in self.grads]
-            return
-        for i in idx:
-            g = params[i].grad
-            if g is not None and 0 <= i < len(self.grads):
-                self.grads[i] = g
-                self.versions[i] = g._version
 
 
 def _take(numbers: list[float], n: int) -> list[float]:

@@ -26,7 +26,6 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -36,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import NonFiniteError
+from .._step import StepState
 from .._tensors import Items, local
 from ..events import StepRecord
-from .transfer import Transfer, stack
+from .transfer import stack
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -69,23 +69,12 @@ class _Pending:
     spec: list[tuple[str, int]]  # each staged item's name and size, in order
     buffers: list[tuple[torch.Tensor, Any]]  # (host buffer, CUDA event or None); one per staging
     deferred: tuple[dict[str, torch.Tensor], int | None, list[int] | None, list[int]]
-    transfer: Transfer | None = None  # set at the step end
-    state: dict[str, Any] | None = None  # the sentinel's per-step state
-    events: list[Any] | None = None
+    state: StepState | None = None  # the step's whole state, kept at its end
     lr: tuple[float, ...] = ()
     time_s: float | None = None
 
     def ready(self) -> bool:
         return all(ev is None or ev.query() for _, ev in self.buffers)
-
-
-def _step_keys() -> tuple[str, ...]:
-    """The sentinel's per-step attributes: those its ``reset`` sets (read from a bare instance)."""
-    from ..nonfinite.sentinel import Sentinel
-
-    bare = object.__new__(Sentinel)
-    Sentinel.reset(bare)
-    return tuple(vars(bare))
 
 
 def _cat(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -110,7 +99,6 @@ class DeferredReads:
         self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it
         self._why_not: dict[int, str | None] = {}  # id(optimizer) -> why it cannot skip on the device
         self._set: dict[int, tuple[Any, bool, Any]] = {}  # optimizer -> its found_inf before ours
-        self._keys = _step_keys()
         self.host_reads = 0  # staged steps read from host memory (no sync)
         self.blocking_reads = 0  # waits for a copy: the pending queue was full, or the session ended
 
@@ -182,7 +170,7 @@ class DeferredReads:
         if self.why_not(opt) is not None:
             self.resolve(block=True)  # the blocking verdict comes after every earlier step's
             return False
-        s.opt_ran = s.opt_ran_in_scaler = True
+        mon.state.opt_ran = mon.state.opt_ran_in_scaler = True
         s.manual = False
         s.probe_edits(opt)  # device work: gradients changed since backward()
         items = mon._step_items()
@@ -258,10 +246,7 @@ class DeferredReads:
             spec, flat = _stack(more)
             p.spec += spec
             p.buffers.append(self._copy(flat))
-        s = mon.sentinel
-        p.transfer = mon.transfer
-        p.state = {k: getattr(s, k) for k in self._keys}
-        p.events = mon._step_events
+        p.state = mon.state
         p.lr = (
             tuple([float(g.get("lr", math.nan)) for g in mon.optimizer.param_groups])
             if mon.optimizer is not None
@@ -269,16 +254,14 @@ class DeferredReads:
         )
         now = time.perf_counter()
         p.time_s = now - mon._last_step_end
-        fresh = copy.copy(p.transfer)  # what outlives a step (the last norms, the reduction plan) ...
-        fresh.reset()  # ... and new per-step containers (reset assigns new ones: the pending's stay)
-        mon.transfer = fresh
+        mon.state = p.state.detach()  # the next step's: fresh containers, what outlives a step
         self.pending.append(p)
         while len(self.pending) > _MAX_PENDING:
             self._resolve(self.pending.popleft(), block=True)
         # the step's numbers come one step later (mon.records, the store, on_step_end)
         return StepRecord(
             step=p.step,
-            micro_steps=len(p.transfer.micro_bad) or len(p.state.get("captures", ())),
+            micro_steps=len(p.state.transfer.micro_bad) or len(p.state.captures),
             lr=p.lr,
             time_s=p.time_s,
         )
@@ -311,7 +294,7 @@ class DeferredReads:
         while self.pending and (block or self.pending[0].ready()):
             self._resolve(self.pending.popleft(), block)
         for p in self.pending:  # still in flight (CUDA, the device behind): keep less while waiting
-            for cap in (p.state or {}).get("captures", ()):
+            for cap in p.state.captures if p.state is not None else ():
                 if getattr(cap, "tape_complete", False):
                     # the replay re-runs the loss from its tape; the outputs' gradients (on a language
                     # model the logits' gradient) are only its fallback: not kept through this forward
@@ -329,17 +312,13 @@ class DeferredReads:
         bad, halt = host[0], host[1]  # staged first: _BAD, _HALT (not unpacked)
         if halt > 0 and self.halt is not None:
             self.halt.zero_()  # read: later updates follow their own flag again (queued before them)
-        assert p.transfer is not None and p.state is not None and p.events is not None  # set at step end
+        assert p.state is not None  # set at the step end
         live = (
-            mon.transfer,
-            {k: getattr(s, k) for k in self._keys},
-            mon._step_events,
+            mon.state,
             mon.global_step,
             (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index),
         )
-        mon.transfer, mon._step_events, mon.global_step = p.transfer, p.events, p.step
-        for k, v in p.state.items():
-            setattr(s, k, v)
+        mon.state, mon.global_step = p.state, p.step
         s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
         s.update_held = True  # the update ran (or was skipped on the device) already: nothing to drop
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
@@ -347,8 +326,8 @@ class DeferredReads:
             mon.transfer.unpack(p.spec[2:], host[2:])
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
             s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
-            if halt > 0 and not s.skipped:
-                held = bad == 0 and s.step_anomaly is None
+            if halt > 0 and not mon.state.skipped:
+                held = bad == 0 and mon.state.step_anomaly is None
                 why = (
                     "held on the device: an earlier step's NaN/Inf was not read yet (sync='async')"
                     if held
@@ -364,10 +343,8 @@ class DeferredReads:
         finally:
             s.update_held = s.grads_gone = False
             t = mon.transfer
-            mon.transfer, state, mon._step_events, mon.global_step, d = live
+            mon.state, mon.global_step, d = live
             mon.transfer.grad_norm, mon.transfer.grad_norms = t.grad_norm, t.grad_norms
-            for k, v in state.items():
-                setattr(s, k, v)
             s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d
 
     # -- exit -----------------------------------------------------------------------------------------

@@ -371,10 +371,7 @@ class Coordinator:
         Read from the step's all-reduced vector: no extra collective and no extra host sync. NaN when
         any rank's shards hold a NaN, Inf when any holds an Inf.
         """
-        if (
-            not (self.sharded and self._live())
-            or len(mon.transfer.readout.dist) <= _ROW_GRAD * self.world
-        ):
+        if not (self.sharded and self._live()) or len(mon.transfer.readout.dist) <= _ROW_GRAD * self.world:
             return local
         row = self._row(mon, _ROW_GRAD)
         if any(x == -1.0 for x in row):

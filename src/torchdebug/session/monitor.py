@@ -53,6 +53,7 @@ from .._config import DebugConfig, DebugLevel, check_path, coerce_config
 from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
+from .._step import StepPhase, StepState
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
@@ -204,7 +205,7 @@ class Monitor:
         }
         self.level_overrides: list[str] = []
         self._enabled = self.config.instruments()
-        self.transfer = Transfer()
+        self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
         self.sentinel = Sentinel(self)
         self.sentinel.active = "nonfinite" in self._enabled
         # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
@@ -214,9 +215,6 @@ class Monitor:
         self._closed = False
         self._warned: set[str] = set()
         self._uses_cuda = any(p.is_cuda for p in self.params)
-        self._step_events: list[RuleEvent] = []
-        self._lr_used: tuple[float, ...] | None = None  # read as the update starts (update_starting)
-        self._new_micro_step = True  # the next forward is the first of a micro-step
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
@@ -233,8 +231,10 @@ class Monitor:
         ):
             return
         self.sentinel.pop_tape()
-        if self._new_micro_step:
-            self._new_micro_step = False
+        state = self.state
+        if state.new_micro_step:
+            state.new_micro_step = False
+            state.phase = StepPhase.FORWARD
             if self._async is not None:
                 self._async.resolve(block=False)  # the last step's numbers, copied by now (may raise)
             self.sentinel.on_forward_start(self, module, args, kwargs)
@@ -271,7 +271,8 @@ class Monitor:
     def backward_done(self) -> None:
         """Backward done: one device reduction of the gradients (a norm or a finiteness probe each)."""
         self.micro_step += 1
-        self._new_micro_step = True
+        self.state.new_micro_step = True
+        self.state.phase = StepPhase.BACKWARD
         if self.sentinel.active or "gradients" in self._enabled:
             # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
             share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
@@ -293,9 +294,11 @@ class Monitor:
         """
         if self.sentinel.replaying:
             return
-        if self.optimizer is not None and self._lr_used is None:  # the LR this update uses (a
+        state = self.state
+        state.phase = StepPhase.UPDATE
+        if self.optimizer is not None and state.lr_used is None:  # the LR this update uses (a
             # scheduler stepped before mon.step() must not change what the step records)
-            self._lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+            state.lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
         if self._async is None or not self._async.update_starting(opt):
             self.sentinel.before_update(self, opt)
         self._each("before_optimizer_step")
@@ -304,6 +307,7 @@ class Monitor:
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
         if self.sentinel.replaying:
             return
+        self.state.phase = StepPhase.UPDATED
         if self._async is not None:
             self._async.update_done(opt)
         self.sentinel.after_update(self)
@@ -360,7 +364,7 @@ class Monitor:
 
     def _keep(self, record: StepRecord) -> None:
         """A step's full record (now, or one step later under sync="async"): counted and kept."""
-        if is_anomalous(record.anomaly, [e.severity for e in self._step_events]):
+        if is_anomalous(record.anomaly, [e.severity for e in self.state.events]):
             self.counters["anomalous_steps"] += 1
         self.records.append(record)
 
@@ -406,7 +410,7 @@ class Monitor:
         values, readout = self.transfer.values, self.transfer.readout
         self.sentinel.read_edits(readout)
         scaled = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
-        self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.sentinel.edit_bad)
+        self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.state.edit_bad)
         if (
             self._coord is not None and "grad_norm" in values
         ):  # FSDP2: the whole gradient's norm, not the shard's
@@ -438,33 +442,32 @@ class Monitor:
 
     def _record(self, lr: tuple[float, ...] | None = None, time_s: float | None = None) -> StepRecord:
         """The step's record; its scalars go to the store (``lr``, ``time_s``: kept from the step end)."""
-        sentinel = self.sentinel
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         if lr is None:
             lr = (
-                self._lr_used
-                if self._lr_used is not None
+                self.state.lr_used
+                if self.state.lr_used is not None
                 else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
                 if self.optimizer is not None
                 else ()
             )
         record = StepRecord(
             step=self.global_step,
-            micro_steps=len(self.transfer.micro_bad) or len(sentinel.captures),
+            micro_steps=len(self.transfer.micro_bad) or len(self.state.captures),
             loss=v.get("loss"),
             grad_norm=v.get("grad_norm"),
-            skipped=sentinel.skipped,
-            skip_reason=sentinel.skip_reason,
+            skipped=self.state.skipped,
+            skip_reason=self.state.skip_reason,
             scale=v.get("amp_scale"),
             lr=lr,
             time_s=now - self._last_step_end if time_s is None else time_s,
             values=v,
-            anomaly=sentinel.step_anomaly,
-            events=self._step_events,
+            anomaly=self.state.step_anomaly,
+            events=self.state.events,
         )
         scalars = {k: x for k, x in v.items() if k in ("loss", "grad_norm", "grad_nonfinite", "amp_scale")}
-        scalars["skipped"] = 1.0 if sentinel.skipped else 0.0
+        scalars["skipped"] = 1.0 if self.state.skipped else 0.0
         for i, x in enumerate(lr):
             scalars[f"lr/{i}"] = x
         self.step_scalars = scalars  # what the run folder gets for this step (framework callbacks forward it)
@@ -474,11 +477,7 @@ class Monitor:
         return record
 
     def _reset_step(self) -> None:
-        self._lr_used = None
-        self.transfer.reset()
-        self.sentinel.reset()
-        self._step_events = []
-        self._new_micro_step = True
+        self.state.reset()
 
     # -- what drivers and instruments read -------------------------------------------------------
     @property
@@ -531,6 +530,11 @@ class Monitor:
     def replaying(self) -> bool:
         """True while the sentinel replays a failing micro-step (drivers ignore what it does)."""
         return self.sentinel.replaying
+
+    @property
+    def transfer(self) -> Transfer:
+        """The step's device numbers and their one read (``self.state.transfer``)."""
+        return self.state.transfer  # type: ignore[no-any-return]
 
     @property
     def grad_norm_host(self) -> float | None:
@@ -808,7 +812,7 @@ class Monitor:
     def emit(self, event: RuleEvent) -> None:
         """Record a rule event (store + memory) and warn once per kind."""
         self.events.append(event)
-        self._step_events.append(event)
+        self.state.events.append(event)
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 self.writer.log_event(event.step, event.kind, event.severity, event.message, event.to_dict())
@@ -842,7 +846,7 @@ class Monitor:
         from ..memory.recovery import run_step_with_oom_retry
 
         def new_micro_step(_piece: Any) -> None:
-            self._new_micro_step = True  # the failed attempt never reached its backward
+            self.state.new_micro_step = True  # the failed attempt never reached its backward
 
         def record(retry: Any) -> None:
             evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
