@@ -9,14 +9,22 @@ the session that instruments and the sentinel receive) and :class:`Instrument`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
 import itertools
 import math
 import operator
-from typing import Any
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+import torch
+from torch import nn
+
+from ._config import DebugConfig
 from ._tensors import grad_of, version_of
 from .events import Anomaly, RuleEvent
 
@@ -173,3 +181,160 @@ class StepState:
         fresh = copy.copy(self.transfer)
         fresh.reset()  # reset assigns new containers: the kept step's stay its own
         return StepState(fresh)
+
+
+VerdictKind = Literal["ok", "skip", "anomaly"]
+SCALER_SKIP = "GradScaler found inf/NaN gradients (loss scale too high)"  # the reason of a scaler's skip
+
+
+class Verdict(NamedTuple):
+    """What the sentinel decided about a step; the session applies it (records, the policy, skips).
+
+    ``ok``: nothing to do. ``skip``: the step is skipped without an anomaly (``reason``; ``by_scaler``:
+    the GradScaler skipped its update, counted but not announced). ``anomaly``: a NaN/Inf was found;
+    the session records it (``fresh``; an anomaly recorded earlier in the step only lets ``policy="skip"``
+    drop the gradients of ``opt``) and applies the policy: ``raise`` raises, ``skip`` drops the
+    gradients of ``opt`` (the update about to run) or, when the GradScaler skips the update anyway
+    (``by_scaler``), records the step as skipped; ``warn`` warns. ``late``: found after the update ran,
+    so no policy can skip it (``raise`` raises, the others warn).
+    """
+
+    kind: VerdictKind
+    anomaly: Anomaly | None = None
+    reason: str = ""
+    by_scaler: bool = False
+    opt: Any = None
+    fresh: bool = True
+    late: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+
+OK = Verdict("ok")
+
+
+class TransferView(Protocol):
+    """What the sentinel and the coordinator read of the step's device numbers (``session/transfer.py``)."""
+
+    synced: bool
+    values: dict[str, float]
+    vectors: dict[str, list[float]]
+    readout: Readout
+    loss_vals: list[torch.Tensor]
+    micro_bad: list[torch.Tensor]
+    norms: torch.Tensor | None
+    norm_index: list[int]
+    norms_probe: bool
+    shared: tuple[list[int], int] | None
+    scale_used: torch.Tensor | None
+    grad_norm: float | None
+    grad_norms: list[float] | None
+
+    def plan(self, params: list[torch.Tensor]) -> tuple[Any, list[int]]: ...
+    def fill_shares(self, whole: list[float]) -> None: ...
+    def losses_bad(self) -> list[int]: ...
+    def any_loss_bad(self) -> bool: ...
+    def micro_flagged(self) -> bool: ...
+    def first_bad_micro(self) -> int | None: ...
+    def reset(self) -> None: ...
+
+
+class CoordinatorView(Protocol):
+    """What the sentinel asks of the distributed coordinator (``session/distributed.py``)."""
+
+    def param_share(self, mon: Any) -> list[int] | None: ...
+    def params_flagged(self, mon: Any) -> bool | None: ...
+    def params_agree(self, mine: bool) -> list[int]: ...
+    def step_bad(self, mon: Any) -> bool: ...
+    def anomaly(self, mon: Any) -> Anomaly: ...
+
+
+class SessionView(Protocol):
+    """The narrow view of a watch session that instruments and the sentinel receive (``mon``).
+
+    What they may read and call; everything else of ``Monitor`` is the session's own. Checked by mypy:
+    ``Monitor`` satisfies it, and the sentinel, the coordinator and the async reads are typed with it.
+    """
+
+    config: DebugConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scaler: Any
+    writer: Any
+    run_dir: Path | None
+    global_step: int
+    micro_step: int
+    rank: int
+    world_size: int
+    driver: str | None
+    batch: Any
+    thread: threading.Thread
+    names: dict[nn.Module, str]
+    param_names: list[str]
+    params: list[torch.Tensor]
+    counters: dict[str, int]
+    anomalies: list[Anomaly]
+    installs: Any
+    instruments: list[Any]
+    early_stopping: Any
+    state: StepState
+    uses_cuda: bool
+
+    @property
+    def transfer(self) -> Any: ...
+    @property
+    def coordinator(self) -> CoordinatorView | None: ...
+    @property
+    def adopted(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def compiled(self) -> bool: ...
+    @property
+    def replaying(self) -> bool: ...
+    @property
+    def grad_norm_host(self) -> float | None: ...
+    @property
+    def grad_norms_host(self) -> list[float] | None: ...
+
+    def due(self, every: int | None) -> bool: ...
+    def emit(self, event: RuleEvent) -> None: ...
+    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None: ...
+    def warn_once(self, key: str, message: str) -> None: ...
+    def flush_store(self) -> None: ...
+    def eager(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class Instrument(Protocol):
+    """An instrument of a watch session: a ``name`` and any of the step protocol's methods.
+
+    Every method is optional (the session calls only those that exist), so this protocol names only
+    what all have; the full list, with when each is called, is in docs/architecture.md
+    ("Instrument protocol"): ``install``, ``remove``, ``on_forward_start``, ``on_forward_end``,
+    ``on_backward_start``, ``on_backward_end``, ``on_clip``, ``before_optimizer_step``,
+    ``after_optimizer_step``, ``collect`` (device numbers for the step's one read), ``on_step_end``,
+    ``on_observe``, ``on_exception``, ``on_exit``. Each receives the session as a :class:`SessionView`.
+    """
+
+    name: str
+
+
+HOOKS: tuple[str, ...] = (
+    "install",
+    "remove",
+    "on_forward_start",
+    "on_forward_end",
+    "on_backward_start",
+    "on_backward_end",
+    "on_clip",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "collect",
+    "on_step_end",
+    "on_observe",
+    "on_exception",
+    "on_exit",
+)

@@ -32,17 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import NonFiniteError, TorchDebugWarning
-from .._frames import warn_at_user
-from .._step import Readout, SeenGrads, StepState
-from .._tensors import dtensor_type, finite_probe, grad_of, local, unwrap_optimizer
+from .._step import OK, SCALER_SKIP, Readout, SeenGrads, SessionView, StepState, Verdict
+from .._tensors import dtensor_type, finite_probe, grad_of, local
 from .._trees import tensor_leaves
-from ..events import Anomaly, Phase, RuleEvent
-from .locate import LossTape, StepCapture, replay_capture
+from ..events import Anomaly
+from . import replay
+from .locate import LossTape, StepCapture
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
 _MAX_OUT_HOOKS = 16
-_MAX_ANOMALIES = 1000
 
 
 class Sentinel:
@@ -50,7 +48,7 @@ class Sentinel:
 
     name = "nonfinite"
 
-    def __init__(self, mon: Any) -> None:
+    def __init__(self, mon: SessionView) -> None:
         self.mon = mon
         self.active = False
         self.replaying = False
@@ -64,10 +62,8 @@ class Sentinel:
         self.deferred_step: int | None = None
         self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
-        self.skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
-        # sync="async" (session/deferred.py), while a step is judged one step later: its update already
-        # ran or was skipped on the device (nothing to drop), and its gradients may be gone (no exact check)
-        self.update_held = False
+        # sync="async" (session/deferred.py), while a step is judged one step later: its gradients may be
+        # gone (no exact check)
         self.grads_gone = False
         self._index = {id(p): i for i, p in enumerate(mon.params)}
         # FSDP2 DTensor parameters: the clip's fast path (whole local tensors) does not apply
@@ -100,14 +96,14 @@ class Sentinel:
     def edit_index(self) -> list[int]:
         return self.mon.state.edit_index
 
-    def remove(self, mon: Any = None) -> None:
+    def remove(self, mon: SessionView = None) -> None:
         self.pop_tape(force=True)
 
     # -- forward -------------------------------------------------------------------------------------
-    def on_forward_start(self, mon: Any, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The first forward of a micro-step: keep what its replay needs (references, no copies)."""
         if self.active and mon.config.replay and len(self.st.captures) < _MAX_CAPTURES:
-            self.st.cap = StepCapture.take(args, kwargs, mon._uses_cuda)
+            self.st.cap = StepCapture.take(args, kwargs, mon.uses_cuda)
             if module is not mon.model:
                 self.st.cap.module = module  # a driver hooked the submodule the training step calls
             self.st.cap.batch = mon.batch
@@ -115,7 +111,7 @@ class Sentinel:
         else:
             self.st.cap = None
 
-    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+    def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         cap = self.st.cap
         if cap is None:
             return
@@ -149,7 +145,7 @@ class Sentinel:
         # else: another mode sits on top; the tape stays as a pass-through until it can be popped
 
     # -- backward ------------------------------------------------------------------------------------
-    def on_backward_start(self, mon: Any, loss: Any, gradient: Any) -> None:
+    def on_backward_start(self, mon: SessionView, loss: Any, gradient: Any) -> None:
         cap = self.st.cap
         if cap is not None and isinstance(loss, torch.Tensor):
             cap.loss = loss
@@ -160,47 +156,52 @@ class Sentinel:
         if self.active:
             self.st.seen = SeenGrads(idx, grads, len(self.mon.params))
 
-    def on_backward_end(self, mon: Any) -> None:
-        if (
+    def judges_at_backward_end(self, mon: SessionView) -> bool:
+        """True when the step must be read and judged now, as a backward ends: no optimizer hook will
+        run before the user's update (an update by hand), or every backward is checked."""
+        return (
             (self.manual or self.check_each_backward)
             and self.active
             and mon.driver is None
             and not self.replaying
-        ):
-            # no optimizer hook will run before the user's update: check here, before it
-            mon.sync()
-            self.st.synced_at_backward = True
-            self.check_gradients(at_optimizer=False)
+        )
 
     # -- update --------------------------------------------------------------------------------------
     def update_not_skipped(self) -> None:
         self.st.opt_ran_in_scaler = True  # inside GradScaler.step: the update was not skipped
 
-    def before_update(self, mon: Any, opt: Any) -> None:
-        """Update starting: the gradients are final. The step's transfer and the verdict (may raise)."""
-        self.st.opt_ran = True
-        self.st.opt_ran_in_scaler = True
+    def before_update(self, mon: SessionView, opt: Any) -> bool:
+        """Update starting: the gradients are final. True when the session must read the step now
+        (then :meth:`judge` gives the verdict; a second optimizer in the same step reuses the read)."""
+        st = self.st
+        st.opt_ran = True
+        st.opt_ran_in_scaler = True
         self.manual = False
-        if self.st.synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
-            mon.transfer.synced, self.st.synced_at_backward = False, False
-        if self.active:
-            if not mon.transfer.synced:  # a second optimizer in the same step reuses this step's transfer
-                self.probe_edits(opt)  # clipping, normalisation, unscaling since backward()
-                mon.sync()
-            self.check_gradients(at_optimizer=True, opt=opt)
+        if st.synced_at_backward:  # an optimizer after all: judge the gradients as the update sees them
+            mon.transfer.synced, st.synced_at_backward = False, False
+        return self.wants_read(opt)
 
-    def after_update(self, mon: Any) -> None:
+    def wants_read(self, opt: Any = None) -> bool:
+        """True when the step's numbers are still to be read before a verdict; then the gradients
+        changed since backward() (clipping, normalisation, unscaling) are probed first (device work)."""
+        if not self.active or self.mon.transfer.synced:
+            return False
+        self.probe_edits(opt)
+        return True
+
+    def after_update(self, mon: SessionView) -> None:
         if self.active and not self.st.skipped and self.st.step_anomaly is None:
             # checked on the device now, read with the next transfer (no extra sync). Skipped when this
             # step's gradients were already flagged: non-finite weights are then their consequence.
             # Under DDP each rank probes its share (the parameters are the same on every rank).
-            share = mon._coord.param_share(mon) if mon._coord is not None else None
+            coord = mon.coordinator
+            share = coord.param_share(mon) if coord is not None else None
             self.deferred["param_norms"] = self._param_probe(mon, share)
             self.deferred_index = share
             self.deferred_step = mon.global_step
         self.st.seen = SeenGrads()  # the references are not needed after the update
 
-    def _param_probe(self, mon: Any, share: list[int] | None = None) -> torch.Tensor:
+    def _param_probe(self, mon: SessionView, share: list[int] | None = None) -> torch.Tensor:
         """A finiteness probe of the parameters (``share``: of those only), on the device: one float32
         per tensor, a few torch calls for the whole list (the session's cached plan)."""
         if share is None:
@@ -211,24 +212,20 @@ class Sentinel:
             return finite_probe(mon.params)
         return finite_probe([mon.params[i] for i in share])
 
-    def scaler_step_started(self, mon: Any, scaler: Any) -> None:
+    def scaler_step_started(self, mon: SessionView, scaler: Any) -> None:
         scale = getattr(scaler, "_scale", None)
         if isinstance(scale, torch.Tensor):
             mon.transfer.scale_used = scale.detach().clone()  # the scale backward saw (update() comes later)
         self.st.scaler_ran = True
         self.st.opt_ran_in_scaler = False
 
-    def scaler_step_done(self, mon: Any, scaler: Any, failed: bool = False) -> None:
+    def scaler_step_done(self, mon: SessionView, scaler: Any, failed: bool = False) -> bool:
+        """``GradScaler.step`` returned. True when it skipped the update and the step is to be judged
+        now, while the (unscaled) gradients are still there (users zero them before ``mon.step()``)."""
         if failed or self.st.opt_ran_in_scaler:
-            return
+            return False
         self.st.scaler_skipped = True
-        if self.active and not self.replaying:
-            # the scaler found Inf/NaN and skipped the update: judge it now, while the (unscaled) gradients
-            # are still there (users zero them before mon.step()); this is the step's transfer
-            if not mon.transfer.synced:
-                self.probe_edits()
-                mon.sync()
-            self.check_gradients(at_optimizer=False)
+        return self.active and not self.replaying
 
     def scaler_unscaled(self, opt: Any) -> bool:
         """True once the GradScaler unscaled this step's gradients (``unscale_`` bumps no ``_version``)."""
@@ -303,12 +300,12 @@ class Sentinel:
         self.st.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
 
     # -- step end ------------------------------------------------------------------------------------
-    def manual_update(self, mon: Any) -> bool:
+    def manual_update(self, mon: SessionView) -> bool:
         """True when this step's update ran without an optimizer the session saw (an update by hand)."""
-        return self.active and not self.st.opt_ran and mon.optimizer is None and not mon._adopted
+        return self.active and not self.st.opt_ran and mon.optimizer is None and not mon.adopted
 
-    def before_step_end(self, mon: Any, manual: bool) -> None:
-        """Step end: the verdict when the update did not already give it (may raise)."""
+    def before_step_end(self, mon: SessionView, manual: bool) -> bool:
+        """Step end. True when the step is still to be read and judged (the update did not do it)."""
         if manual and self.st.step_anomaly is None:
             # no optimizer hook: the user's update already ran; check the parameters on the device, read
             # with this transfer, or the next one when this step's already ran (at the end of backward())
@@ -323,25 +320,19 @@ class Sentinel:
                     self.deferred["edit"] = self.st.edit_probe
                     self.deferred_edit_index = list(self.st.edit_index)
                     self.st.edit_probe = None
-        if self.active and not mon.transfer.synced:
-            self.probe_edits()
-            mon.sync()
-            self.check_gradients(at_optimizer=False)
+        return self.wants_read()
 
-    def after_step_end(self, mon: Any, manual: bool) -> None:
-        self.say_skips()
+    def after_step_end(self, mon: SessionView, manual: bool) -> None:
         if manual and mon.driver is None and not self.st.scaler_ran and mon.transfer.micro_bad:
             self.manual = True  # from the next step on, the check runs at the end of backward()
 
-    def final_check(self, mon: Any) -> None:
-        """Session exit: read a pending parameter probe (the last update's)."""
+    def final_check(self, mon: SessionView) -> bool:
+        """Session exit: True when the last update's parameter probe is still to be read."""
         if self.deferred_index is not None and "param_norms" in self.deferred:
             # a DDP rank's share travels with the next step's all-reduce, and there is none: probe all
             self.deferred["param_norms"] = finite_probe(mon.params)
             self.deferred_index = None
-        if self.deferred:
-            mon.transfer.values = {}
-            mon.sync()
+        return bool(self.deferred)
 
     # -- the transfer ---------------------------------------------------------------------------------
     def items(self) -> list[tuple[str, torch.Tensor]]:
@@ -366,14 +357,14 @@ class Sentinel:
         if bad:
             self.st.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
 
-    def read_deferred(self, readout: Readout) -> None:
-        """After the read: the parameter probe of the last update (may raise under ``raise``)."""
+    def read_deferred(self, readout: Readout) -> Verdict:
+        """After the read: the verdict on the last update, from its parameter probe."""
         mon = self.mon
         if "param_norms" not in self.deferred:
-            return
+            return OK
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
         pn = _take(readout.param_probe, sizes["param_norms"])
-        coord = mon._coord
+        coord = mon.coordinator
         flagged = coord.params_flagged(mon) if coord is not None else None
         if flagged is None:  # this rank's own probe
             suspects = []
@@ -388,7 +379,9 @@ class Sentinel:
             if i < len(mon.params)
             and not bool(torch.isfinite(local(mon.params[i].detach())).all())  # exact: rare path
         ]
-        ranks = coord.params_agree(bool(bad)) if flagged else []  # the same decision on every rank
+        ranks = (
+            coord.params_agree(bool(bad)) if coord is not None and flagged else []
+        )  # the same decision on every rank
         step = self.deferred_step
         de = _take(readout.late_edit, sizes["edit"]) if "edit" in sizes else []
         edited, self.deferred_edit_index = self.deferred_edit_index, []
@@ -402,16 +395,13 @@ class Sentinel:
             # a manual update used gradients that an edit after backward() made non-finite
             self.st.edit_bad = edit_bad
             nan = any(math.isnan(x) for x in de)
-            anomaly = self.gradient_edit_anomaly(None, kind="nan" if nan else "inf")
+            anomaly = replay.gradient_edit_anomaly(mon, None, kind="nan" if nan else "inf")
             self.st.edit_bad = []
-            self.record(dataclasses.replace(anomaly, step=step))
-            if mon.config.policy == "raise":
-                mon._flush_store()
-                raise NonFiniteError(self.st.step_anomaly)  # type: ignore[arg-type]
-            mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
-        elif (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
+            return Verdict("anomaly", dataclasses.replace(anomaly, step=step), late=True)
+        if (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
             # blamed on the update only when the gradients it used were finite; else they are the cause
-            self.optimizer_anomaly(bad, step, ranks)
+            return Verdict("anomaly", replay.optimizer_anomaly(mon, bad, step, ranks), late=True)
+        return OK
 
     # -- detection ------------------------------------------------------------------------------------
     def grad_finite(self, i: int, now: bool = False) -> bool:
@@ -460,332 +450,42 @@ class Sentinel:
         found = st.get("found_inf_per_device") if st else None
         return found is not None and any(float(v) > 0 for v in found.values())
 
-    def check_gradients(self, *, at_optimizer: bool, opt: Any = None) -> None:
-        """The step's verdict and the policy (may raise :class:`NonFiniteError`)."""
+    def judge(self, *, at_optimizer: bool, opt: Any = None) -> Verdict:
+        """The step's verdict after its read (``at_optimizer``: as ``opt``'s update is about to run).
+        The session applies it (records, the policy); building an anomaly replays the step (rare)."""
         mon = self.mon
-        coord = mon._coord
+        st = self.st
+        coord = mon.coordinator
         bad = self.grads_bad() if coord is None else coord.step_bad(mon)  # the same on every rank
-        if self.st.step_anomaly is not None:
-            if at_optimizer and opt is not None and self.st.grad_anomaly and mon.config.policy == "skip":
-                self.drop_grads(opt)  # flagged at the end of backward(), before an optimizer turned up
-            return
-        if not bad or (self.st.skipped and not at_optimizer):
-            return
-        scaler_skip = (self.st.scaler_ran and self.st.scaler_skipped) or (
+        if st.step_anomaly is not None:
+            # flagged at the end of backward(), before an optimizer turned up: policy "skip" drops its
+            # gradients now
+            drop = opt if at_optimizer and st.grad_anomaly else None
+            return Verdict("anomaly", st.step_anomaly, opt=drop, fresh=False)
+        if not bad or (st.skipped and not at_optimizer):
+            return OK
+        scaler_skip = (st.scaler_ran and st.scaler_skipped) or (
             at_optimizer and mon.driver is not None and self.scaler_will_skip(opt)
         )
-        if scaler_skip and at_optimizer and self.scaler_cannot_fix() is None:
-            # a driver announced the update after scaler.unscale_() found Inf/NaN: scaler.step() skips it
-            self.mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
-            return
-        if not at_optimizer:
-            if scaler_skip:
-                if self.scaler_cannot_fix() is None:
-                    self.mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
-                    return
-            elif (mon.optimizer is not None or mon._adopted) and not self.st.synced_at_backward:
-                self.mark_skipped("non-finite gradients and the optimizer step was not called")
-                return
-        late = not at_optimizer and not scaler_skip and not self.st.synced_at_backward
+        if scaler_skip and self.scaler_cannot_fix() is None:
+            # at the update: a driver announced it after scaler.unscale_() found Inf/NaN (scaler.step()
+            # skips it); at the step end: the scaler skipped it
+            return Verdict("skip", reason=SCALER_SKIP, by_scaler=True)
+        if (
+            not at_optimizer
+            and not scaler_skip
+            and (mon.optimizer is not None or mon.adopted)
+            and not st.synced_at_backward
+        ):
+            return Verdict("skip", reason="non-finite gradients and the optimizer step was not called")
+        late = not at_optimizer and not scaler_skip and not st.synced_at_backward
         anomaly = self.build_anomaly(late=late) if coord is None else coord.anomaly(mon)
-        self.st.grad_anomaly = True
-        self.record(anomaly)
-        policy = mon.config.policy
-        if policy == "skip":
-            if at_optimizer and opt is not None:
-                self.drop_grads(opt)
-            elif scaler_skip:
-                self.mark_skipped(f"skipped by the GradScaler: {anomaly.summary()}", severity="info")
-            else:
-                mon._warn_once(
-                    "skip-needs-opt", "policy='skip' needs the optimizer's step to skip it; recorded only"
-                )
-            return
-        if policy == "warn":
-            mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()} (policy='warn': training goes on)")
-            return
-        mon._flush_store()
-        raise NonFiniteError(anomaly)
-
-    def drop_grads(self, opt: Any) -> None:
-        if not self.update_held:  # sync="async": the device skipped the update already
-            for g in unwrap_optimizer(opt).param_groups:
-                for p in g["params"]:
-                    p.grad = None  # the optimizer skips parameters without grads: no update, no state change
-        self.mark_skipped(f"skipped by policy: {self.st.step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
-
-    # -- anomalies ------------------------------------------------------------------------------------
-    def optimizer_anomaly(self, bad: list[str], step: int | None, ranks: list[int] | None = None) -> None:
-        """The update made parameters non-finite from finite gradients. ``bad``: this rank's non-finite
-        parameters (empty when only another rank's shards are, under FSDP2); ``ranks``: with several
-        ranks, those whose parameters are non-finite (every rank takes the same decision)."""
-        mon = self.mon
-        op = type(mon.optimizer).__name__ + ".step" if mon.optimizer is not None else "optimizer.step"
-        # several ranks: named when only some hold non-finite parameters (FSDP2 shards); under DDP
-        # every rank holds the same parameters, so the update made them non-finite on every rank
-        ranks = ranks or []
-        some = 0 < len(ranks) < mon.world_size
-        if not bad:  # another rank's shards: its own record names the parameters
-            anomaly = Anomaly(
-                phase=Phase.OPTIMIZER.value,
-                module=None,
-                op=op,
-                location=None,
-                kind="nan",
-                step=step,
-                rank=ranks[0] if ranks else mon.rank,
-                world_size=mon.world_size,
-                hint="the optimizer update made parameters non-finite on another rank: its record names them",
-                symptom="non-finite parameters after the optimizer step",
-                detected_by=f"rank {ranks[0]}" if ranks else "sentinel",
-            )
-            self._raise_or_warn(anomaly)
-            return
-        first = bad[0]
-        owner = first.rpartition(".")[0]
-        mod = mon.model.get_submodule(owner) if owner else mon.model
-        stats = None
-        with contextlib.suppress(Exception):
-            from ..stats import analyze_tensor
-
-            stats = analyze_tensor(local(dict(mon.model.named_parameters())[first].detach()), first)
-        kind = (
-            "nan"
-            if stats is not None and stats.has_nan
-            else ("inf" if stats is None or stats.posinf_count else "-inf")
-        )
-        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])})" if len(bad) > 1 else ""
-        anomaly = Anomaly(
-            phase=Phase.OPTIMIZER.value,
-            module=owner,
-            op=op,
-            location=None,
-            kind=kind,
-            step=step,
-            rank=mon.rank,
-            world_size=mon.world_size if some else 1,
-            tensor=stats,
-            module_type=type(mod).__name__,
-            hint=f"the optimizer update made {first} non-finite{more}: check lr, eps, weight decay and the update formula",
-            symptom=f"{kind} in parameter {first} after the optimizer step",
-            detected_by="sentinel",
-            parameter=first,
-        )
-        self._raise_or_warn(anomaly)
-
-    def _raise_or_warn(self, anomaly: Anomaly) -> None:
-        mon = self.mon
-        self.record(anomaly)
-        if mon.config.policy == "raise":
-            mon._flush_store()
-            raise NonFiniteError(anomaly)
-        mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
+        st.grad_anomaly = True
+        return Verdict("anomaly", anomaly, by_scaler=scaler_skip, opt=opt if at_optimizer else None)
 
     def build_anomaly(self, late: bool = False) -> Anomaly:
-        """The anomaly of this step's bad gradients or loss: replayed (the first one) to its origin.
-
-        ``late``: checked at ``mon.step()`` after an update the session did not see start; when that
-        update already made the parameters non-finite a replay would blame them, so it is not replayed.
-        """
-        mon = self.mon
-        t = mon.transfer
-        bad_micro = t.first_bad_micro()
-        losses_bad = t.losses_bad()
-        idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
-        micro = idx if len(t.micro_bad) > 1 else None
-        if self.st.edit_bad and not t.micro_flagged() and not losses_bad:
-            # backward() made finite gradients (measured then); code before the update made them non-finite
-            return self.gradient_edit_anomaly(micro)
-        first_replay = mon.counters["replays"] == 0
-        replayable = not (late and self.st.params_bad_now)
-        if mon.config.replay and first_replay and replayable and idx < len(self.st.captures):
-            mon.counters["replays"] += 1
-            self.replaying = True
-            try:
-                # A fault that does not come back when the step is re-run is information (a one-off
-                # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
-                for _ in range(2):
-                    with mon._plain.eager():
-                        tracer = replay_capture(
-                            mon.model,
-                            self.st.captures[idx],
-                            names=mon.names,
-                            frames=mon.config.frames,
-                            uses_cuda=mon._uses_cuda,
-                        )
-                    a = tracer.anomaly(
-                        step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel"
-                    )
-                    if a is not None:
-                        return dataclasses.replace(a, reproducible=True)
-                return self.symptom_anomaly(micro, losses_bad, reproduced=False)
-            except Exception as exc:
-                mon._warn_once(
-                    "replay",
-                    f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only",
-                )
-                return self.symptom_anomaly(micro, losses_bad, why="the replay failed")
-            finally:
-                self.replaying = False
-        why = "only the first anomaly of a session is replayed"
-        if not mon.config.replay:
-            why = "replay is off (config.replay=False)"
-        elif first_replay and not replayable:
-            why = (
-                "your update (no optimizer object) ran before the check and made the parameters non-finite; "
-                "call mon.update_starting() before it"
-            )
-        elif first_replay:
-            why = "the failing micro-step was not captured"
-        return self.symptom_anomaly(micro, losses_bad, why=why)
-
-    def gradient_edit_anomaly(self, micro: int | None, kind: str | None = None) -> Anomaly:
-        mon = self.mon
-        bad = [mon.param_names[i] for i in self.st.edit_bad]
-        first = bad[0] if bad else None
-        owner = first.rpartition(".")[0] if first else ""
-        mod = mon.model.get_submodule(owner) if owner else mon.model
-        g = mon.params[self.st.edit_bad[0]].grad if self.st.edit_bad else None
-        if kind is None:
-            kind = "nan" if g is not None and bool(torch.isnan(g).any()) else "inf"  # exact: rare path only
-        more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
-        return Anomaly(
-            phase=Phase.GRADIENT_EDIT.value,
-            module=owner,
-            op=None,
-            location=None,
-            kind=kind,
-            step=mon.global_step,
-            rank=mon.rank,
-            module_type=type(mod).__name__,
-            micro_step=micro,
-            symptom=f"non-finite gradient of {first} when the update started{more}",
-            detected_by="sentinel",
-            hint=(
-                "backward() made finite gradients (measured right after it); code between backward() and "
-                "the update made them non-finite: gradient clipping (a NaN max_norm), a manual normalisation "
-                "(0/0), GradScaler.unscale_ with a zero scale, or a gradient hook"
-            ),
-            parameter=first,
-        )
-
-    def symptom_anomaly(
-        self, micro: int | None, losses_bad: list[int], reproduced: bool | None = None, why: str = ""
-    ) -> Anomaly:
-        mon = self.mon
-        per = mon.transfer.grad_norms or []
-        bad = [mon.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
-        loss_bad = bool(losses_bad)
-        kind = "nan" if any(math.isnan(x) for x in per) else "inf"
-        if reproduced is False:
-            # Say what was seen and what was compared; name no origin the replay could not confirm.
-            losses = mon.transfer.readout.losses
-            loss_kinds = sorted(
-                {"nan" if math.isnan(losses[i]) else "inf" for i in losses_bad if i < len(losses)}
-            )
-            if loss_kinds == ["nan"] or (not per and loss_kinds):
-                kind = loss_kinds[0]
-            seen = []
-            if loss_bad:
-                seen.append(f"the loss ({'/'.join(loss_kinds) or 'non-finite'})")
-            if bad:
-                more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-                seen.append(f"the gradients of {', '.join(bad[:4])}{more}")
-            observed = " and ".join(seen) or "a non-finite value"
-            return Anomaly(
-                phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
-                module=None,
-                op=None,
-                location=None,
-                kind=kind,
-                step=mon.global_step,
-                rank=mon.rank,
-                micro_step=micro,
-                symptom=f"{observed} held NaN/Inf in the step",
-                detected_by="sentinel",
-                hint=(
-                    f"not reproducible: in the step, {observed} held NaN/Inf; replayed twice with the same "
-                    "batch, weights, buffers and RNG state, the loss and every gradient came out finite. "
-                    "Likely a one-off fault: hardware or silent data corruption, a nondeterministic "
-                    "kernel or race, a hook or state that changed between the step and the replay, or "
-                    "loss code the replay did not capture"
-                ),
-                reproducible=False,
-            )
-        first = bad[0] if bad else None
-        owner = first.rpartition(".")[0] if first else ""
-        mod = mon.model.get_submodule(owner) if owner else mon.model
-        symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"
-        return Anomaly(
-            phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
-            module=owner if not loss_bad else "",
-            op=None,
-            location=None,
-            kind=kind,
-            step=mon.global_step,
-            rank=mon.rank,
-            module_type=type(mod).__name__,
-            micro_step=micro,
-            symptom=symptom + (f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""),
-            detected_by="sentinel (no replay)",
-            hint=f"origin not traced: {why}; use td.locate_nonfinite(step_fn) for the exact op",
-            parameter=first,
-        )
-
-    def record(self, anomaly: Anomaly) -> None:
-        mon = self.mon
-        self.st.step_anomaly = anomaly
-        mon.counters["anomaly_steps"] += 1
-        if len(mon.anomalies) < _MAX_ANOMALIES:
-            mon.anomalies.append(anomaly)
-        if mon.writer is not None:
-            with contextlib.suppress(Exception):
-                mon.writer.log_anomaly(anomaly.step, anomaly.to_dict())
-
-    # -- skipped steps ----------------------------------------------------------------------------------
-    def mark_skipped(self, reason: str, scaler: bool = False, severity: str = "warning") -> None:
-        mon = self.mon
-        self.st.skipped = True
-        self.st.skip_reason = reason
-        mon.counters["skipped_steps"] += 1
-        if not scaler:
-            mon.emit(RuleEvent("skipped_step", mon.global_step, reason, severity))
-
-    def note_scaler_skip(self) -> None:
-        """Step end: a step the GradScaler skipped is a skipped step (never an anomaly by itself)."""
-        if self.st.scaler_ran and self.st.scaler_skipped and not self.st.skipped:
-            self.mark_skipped("GradScaler found inf/NaN gradients (loss scale too high)", scaler=True)
-
-    def say_skips(self, at_exit: bool = False) -> None:
-        """policy="skip": say a run of skipped steps once when it starts and once, with its count, when it ends."""
-        mon = self.mon
-        run = self.skip_run
-        if not at_exit and self.st.skipped and self.st.skip_reason.startswith("skipped by policy"):
-            if run is not None:
-                run[1] += 1
-                return
-            self.skip_run = [mon.global_step, 1]
-            warn_at_user(
-                TorchDebugWarning(
-                    f"torchdebug: step {mon.global_step} {self.st.skip_reason}; the parameters and the "
-                    "optimizer state are unchanged (policy='skip'). Skipped steps in a row are counted "
-                    "and said once when they stop"
-                )
-            )
-            return
-        if run is None:
-            return
-        self.skip_run = None
-        first, n = run
-        span = f"step {first}" if n == 1 else f"steps {first}-{first + n - 1}"
-        after = "when the run ended" if at_exit else f"training resumed at step {mon.global_step}"
-        message = f"{n} step{'s' if n != 1 else ''} skipped by policy='skip' ({span}); {after}"
-        mon.emit(
-            RuleEvent(
-                "skipped_steps", mon.global_step, message, "info", evidence={"first": first, "count": n}
-            )
-        )
-        warn_at_user(TorchDebugWarning(f"torchdebug: {message}"))
+        """This step's anomaly, replayed to its origin (the rare path, :mod:`.replay`)."""
+        return replay.step_anomaly(self.mon, self, late=late)
 
 
 def _take(numbers: list[float], n: int) -> list[float]:

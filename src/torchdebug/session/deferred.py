@@ -110,7 +110,7 @@ class DeferredReads:
             return "the NaN/Inf sentinel is off"  # nothing to protect: said nowhere (the user's choice)
         if mon.driver is not None:
             reason = f"the {mon.driver} driver owns the update"
-        elif mon._coord is not None:
+        elif mon.coordinator is not None:
             reason = "several ranks decide each step together (one all-reduced verdict)"
         elif mon.scaler is not None and getattr(mon.scaler, "is_enabled", lambda: True)():
             reason = "a GradScaler owns the optimizer's found_inf"
@@ -134,7 +134,7 @@ class DeferredReads:
                 # would keep it if skipped): that one step is read blocking, said nowhere
                 return "its state does not exist yet" if not opt.state else None
             reason = cached
-        mon._warn_once(
+        mon.warn_once(
             f"async:{reason}",
             f"torchdebug: sync='async' falls back to the blocking read (one host sync per step): {reason}",
         )
@@ -279,7 +279,7 @@ class DeferredReads:
     def _fail(self, exc: BaseException) -> None:
         """A failure of this machinery never stops training: one warning, blocking reads from now on."""
         mon = self.mon
-        mon._warn_once(
+        mon.warn_once(
             "async:failed",
             f"torchdebug: sync='async' failed ({exc!r}) and was switched off: the session reads each "
             "step blocking from now on",
@@ -320,12 +320,13 @@ class DeferredReads:
         )
         mon.state, mon.global_step = p.state, p.step
         s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
-        s.update_held = True  # the update ran (or was skipped on the device) already: nothing to drop
+        mon.verdicts.update_held = True  # the update ran (or was skipped on the device): nothing to drop
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
             mon.transfer.unpack(p.spec[2:], host[2:])
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
-            s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
+            # the verdict (may replay), then recorded and the policy applied (may raise)
+            mon.verdicts.apply(s.judge(at_optimizer=True, opt=p.opt))
             if halt > 0 and not mon.state.skipped:
                 held = bad == 0 and mon.state.step_anomaly is None
                 why = (
@@ -335,13 +336,16 @@ class DeferredReads:
                 )
                 if held and mon.config.policy == "skip":
                     why = "skipped by policy: " + why  # counted with the run of skipped steps
-                s.mark_skipped(why, severity="info")  # the anomaly (or the earlier one) was said already
+                mon.verdicts.mark_skipped(
+                    why, severity="info"
+                )  # the anomaly (or the earlier one) was said already
             record = mon._record(lr=p.lr, time_s=p.time_s)
+            mon.verdicts.say_skips()
             s.after_step_end(mon, False)
             mon._each("on_step_end", record, record.values)
             mon._keep(record)
         finally:
-            s.update_held = s.grads_gone = False
+            mon.verdicts.update_held = s.grads_gone = False
             t = mon.transfer
             mon.state, mon.global_step, d = live
             mon.transfer.grad_norm, mon.transfer.grad_norms = t.grad_norm, t.grad_norms

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from . import distributed as _distributed
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
 from .transfer import Items, Transfer
+from .verdicts import Verdicts
 
 POLICIES = ("raise", "warn", "skip")
 SYNCS = ("blocking", "async")
@@ -207,6 +208,7 @@ class Monitor:
         self._enabled = self.config.instruments()
         self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
         self.sentinel = Sentinel(self)
+        self.verdicts = Verdicts(self)  # applies the sentinel's verdicts: records, the policy, skips
         self.sentinel.active = "nonfinite" in self._enabled
         # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
         self._async = DeferredReads(self) if self.config.sync == "async" else None
@@ -214,7 +216,7 @@ class Monitor:
         self._entered = False
         self._closed = False
         self._warned: set[str] = set()
-        self._uses_cuda = any(p.is_cuda for p in self.params)
+        self.uses_cuda = any(p.is_cuda for p in self.params)
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
@@ -282,7 +284,11 @@ class Monitor:
             if idx:
                 self.sentinel.saw_gradients(idx, grads)
         self._each("on_backward_end")
-        self.sentinel.on_backward_end(self)  # a loop that updates by hand is checked here
+        if self.sentinel.judges_at_backward_end(self):
+            # an update by hand (or every backward checked): no optimizer hook runs before the update
+            self.sync()
+            self.state.synced_at_backward = True
+            self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
 
     def update_starting(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update is about to start and the gradients are final.
@@ -300,7 +306,10 @@ class Monitor:
             # scheduler stepped before mon.step() must not change what the step records)
             state.lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
         if self._async is None or not self._async.update_starting(opt):
-            self.sentinel.before_update(self, opt)
+            if self.sentinel.before_update(self, opt):
+                self.sync()  # the step's one read (a second optimizer in the step reuses it)
+            if self.sentinel.active:
+                self.verdicts.apply(self.sentinel.judge(at_optimizer=True, opt=opt))  # may raise or skip
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
@@ -321,7 +330,10 @@ class Monitor:
 
     def scaler_step_done(self, scaler: Any, failed: bool = False) -> None:
         """``GradScaler.step`` returned: when it skipped the update, the sentinel judges it now."""
-        self.sentinel.scaler_step_done(self, scaler, failed)
+        if self.sentinel.scaler_step_done(self, scaler, failed):  # skipped: judged now, gradients still here
+            if self.sentinel.wants_read():
+                self.sync()
+            self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
 
     def clip_starting(self, params: list[Any]) -> list[int]:
         """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
@@ -349,13 +361,16 @@ class Monitor:
         sentinel, transfer = self.sentinel, self.transfer
         manual = sentinel.manual_update(self)
         synced = transfer.synced
-        sentinel.before_step_end(self, manual)  # the verdict, when the update did not give it
+        if sentinel.before_step_end(self, manual):  # the verdict, when the update did not give it
+            self.sync()
+            self.verdicts.apply(sentinel.judge(at_optimizer=False))
         if synced:
             transfer.read(self._collect())  # numbers made after the optimizer step (detail steps only)
         elif not sentinel.active:
             self.sync()
-        sentinel.note_scaler_skip()
+        self.verdicts.note_scaler_skip()
         record = self._record()
+        self.verdicts.say_skips()
         sentinel.after_step_end(self, manual)
         self._each("on_step_end", record, record.values)
         self._keep(record)
@@ -389,7 +404,7 @@ class Monitor:
         if any([t.is_meta for _, t in items]):
             # a model on the meta device computes shapes only: there are no values to read or check
             items = [(k, t) for k, t in items if not t.is_meta]
-            self._warn_once(
+            self.warn_once(
                 "meta",
                 "torchdebug: tensors on the meta device hold no values: the NaN/Inf checks and the "
                 "numbers of this run skip them (move the model to a real device to check it)",
@@ -418,7 +433,7 @@ class Monitor:
             values["grad_norm"] = self._coord.global_grad_norm(self, values["grad_norm"], scale)
             self.transfer.grad_norm = values["grad_norm"]
             self.transfer.grad_norms = self._coord.global_grad_norms(self, self.transfer.grad_norms, scale)
-        self.sentinel.read_deferred(readout)  # the last update's parameter probe (may raise)
+        self.verdicts.apply(self.sentinel.read_deferred(readout))  # the last update's probe (may raise)
 
     def _collect(self) -> Items:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
@@ -532,6 +547,22 @@ class Monitor:
         return self.sentinel.replaying
 
     @property
+    def coordinator(self) -> Any:
+        """The distributed coordinator (several ranks, or a hang timeout), or None."""
+        return self._coord
+
+    @property
+    def adopted(self) -> bool:
+        """True once an optimizer of the session's parameters was adopted (``watch`` got none)."""
+        return bool(self._adopted)
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the model eagerly while the sentinel replays a step (bypasses an in-place compile)."""
+        with self._plain.eager():
+            yield
+
+    @property
     def transfer(self) -> Transfer:
         """The step's device numbers and their one read (``self.state.transfer``)."""
         return self.state.transfer  # type: ignore[no-any-return]
@@ -614,8 +645,10 @@ class Monitor:
                     self._call(inst, "on_exception", exc)
             if exc is None and self.sentinel.active:
                 with contextlib.suppress(Exception):
-                    self.sentinel.final_check(self)
-            self.sentinel.say_skips(at_exit=True)
+                    if self.sentinel.final_check(self):  # the last update's parameter probe
+                        self.transfer.values = {}
+                        self.sync()
+            self.verdicts.say_skips(at_exit=True)
             for inst in list(self.instruments):
                 self._call(inst, "on_exit")
             if late is not None:
@@ -698,7 +731,7 @@ class Monitor:
         if not (cfg.report_to or cfg.tensorboard or self._sink_objects) or self.rank != 0:
             return  # rank 0 reports the run; the other ranks' records stay in their run files
         if self.writer is None or not hasattr(self.writer, "add_listener"):
-            self._warn_once("sinks", "torchdebug: no run folder, so report_to sends nothing this session")
+            self.warn_once("sinks", "torchdebug: no run folder, so report_to sends nothing this session")
             return
         from ..sinks import RunInfo, SinkHub, build_sinks
 
@@ -758,12 +791,14 @@ class Monitor:
             self._build_instrument(name)
         self._plain.guard_module_hooks()
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn (at the user's line) once per ``key`` in this session."""
         if key not in self._warned:
             self._warned.add(key)
             warn_at_user(TorchDebugWarning(message))  # the user's line, wherever the check runs
 
-    def _flush_store(self) -> None:
+    def flush_store(self) -> None:
+        """Flush the run store (before raising: what led to the error is on disk)."""
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 self.writer.flush()
