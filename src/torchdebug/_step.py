@@ -277,7 +277,7 @@ class SessionView(Protocol):
     counters: dict[str, int]
     anomalies: list[Anomaly]
     installs: Any
-    instruments: list[Any]
+    instruments: list[Instrument]
     early_stopping: Any
     state: StepState
     uses_cuda: bool
@@ -320,21 +320,3 @@ class Instrument(Protocol):
     """
 
     name: str
-
-
-HOOKS: tuple[str, ...] = (
-    "install",
-    "remove",
-    "on_forward_start",
-    "on_forward_end",
-    "on_backward_start",
-    "on_backward_end",
-    "on_clip",
-    "before_optimizer_step",
-    "after_optimizer_step",
-    "collect",
-    "on_step_end",
-    "on_observe",
-    "on_exception",
-    "on_exit",
-)

@@ -96,7 +96,7 @@ class Sentinel:
     def edit_index(self) -> list[int]:
         return self.mon.state.edit_index
 
-    def remove(self, mon: SessionView = None) -> None:
+    def remove(self, mon: SessionView | None = None) -> None:
         self.pop_tape(force=True)
 
     # -- forward -------------------------------------------------------------------------------------
@@ -208,7 +208,8 @@ class Sentinel:
             plan, _ = mon.transfer.plan(mon.params)
             if plan is not None:
                 with contextlib.suppress(RuntimeError, ValueError):
-                    return plan.sums(mon.params)
+                    sums: torch.Tensor = plan.sums(mon.params)
+                    return sums
             return finite_probe(mon.params)
         return finite_probe([mon.params[i] for i in share])
 

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,10 +38,8 @@ from .._errors import NonFiniteError
 from .._step import StepState
 from .._tensors import Items, local
 from ..events import StepRecord
+from .protocol import Session
 from .transfer import stack
-
-if TYPE_CHECKING:
-    from .monitor import Monitor
 
 _MAX_PENDING = 2  # steps whose numbers are in flight; one more blocks on the oldest (bounded memory)
 _BAD = "_async_bad"  # this step's own items held a non-finite value
@@ -92,7 +90,7 @@ def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
 class DeferredReads:
     """The async read of one session (``config.sync == "async"``); see the module docstring."""
 
-    def __init__(self, mon: Monitor) -> None:
+    def __init__(self, mon: Session) -> None:
         self.mon = mon
         self.pending: deque[_Pending] = deque()
         self.staged: _Pending | None = None  # this step's numbers, staged at update_starting

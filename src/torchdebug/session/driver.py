@@ -24,17 +24,15 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from .._installs import Installs
+from .protocol import Session
 
-if TYPE_CHECKING:
-    from .monitor import Monitor
-
-_ACTIVE: list[Monitor] = []  # the sessions the global patches serve
+_ACTIVE: list[Session] = []  # the sessions the global patches serve
 _TLS = threading.local()
 _ORIGINALS: dict[str, Any] = {}  # non-empty while the global patches are installed
 _PATCHES = Installs()  # the global patches, shared by every active session
@@ -158,7 +156,7 @@ def _getstate_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(orig)
     def __getstate__(self: nn.Module) -> dict:
-        state = orig(self)
+        state: dict = orig(self)
         for key, hooks in list(state.items()):
             if not (key.startswith("_") and "hooks" in key and isinstance(hooks, dict) and hooks):
                 continue
@@ -231,7 +229,7 @@ class PlainLoopDriver:
     module the session names and watches.
     """
 
-    def __init__(self, mon: Monitor, root: nn.Module, model: nn.Module) -> None:
+    def __init__(self, mon: Session, root: nn.Module, model: nn.Module) -> None:
         self.mon = mon
         self.root = root
         self.model = model

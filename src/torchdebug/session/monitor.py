@@ -35,56 +35,39 @@ plain-loop driver and global patches (:mod:`torchdebug.session.driver`), the dis
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
-import os
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._config import DebugConfig, DebugLevel, check_path, coerce_config
-from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
+from .._config import DebugLevel
+from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
-from .._step import StepPhase, StepState
+from .._step import Instrument, StepPhase, StepState
 from .._tensors import unwrap_optimizer
-from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
+from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
+from .control import Controls
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
+from .options import check_options
+from .recording import Recording
 from .transfer import Items, Transfer
 from .verdicts import Verdicts
 
-POLICIES = ("raise", "warn", "skip")
-SYNCS = ("blocking", "async")
 _MAX_EVENTS = 10_000
 
-# instrument name -> (module, class); each class is constructed with no arguments
-_INSTRUMENTS: dict[str, tuple[str, str]] = {
-    "gradients": ("torchdebug.health.instrument", "GradientHealth"),
-    # alone (no "gradients"): GradientHealth records these itself when it runs, see _wanted()
-    "activations": ("torchdebug.health.standalone", "ActivationInstrument"),
-    "gradient_details": ("torchdebug.health.standalone", "WeightInstrument"),
-    "device_placement": ("torchdebug.session.placement", "DevicePlacementInstrument"),
-    "memory": ("torchdebug.memory.instrument", "MemoryInstrument"),
-    "module_memory": ("torchdebug.memory.instrument", "ModuleMemoryInstrument"),
-    "timing": ("torchdebug.perf.timing", "TimingInstrument"),
-    "module_time": ("torchdebug.perf.timing", "ModuleTimeInstrument"),
-    "flops": ("torchdebug.perf.flops", "FlopsInstrument"),
-    "profiler": ("torchdebug.perf.profiler", "ProfilerInstrument"),
-    "step_details": ("torchdebug.health.details", "StepDetails"),
-}
 
-
-class Monitor:
+class Monitor(Controls, Recording):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(
@@ -104,59 +87,22 @@ class Monitor:
         announce: bool | None = None,
         sync: str | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config, self._sink_objects = check_options(
+            model,
+            optimizer,
+            policy,
+            scaler,
+            run,
+            config,
+            tensorboard,
+            clip_on_spike,
+            on_oom,
+            report_to,
+            announce,
+            sync,
+        )  # TypeError / ValueError / ConfigError / ImportError naming the fix, before anything is installed
         optimizer = unwrap_optimizer(optimizer)
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"watch(..., optimizer=): expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        cfg = coerce_config(config)
-        changes: dict[str, Any] = {}
-        if policy is not None:
-            if not isinstance(policy, str) or policy.lower() not in POLICIES:
-                raise ValueError(
-                    f"watch(..., policy={policy!r}): policy must be one of {', '.join(POLICIES)}"
-                )
-            changes["policy"] = policy.lower()
-        if tensorboard is not None:
-            changes["tensorboard"] = tensorboard
-        if clip_on_spike is not None:
-            changes["clip_on_spike"] = clip_on_spike
-        if on_oom is not None:
-            changes["on_oom"] = on_oom
-        self._sink_objects: list[Any] = []  # Sink objects / SummaryWriters given in report_to
-        if report_to is not None:
-            items = [report_to] if isinstance(report_to, str) else report_to
-            if not isinstance(items, (list, tuple)):
-                items = [items]
-            changes["report_to"] = [i for i in items if isinstance(i, str)]
-            self._sink_objects = [i for i in items if not isinstance(i, str)]
-        if announce is not None:
-            changes["announce"] = announce
-        if sync is not None:
-            if not isinstance(sync, str) or sync.lower() not in SYNCS:
-                raise ValueError(f"watch(..., sync={sync!r}): sync must be one of {', '.join(SYNCS)}")
-            changes["sync"] = sync.lower()
-        self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
-        if self.config.report_to or self.config.tensorboard or self._sink_objects:
-            from ..sinks import as_sink, require, resolve_names
-
-            if run is False or (run is None and not self.config.store):
-                raise ConfigError(
-                    "report_to / tensorboard send the run's records as the run folder gets them, so they "
-                    "need the run store: drop run=False (or store=False), or drop report_to"
-                )
-            resolve_names(self.config.report_to)  # a missing library: ImportError naming the extra, now
-            if self.config.tensorboard:
-                require("tensorboard")
-            for obj in self._sink_objects:
-                as_sink(obj)  # a TypeError for anything else, now
-        if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "step", "update")):
-            raise TypeError(
-                f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
-            )
         self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
         # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
         # names, parameters and the instruments see the original (no "_orig_mod." prefix anywhere)
@@ -170,8 +116,6 @@ class Monitor:
         self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
         self.scaler = scaler
         self.early_stopping = early_stopping
-        if isinstance(run, (str, bytes, os.PathLike)):
-            check_path(os.fspath(run), "run")  # a NUL byte would only fail later, inside the user's `with`
         self._run_arg = run
         # everything the session and its instruments install: taken off in _teardown, whatever failed
         self.installs = Installs()
@@ -192,7 +136,7 @@ class Monitor:
         self.writer: Any = None
         self.run_dir: Path | None = None
         self.step_scalars: dict[str, float] = {}  # the last step's own scalars, as stored
-        self.instruments: list[Any] = []
+        self.instruments: list[Instrument] = []
         self.anomalies: list[Anomaly] = []
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
@@ -500,47 +444,6 @@ class Monitor:
         """True once the session has exited."""
         return self._closed
 
-    # -- how a session reads in a notebook or a debugger -----------------------------------------
-    @property
-    def status(self) -> str:
-        """``"not started"`` (before ``with``), ``"active"``, or ``"closed"`` (after ``with``)."""
-        if not self._entered:
-            return "not started"
-        return "closed" if self._closed else "active"
-
-    def _findings(self) -> tuple[int, list[RuleEvent]]:
-        """(anomalies so far, the warning/error rule events so far)."""
-        return len(self.anomalies), [e for e in self.events if e.severity != "info"]
-
-    def __repr__(self) -> str:
-        n, warned = self._findings()
-        where = f", run {self.run_dir}" if self.run_dir is not None else ""
-        return (
-            f"<Monitor {self.status}: step {self.global_step}, {n} anomal{'y' if n == 1 else 'ies'}, "
-            f"{len(warned)} warning{'' if len(warned) == 1 else 's'}{where}>"
-        )
-
-    def _repr_html_(self) -> str:
-        """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
-        from ..events import html_table
-
-        n, warned = self._findings()
-        rows: list[tuple[str, Any]] = [
-            ("status", self.status),
-            ("step", self.global_step),
-            ("anomalies", n if n == 0 else f"{n}, first: {self.anomalies[0].summary()}"),
-            (
-                "warnings",
-                len(warned)
-                if not warned
-                else f"{len(warned)}: {', '.join(sorted({e.kind for e in warned}))}",
-            ),
-            ("run folder", self.run_dir if self.run_dir is not None else "none"),
-        ]
-        colour = "#c0392b" if n else ("#b9770e" if warned else "#1e8449")
-        title = f"torchdebug watch of {type(self.model).__name__}"
-        return html_table(title, colour, rows, "torchdebug-monitor")
-
     @property
     def replaying(self) -> bool:
         """True while the sentinel replays a failing micro-step (drivers ignore what it does)."""
@@ -680,128 +583,13 @@ class Monitor:
         self._plain.remove()
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self._reset_step()
-        status = "finished" if exc is None else "failed"
-        if self.writer is not None and self._owns_writer:
-            with contextlib.suppress(Exception):
-                self.writer.close(status=status)
-        if self._hub is not None:
-            hub, self._hub = self._hub, None
-            if not self._owns_writer:
-                with contextlib.suppress(Exception):
-                    self.writer.flush()  # the listener has what was logged
-                self.writer.remove_listener(hub.feed)
-            with contextlib.suppress(Exception):
-                lost = getattr(self.writer, "lost", 0)  # records the store could not write
-                hub.close(status, self.global_step - 1 if self.global_step else None, lost)
-
-    def _open_store(self) -> None:
-        run = self._run_arg
-        self._owns_writer = False
-        if run is False or (run is None and not self.config.store):
-            return
-        if run is not None and hasattr(run, "log_scalars"):
-            self.writer = run
-        else:
-            try:
-                from ..store import create_run
-            except ImportError:
-                return
-            root = os.fspath(run) if run is not None else self.config.run_dir
-            name = self.config.run_name or type(self.model).__name__.lower()
-            cfg = self.config.to_dict()
-            try:
-                self.writer = _distributed.create_run_for(
-                    create_run, root, name, cfg, self.rank, self.world_size, self._has_pg
-                )
-            except (OSError, RunStoreError) as exc:
-                # recording is a convenience: training goes on without a run folder
-                warn_at_user(
-                    TorchDebugWarning(
-                        f"torchdebug: cannot create a run under {root!r} ({exc}); recording is off for this "
-                        "session. Pass run=<writable folder> or run=False."
-                    )
-                )
-                return
-            self._owns_writer = True
-        self.run_dir = Path(self.writer.path) if getattr(self.writer, "path", None) is not None else None
-
-    def _open_sinks(self) -> None:
-        """Start the trackers of ``report_to`` / ``tensorboard``: they hear the run writer's batches."""
-        cfg = self.config
-        if not (cfg.report_to or cfg.tensorboard or self._sink_objects) or self.rank != 0:
-            return  # rank 0 reports the run; the other ranks' records stay in their run files
-        if self.writer is None or not hasattr(self.writer, "add_listener"):
-            self.warn_once("sinks", "torchdebug: no run folder, so report_to sends nothing this session")
-            return
-        from ..sinks import RunInfo, SinkHub, build_sinks
-
-        info = RunInfo(
-            name=str(getattr(self.writer, "name", None) or type(self.model).__name__.lower()),
-            run_id=getattr(self.writer, "run_id", None),
-            path=self.run_dir,
-            config=cfg.to_dict(),
-        )
-        hub = SinkHub(build_sinks(cfg.report_to, self._sink_objects, cfg.tensorboard), info)
-        self.writer.add_listener(hub.feed)
-        self._hub = hub
-        if hub.pending:
-            hub.warn(stacklevel=5)  # a tracker that could not start
-
-    # -- instruments -----------------------------------------------------------------------------
-    def _wanted(self) -> set[str]:
-        wanted = set(self._enabled)
-        if "gradients" in wanted:
-            wanted -= {"activations", "gradient_details"}  # GradientHealth records them (one set of hooks)
-        return wanted
-
-    def _build_instrument(self, name: str) -> None:
-        spec = _INSTRUMENTS.get(name)
-        if spec is None:
-            return  # handled by the monitor (nonfinite)
-        try:
-            cls = getattr(importlib.import_module(spec[0]), spec[1])
-        except (ImportError, AttributeError):
-            return  # not available in this build, or its extra is not installed
-        if any(type(i) is cls for i in self.instruments):
-            return
-        try:
-            inst = cls()
-        except Exception as exc:
-            self._disable(cls, exc)
-            return
-        self.instruments.append(inst)
-        self._call(inst, "install")
-
-    def _apply_level(self, level: DebugLevel, **changes: Any) -> None:
-        """Switch the instruments to a new level and options (on the training thread, between steps)."""
-        self.config = self.config.replace(level=level, **changes)
-        self._enabled = self.config.instruments()
-        self.sentinel.active = "nonfinite" in self._enabled
-        if (self._async is not None) != (self.config.sync == "async"):  # sync switched live
-            if self._async is not None:
-                self._async.finish()  # the steps in flight are judged now (may raise)
-            self._async = DeferredReads(self) if self._async is None else None
-        ours = {spec[1] for spec in _INSTRUMENTS.values()}
-        for inst in [i for i in self.instruments if type(i).__name__ in ours]:
-            self.instruments.remove(inst)  # rebuilt below: their depth follows the level
-            with contextlib.suppress(Exception):
-                if hasattr(inst, "remove"):
-                    inst.remove(self)
-        for name in sorted(self._wanted()):
-            self._build_instrument(name)
-        self._plain.guard_module_hooks()
+        self._close_store("finished" if exc is None else "failed")
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (at the user's line) once per ``key`` in this session."""
         if key not in self._warned:
             self._warned.add(key)
             warn_at_user(TorchDebugWarning(message))  # the user's line, wherever the check runs
-
-    def flush_store(self) -> None:
-        """Flush the run store (before raising: what led to the error is on disk)."""
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.flush()
 
     # -- instrument plumbing ---------------------------------------------------------------------
     def _call(self, inst: Any, method: str, *args: Any) -> Any:
@@ -855,10 +643,6 @@ class Monitor:
             self._warned.add(event.kind)
             warn_at_user(TorchDebugWarning(f"torchdebug: {event}"))  # the user's line, not ours
 
-    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
-        if self.writer is not None:
-            self.writer.log_scalars(self.global_step if step is None else step, dict(values))
-
     def observe(self, name: str, value: float) -> None:
         """Record a monitored value (validation loss, early-stopping metric) at the current step."""
         if not isinstance(name, str) or not name:
@@ -866,118 +650,6 @@ class Monitor:
         value = float(value)
         self.log_scalars({f"observe/{name}": value})
         self._each("on_observe", name, value)
-
-    def run_step(self, step_fn: Callable[[Any], Any], batch: Any) -> Any:
-        """Run ``step_fn(batch)`` (forward + loss + backward; returns the loss) with the OOM policy.
-
-        With ``on_oom="retry_half"`` an out-of-memory error re-runs the step on halves of the batch
-        with gradients scaled so they equal the full-batch gradients (gradient accumulation), and
-        records an ``oom_retry`` event. Call ``optimizer.step()`` and ``mon.step()`` after it.
-        """
-        if not callable(step_fn):
-            raise TypeError(
-                f"run_step(step_fn, batch): step_fn must be callable, got {type(step_fn).__name__}"
-            )
-        from ..memory.recovery import run_step_with_oom_retry
-
-        def new_micro_step(_piece: Any) -> None:
-            self.state.new_micro_step = True  # the failed attempt never reached its backward
-
-        def record(retry: Any) -> None:
-            evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
-            self.emit(RuleEvent("oom_retry", self.global_step, str(retry), "warning", evidence=evidence))
-
-        return run_step_with_oom_retry(
-            step_fn,
-            batch,
-            on_oom=self.config.on_oom,
-            optimizer=self.optimizer,
-            params=self.params,
-            before_attempt=new_micro_step,
-            on_retry=record,
-        )
-
-    # -- live control (dashboard) ----------------------------------------------------------------
-    def set_level(self, level: str | DebugLevel) -> DebugLevel:
-        """Switch the debug level of the live session; instruments follow at the end of the next step.
-
-        Safe to call from another thread (the dashboard's): the switch itself happens on the training
-        thread inside ``mon.step()``. Raises ``ValueError`` for an unknown level, listing the allowed.
-        """
-        lv = DebugLevel(level) if not isinstance(level, DebugLevel) else level
-        self._pending_level = lv
-        self.level_overrides.append(lv.value)
-        if self.writer is not None:
-            self.writer.log_event(
-                self.global_step,
-                "level_change",
-                "info",
-                f"debug level set to {lv.value}",
-                {"level": lv.value},
-            )
-        return lv
-
-    def reconfigure(self, **changes: Any) -> DebugConfig:
-        """Change options of the live session; instruments follow at the end of the next step.
-
-        Validated now (``ConfigError`` naming the option), applied on the training thread inside
-        ``mon.step()`` like ``set_level``, and recorded as a ``config_change`` event. Returns the
-        config the session will run with. Runtime switches of the seed-era names:
-        ``enable_debugging`` / ``disable_debugging`` / ``get_debugging_status``.
-        """
-        new = self.config.replace(**{**self._pending_changes, **changes})
-        self._pending_changes.update(changes)
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.log_event(
-                    self.global_step,
-                    "config_change",
-                    "info",
-                    "options changed: " + ", ".join(f"{k}={v!r}" for k, v in sorted(changes.items())),
-                    {"changes": {k: getattr(v, "value", v) for k, v in changes.items()}},
-                )
-        return new
-
-    def enable_debugging(self, options: Any = None) -> dict[str, Any]:
-        """Seed 000's runtime switch; see ``torchdebug.compat.enable_debugging``."""
-        from .runtime import enable_debugging
-
-        return enable_debugging(self, options)
-
-    def disable_debugging(self, options: Any = None) -> dict[str, Any]:
-        """Seed 000's runtime switch; see ``torchdebug.compat.disable_debugging``."""
-        from .runtime import disable_debugging
-
-        return disable_debugging(self, options)
-
-    def get_debugging_status(self) -> dict[str, Any]:
-        """Seed 000's status; see ``torchdebug.compat.get_debugging_status``."""
-        from .runtime import get_debugging_status
-
-        return get_debugging_status(self)
-
-    def clear(self) -> None:
-        """Start a new history segment (the dashboard's "clear"); nothing stored is deleted."""
-        self.events.clear()
-        self.records.clear()
-        self.counters = dict.fromkeys(self.counters, 0)
-        for inst in self.instruments:
-            c = getattr(inst, "counters", None)
-            if isinstance(c, dict):
-                for k in c:
-                    c[k] = 0
-        if self.writer is not None and hasattr(self.writer, "start_segment"):
-            self.writer.start_segment(f"cleared at step {self.global_step}", step=self.global_step)
-        self._segment_start = self.global_step
-
-    def training_summary(self) -> dict[str, Any]:
-        """The seed-era training summary (counts and rates since the last ``clear()``).
-
-        ``anomaly_steps`` counts the steps ``events.is_anomalous`` calls anomalous (a NaN/Inf, or a
-        warning-level event), as every seed-era summary does; the rule counts are ``rule_counts``."""
-        total = max(self.global_step - self._segment_start, 0)
-        explosions, vanishing, loss = rule_counts(e.kind for e in self.events)
-        return training_summary(total, self.counters["anomalous_steps"], explosions, vanishing, loss)
 
 
 def watch(
