@@ -1,21 +1,25 @@
-"""The NaN/Inf sentinel: the session's first instrument, the only one that may stop or skip a step.
+"""The NaN/Inf sentinel: the session's first instrument, the only one that decides a step (its per-step path).
 
-At each boundary of the step protocol the session calls the sentinel before the other instruments:
+At each boundary of the step protocol the session calls the sentinel before the other instruments;
+the step's state lives in the session's :class:`~torchdebug._step.StepState` (``mon.state``):
 
 - forward began: keep a reference to the batch, the RNG and autocast state (:class:`StepCapture`), so
   the micro-step can be replayed; forward done: hooks that keep the output's gradients, the loss tape;
 - backward done: remember which gradient tensors backward() left (a Python read, no device work);
 - update starting: a finiteness probe of the gradients changed since (clipping, normalisation,
-  unscaling), the step's one transfer (:class:`torchdebug.session.transfer.Transfer`), the verdict and
-  the policy (``raise`` raises, ``skip`` drops the gradients so the update does nothing, ``warn``);
-- update done: a finiteness probe of the parameters, read with the next step's transfer;
+  unscaling); the session then reads the step (its one transfer) and asks :meth:`Sentinel.judge`
+  for the :class:`~torchdebug._step.Verdict` (ok, skip or anomaly), which the session applies
+  (``session/verdicts.py``: ``raise`` raises, ``skip`` drops the gradients so the update does
+  nothing, ``warn`` warns);
+- update done: a finiteness probe of the parameters, read with the next step's transfer
+  (:meth:`Sentinel.read_deferred` gives its verdict);
 - step end: the same verdict when no update was seen (a manual update, GradScaler skipped it, ...).
 
-When the verdict is bad, the failing micro-step is replayed under op-level tracing
-(:func:`replay_capture`, twice: a fault that does not come back is reported as not reproducible) to
-name the phase, module, op and source line; the anomaly is recorded and the policy applied. With
-several ranks the session's distributed coordinator makes every rank take the same decision and
-replays on the rank of birth only.
+The sentinel never calls back into the session. When the verdict is bad, the failing micro-step is
+replayed under op-level tracing (:mod:`torchdebug.nonfinite.replay`, the rare path: twice, so a
+fault that does not come back is reported as not reproducible) to name the phase, module, op and
+source line. With several ranks the session's distributed coordinator makes every rank take the
+same decision and replays on the rank of birth only.
 """
 
 from __future__ import annotations
