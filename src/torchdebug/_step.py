@@ -145,7 +145,8 @@ class StepState:
     transfer: Any  # the step's device numbers and their read (session/transfer.py ``Transfer``)
     phase: StepPhase = StepPhase.FORWARD
     new_micro_step: bool = True  # the next forward is the first of a micro-step
-    lr_used: tuple[float, ...] | None = None  # the lr of each param group as the update started
+    # id(optimizer) -> the lr of each of its param groups as its update started
+    lr_used: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     events: list[RuleEvent] = dataclasses.field(default_factory=list)  # the rule events of this step
     # the sentinel's: what a replay needs, per micro-step (references to the batch, RNG, outputs)
     captures: list[Any] = dataclasses.field(default_factory=list)
@@ -157,6 +158,11 @@ class StepState:
     edit_bad: list[int] = dataclasses.field(default_factory=list)  # ... non-finite as the update started
     # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled)
     clips: list[tuple[Any, list[int]]] = dataclasses.field(default_factory=list)
+    # several models (the session's roots): every watched model's forward in the step is recorded
+    fwd_depth: int = 0  # watched models' forwards running now (one called inside another is part of it)
+    entry: int | None = None  # the tape index of a later forward running now (-1: not recorded)
+    tape_only: set[int] = dataclasses.field(default_factory=set)  # captures with no forward of their own
+    micro_base: int = 0  # micro-steps before the update now starting (its own are counted from here)
     synced_at_backward: bool = False  # manual mode: the transfer ran at the end of backward()
     grad_anomaly: bool = False  # this step's anomaly came from the gradient check
     params_bad_now: bool = False  # the parameter probe read with this step's transfer was non-finite
@@ -261,6 +267,8 @@ class SessionView(Protocol):
     config: DebugConfig
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
+    optimizers: list[torch.optim.Optimizer]  # every optimizer of the session (given, or adopted)
+    roots: dict[str, nn.Module] | None  # several models: each by name (``model`` is their ModuleDict)
     scaler: Any
     writer: Any
     run_dir: Path | None

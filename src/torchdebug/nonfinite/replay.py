@@ -11,14 +11,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from .._frames import format_frames
 from .._step import SessionView
 from .._tensors import local
+from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, Phase
-from .locate import replay_capture
+from .locate import StepCapture, Tracer, _autocast, _check_loss_inputs, _preserved_state, replay_capture
+
+# a tape entry that is a watched model's forward (several models), with or without grad
+FORWARD = "forward"
+FORWARD_NO_GRAD = "forward-no-grad"
 
 
 class Replaying(Protocol):
@@ -33,7 +39,8 @@ def optimizer_anomaly(
     """The update made parameters non-finite from finite gradients. ``bad``: this rank's non-finite
     parameters (empty when only another rank's shards are, under FSDP2); ``ranks``: with several
     ranks, those whose parameters are non-finite (every rank takes the same decision)."""
-    op = type(mon.optimizer).__name__ + ".step" if mon.optimizer is not None else "optimizer.step"
+    opt = _optimizer_of(mon, bad[0]) if bad else mon.optimizer
+    op = type(opt).__name__ + ".step" if opt is not None else "optimizer.step"
     # several ranks: named when only some hold non-finite parameters (FSDP2 shards); under DDP
     # every rank holds the same parameters, so the update made them non-finite on every rank
     ranks = ranks or []
@@ -98,7 +105,9 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
     bad_micro = t.first_bad_micro()
     losses_bad = t.losses_bad()
     idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
-    micro = idx if len(t.micro_bad) > 1 else None
+    # the micro-steps of the update now judged (several updates in a step: those since the last one)
+    base = min(mon.state.micro_base, idx)
+    micro = idx - base if len(t.micro_bad) - base > 1 else None
     if mon.state.edit_bad and not t.micro_flagged() and not losses_bad:
         # backward() made finite gradients (measured then); code before the update made them non-finite
         return gradient_edit_anomaly(mon, micro)
@@ -112,13 +121,16 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
             # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
             for _ in range(2):
                 with mon.eager():
-                    tracer = replay_capture(
-                        mon.model,
-                        mon.state.captures[idx],
-                        names=mon.names,
-                        frames=mon.config.frames,
-                        uses_cuda=mon.uses_cuda,
-                    )
+                    if mon.roots is not None:  # several models: the step's micro-steps, in order
+                        tracer = replay_in_order(mon, idx)
+                    else:
+                        tracer = replay_capture(
+                            mon.model,
+                            mon.state.captures[idx],
+                            names=mon.names,
+                            frames=mon.config.frames,
+                            uses_cuda=mon.uses_cuda,
+                        )
                 a = tracer.anomaly(
                     step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel"
                 )
@@ -239,3 +251,110 @@ def symptom_anomaly(
         hint=f"origin not traced: {why}; use td.locate_nonfinite(step_fn) for the exact op",
         parameter=first,
     )
+
+
+def _optimizer_of(mon: SessionView, name: str) -> Any:
+    """The optimizer that steps the parameter ``name`` (several optimizers), else the session's first."""
+    if name in mon.param_names:
+        param = mon.params[mon.param_names.index(name)]
+        for opt in mon.optimizers:
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                return opt
+    return mon.optimizer
+
+
+def replay_in_order(mon: SessionView, idx: int) -> Tracer:
+    """Several models: re-run the step's micro-steps 0..``idx`` in order under the tracer, each from its
+    RNG state, and the backward of micro-step ``idx``.
+
+    Each micro-step is the first forward of a watched model (none when the micro-step began with loss
+    code after a backward, or with a frozen model's forward), then its tape: the loss code's torch
+    calls and the other watched models' forwards (a frozen one's under ``no_grad``), as they ran. A
+    tensor an earlier call made (G's output fed to D, a critic's value used by the next loss) is
+    replaced by its replayed counterpart, so a value born in D's forward called from G's loss is traced
+    to ``D.<module>``. The user's grads, buffers and RNG are restored after.
+    """
+    st = mon.state
+    caps = st.captures[: idx + 1]
+    tracer = Tracer(mon.model, frames=mon.config.frames, names=mon.names)
+    tracer.check_inputs(_unmade(caps, st.tape_only), {})  # the batch, not what a model made
+    tracer.check_parameters()
+    if tracer.symptom is not None:
+        return tracer
+    made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
+    with _preserved_state(mon.model, mon.uses_cuda), tracer:
+        for j, cap in enumerate(caps):
+            torch.set_rng_state(cap.rng_cpu)
+            if cap.rng_cuda is not None:
+                torch.cuda.set_rng_state_all(cap.rng_cuda)
+            with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+                out = None
+                if j not in st.tape_only:
+                    module = cap.module if cap.module is not None else mon.model
+                    out = module(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
+                    _pair(made, cap.outputs, out)
+                    if tracer.symptom is not None:
+                        return tracer
+                if cap.tape_complete and not _rerun(cap, made, tracer):
+                    return tracer
+                if j < idx:
+                    continue
+                loss = made.get(id(cap.loss)) if cap.loss is not None else None
+                if loss is not None:
+                    loss.backward(gradient=cap.loss_grad)
+                elif out is not None:
+                    pairs = [
+                        (n, cap.out_grads[i])
+                        for i, n in enumerate(tensor_leaves(out))
+                        if i in cap.out_grads and n.requires_grad
+                    ]
+                    if pairs:
+                        torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
+    return tracer
+
+
+def _pair(made: dict[int, torch.Tensor], old: Any, new: Any) -> None:
+    for o, n in zip(tensor_leaves(old), tensor_leaves(new)):
+        made[id(o)] = n
+
+
+def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer) -> bool:
+    """The micro-step's tape, in order (False: stop, the tracer found the symptom or the tape failed)."""
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
+    try:
+        for func, kind, args, kwargs, raw, res in cap.tape:
+            if kind in (FORWARD, FORWARD_NO_GRAD):  # a watched model's forward: its own ops are traced
+                with torch.set_grad_enabled(kind == FORWARD and torch.is_grad_enabled()):
+                    new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+            else:
+                _check_loss_inputs(cap, args, kwargs, made, raw, tracer)
+                if tracer.symptom is not None:
+                    return False
+                tracer.location_override = format_frames(raw)
+                try:
+                    new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+                finally:
+                    tracer.location_override = None
+            _pair(made, res, new)
+            if tracer.symptom is not None:
+                return False
+    except Exception as exc:
+        tracer.internal_errors.append(f"replay of the step failed: {exc!r}")
+        return False
+    return True
+
+
+def _unmade(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor, ...]:
+    """The inputs of the step's recorded forwards that no earlier recorded call made (the batch, not
+    G's output fed to D)."""
+    made: set[int] = set()
+    keep: list[torch.Tensor] = []
+    for j, cap in enumerate(caps):
+        calls = [] if j in tape_only else [(cap.args, cap.kwargs, cap.outputs)]
+        calls += [(e[2], e[3], e[5]) for e in cap.tape if e[1] in (FORWARD, FORWARD_NO_GRAD)]
+        for args, kwargs, out in calls:
+            keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
+            made |= {id(t) for t in tensor_leaves(out)}
+        made |= {id(t) for e in cap.tape for t in tensor_leaves(e[5])}
+    return tuple(keep)

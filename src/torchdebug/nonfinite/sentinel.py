@@ -42,8 +42,10 @@ from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
 from .locate import LossTape, StepCapture
+from .replay import FORWARD, FORWARD_NO_GRAD
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
+_MAX_TAPE = 64  # torch calls and model forwards recorded per micro-step (as the loss tape's limit)
 _MAX_OUT_HOOKS = 16
 
 
@@ -66,6 +68,7 @@ class Sentinel:
         self.deferred_step: int | None = None
         self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
+        self.deferred_clean = False  # the probed update was judged clean before it ran
         # sync="async" (session/deferred.py), while a step is judged one step later: its gradients may be
         # gone (no exact check)
         self.grads_gone = False
@@ -106,14 +109,99 @@ class Sentinel:
     # -- forward -------------------------------------------------------------------------------------
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The first forward of a micro-step: keep what its replay needs (references, no copies)."""
-        if self.active and mon.config.replay and len(self.st.captures) < _MAX_CAPTURES:
-            self.st.cap = StepCapture.take(args, kwargs, mon.uses_cuda)
+        st = self.st
+        cont = (
+            st.cap is not None
+            and st.captures
+            and st.cap is st.captures[-1]
+            and (len(st.captures) - 1) in st.tape_only
+        )
+        if (
+            cont and st.cap.tape
+        ):  # several models: loss code ran since the last backward, this forward is part of it
+            self.later_forward(mon, module, args, kwargs)
+            return
+        if cont:  # nothing ran since the last backward: this forward begins the micro-step
+            st.tape_only.discard(len(st.captures) - 1)
+            st.captures.pop()
+        if self.active and mon.config.replay and len(st.captures) < _MAX_CAPTURES:
+            st.cap = StepCapture.take(args, kwargs, mon.uses_cuda)
             if module is not mon.model:
-                self.st.cap.module = module  # a driver hooked the submodule the training step calls
-            self.st.cap.batch = mon.batch
-            self.st.captures.append(self.st.cap)
+                st.cap.module = module  # a driver hooked the submodule the training step calls
+            st.cap.batch = mon.batch
+            st.captures.append(st.cap)
         else:
-            self.st.cap = None
+            st.cap = None
+
+    # -- several models: every watched model's forward in the step is recorded, in order -----------------
+    def later_forward(
+        self, mon: SessionView, module: nn.Module, args: tuple, kwargs: dict, grad: bool = True
+    ) -> None:
+        """Another watched model's forward inside the micro-step: an entry on its tape (replayed in order)."""
+        st, cap = self.st, self.st.cap
+        self.pop_tape()
+        if cap is None or not cap.tape_complete or len(cap.tape) >= _MAX_TAPE:
+            st.entry = -1  # not recorded: the replay starts from what it has
+            if cap is not None:
+                cap.tape_complete = False
+            return
+        st.entry = len(cap.tape)
+        cap.tape.append((module, FORWARD if grad else FORWARD_NO_GRAD, args, kwargs, (), None))
+
+    def no_grad_forward(self, mon: SessionView, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A watched model's forward under ``no_grad`` (a frozen teacher, a target network) in the step:
+        an entry of the micro-step's tape. Before the micro-step's first forward, a frozen model's
+        forward begins the micro-step's capture (a trainable model's, an evaluation, is not recorded)."""
+        st = self.st
+        if not (self.active and mon.config.replay):
+            return
+        cont = (
+            st.cap is not None
+            and st.captures
+            and st.cap is st.captures[-1]
+            and (len(st.captures) - 1) in st.tape_only
+        )
+        if st.new_micro_step and not cont:
+            if any(p.requires_grad for p in module.parameters()):
+                return
+            self.after_backward(mon)  # a capture of the loss code from here on, this forward first
+        if st.cap is not None:
+            self.later_forward(mon, module, args, kwargs, grad=False)
+
+    def forward_entry_done(self, mon: SessionView, output: Any) -> bool:
+        """A recorded later forward returned: keep its output; True when it was one (not the first)."""
+        st = self.st
+        i, st.entry = st.entry, None
+        if i is None:
+            return False
+        cap = st.cap
+        if i >= 0 and cap is not None and i < len(cap.tape):
+            cap.tape[i] = (*cap.tape[i][:5], output)
+        if cap is not None and cap.tape_complete:
+            self.open_tape(mon, cap)
+        return True
+
+    def after_backward(self, mon: SessionView) -> None:
+        """Several models: the loss code after a backward (an actor-critic's second loss) is recorded too,
+        on a capture of its own that the next forward takes over when nothing ran before it."""
+        st = self.st
+        if (
+            not (self.active and mon.config.replay and mon.config.trace_loss)
+            or len(st.captures) >= _MAX_CAPTURES
+        ):
+            return
+        st.cap = StepCapture.take((), {}, mon.uses_cuda)
+        st.cap.grad_enabled = True  # a backward ends the micro-step (a frozen model's no_grad is its own)
+        st.cap.batch = mon.batch
+        st.captures.append(st.cap)
+        st.tape_only.add(len(st.captures) - 1)
+        self.open_tape(mon, st.cap)
+
+    def open_tape(self, mon: SessionView, cap: StepCapture) -> None:
+        if mon.config.trace_loss and threading.current_thread() is mon.thread:
+            cap.tape_complete = True
+            self.tape = LossTape(cap)
+            self.tape.__enter__()
 
     def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         cap = self.st.cap
@@ -125,13 +213,10 @@ class Sentinel:
             if t.requires_grad and n < _MAX_OUT_HOOKS:
                 n += 1
                 t.register_hook(functools.partial(_store_grad, weakref.ref(cap), i))
-        if mon.config.trace_loss and threading.current_thread() is mon.thread:
-            # A function mode lives on its thread's stack: opened in a worker thread's forward it would
-            # miss the loss code (run here) and outlive the session there. Without a tape the replay
-            # starts from the gradient captured at the outputs.
-            cap.tape_complete = True
-            self.tape = LossTape(cap)
-            self.tape.__enter__()
+        # A function mode lives on its thread's stack: opened in a worker thread's forward it would miss
+        # the loss code (run here) and outlive the session there. Without a tape the replay starts from
+        # the gradient captured at the outputs.
+        self.open_tape(mon, cap)
 
     def pop_tape(self, force: bool = False) -> None:
         tape = self.tape
@@ -188,8 +273,15 @@ class Sentinel:
     def wants_read(self, opt: Any = None) -> bool:
         """True when the step's numbers are still to be read before a verdict; then the gradients
         changed since backward() (clipping, normalisation, unscaling) are probed first (device work)."""
-        if not self.active or self.mon.transfer.synced:
+        mon = self.mon
+        if not self.active:
             return False
+        if mon.transfer.synced:
+            # read already; with several models or optimizers each update is checked before it runs:
+            # read again when a backward came since
+            several = mon.roots is not None or len(mon.optimizers) > 1
+            if not (several and mon.transfer.unread()):
+                return False
         self.probe_edits(opt)
         return True
 
@@ -203,6 +295,7 @@ class Sentinel:
             self.deferred["param_norms"] = self._param_probe(mon, share)
             self.deferred_index = share
             self.deferred_step = mon.global_step
+            self.deferred_clean = True  # the update was judged clean before it ran: what it made is its own
         self.st.seen = SeenGrads()  # the references are not needed after the update
 
     def _param_probe(self, mon: SessionView, share: list[int] | None = None) -> torch.Tensor:
@@ -317,6 +410,7 @@ class Sentinel:
             self.deferred["param_norms"] = self._param_probe(mon)
             self.deferred_index = None
             self.deferred_step = mon.global_step
+            self.deferred_clean = False  # an update by hand, not judged before it ran
             if self.st.synced_at_backward:
                 # checked at the end of backward(): an edit after it (clipping, normalisation) is seen
                 # here, read with the next transfer, so a NaN it made is not blamed on the update
@@ -387,7 +481,7 @@ class Sentinel:
         ranks = (
             coord.params_agree(bool(bad)) if coord is not None and flagged else []
         )  # the same decision on every rank
-        step = self.deferred_step
+        step, clean = self.deferred_step, self.deferred_clean
         de = _take(readout.late_edit, sizes["edit"]) if "edit" in sizes else []
         edited, self.deferred_edit_index = self.deferred_edit_index, []
         self.deferred.clear()
@@ -403,8 +497,9 @@ class Sentinel:
             anomaly = replay.gradient_edit_anomaly(mon, None, kind="nan" if nan else "inf")
             self.st.edit_bad = []
             return Verdict("anomaly", dataclasses.replace(anomaly, step=step), late=True)
-        if (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
+        if (bad or ranks) and (clean or not (step == mon.global_step and self.grads_bad())):
             # blamed on the update only when the gradients it used were finite; else they are the cause
+            # (an update judged clean before it ran: gradients after it, in the same step, are not)
             return Verdict("anomaly", replay.optimizer_anomaly(mon, bad, step, ranks), late=True)
         return OK
 

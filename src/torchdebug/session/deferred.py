@@ -245,11 +245,7 @@ class DeferredReads:
             p.spec += spec
             p.buffers.append(self._copy(flat))
         p.state = mon.state
-        p.lr = (
-            tuple([float(g.get("lr", math.nan)) for g in mon.optimizer.param_groups])
-            if mon.optimizer is not None
-            else ()
-        )
+        p.lr = tuple([float(g.get("lr", math.nan)) for o in mon.optimizers for g in o.param_groups])
         now = time.perf_counter()
         p.time_s = now - mon._last_step_end
         mon.state = p.state.detach()  # the next step's: fresh containers, what outlives a step

@@ -229,10 +229,13 @@ class PlainLoopDriver:
     module the session names and watches.
     """
 
-    def __init__(self, mon: Session, root: nn.Module, model: nn.Module) -> None:
+    def __init__(
+        self, mon: Session, root: nn.Module, model: nn.Module, roots: list[nn.Module] | None = None
+    ) -> None:
         self.mon = mon
         self.root = root
         self.model = model
+        self.roots = roots or [root]  # several models: each one's forward is a root of the step
         self.in_compiled_call = False  # inside an in-place compiled call: the hooks of its eager fallback
         self._handles: list[Any] = []
 
@@ -241,8 +244,9 @@ class PlainLoopDriver:
         _ACTIVE.append(mon)
         _install_patches()
         add = mon.installs.hook
-        self._handles.append(add(self.root.register_forward_pre_hook(mon.forward_started, with_kwargs=True)))
-        self._handles.append(add(self.root.register_forward_hook(mon.forward_done)))
+        for root in self.roots:
+            self._handles.append(add(root.register_forward_pre_hook(mon.forward_started, with_kwargs=True)))
+            self._handles.append(add(root.register_forward_hook(mon.forward_done)))
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(add(register_optimizer_step_pre_hook(self._opt_pre)))

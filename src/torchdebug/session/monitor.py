@@ -52,14 +52,14 @@ from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
 from .._step import Instrument, StepPhase, StepState
-from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .control import Controls
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
-from .options import check_options
+from .models import SeveralModels
+from .options import check_options, gather_models
 from .recording import Recording
 from .transfer import Items, Transfer
 from .verdicts import Verdicts
@@ -67,13 +67,13 @@ from .verdicts import Verdicts
 _MAX_EVENTS = 10_000
 
 
-class Monitor(Controls, Recording):
+class Monitor(Controls, Recording, SeveralModels):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: Any,
+        optimizer: Any = None,
         *,
         policy: str | None = None,
         scaler: Any = None,
@@ -87,9 +87,12 @@ class Monitor(Controls, Recording):
         announce: bool | None = None,
         sync: str | None = None,
     ) -> None:
+        # several models (a list, dict or ModuleDict) are watched as one ModuleDict whose models are the
+        # step's roots; several optimizers (a list) are each checked before their update
+        model, self.roots, optimizers = gather_models(model, optimizer, _caller())
         self.config, self._sink_objects = check_options(
             model,
-            optimizer,
+            None,
             policy,
             scaler,
             run,
@@ -101,7 +104,7 @@ class Monitor(Controls, Recording):
             announce,
             sync,
         )  # TypeError / ValueError / ConfigError / ImportError naming the fix, before anything is installed
-        optimizer = unwrap_optimizer(optimizer)
+        optimizer = optimizers[0] if optimizers else None
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
         self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
         # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
@@ -111,9 +114,12 @@ class Monitor(Controls, Recording):
         if type(model).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
             model = orig
         self.model = model
-        self.optimizer = optimizer
-        # the optimizer when unwrapping leaves it as it is (``owns_optimizer``'s shortcut)
-        self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
+        self.optimizer = optimizer  # the first optimizer given (None: adopted as they step)
+        # every optimizer of the session: those given, else those adopted (in the order they first stepped)
+        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
+        self._given = bool(optimizers)
+        self._lr_names: tuple[tuple[int, ...], list[str]] = ((-1,), [])
+        self._bare_optimizer = optimizer  # ``owns_optimizer``'s shortcut
         self.scaler = scaler
         self.early_stopping = early_stopping
         self._run_arg = run
@@ -156,7 +162,7 @@ class Monitor(Controls, Recording):
         self.sentinel.active = "nonfinite" in self._enabled
         # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
         self._async = DeferredReads(self) if self.config.sync == "async" else None
-        self._plain = PlainLoopDriver(self, self._called, self.model)
+        self._plain = PlainLoopDriver(self, self._called, self.model, list((self.roots or {}).values()))
         self._entered = False
         self._closed = False
         self._warned: set[str] = set()
@@ -170,6 +176,9 @@ class Monitor(Controls, Recording):
     # -- the step protocol (see the module docstring) -------------------------------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         """Forward began (the root module's forward pre-hook; ``outside``: around a compiled call)."""
+        if self.roots is not None:
+            self._root_started(module, args, kwargs)
+            return
         if (
             self.sentinel.replaying
             or not torch.is_grad_enabled()
@@ -177,6 +186,9 @@ class Monitor(Controls, Recording):
         ):
             return
         self.sentinel.pop_tape()
+        self._first_forward(module, args, kwargs, outside)
+
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         state = self.state
         if state.new_micro_step:
             state.new_micro_step = False
@@ -191,6 +203,9 @@ class Monitor(Controls, Recording):
 
     def forward_done(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
         """Forward done (the root module's forward hook)."""
+        if self.roots is not None:
+            self._root_done(module, output)
+            return
         if (
             self.sentinel.replaying
             or not torch.is_grad_enabled()
@@ -203,6 +218,7 @@ class Monitor(Controls, Recording):
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
         self.sentinel.pop_tape()
+        self.state.fwd_depth = 0
         if self._called.__dict__.get("_compiled_call_impl") is not None:  # model.compile() in place
             self._plain.wrap_compiled()
         self.sentinel.on_backward_start(self, loss, gradient)
@@ -228,6 +244,8 @@ class Monitor(Controls, Recording):
             if idx:
                 self.sentinel.saw_gradients(idx, grads)
         self._each("on_backward_end")
+        if self.roots is not None:
+            self.sentinel.after_backward(self)  # the loss code that follows is recorded too
         if self.sentinel.judges_at_backward_end(self):
             # an update by hand (or every backward checked): no optimizer hook runs before the update
             self.sync()
@@ -246,9 +264,10 @@ class Monitor(Controls, Recording):
             return
         state = self.state
         state.phase = StepPhase.UPDATE
-        if self.optimizer is not None and state.lr_used is None:  # the LR this update uses (a
-            # scheduler stepped before mon.step() must not change what the step records)
-            state.lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+        self.sentinel.pop_tape()  # the update is not loss code
+        # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
+        for o in [opt] if any([opt is o for o in self.optimizers]) else self.optimizers:
+            state.lr_used.setdefault(id(o), tuple([float(g.get("lr", math.nan)) for g in o.param_groups]))
         if self._async is None or not self._async.update_starting(opt):
             if self.sentinel.before_update(self, opt):
                 self.sync()  # the step's one read (a second optimizer in the step reuses it)
@@ -260,11 +279,20 @@ class Monitor(Controls, Recording):
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
         if self.sentinel.replaying:
             return
-        self.state.phase = StepPhase.UPDATED
+        state = self.state
+        state.phase = StepPhase.UPDATED
+        state.micro_base = len(self.transfer.micro_bad)  # the next update's micro-steps count from here
         if self._async is not None:
             self._async.update_done(opt)
         self.sentinel.after_update(self)
         self._each("after_optimizer_step")
+        if (
+            self.roots is not None
+            and state.cap is not None
+            and state.captures
+            and state.cap is state.captures[-1]
+        ):
+            self.sentinel.open_tape(self, state.cap)  # several models: the loss code after it is recorded
 
     def scaler_step_started(self, scaler: Any) -> None:
         """``GradScaler.step`` began for this session's optimizer (the scaler is adopted if unknown)."""
@@ -297,6 +325,8 @@ class Monitor(Controls, Recording):
         """
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        if self.roots is not None:
+            self.sentinel.pop_tape()
         if self._async is not None:
             early = self._async.step_end()  # a staged step: judged one step later
             if early is not None:
@@ -404,13 +434,7 @@ class Monitor(Controls, Recording):
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         if lr is None:
-            lr = (
-                self.state.lr_used
-                if self.state.lr_used is not None
-                else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
-                if self.optimizer is not None
-                else ()
-            )
+            lr = self.step_lrs()
         record = StepRecord(
             step=self.global_step,
             micro_steps=len(self.transfer.micro_bad) or len(self.state.captures),
@@ -427,8 +451,8 @@ class Monitor(Controls, Recording):
         )
         scalars = {k: x for k, x in v.items() if k in ("loss", "grad_norm", "grad_nonfinite", "amp_scale")}
         scalars["skipped"] = 1.0 if self.state.skipped else 0.0
-        for i, x in enumerate(lr):
-            scalars[f"lr/{i}"] = x
+        for name, x in zip(self.lr_names(), lr):
+            scalars[name] = x
         self.step_scalars = scalars  # what the run folder gets for this step (framework callbacks forward it)
         if self.writer is not None:
             with contextlib.suppress(Exception):
@@ -492,23 +516,6 @@ class Monitor(Controls, Recording):
 
     def accepts_backward(self) -> bool:
         return not self.sentinel.replaying and not self._closed
-
-    def owns_optimizer(self, opt: Any) -> bool:
-        """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
-        if opt is self._bare_optimizer and opt is not None and opt is self.optimizer:
-            return True  # twice a step (the optimizer hooks): the session's own, unwrapped optimizer
-        opt = unwrap_optimizer(opt)
-        if self.optimizer is not None:
-            return opt is self.optimizer
-        if id(opt) in self._adopted:
-            return True
-        for g in getattr(opt, "param_groups", []):
-            for p in g["params"]:
-                if id(p) in self._param_ids:
-                    self._adopted.add(id(opt))
-                    return True
-                break
-        return False
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -652,9 +659,17 @@ class Monitor(Controls, Recording):
         self._each("on_observe", name, value)
 
 
+def _caller() -> Any:
+    """The first frame outside torchdebug (names several models after the caller's variables)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torchdebug"):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame
+
+
 def watch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | list[nn.Module] | tuple[nn.Module, ...] | dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     *,
     policy: str | None = None,
     scaler: Any = None,

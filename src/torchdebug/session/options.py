@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -84,3 +85,72 @@ def check_options(
     if isinstance(run, (str, bytes, os.PathLike)):
         check_path(os.fspath(run), "run")  # a NUL byte would only fail later, inside the user's `with`
     return cfg_out, sink_objects
+
+
+def gather_models(
+    model: Any, optimizer: Any, caller: Any = None
+) -> tuple[nn.Module, dict[str, nn.Module] | None, list[torch.optim.Optimizer]]:
+    """What ``watch`` watches: the model the session names (one module, or an ``nn.ModuleDict`` of
+    several), the models by name when there are several (their forwards are the step's roots), and
+    the optimizers given (unwrapped; empty: every optimizer that steps the parameters is adopted).
+
+    Several models: a list or tuple (named after the caller's variables holding them, else their
+    class names), a dict or an ``nn.ModuleDict`` (named by its keys). One model in a list is one model.
+    Raises TypeError / ValueError naming the fix.
+    """
+    roots: dict[str, nn.Module] | None = None
+    if isinstance(model, nn.ModuleDict):
+        if len(model) == 0:
+            raise ValueError("watch(nn.ModuleDict()): the ModuleDict holds no model; put the models in it")
+        roots = dict(model.items())  # a ModuleDict's own forward never runs: its models are called
+    elif isinstance(model, Mapping):
+        bad = [k for k, m in model.items() if not isinstance(m, nn.Module) or not isinstance(k, str)]
+        if bad or not model:
+            raise TypeError(
+                "watch({name: model, ...}): give a dict of str -> torch.nn.Module, e.g. {'G': G, 'D': D}"
+            )
+        roots = dict(model)
+    elif isinstance(model, (list, tuple)):
+        if not model or not all(isinstance(m, nn.Module) for m in model):
+            got = ", ".join(type(m).__name__ for m in model) or "nothing"
+            raise TypeError(f"watch([models], ...): expected torch.nn.Module objects, got {got}")
+        if len(model) > 1:
+            roots = dict(zip(_names(list(model), caller), model))
+        else:
+            model = model[0]
+    elif not isinstance(model, nn.Module):
+        raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+    if roots is not None:
+        if len({id(m) for m in roots.values()}) < len(roots):
+            raise ValueError("watch([models]): the same model is given twice; give each model once")
+        model = model if isinstance(model, nn.ModuleDict) else nn.ModuleDict(roots)
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers = [unwrap_optimizer(o) for o in opts if o is not None]
+    for o in optimizers:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(
+                f"watch(..., optimizer=): expected a torch.optim.Optimizer, got {type(o).__name__}"
+            )
+    if len({id(o) for o in optimizers}) < len(optimizers):
+        raise ValueError("watch(..., [optimizers]): the same optimizer is given twice; give each once")
+    return model, roots, optimizers
+
+
+def _names(models: list[nn.Module], caller: Any) -> list[str]:
+    """Names for several models: the caller's variables that hold them (``watch([G, D])`` -> G, D),
+    else their class names (numbered when two share one)."""
+    names: list[str | None] = [None] * len(models)
+    if caller is not None:
+        for scope in (caller.f_locals, caller.f_globals):
+            for var, value in list(scope.items()):
+                for i, m in enumerate(models):
+                    if value is m and names[i] is None and not var.startswith("_") and var not in names:
+                        names[i] = var
+    out: list[str] = []
+    for i, m in enumerate(models):
+        name = names[i] or type(m).__name__
+        base, k = name, 2
+        while name in out or name in names[i + 1 :]:
+            name, k = f"{base}_{k}", k + 1
+        out.append(name)
+    return out

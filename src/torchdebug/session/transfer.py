@@ -80,6 +80,10 @@ class Transfer:
         self.vectors: dict[str, list[float]] = {}  # the VECTORS items the read gave (list order)
         self.readout = Readout()  # the session's own numbers, typed
         self.synced = False
+        # losses and micro-step flags already handed to a read (a step with several updates reads
+        # once before each: the later reads carry only what came after)
+        self.read_losses = 0
+        self.read_micro = 0
 
     # -- during the step (device work only) -------------------------------------------------------
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -131,11 +135,12 @@ class Transfer:
     def items(self, scaler: Any) -> Items:
         """The step's own numbers, for the read."""
         items: Items = []
-        for lv in self.loss_vals:
+        for lv in self.loss_vals[self.read_losses :]:
             items.append(("_loss", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
         if self.norms is not None:
             items.append(("_gnorm", self.norms))
-        items += [("_mbad", b) for b in self.micro_bad]
+        items += [("_mbad", b) for b in self.micro_bad[self.read_micro :]]
+        self.read_losses, self.read_micro = len(self.loss_vals), len(self.micro_bad)
         scale_t = self.scale_used
         if scale_t is None and scaler is not None:
             scale_t = getattr(scaler, "_scale", None)
@@ -164,6 +169,9 @@ class Transfer:
         :class:`Readout` (the session's own items), ``vectors`` and ``values`` (also for
         ``sync="async"``, which reads them one step later)."""
         values, vectors, readout = self.values, self.vectors, self.readout
+        # what each read gives anew (the step's losses and micro-step flags add up over its reads)
+        readout.gnorm, readout.edit, readout.clips, readout.dist = [], [], [], []
+        readout.param_probe, readout.late_edit = [], []
         off = 0
         for name, n in spec:
             slot = SLOTS.get(name)
@@ -217,6 +225,10 @@ class Transfer:
             return False
         return any([x > 0 for x in self.readout.micro_bad])
 
+    def unread(self) -> bool:
+        """Losses or micro-steps came after the last read (a step with several updates)."""
+        return len(self.micro_bad) > self.read_micro or len(self.loss_vals) > self.read_losses
+
     def first_bad_micro(self) -> int | None:
         """The first micro-step whose gradient flag is up (after the read), or None."""
         return next((i for i, x in enumerate(self.readout.micro_bad) if x > 0), None)
@@ -243,6 +255,7 @@ class Transfer:
             if scale and scaled:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
         if self.norms is not None:
+            self.micro_bad_cleared = False  # judged anew with each read's gradient numbers
             n_params = len(params)
             gn = r.gnorm if len(r.gnorm) == len(self.norm_index) else [0.0] * len(self.norm_index)
             whole = len(self.norm_index) == n_params  # every parameter measured (norm_index is 0..n-1)
