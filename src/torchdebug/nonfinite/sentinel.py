@@ -72,6 +72,10 @@ class Sentinel:
         # sync="async" (session/deferred.py), while a step is judged one step later: its gradients may be
         # gone (no exact check)
         self.grads_gone = False
+        self.reindex(mon)
+
+    def reindex(self, mon: SessionView) -> None:
+        """The session's parameter list (again, when ``torchdebug run`` added a model before the first step)."""
         self._index = {id(p): i for i, p in enumerate(mon.params)}
         # FSDP2 DTensor parameters: the clip's fast path (whole local tensors) does not apply
         dtensor = dtensor_type()

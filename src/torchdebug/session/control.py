@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from torch import nn
+
 from .._config import DebugConfig, DebugLevel
 from .._step import Instrument, StepState
 from ..events import Anomaly, RuleEvent, StepRecord, rule_counts, training_summary
@@ -45,6 +47,12 @@ class Controls:
     model: Any
     optimizer: Any
     params: list[Any]
+    param_names: list[str]
+    names: dict[Any, str]
+    roots: dict[str, Any] | None
+    uses_cuda: bool
+    _called: Any
+    _param_ids: set[int]
     writer: Any
     run_dir: Path | None
     global_step: int
@@ -252,6 +260,23 @@ class Controls:
             return
         self.instruments.append(inst)
         self._call(inst, "install")
+
+    def _regroup(self, roots: dict[str, nn.Module]) -> None:
+        """The session watches these models now (as one ModuleDict, each by name): names, parameters,
+        root hooks and instruments again. Only before its first forward (``watch_also``)."""
+        container = nn.ModuleDict(roots)
+        self.roots = roots
+        self.model = self._called = container
+        self.names = {m: n for n, m in container.named_modules()}
+        named = [(n, p) for n, p in container.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._param_ids = {id(p) for p in container.parameters()}
+        self.uses_cuda = any(p.is_cuda for p in self.params)
+        self.sentinel.reindex(cast(Session, self))
+        self._plain.model = self._plain.root = container
+        self._plain.hook_roots(list(roots.values()))
+        self._apply_level(self.config.level)  # the instruments again, over every model
 
     def _apply_level(self, level: DebugLevel, **changes: Any) -> None:
         """Switch the instruments to a new level and options (on the training thread, between steps)."""

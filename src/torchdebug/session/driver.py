@@ -238,22 +238,40 @@ class PlainLoopDriver:
         self.roots = roots or [root]  # several models: each one's forward is a root of the step
         self.in_compiled_call = False  # inside an in-place compiled call: the hooks of its eager fallback
         self._handles: list[Any] = []
+        self._root_handles: list[Any] = []
 
     def install(self) -> None:
         mon = self.mon
         _ACTIVE.append(mon)
         _install_patches()
         add = mon.installs.hook
-        for root in self.roots:
-            self._handles.append(add(root.register_forward_pre_hook(mon.forward_started, with_kwargs=True)))
-            self._handles.append(add(root.register_forward_hook(mon.forward_done)))
+        self.hook_roots()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(add(register_optimizer_step_pre_hook(self._opt_pre)))
         self._handles.append(add(register_optimizer_step_post_hook(self._opt_post)))
 
+    def hook_roots(self, roots: list[nn.Module] | None = None) -> None:
+        """Forward hooks on the modules the loop calls (``roots``: a new set, the old hooks removed)."""
+        for h in self._root_handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._root_handles.clear()
+        if roots is not None:
+            self.roots = roots
+        add, mon = self.mon.installs.hook, self.mon
+        for root in self.roots:
+            self._root_handles.append(
+                add(root.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
+            )
+            self._root_handles.append(add(root.register_forward_hook(mon.forward_done)))
+
     def remove(self) -> None:
         self.unwrap_compiled()
+        for h in self._root_handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._root_handles.clear()
         for h in self._handles:
             with contextlib.suppress(Exception):
                 h.remove()

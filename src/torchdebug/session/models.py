@@ -16,6 +16,7 @@ from torch import nn
 from .._step import SessionView, StepState
 from .._tensors import unwrap_optimizer
 from ..nonfinite.sentinel import Sentinel
+from .options import _names
 
 
 class SeveralModels:
@@ -27,6 +28,8 @@ class SeveralModels:
     optimizers: list[torch.optim.Optimizer]
     state: StepState
     sentinel: Sentinel
+    global_step: int
+    micro_step: int
     _lr_names: tuple[tuple[int, ...], list[str]]
     _bare_optimizer: Any
     _given: bool
@@ -126,3 +129,28 @@ class SeveralModels:
                     return True
                 break
         return False
+
+    def watch_also(
+        self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, caller: Any = None
+    ) -> bool:
+        """Watch one more model and/or optimizer, before the session's first forward (``torchdebug run``
+        watches every optimizer the script creates). A model not watched yet makes the session one of
+        several models (names gain the model's name: ``G.main.0``). False when it is too late (a step began)."""
+        if optimizer is not None and not any([optimizer is o for o in self.optimizers]):
+            self.optimizers.append(optimizer)
+            self._given = True
+        if model is None or any([model is m for m in self.model.modules()]):
+            return True
+        state = self.state
+        if self.global_step or self.micro_step or not state.new_micro_step or state.captures:
+            return False  # a step began: its names and captures stay as they are
+        current = dict(self.roots) if self.roots is not None else {}
+        if not current:
+            current = {_names([self.model], caller)[0]: self.model}
+        both = _names([*current.values(), model], caller)
+        roots = {**current, both[-1] if both[-1] not in current else f"{both[-1]}_2": model}
+        self._regroup(roots)
+        return True
+
+    def _regroup(self, roots: dict[str, nn.Module]) -> None:
+        raise NotImplementedError
