@@ -104,13 +104,13 @@ class SeveralModels:
         ]
 
     def optimizer_label(self, opt: Any, k: int = 0) -> str:
-        """The model an optimizer steps (several models: its name; one: its class name), else ``opt<k>``."""
+        """The model an optimizer steps (several models: its name), else ``opt<k>`` (its place in ``optimizers``)."""
         first = next((p for g in opt.param_groups for p in g["params"]), None)
         if first is not None and self.roots is not None:
             for name, root in self.roots.items():
                 if any([p is first for p in root.parameters()]):
                     return name
-        return f"opt{k}" if self.roots is not None else type(self.model).__name__
+        return f"opt{k}"
 
     def owns_optimizer(self, opt: Any) -> bool:
         """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
