@@ -291,6 +291,7 @@ class Monitor(Controls, Recording, SeveralModels):
             and state.cap is not None
             and state.captures
             and state.cap is state.captures[-1]
+            and len(state.captures) - 1 in state.tape_only  # the capture of what follows a backward
         ):
             self.sentinel.open_tape(self, state.cap)  # several models: the loss code after it is recorded
 
