@@ -73,11 +73,13 @@ def gan_step(G: nn.Module, D: nn.Module, opt_g: Any, opt_d: Any, x: torch.Tensor
     opt_g.step()
 
 
-def _gan_run(fault: str, bad_step: int = 2, steps: int = 4, **watch_kwargs: Any) -> tuple[Any, Any]:
+def _gan_run(fault: str, bad_step: int = 2, steps: int = 4, adopt: bool = False) -> tuple[Any, Any]:
     G, D, opt_g, opt_d = _gan()
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(5, 6, generator=gen), torch.randn(5, 4, generator=gen)) for _ in range(steps)]
-    with td.watch([G, D], [opt_g, opt_d], run=False, **watch_kwargs) as mon:
+    # adopt: an nn.ModuleDict and no optimizer (every optimizer of their parameters is adopted)
+    args = (nn.ModuleDict({"G": G, "D": D}),) if adopt else ([G, D], [opt_g, opt_d])
+    with td.watch(*args, run=False) as mon:
         for step, (x, z) in enumerate(data):
             if step == bad_step:
                 if fault == "D.forward":
@@ -99,6 +101,46 @@ def test_a_nan_born_in_the_discriminators_forward_is_named_with_its_model() -> N
     assert (a.phase, a.module, a.op, a.step) == ("forward", "D.1", "aten.sqrt", 2)
     assert a.location is not None and a.location.endswith(_line(Fault.forward, "torch.sqrt(x)  # NaN"))
     assert a.micro_step is None  # D's update accumulates one backward
+
+
+def test_a_module_dict_without_optimizers_adopts_both_and_names_the_same_origin() -> None:
+    with pytest.raises(td.NonFiniteError) as info:
+        _gan_run("D.forward", adopt=True)
+    a = info.value.anomaly
+    assert (a.phase, a.module, a.op, a.step) == ("forward", "D.1", "aten.sqrt", 2)
+    with pytest.raises(td.NonFiniteError) as info:
+        _gan_run("D.update", adopt=True)
+    a = info.value.anomaly
+    assert (a.phase, a.module, a.op, a.step) == ("optimizer", "D.0", "Adam.step", 2)
+
+
+@pytest.mark.parametrize(
+    ("models", "optimizers", "error", "match"),
+    [
+        ([], None, TypeError, "expected torch.nn.Module objects"),
+        ([nn.Linear(2, 2), "D"], None, TypeError, "expected torch.nn.Module objects, got Linear, str"),
+        ({"G": nn.Linear(2, 2), "D": 3}, None, TypeError, "dict of str -> torch.nn.Module"),
+        (nn.ModuleDict(), None, ValueError, "holds no model"),
+        (
+            [nn.Linear(2, 2), nn.Linear(2, 2)],
+            [object()],
+            TypeError,
+            "expected a torch.optim.Optimizer, got object",
+        ),
+    ],
+    ids=["empty-list", "not-a-module", "dict-of-int", "empty-moduledict", "not-an-optimizer"],
+)
+def test_bad_models_or_optimizers_name_the_fix(models: Any, optimizers: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        td.watch(models, optimizers, run=False)
+
+
+def test_the_same_model_twice_is_an_error_and_one_model_in_a_list_is_one_model() -> None:
+    G = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="the same model is given twice"):
+        td.watch([G, G], run=False)
+    mon = td.watch([G], run=False)
+    assert mon.roots is None and mon.param_names == ["weight", "bias"]
 
 
 def test_an_inf_born_in_the_generators_backward_is_named_at_its_module_and_line() -> None:
