@@ -690,10 +690,15 @@ def watch(
     :class:`StepRecord`.
 
     Args:
-        model: the model; modules are named as in ``model.named_modules()``.
-        optimizer: the optimizer. With it, the check runs in its step pre-hook so corrupted gradients
-            never reach the weights, and ``policy="skip"`` can skip the update. Without it, the first
-            optimizer stepping this model's parameters is adopted.
+        model: the model; modules are named as in ``model.named_modules()``. Several models (a GAN's
+            G and D, a teacher and its student, an actor and its critic): a list (named after the
+            caller's variables: ``td.watch([G, D], ...)`` names ``G.main.0``, ``D.1``), a dict or an
+            ``nn.ModuleDict`` (named by its keys); every forward of each in a step is recorded and
+            the replay re-runs the step's micro-steps in order (docs/integrations.md).
+        optimizer: the optimizer, or a list of them. With it, the check runs in its step pre-hook so
+            corrupted gradients never reach the weights, and ``policy="skip"`` can skip the update;
+            with several, each update is checked before it runs. Without it, every optimizer
+            stepping these parameters is adopted as it first steps (``mon.optimizers``).
         policy: ``"raise"`` (default: raise :class:`NonFiniteError`), ``"warn"`` (warn, record, go on)
             or ``"skip"`` (skip the optimizer update: parameters and optimizer state unchanged).
         scaler: the ``torch.amp.GradScaler``, if any (detected when ``scaler.step`` is called). Its
