@@ -6,10 +6,11 @@ bucket is whole) are compacted in one transaction:
 
 - ``scalars``: raw rows are deleted, except within ``NEAR`` steps of an event or an anomaly. The
   rollups keep every bucket's min, max (spikes), sum/count (mean), last and earliest NaN.
-- ``metric_rollup``: levels below ``KEEP_LEVEL`` are deleted (a chart of a compacted span reads
-  buckets of at least ``KEEP_LEVEL`` steps; 1M steps at 2000 points need 1024).
-- ``timings``: per 64-step bucket the last step's sample and the slowest step's sample stay (the
-  means stay sampled, the slow steps stay visible), plus every sample near an event or anomaly.
+- ``metric_rollup`` and ``timing_rollup``: levels below ``KEEP_LEVEL`` are deleted (a chart of a
+  compacted span reads buckets of at least ``KEEP_LEVEL`` steps; 1M steps at 2000 points need 1024).
+- ``timings``: per 64-step bucket the last step's sample and the slowest step's sample stay, plus
+  every sample near an event or anomaly; ``timing_rollup`` (schema v4) keeps every phase's and the
+  step time's count, sum, min, max and last per bucket, so step-time figures stay exact.
 - ``anomalies``, ``events``, ``segments``, ``memory`` (one sample per ``memory_every`` steps) and
   ``tensor_stats`` (detail steps) are never compacted.
 
@@ -88,11 +89,12 @@ def _compact_chunk(conn: sqlite3.Connection, lo: int, hi: int) -> None:
         after = conn.execute(
             "SELECT count(DISTINCT step) FROM scalars WHERE step >= :lo AND step < :hi", p
         ).fetchone()[0]
-        conn.execute(
-            "DELETE FROM metric_rollup WHERE level < :keep AND bucket * level >= :lo "
-            "AND (bucket + 1) * level <= :hi",
-            p,
-        )
+        for table in ("metric_rollup", "timing_rollup"):
+            conn.execute(
+                f"DELETE FROM {table} WHERE level < :keep AND bucket * level >= :lo "
+                "AND (bucket + 1) * level <= :hi",
+                p,
+            )
         # the slowest step of each timing bucket (SQLite's bare columns: the row of the max)
         conn.execute(
             f"""DELETE FROM timings WHERE step >= :lo AND step < :hi

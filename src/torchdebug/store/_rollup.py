@@ -16,6 +16,7 @@ meets both +Inf and -Inf becomes NaN, i.e. NULL.
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from collections.abc import Iterable
 
@@ -238,3 +239,76 @@ def choose_width(lo: int, hi: int, buckets: int, min_level: int | None = None) -
     while hi // (k * level) - lo // (k * level) + 1 > buckets:
         k += 1
     return level, k
+
+
+# -- timing rollups (schema v4) ---------------------------------------------------------------------
+# The same per-bucket summary for timing samples, keyed by phase instead of metric id. The key
+# "step" holds each sample's step time: its logged "step" phase, else the sum of its STEP_PHASES
+# (as the reports and the step-time chart define it), so a report of any length reads one row per
+# 4096 steps instead of every sample.
+
+#: The phases whose sum is a sample's step time when it has no "step" phase.
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "other")
+
+TIMING_CREATE = (
+    CREATE.replace("metric_rollup", "timing_rollup")
+    .replace("metric_id INTEGER NOT NULL REFERENCES metrics(id)", "phase TEXT NOT NULL")
+    .replace("PRIMARY KEY (metric_id,", "PRIMARY KEY (phase,")
+    .replace(
+        "    PRIMARY KEY (phase,",
+        "    last_value REAL, last_wall REAL,                   -- the bucket's last point\n    PRIMARY KEY (phase,",
+    )
+)
+TIMING_UPSERT = UPSERT.replace("metric_rollup", "timing_rollup").replace("metric_id", "phase")
+
+
+def timing_rows(
+    samples: Iterable[tuple[int, float, list[tuple[str, float]]]],
+) -> list[tuple[str, int, float, float]]:
+    """``(phase, step, seconds, wall)`` rows to roll up for timing samples ``(step, wall, items)``:
+    every phase but "step", and the sample's step time under "step" (see above)."""
+    out: list[tuple[str, int, float, float]] = []
+    for step, wall, items in samples:
+        total = None
+        parts = []
+        for k, v in items:
+            if k == "step":
+                total = v
+            else:
+                out.append((k, step, v, wall))
+                if k in STEP_PHASES:
+                    parts.append(v)
+        if total is None and parts:
+            total = math.fsum(parts)
+        if total is not None:
+            out.append(("step", step, total, wall))
+    return out
+
+
+def write_timings(
+    conn: sqlite3.Connection, samples: Iterable[tuple[int, float, list[tuple[str, float]]]]
+) -> None:
+    """Fold timing samples into ``timing_rollup`` inside the caller's transaction."""
+    params = aggregate(timing_rows(samples))
+    if params:
+        conn.executemany(TIMING_UPSERT, params)
+
+
+def backfill_timings(conn: sqlite3.Connection, chunk: int = 200_000) -> None:
+    """Build ``timing_rollup`` from the timing rows already stored (migration to schema v4)."""
+    cur = conn.execute("SELECT step, wall_time, phase, seconds FROM timings ORDER BY step, wall_time, id")
+    pending: list[tuple[int, float, list[tuple[str, float]]]] = []
+    last: tuple[int, float] | None = None
+    while True:
+        rows = cur.fetchmany(chunk)
+        for step, wall, phase, seconds in rows:
+            if (step, wall) != last:
+                pending.append((step, wall, []))
+                last = (step, wall)
+            pending[-1][2].append((phase, float("nan") if seconds is None else seconds))
+        if not rows or len(pending) > chunk // 8:
+            done = pending if not rows else pending[:-1]  # the last sample may go on in the next chunk
+            write_timings(conn, done)
+            pending = pending[len(done) :]
+        if not rows:
+            return
