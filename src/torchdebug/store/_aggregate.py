@@ -3,13 +3,14 @@
 A report of a 1,000,000-step run must not read a million rows into Python. Here:
 
 - ``metric_stats``: per metric the number of points, the last point, the finite min / max / sum
-  and the count of NaN/Inf points, from the coarsest rollup level (one row per 4096 steps) and raw
-  rows only for a bucket holding +-Inf (the rollups do not count Inf; a compacted bucket uses the
-  raw rows left in it).
+  and the count of NaN/Inf points, from the coarsest rollup level (one row per 4096 steps); a
+  bucket holding +-Inf (rollups count no Inf) from its raw rows, or once compacted from
+  ``finite_rollup``.
 - ``timing_stats``: per timing phase the count, sum, min, max of the finite seconds and the count of
   NaN/Inf ones, and the same for the step time (the ``"step"`` phase, else the sum of a sample's
-  phases), from the compaction's ``timing_rollup`` plus the raw rows after it.
+  phases), from ``timing_rollup`` in the same way.
 - ``memory_stats``: the same per memory key (memory samples are never compacted).
+- ``timing_series``: timing charts of a long range from ``timing_rollup``.
 - ``sample_series``: timing or memory samples bucketed to about ``max_points`` per key in SQL, each
   bucket's lowest and highest finite point plus every NaN/Inf point.
 
@@ -56,15 +57,16 @@ def _raw_parts(column: str) -> str:
 
 
 def _rollup_stats(
-    run: Any, table: str, key_col: str, raw: str, keys: dict[Any, str]
+    run: Any, kind: str, table: str, key_col: str, raw: str, keys: dict[Any, str]
 ) -> dict[str, dict[str, Any]]:
-    """``{"points", **empty_stats()}`` per key of a rollup table, from its coarsest level; a bucket
-    holding +-Inf (rollups do not count Inf) is read from ``raw``: SQL selecting ``_raw_parts`` and
-    the NaN count of one key's rows in ``[?, ?)``, with parameters (key, lo, hi)."""
+    """``{"points", **empty_stats()}`` per key of a rollup table, from its coarsest level. A bucket
+    holding +-Inf (rollups count no Inf, and their sum is then Inf) is read from the raw rows, or,
+    once compacted, from ``finite_rollup`` (``kind``: "metric" | "timing"). ``raw``: SQL selecting
+    ``_raw_parts`` of one key's rows in ``[?, ?)``, with parameters (key, lo, hi)."""
     top = _rollup.LEVELS[-1]
     compacted = run._compaction()[0]
     out: dict[str, dict[str, Any]] = {}
-    dirty: list[tuple[Any, int, int]] = []
+    dirty: list[tuple[Any, int]] = []
     for key, bucket, count, nan, total, lo, hi in run._rows(
         f"SELECT {key_col}, bucket, count, nan_count, sum, min_value, max_value FROM {table} WHERE level = ?",
         (top,),
@@ -72,15 +74,21 @@ def _rollup_stats(
         s = out.setdefault(keys.get(key, key), {"points": 0, **empty_stats()})
         s["points"] += int(count)
         if (lo is not None and math.isinf(lo)) or (hi is not None and math.isinf(hi)):
-            dirty.append((key, bucket, int(nan)))  # its finite part is read from the raw rows
+            dirty.append((key, bucket))
             continue
         _fold(s, count - nan, nan, total, lo, hi)
-    for key, bucket, nan in dirty:
-        lo_step, hi_step = bucket * top, (bucket + 1) * top
-        n, bad, total, lo, hi, raw_nan = run._rows(raw, (key, lo_step, hi_step))[0]
-        if lo_step < compacted:  # some raw rows are gone: the NaN count stays the rollup's
-            bad = int(bad) - int(raw_nan) + nan
-        _fold(out[keys.get(key, key)], n, bad, total, lo, hi)
+    for key, bucket in dirty:
+        lo_step = bucket * top
+        got = []
+        if lo_step < compacted and run.schema_version >= 4:
+            got = run._rows(
+                "SELECT count, bad, sum, min_value, max_value FROM finite_rollup "
+                "WHERE kind = ? AND key = ? AND bucket = ?",
+                (kind, key, bucket),
+            )
+        if not got:  # not compacted: every raw row is there (else only the rows kept: a lower bound)
+            got = run._rows(raw, (key, lo_step, lo_step + top))
+        _fold(out[keys.get(key, key)], *got[0])
     return out
 
 
@@ -88,9 +96,8 @@ def metric_stats(run: Any) -> dict[str, dict[str, Any]]:
     """Per metric: ``points`` (rows logged), ``last_step``, ``last``, ``count`` / ``sum`` / ``min`` /
     ``max`` of the finite values and ``bad`` (NaN/Inf points), over the whole run.
 
-    Exact for every run, compacted or not, except where a compacted 4096-step bucket held a +-Inf
-    point that no event or anomaly kept: that bucket's finite values and Inf count then come from the
-    raw rows left in it (its NaN count and its point count stay exact).
+    Exact for every run, compacted or not (a compacted bucket holding +-Inf is read from
+    ``finite_rollup``; a v3 file compacted before that table existed: from the raw rows left).
 
     Cost: one rollup row per 4096 steps per metric, plus the raw rows of any bucket holding +-Inf.
     """
@@ -103,11 +110,8 @@ def metric_stats(run: Any) -> dict[str, dict[str, Any]]:
             out[names[mid]]["points"] = int(n)
             _fold(out[names[mid]], *parts)
     else:
-        raw = (
-            f"SELECT {_raw_parts('value')}, count(CASE WHEN value IS NULL THEN 1 END) FROM scalars "
-            "WHERE metric_id = ? AND step >= ? AND step < ?"
-        )
-        out.update(_rollup_stats(run, "metric_rollup", "metric_id", raw, names))
+        raw = f"SELECT {_raw_parts('value')} FROM scalars WHERE metric_id = ? AND step >= ? AND step < ?"
+        out.update(_rollup_stats(run, "metric", "metric_rollup", "metric_id", raw, names))
     last = dict(run.last_values())
     if run.has_rollups:
         # a metric whose last rows were compacted (it stopped before the run did): the rollup's last
@@ -123,6 +127,11 @@ def metric_stats(run: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def compacted_to(run: Any) -> int:
+    """Steps below this are compacted (0: none are, or the file predates compaction)."""
+    return int(run._compaction()[0]) if run.has_rollups else 0
+
+
 def has_timing_rollups(run: Any) -> bool:
     """True when the file keeps timing rollups (schema v4 and later)."""
     return bool(run.schema_version >= 4)
@@ -133,18 +142,15 @@ def timing_stats(run: Any) -> dict[str, dict[str, Any]]:
     finite seconds and ``bad`` (NaN/Inf samples).
 
     ``"step_time"`` is a sample's ``"step"`` phase, or the sum of its ``STEP_PHASES`` when it has
-    none. Exact for any run with timing rollups (schema v4), compacted or not (a compacted bucket
-    with a +-Inf sample: as ``metric_stats``). An older file gives the statistics of the samples
-    it holds (a v3 file that was compacted holds each 64-step bucket's last and slowest sample).
+    none. Exact for any run with timing rollups (schema v4), compacted or not. An older file gives
+    the statistics of the samples it holds (a v3 file that was compacted holds each 64-step
+    bucket's last and slowest sample).
 
     Cost: one rollup row per phase and 4096 steps; an older file: one pass over its timing rows.
     """
     if has_timing_rollups(run):
-        raw = (
-            f"SELECT {_raw_parts('seconds')}, count(CASE WHEN seconds IS NULL THEN 1 END) FROM timings "
-            "WHERE phase = ? AND step >= ? AND step < ?"
-        )
-        out = _rollup_stats(run, "timing_rollup", "phase", raw, {})
+        raw = f"SELECT {_raw_parts('seconds')} FROM timings WHERE phase = ? AND step >= ? AND step < ?"
+        out = _rollup_stats(run, "timing", "timing_rollup", "phase", raw, {})
         for v in out.values():
             v.pop("points", None)
         out["step_time"] = out.pop("step", empty_stats())  # the rollups' "step" is the step time
@@ -170,6 +176,26 @@ def timing_stats(run: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _merge_rows(rows: list[tuple[Any, ...]], k: int) -> list[tuple[Any, ...]]:
+    """Rollup rows ``(phase, bucket, nan_count, nan_step, min_step, min, max_step, max)`` of one level,
+    ordered by phase and bucket, merged ``k`` at a time (``bucket // k``)."""
+    out: list[list[Any]] = []
+    for phase, bucket, nc, ns, lo_s, lo_v, hi_s, hi_v in rows:
+        b = bucket // k
+        if not out or out[-1][0] != phase or out[-1][1] != b:
+            out.append([phase, b, nc, ns, lo_s, lo_v, hi_s, hi_v])
+            continue
+        m = out[-1]
+        if nc and not m[2]:
+            m[3] = ns
+        m[2] += nc
+        if lo_v is not None and (m[5] is None or lo_v < m[5]):
+            m[4], m[5] = lo_s, lo_v
+        if hi_v is not None and (m[7] is None or hi_v > m[7]):
+            m[6], m[7] = hi_s, hi_v
+    return [tuple(m) for m in out]
+
+
 def timing_series(run: Any, max_points: int, since_step: int = 0) -> dict[str, dict[str, list[Any]]] | None:
     """``{phase: {"steps", "values"}}`` of the timing rollups from ``since_step`` on, each chart
     bucket's lowest and highest point and its earliest NaN (``"step"`` returned as ``"total"``, the
@@ -193,30 +219,29 @@ def timing_series(run: Any, max_points: int, since_step: int = 0) -> dict[str, d
     if width is None:
         return None
     level, k = width
-    points: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    for phase, bucket, nan_count, nan_step, lo_step, lo_v, hi_step, hi_v in run._rows(
+    rows = run._rows(
         "SELECT phase, bucket, nan_count, nan_step, min_step, min_value, max_step, max_value "
         "FROM timing_rollup WHERE level = ? AND bucket >= ? AND bucket <= ? ORDER BY phase, bucket",
         (level, lo // level, hi // level),
-    ):
-        got = points.setdefault((phase, bucket // k), [])
-        if nan_count:
-            got.append((nan_step, float("nan")))
-        if lo_v is not None:
-            got += [(lo_step, lo_v), (hi_step, hi_v)]
+    )
+    if k > 1:  # over ~4M steps: merge k rows of the coarsest level per chart bucket
+        rows = _merge_rows(rows, k)
+    nan = float("nan")
     out: dict[str, dict[str, list[Any]]] = {}
-    for (phase, _), pts in points.items():
-        nan = [p for p in pts if p[1] != p[1]][:1]  # the earliest NaN of the chart bucket
-        real = [p for p in pts if p[1] == p[1]]
-        keep = set(nan)
-        if real:
-            keep.add(min(real, key=lambda p: (p[1], p[0])))
-            keep.add(max(real, key=lambda p: (p[1], -p[0])))
-        d = out.setdefault("total" if phase == "step" else phase, {"steps": [], "values": []})
-        for step, v in sorted(keep, key=lambda p: p[0]):
+    for phase, _, nan_count, nan_step, lo_step, lo_v, hi_step, hi_v in rows:
+        d = out.get(phase)
+        if d is None:
+            d = out["total" if phase == "step" else phase] = out[phase] = {"steps": [], "values": []}
+        pts = [(nan_step, nan)] if nan_count else []
+        if lo_v is not None:
+            pts += [(lo_step, lo_v)] if lo_step == hi_step else [(lo_step, lo_v), (hi_step, hi_v)]
+        if len(pts) > 1:
+            pts.sort(key=lambda p: p[0])
+        for step, v in pts:
             if step >= since_step:
                 d["steps"].append(step)
                 d["values"].append(v)
+    out.pop("step", None)
     return out
 
 

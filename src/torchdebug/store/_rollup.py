@@ -259,6 +259,21 @@ TIMING_CREATE = (
         "    last_value REAL, last_wall REAL,                   -- the bucket's last point\n    PRIMARY KEY (phase,",
     )
 )
+#: The finite part of a compacted 4096-step bucket whose min or max is +-Inf (rollups keep no Inf
+#: count, and their sum, min and max then say nothing of the finite values), written by compaction
+#: from the raw rows before they go: ``kind`` "metric" (``key``: metric id) or "timing" (phase).
+FINITE_CREATE = """
+CREATE TABLE finite_rollup (
+    kind TEXT NOT NULL,
+    key NOT NULL,
+    bucket INTEGER NOT NULL,    -- step // 4096
+    count INTEGER NOT NULL,     -- finite values
+    bad INTEGER NOT NULL,       -- NaN and +-Inf values
+    sum REAL, min_value REAL, max_value REAL,  -- of the finite values; NULL when none
+    PRIMARY KEY (kind, key, bucket)
+) WITHOUT ROWID
+"""
+
 TIMING_UPSERT = UPSERT.replace("metric_rollup", "timing_rollup").replace("metric_id", "phase")
 
 

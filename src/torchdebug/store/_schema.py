@@ -115,8 +115,10 @@ def _add_last_v3(conn: sqlite3.Connection) -> None:
 def _add_timing_rollups_v4(conn: sqlite3.Connection) -> None:
     # v4: timing samples get the same per-bucket rollups as metrics (the key "step" holds each
     # sample's step time), so reports of long runs read them instead of every sample; built here
-    # for the timing rows a v3 writer left (a file it compacted has only its kept samples).
+    # for the timing rows a v3 writer left (a file it compacted has only its kept samples). And
+    # compaction keeps the finite part of a bucket holding +-Inf (finite_rollup).
     conn.execute(_rollup.TIMING_CREATE)
+    conn.execute(_rollup.FINITE_CREATE)
     _rollup.backfill_timings(conn)
 
 

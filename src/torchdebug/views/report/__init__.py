@@ -58,7 +58,8 @@ def collect_views(run: Any, max_points: int = 2000, since_step: int | None = Non
     Cost: one downsampled query per metric, SQL aggregates and bucketed timing and memory samples:
     bounded whatever the run's length (about 0.5 s at 1,000,000 steps).
     """
-    report = build_report(run, metrics=False)
+    summary = run.summary()
+    report = build_report(run, metrics=False, summary=summary)
     data = collect_data(run, max_points=max_points, since_step=since_step)
     if since_step is not None:
         for key in ("anomalies", "events"):
@@ -72,7 +73,7 @@ def collect_views(run: Any, max_points: int = 2000, since_step: int | None = Non
         "meta": meta,
         "status": meta["status"],
         "verdict": report["verdict"],
-        "last_step": run.summary()["last_step"],
+        "last_step": summary["last_step"],
         "report": report,
         "figures": build_figures(data),
         "anomalies": report["anomalies"],

@@ -106,6 +106,7 @@ def build_report(
     metrics: bool = True,
     timings: list[dict[str, Any]] | None = None,
     memory: list[dict[str, Any]] | None = None,
+    summary: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON summary of a run, with the keys of the seed system's ``create_debug_report``.
 
@@ -114,6 +115,7 @@ def build_report(
         metrics: include the per-metric last/min/max table.
         timings, memory: samples to summarize instead of the run's (``run.timings()`` /
             ``run.memory()``, or a filtered list); by default the run's are aggregated in SQL.
+        summary: ``run.summary()`` when the caller already read it.
 
     Returns:
         A dict (NaN/Inf kept as floats; ``json_safe`` turns them into strings):
@@ -147,8 +149,9 @@ def build_report(
     the metric and timing rollups (one row per 4096 steps) and the memory samples; anomaly and
     event documents are read whole.
     """
+    lost = run.summary() if summary is None else summary
     meta = dict(run.meta)
-    meta["status"] = run.status
+    meta["status"] = lost["status"]
     cfg = _config(meta)
     anomalies = run.anomalies()
     events = run.events()
@@ -180,7 +183,7 @@ def build_report(
     grad = _agg_stats(per_metric["grad_norm"]) if "grad_norm" in per_metric else _NO_STATS
     report: dict[str, Any] = {
         "summary": {
-            "total_debug_operations": run.steps(),
+            "total_debug_operations": lost["steps"],
             "anomalies_detected": len(anomalies),
             "memory_leaks_detected": categories["memory"],
             "performance_issues_detected": categories["performance"],
@@ -219,7 +222,6 @@ def build_report(
     }
     if metrics:
         report["metrics"] = metric_table(run, per_metric)
-    lost = run.summary()
     v = judge(
         str(meta["status"]),
         steps=report["summary"]["total_debug_operations"],
@@ -298,12 +300,18 @@ def _samples_for_chart(
     run: Any, table: str, given: list[dict[str, Any]] | None, max_points: int, since_step: int | None
 ) -> dict[str, dict[str, list[Any]]]:
     """Chart data of timing or memory samples: the caller's list or a short table pivoted in Python
-    (every point up to ``max_points``); a long one read from the timing rollups, else bucketed in SQL
-    (``_aggregate.timing_series`` / ``sample_series``)."""
+    (every point up to ``max_points``); a long or compacted one read from the timing rollups, else
+    bucketed in SQL (``_aggregate.timing_series`` / ``sample_series``)."""
     since = since_step or 0
-    if given is None and _aggregate.sample_count(run, table, since) > _aggregate.SQL_BUCKETING_ROWS:
-        got = _aggregate.timing_series(run, max_points, since) if table == "timings" else None
-        return got if got is not None else _aggregate.sample_series(run, table, max_points, since)
+    if given is None:
+        long = _aggregate.sample_count(run, table, since) > _aggregate.SQL_BUCKETING_ROWS
+        # a compacted span keeps only some timing samples: its rollups hold every step's extremes
+        if table == "timings" and (long or since < _aggregate.compacted_to(run)):
+            got = _aggregate.timing_series(run, max_points, since)
+            if got is not None:
+                return got
+        if long:
+            return _aggregate.sample_series(run, table, max_points, since)
     if given is None:
         given = run.timings() if table == "timings" else run.memory()
         if since:
