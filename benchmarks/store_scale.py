@@ -3,12 +3,13 @@
 Writes a synthetic run of N steps through the real writer at the default level's record mix (per
 step: 5 metrics and a 6-phase timing; every 10th step 13 more metrics; every 50th a memory sample;
 an event every 10,000 steps, 3 anomalies, and loss spikes with no event near them), then times each
-reader in a fresh process: ``show``, the JSON / text / HTML reports, a cold dashboard ``/views``,
+reader in fresh processes (the median of 3): ``show``, the JSON / text / HTML reports, a cold dashboard ``/views``,
 and ``runs`` over 500 run folders. Prints bytes per step, the file size, each reader's wall time and
 peak RSS, and checks that every spike is still on the loss chart.
 
     python benchmarks/store_scale.py            # 1,000,000 steps (make bench)
     python benchmarks/store_scale.py --steps 100000
+    python benchmarks/store_scale.py --run /tmp/week-...   # time the readers of a run written before
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,15 +103,35 @@ print(wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
-def time_reader(code: str, run: Path, out: str, root500: Path) -> tuple[float, int]:
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(run), out, str(root500), code],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    wall, rss = done.stdout.split()[-2:]
-    return float(wall), int(rss)
+def _env() -> dict[str, str]:
+    """The probes' environment: bytecode caches allowed, as in an installed package (with
+    PYTHONDONTWRITEBYTECODE every probe would compile torchdebug's sources again, ~0.3 s)."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def time_reader(code: str, run: Path, out: str, root500: Path, repeat: int = 3) -> tuple[float, int]:
+    """Median wall time and peak RSS of ``repeat`` fresh processes running ``code``."""
+    walls, rss = [], 0
+    for _ in range(repeat):
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(run), out, str(root500), code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=_env(),
+        )
+        wall, peak = done.stdout.split()[-2:]
+        walls.append(float(wall))
+        rss = max(rss, int(peak))
+    return statistics.median(walls), rss
+
+
+def warm_bytecode() -> None:
+    """Import every reader once so later probes load cached bytecode, as an installed package does."""
+    code = "import torchdebug.cli, torchdebug.views.report, torchdebug.views.server, torchdebug.sinks"
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env())
 
 
 def five_hundred(root: Path, template: Path) -> Path:
@@ -122,29 +144,47 @@ def five_hundred(root: Path, template: Path) -> Path:
     return many
 
 
+def check_report(run: Path, steps: int) -> None:
+    """The report's numbers over the compacted run against what write_run logged."""
+    from torchdebug.store import open_run
+    from torchdebug.views.report import build_report
+
+    with open_run(run) as r:
+        chart = r.series("loss", max_points=2000)
+        missing = [s for s in spikes(steps) if s not in chart.steps]
+        print(f"loss chart: {len(chart)} points, every spike kept: {not missing} {missing or ''}")
+        rep = build_report(r)
+    perf, loss = rep["performance_analysis"], rep["metrics"]["loss"]
+    print(
+        f"report: {rep['summary']['total_debug_operations']:,} steps, {perf['timed_steps']:,} timed, "
+        f"mean step {perf['average_execution_time'] * 1e3:.4f} ms (logged 8.1), loss points "
+        f"{loss['points']:,}, loss max {loss['max']:g}, {len(rep['anomalies'])} anomalies, "
+        f"{len(rep['events'])} events, memory samples {rep['memory_analysis']['samples']:,}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument(
+        "--run", type=Path, help="time the readers on this run folder, written before by this script"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        t = time.perf_counter()
-        run = write_run(root / "big", args.steps)
-        write_s = time.perf_counter() - t
+        if args.run is None:
+            t = time.perf_counter()
+            run = write_run(root / "big", args.steps)
+            print(f"{args.steps:,} steps written in {time.perf_counter() - t:.1f} s")
+        else:
+            run = args.run
         size = sum(f.stat().st_size for f in run.iterdir())
         small = write_run(root / "small", 200)
         root500 = five_hundred(root, small)
-        print(
-            f"{args.steps:,} steps written in {write_s:.1f} s; run folder {size / 1e6:.1f} MB, {size / args.steps:.0f} bytes/step"
-        )
-        from torchdebug.store import open_run
-
-        with open_run(run) as r:
-            chart = r.series("loss", max_points=2000)
-            missing = [s for s in spikes(args.steps) if s not in chart.steps]
-            print(f"loss chart: {len(chart)} points, every spike kept: {not missing} {missing or ''}")
-            print(f"steps: {r.steps():,}")
+        print(f"run folder {size / 1e6:.1f} MB, {size / args.steps:.0f} bytes/step")
+        check_report(run, args.steps)
         results = {}
+        warm_bytecode()
         for name, code in _READERS.items():
             wall, rss = time_reader(code, run, str(root / "out"), root500)
             results[name] = (wall, rss)
