@@ -11,6 +11,7 @@ import pytest
 
 from torchdebug.store import _aggregate, create_run, open_run
 from torchdebug.views.report import build_report, collect_data, collect_views
+from torchdebug.views.report._data import _pivot
 
 # keep_recent=0 over 5000 steps: the chunk [0, 4096) is compacted (4999 - 0 >= 0 + 4096), the rest stays.
 STEPS = 5000
@@ -31,7 +32,7 @@ def _write(root: Path, keep_recent: int | None) -> Path:
             t["step"] = 0.5 if s == SLOW else 0.008
         w.log_timing(s, t)
         if s % 50 == 0:
-            w.log_memory(s, {"rss": 1000 + s})
+            w.log_memory(s, {"rss": 1000 + s, "frag": math.nan if s == NAN_AT else s / 5000})
         if s == EVENT:
             w.log_event(s, "loss_spike", "warning", "loss rose")
         if s == ANOMALY:
@@ -166,3 +167,17 @@ def test_figures_since_a_step_read_the_samples(runs: tuple[Path, Path]) -> None:
         assert data["timings"]["total"]["steps"] == list(range(4900, 5000))
         assert data["timings"]["total"]["values"] == pytest.approx([0.008] * 100)
         assert data["memory"]["rss"] == {"steps": [4900, 4950], "values": [5900, 5950]}
+
+
+def test_long_sample_tables_are_bucketed_as_the_python_envelope(runs: tuple[Path, Path]) -> None:
+    _, compacted = runs
+    with open_run(compacted) as run:
+        got = _aggregate.sample_series(run, "memory", max_points=20)
+        # 100 samples at s = 0, 50, ..., 4950 in 10 buckets of 495 steps: each keeps its lowest and
+        # highest point (10 samples each), and frag's NaN at 2500 stays beside its bucket's extremes
+        assert got["rss"]["steps"] == [s for b in range(10) for s in (b * 500, b * 500 + 450)]
+        assert [s for s, v in zip(got["frag"]["steps"], got["frag"]["values"]) if v != v] == [NAN_AT]
+        ref = _pivot(run.memory(), 20)  # the envelope of every sample, in Python
+        assert got["rss"] == ref["rss"]
+        assert got["frag"]["steps"] == ref["frag"]["steps"]
+        assert got["frag"]["values"][:5] == ref["frag"]["values"][:5]

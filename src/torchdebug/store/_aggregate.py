@@ -57,6 +57,24 @@ def _raw_parts(column: str) -> str:
     )
 
 
+def _keys(run: Any, table: str) -> str:
+    """An ``IN (...)`` list of a rollup table's keys, so a query by level seeks its primary key
+    ``(key, level, bucket)`` per key instead of scanning every level's rows (26 ms -> 9 ms at 1M
+    steps). Metric ids come from ``metrics``; phases by a skip-scan, one index seek each."""
+    if table == "metric_rollup":
+        return "metric_id IN (SELECT id FROM metrics)"
+    phases: list[str] = []
+    while True:
+        got = run._rows(
+            "SELECT phase FROM timing_rollup WHERE phase > ? ORDER BY phase LIMIT 1",
+            (phases[-1] if phases else "",),
+        )
+        if not got:
+            break
+        phases.append(got[0][0])
+    return "phase IN (" + ", ".join("'" + p.replace("'", "''") + "'" for p in phases) + ")"
+
+
 def _rollup_stats(
     run: Any, kind: str, table: str, key_col: str, raw: str, keys: dict[Any, str]
 ) -> dict[str, dict[str, Any]]:
@@ -69,7 +87,8 @@ def _rollup_stats(
     out: dict[str, dict[str, Any]] = {}
     dirty: list[tuple[Any, int]] = []
     for key, bucket, count, nan, total, lo, hi in run._rows(
-        f"SELECT {key_col}, bucket, count, nan_count, sum, min_value, max_value FROM {table} WHERE level = ?",
+        f"SELECT {key_col}, bucket, count, nan_count, sum, min_value, max_value FROM {table} "
+        f"WHERE {_keys(run, table)} AND level = ?",
         (top,),
     ):
         s = out.setdefault(keys.get(key, key), {"points": 0, **empty_stats()})
@@ -127,7 +146,8 @@ def metric_stats(run: Any) -> dict[str, dict[str, Any]]:
     if run.has_rollups:
         # a metric whose last rows were compacted (it stopped before the run did): the rollup's last
         for mid, last_step, value in run._rows(
-            "SELECT metric_id, max(last_step), last_value FROM metric_rollup WHERE level = ? GROUP BY metric_id",
+            "SELECT metric_id, max(last_step), last_value FROM metric_rollup "
+            f"WHERE {_keys(run, 'metric_rollup')} AND level = ? GROUP BY metric_id",
             (_rollup.LEVELS[-1],),
         ):
             name = names[mid]
@@ -216,8 +236,9 @@ def timing_series(run: Any, max_points: int, since_step: int = 0) -> dict[str, d
     if not has_timing_rollups(run):
         return None
     top = _rollup.LEVELS[-1]
+    keys = _keys(run, "timing_rollup")
     lo, hi = run._rows(
-        "SELECT min(first_step), max(last_step) FROM timing_rollup WHERE level = ? AND bucket >= ?",
+        f"SELECT min(first_step), max(last_step) FROM timing_rollup WHERE {keys} AND level = ? AND bucket >= ?",
         (top, since_step // top),
     )[0]
     if lo is None:
@@ -232,7 +253,7 @@ def timing_series(run: Any, max_points: int, since_step: int = 0) -> dict[str, d
     level, k = width
     rows = run._rows(
         "SELECT phase, bucket, nan_count, nan_step, min_step, min_value, max_step, max_value "
-        "FROM timing_rollup WHERE level = ? AND bucket >= ? AND bucket <= ? ORDER BY phase, bucket",
+        f"FROM timing_rollup WHERE {keys} AND level = ? AND bucket >= ? AND bucket <= ? ORDER BY phase, bucket",
         (level, lo // level, hi // level),
     )
     if k > 1:  # over ~4M steps: merge k rows of the coarsest level per chart bucket
@@ -291,33 +312,63 @@ def sample_series(
     lowest and highest finite point, and every NaN/Inf point stays (as ``views.report`` envelopes
     do). Timing phase ``"step"`` is returned as ``"total"``. NaN reads as ``float("nan")``.
 
-    Cost: one grouped pass in SQL over the rows (about 0.1 s per 300k rows), whatever ``max_points``.
+    Raises:
+        RunStoreError: a value that is not a number (the database was altered).
+
+    Cost: one ordered read of the rows and one Python pass (about 2 µs per row: 80 ms for the
+    40,000 memory rows of a 1M-step run; grouping in SQL sorts and took 3x longer).
     """
     if table not in _SAMPLE_TABLES:
         raise ValueError(f"table must be one of {sorted(_SAMPLE_TABLES)}, got {table!r}")
     if max_points < 2:
         raise ValueError(f"max_points must be >= 2 (a min and a max per bucket), got {max_points}")
     key, value = _SAMPLE_TABLES[table]
-    lo, hi = run._rows(f"SELECT min(step), max(step) FROM {table} WHERE step >= ?", (since_step,))[0]
-    if lo is None:
+    rows = run._rows(
+        f"SELECT {key}, step, {value} FROM {table} WHERE step >= ? ORDER BY step, id", (since_step,)
+    )
+    if not rows:
         return {}
-    fin = _FIN.format("v")
-    p = {"since": since_step, "lo": lo, "nb": max_points // 2, "span": hi - lo + 1}
-    # SQLite's min()/max() with bare columns return the row holding the extreme (see reader.py)
-    sql = f"""
-        WITH s AS (SELECT {key} AS k, step, {value} AS v, ((step - :lo) * :nb) / :span AS b
-                   FROM {table} WHERE step >= :since)
-        SELECT k, step, v FROM (SELECT min(v), k, step, v FROM s WHERE {fin} GROUP BY k, b)
-        UNION
-        SELECT k, step, v FROM (SELECT max(v), k, step, v FROM s WHERE {fin} GROUP BY k, b)
-        UNION ALL
-        SELECT k, step, v FROM s WHERE NOT coalesce({fin}, 0)
-        ORDER BY k, step
-    """
+    lo, span, nb = rows[0][1], rows[-1][1] - rows[0][1] + 1, max_points // 2
+    isfinite = math.isfinite
+    # per key: the open bucket, its lowest and highest finite point, the points it closed with
+    state: dict[str, list[Any]] = {}
+    for k, step, v in rows:
+        if v is None:
+            v = math.nan
+        elif type(v) is not float and type(v) is not int:
+            raise RunStoreError(
+                f"{run.db_path}: {table} {k!r} at step {step} holds {type(v).__name__} {v!r:.40} where a "
+                "number belongs; the run's database was altered"
+            )
+        b = (step - lo) * nb // span
+        st = state.get(k)
+        if st is None:
+            st = state[k] = [b, None, None, [], []]  # bucket, low, high, its NaN/Inf, points kept
+        elif st[0] != b:
+            _close(st)
+            st[0] = b
+        if not isfinite(v):
+            st[3].append((step, v))
+        else:
+            if st[1] is None or v < st[1][1]:
+                st[1] = (step, v)
+            if st[2] is None or v > st[2][1]:
+                st[2] = (step, v)
     out: dict[str, dict[str, list[Any]]] = {}
     rename = {"step": "total"} if table == "timings" else {}
-    for k, step, v in run._rows(sql, p):
-        d = out.setdefault(rename.get(k, k), {"steps": [], "values": []})
-        d["steps"].append(step)
-        d["values"].append(float("nan") if v is None else v)
+    for k, st in state.items():
+        _close(st)
+        pts = st[4]
+        out[rename.get(k, k)] = {"steps": [p[0] for p in pts], "values": [p[1] for p in pts]}
     return out
+
+
+def _close(st: list[Any]) -> None:
+    """Keep a bucket's lowest and highest point and its NaN/Inf points, in step order."""
+    low, high, bad, pts = st[1], st[2], st[3], st[4]
+    keep = bad if low is None else [*bad, low] if low[0] == high[0] else [*bad, low, high]
+    if len(keep) > 1:
+        keep.sort(key=lambda p: p[0])
+    pts += keep
+    st[1] = st[2] = None
+    st[3] = []
