@@ -112,13 +112,13 @@ def _merge(into: _Agg, a: _Agg) -> None:
         into[11:13] = a[11:13]
 
 
-def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tuple[object, ...]]:
+def aggregate(rows: Iterable[tuple[int | str, int, float | None, float]]) -> list[tuple[object, ...]]:
     """Rollup rows (``UPSERT`` parameters) of every level for raw rows ``(metric_id, step, value, wall)``.
 
     ``value`` NaN or None (a NaN read back from SQLite) counts as NaN. Cost: about 1 µs per raw row
     (one dict update at the finest level; coarser levels are merged from the finest aggregates).
     """
-    finest: dict[tuple[int, int], _Agg] = {}
+    finest: dict[tuple[int | str, int], _Agg] = {}
     get = finest.get
     shift = _FINEST_SHIFT
     for mid, step, v, wall in rows:
@@ -178,7 +178,7 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
     prev_shift = shift
     for level, sh in zip(LEVELS, _SHIFTS):
         if sh != prev_shift:
-            coarser: dict[tuple[int, int], _Agg] = {}
+            coarser: dict[tuple[int | str, int], _Agg] = {}
             down = sh - prev_shift
             for (mid, b), a in level_aggs.items():
                 k = (mid, b >> down)
