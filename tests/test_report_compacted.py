@@ -181,3 +181,45 @@ def test_long_sample_tables_are_bucketed_as_the_python_envelope(runs: tuple[Path
         assert got["rss"] == ref["rss"]
         assert got["frag"]["steps"] == ref["frag"]["steps"]
         assert got["frag"]["values"][:5] == ref["frag"]["values"][:5]
+
+
+@pytest.mark.slow  # writes 100,000 steps through the real writer: 15 - 40 s on the shared VM
+def test_a_long_run_stays_small_and_its_report_reads_rollups(tmp_path: Path) -> None:
+    steps = 100_000
+    w = create_run(root=tmp_path, name="long")
+    for s in range(steps):
+        w.log_scalars(s, {"loss": 1000.0 if s == 50_003 else 1.0, "grad_norm": 0.5, "lr/0": 1e-3})
+        w.log_timing(s, {"forward": 0.002, "backward": 0.004, "step": 0.5 if s == 60_001 else 0.008})
+        if s % 2000 == 1999:
+            w.flush()
+    w.close()
+    assert w.dropped == 0
+    size = sum(f.stat().st_size for f in w.path.iterdir())
+    # the last 20,000 steps whole (~0.6 KB/step here), the 77,824 compacted steps in rollups (~0.1 KB)
+    assert size < 25e6, size
+    with open_run(w.path) as run:
+        scanned = []
+        run._conn.set_trace_callback(scanned.append)
+        rep = build_report(run)
+        views = collect_views(run)
+        run._conn.set_trace_callback(None)
+        assert run._compaction()[0] == 77_824  # 19 chunks of 4096: 99,999 - 20,000 >= 77,824 + 4096 fails
+    assert rep["summary"]["total_debug_operations"] == steps
+    assert rep["metrics"]["loss"] == {
+        "points": steps,
+        "last_step": steps - 1,
+        "last": 1.0,
+        "min": 1.0,
+        "max": 1000.0,
+        "nonfinite": 0,
+    }
+    perf = rep["performance_analysis"]
+    assert (perf["timed_steps"], perf["max_execution_time"]) == (steps, 0.5)
+    assert perf["average_execution_time"] == pytest.approx((99_999 * 0.008 + 0.5) / steps, rel=1e-12)
+    assert rep["operation_breakdown"]["time_by_phase"]["backward"] == pytest.approx(steps * 0.004, rel=1e-12)
+    total = next(f for f in views["figures"] if f["id"] == "step_time")
+    assert "slowest 500 ms at step 60001" in total["summary"]
+    # no query of the report or the page reads the timing samples (one index count decides) or a
+    # metric's rows in full (the raw read of Run.series without max_points)
+    assert [q for q in scanned if "FROM timings" in q] == ["SELECT count(*) FROM timings WHERE step >= 0"]
+    assert not [q for q in scanned if "SELECT step, value, wall_time FROM scalars" in q]
