@@ -739,6 +739,10 @@ class Run:
         """Timing samples ``{"step", "wall_time", "forward": s, ..., "total": s}`` by step (seconds).
 
         ``"step"`` is the step index; the whole step's seconds, logged under ``"step"``, is ``"total"``.
+        A compacted span holds each 64-step bucket's last and slowest sample and the samples near an
+        event or anomaly (see store/_compact.py); its exact step time, per-phase totals and extremes
+        are in the timing rollups (``torchdebug.store._aggregate.timing_stats``).
+        Cost: every sample pivoted in Python (about 2 µs per row); reports read aggregates instead.
         """
         return list(self._samples("timings", "phase", "seconds", "", (), _TIMING_RENAME))
 
