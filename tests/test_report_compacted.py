@@ -4,6 +4,7 @@ hand; the figures come from rollups and keep every spike."""
 from __future__ import annotations
 
 import math
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +224,33 @@ def test_a_long_run_stays_small_and_its_report_reads_rollups(tmp_path: Path) -> 
     # metric's rows in full (the raw read of Run.series without max_points)
     assert [q for q in scanned if "FROM timings" in q] == ["SELECT count(*) FROM timings WHERE step >= 0"]
     assert not [q for q in scanned if "SELECT step, value, wall_time FROM scalars" in q]
+
+
+def test_a_v3_file_reports_from_its_samples_and_a_writer_rolls_them_up(tmp_path: Path) -> None:
+    w = create_run(root=tmp_path, name="old", keep_recent=None)
+    for s in range(300):
+        t = {"data": 0.001, "forward": 0.002, "backward": 0.004, "optimizer": 0.001, "other": 0.0}
+        if s % 3:  # every third step logs no "step": its step time is the sum of its phases
+            t["step"] = 0.5 if s == 200 else 0.008
+        w.log_timing(s, t)
+        w.log_scalars(s, {"loss": 1.0})
+    w.close()
+    db = w.path / "rank0.sqlite"
+    conn = sqlite3.connect(db, isolation_level=None)
+    rollups = conn.execute("SELECT * FROM timing_rollup ORDER BY phase, level, bucket").fetchall()
+    # as a v3 writer left it: no timing rollups, schema 3
+    conn.execute("DROP TABLE timing_rollup")
+    conn.execute("DROP TABLE finite_rollup")
+    conn.execute("PRAGMA user_version = 3")
+    conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+    conn.close()
+    with open_run(w.path) as run:
+        assert run.schema_version == 3
+        perf = build_report(run)["performance_analysis"]
+        # 299 steps of 8 ms (logged, or 1 + 2 + 4 + 1 + 0 summed) and step 200's 0.5 s
+        assert perf["timed_steps"] == 300 and perf["max_execution_time"] == 0.5
+        assert perf["average_execution_time"] == pytest.approx((299 * 0.008 + 0.5) / 300, rel=1e-12)
+    create_run(path=w.path).close()  # a resume migrates the file and rolls up the rows it holds
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT * FROM timing_rollup ORDER BY phase, level, bucket").fetchall() == rollups
+    conn.close()
