@@ -246,7 +246,11 @@ def timing_series(run: Any, max_points: int, since_step: int = 0) -> dict[str, d
     lo = max(lo, since_step)
     compacted = run._compaction()[0]
     width = _rollup.choose_width(
-        lo, hi, max_points // 2, min_level=_compact.KEEP_LEVEL if lo < compacted else None
+        lo,
+        hi,
+        max_points // 2,
+        min_level=_compact.KEEP_LEVEL if lo < compacted else None,
+        levels=_rollup.TIMING_LEVELS,
     )
     if width is None:
         return None
