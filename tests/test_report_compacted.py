@@ -143,7 +143,7 @@ def test_figures_of_a_compacted_run_show_every_spike(runs: tuple[Path, Path]) ->
     _, compacted = runs
     with open_run(compacted) as run:
         # 6370 timing rows: few, but the compacted span keeps only some samples, so rollups answer
-        assert _aggregate.sample_count(run, "timings") < _aggregate.SQL_BUCKETING_ROWS
+        assert _aggregate.sample_count(run, "timings") < _aggregate.PIVOT_ROWS
         data = collect_data(run, max_points=200)
         total = data["timings"]["total"]
         assert 0 < len(total["steps"]) <= 200 and total["steps"] == sorted(total["steps"])

@@ -11,8 +11,9 @@ A report of a 1,000,000-step run must not read a million rows into Python. Here:
   phases), from ``timing_rollup`` in the same way.
 - ``memory_stats``: the same per memory key (memory samples are never compacted).
 - ``timing_series``: timing charts of a long range from ``timing_rollup``.
-- ``sample_series``: timing or memory samples bucketed to about ``max_points`` per key in SQL, each
-  bucket's lowest and highest finite point plus every NaN/Inf point.
+- ``sample_series``: timing or memory samples bucketed to about ``max_points`` per key in one
+  Python pass over an ordered read, each bucket's lowest and highest finite point plus every
+  NaN/Inf point.
 
 Everything takes an open ``Run`` and reads it through ``Run._rows``.
 """
@@ -297,8 +298,8 @@ def memory_samples(run: Any) -> int:
 
 _SAMPLE_TABLES = {"timings": ("phase", "seconds"), "memory": ("key", "value")}
 #: Up to this many rows (all keys together) a caller may pivot the samples in Python (exact, as
-#: before); above it ``sample_series`` buckets in SQL.
-SQL_BUCKETING_ROWS = 20_000
+#: before); above it ``sample_series`` keeps only each bucket's extremes (or the timing rollups answer).
+PIVOT_ROWS = 20_000
 
 
 def sample_count(run: Any, table: str, since_step: int = 0) -> int:

@@ -301,10 +301,10 @@ def _samples_for_chart(
 ) -> dict[str, dict[str, list[Any]]]:
     """Chart data of timing or memory samples: the caller's list or a short table pivoted in Python
     (every point up to ``max_points``); a long or compacted one read from the timing rollups, else
-    bucketed in SQL (``_aggregate.timing_series`` / ``sample_series``)."""
+    bucketed in one pass (``_aggregate.timing_series`` / ``sample_series``)."""
     since = since_step or 0
     if given is None:
-        long = _aggregate.sample_count(run, table, since) > _aggregate.SQL_BUCKETING_ROWS
+        long = _aggregate.sample_count(run, table, since) > _aggregate.PIVOT_ROWS
         # a compacted span keeps only some timing samples: its rollups hold every step's extremes
         if table == "timings" and (long or since < _aggregate.compacted_to(run)):
             got = _aggregate.timing_series(run, max_points, since)
@@ -339,7 +339,7 @@ def collect_data(
     Example: ``collect_data(open_run(path), max_points=500)["series"]["loss"]["values"]``.
     Cost: one downsampled query per metric (about 1 ms from the rollups); timing and memory samples
     are pivoted in Python up to 20,000 rows; beyond, timings read their rollups (one row per phase
-    and chart bucket) and memory samples are bucketed in SQL (about 0.1 s per 100k rows).
+    and chart bucket) and memory samples are bucketed in one pass (about 60 ms per 40k rows).
     """
     series = {}
     for name in run.metric_names():
