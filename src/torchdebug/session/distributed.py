@@ -538,6 +538,15 @@ class Coordinator:
         v = mon.transfer.values
         return [v.get(f"_dist#{r * self.world + k}", 0.0) for k in range(self.world)]
 
+    def mean_loss(self, mon: Any) -> float | None:
+        """The ranks' mean loss this step from row 0 of the step's all-reduce (the sum of each rank's
+        micro-step losses): the same float on every rank, so a loss-spike decision taken on it is the
+        same everywhere. None without that all-reduce, or when other probes ride in row 0."""
+        v = mon.transfer.values
+        if not self._live() or "_dist#0" not in v or set(mon.sentinel.deferred) - {"param_norms"}:
+            return None
+        return sum(self._row(mon, 0)) / (self.world * max(len(mon.transfer.loss_vals), 1))
+
     def on_step_end(self, mon: Any, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from .._config import DebugConfig, DebugLevel, check_path, coerce_config
-from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
+from .._errors import ConfigError, LossSpikeError, NonFiniteError, RunStoreError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
 from .._tensors import unwrap_optimizer
@@ -59,6 +59,7 @@ from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
+from .rollback import SpikeGuard
 from .transfer import Items, Transfer
 
 POLICIES = ("raise", "warn", "skip")
@@ -101,6 +102,7 @@ class Monitor:
         report_to: Any = None,
         announce: bool | None = None,
         sync: str | None = None,
+        on_spike: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -123,6 +125,8 @@ class Monitor:
             changes["clip_on_spike"] = clip_on_spike
         if on_oom is not None:
             changes["on_oom"] = on_oom
+        if on_spike is not None:
+            changes["on_spike"] = on_spike  # checked by DebugConfig (allowed values listed)
         self._sink_objects: list[Any] = []  # Sink objects / SummaryWriters given in report_to
         if report_to is not None:
             items = [report_to] if isinstance(report_to, str) else report_to
@@ -192,6 +196,8 @@ class Monitor:
         self.step_scalars: dict[str, float] = {}  # the last step's own scalars, as stored
         self.instruments: list[Any] = []
         self.anomalies: list[Anomaly] = []
+        self.spikes: list[Any] = []  # a SpikeReport per loss-spike episode (session/rollback.py)
+        self.rollbacks: list[Any] = []  # a Rollback per on_spike="rollback" restore
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
         # anomaly_steps: steps with a NaN/Inf record; anomalous_steps: ``events.is_anomalous`` steps
@@ -626,6 +632,9 @@ class Monitor:
         if self.world_size > 1 or self.config.hang_timeout is not None:
             self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
             self.instruments.append(self._coord)
+        if self.config.on_spike != "off":  # last: it reads the step's numbers and the coordinator's
+            self.instruments.append(SpikeGuard())
+            self._call(self.instruments[-1], "install")
         self._plain.guard_module_hooks()
         self._plain.wrap_compiled()
 
@@ -771,7 +780,7 @@ class Monitor:
             return None
         try:
             return fn(self, *args)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._disable(inst, exc)
@@ -796,7 +805,7 @@ class Monitor:
                 continue
             try:
                 fn(self, *args)
-            except NonFiniteError:
+            except (NonFiniteError, LossSpikeError):
                 raise
             except Exception as exc:
                 self._disable(inst, exc)  # the warning points at the user's line
@@ -956,6 +965,7 @@ def watch(
     report_to: Any = None,
     announce: bool | None = None,
     sync: str | None = None,
+    on_spike: str | None = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -1005,6 +1015,12 @@ def watch(
             framework drivers, several ranks and updates by hand fall back to ``"blocking"`` with one
             ``TorchDebugWarning``; the optimizer's first update is always read blocking (its state
             does not exist yet). Cost: one small device-to-host copy per step, no wait.
+        on_spike: what a loss spike (the robust loss-spike rule) does: ``"warn"`` (default: a
+            ``SpikeReport`` in ``mon.spikes`` says why: cause ``batch`` naming the rows,
+            ``learning_rate``, ``optimizer_state`` naming the parameters, ``layer`` naming the module,
+            or ``unknown``, each with its numbers), ``"rollback"`` (also restore the last snapshot
+            before the spike, taken every ``config.snapshot_every`` steps, and go on with the next
+            batch; ``mon.rollbacks``), ``"raise"`` (``LossSpikeError``) or ``"off"``. See docs/spikes.md.
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
@@ -1039,4 +1055,5 @@ def watch(
         report_to=report_to,
         announce=announce,
         sync=sync,
+        on_spike=on_spike,
     )
