@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import (
     ConfigError,
     InstrumentError,
+    LossSpikeError,
     NonFiniteError,
     RunStoreError,
     SchemaVersionError,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # the names below load on first use (module __getattr__); myp
         validate_model_input,
     )
     from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
+    from .health.spikes import SpikeReport
     from .health.gradients import (
         GradientFlow,
         GradientReport,
@@ -122,6 +124,7 @@ _LAZY = {
     "RuleEvent": ".events",
     "StepRecord": ".events",
     "GradientFlow": ".health.gradients",
+    "SpikeReport": ".health.spikes",
     "GradientReport": ".health.gradients",
     "analyze_gradient_flow": ".health.gradients",
     "analyze_model_parameters": ".health.gradients",
@@ -220,6 +223,7 @@ __all__ = [
     "ModelDebugger",
     "ModelSummary",
     "ModuleFrame",
+    "LossSpikeError",
     "ModuleMemoryTable",
     "Monitor",
     "NonFiniteError",
@@ -235,6 +239,7 @@ __all__ = [
     "RuleEvent",
     "RunStoreError",
     "SchemaVersionError",
+    "SpikeReport",
     "StepRecord",
     "TensorStats",
     "TorchDebugError",
