@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +101,17 @@ def test_a_few_corrupted_rows_are_named(tmp_path) -> None:  # type: ignore[no-un
     assert len(stored) == 1 and stored[0]["step"] == SPIKE
     back = SpikeReport.from_dict(stored[0]["data"]["evidence"])
     assert back == SpikeReport.from_dict(report.to_dict())
+    # every view shows it: show, the text report, the HTML report (and the dashboard's fragment)
+    shown = subprocess.run(
+        [sys.executable, "-m", "torchdebug", "show", str(mon.run_dir)], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"loss spikes (1)\n  step {SPIKE}  cause batch: 2 of 32 rows carry it: rows 3 (" in shown
+    text = td.report(mon.run_dir, format="text")
+    assert "Loss spikes (1)" in text and f"step {SPIKE}  cause batch" in text
+    from torchdebug.views.report._html import render_events
+
+    html = render_events(run.events())
+    assert "<h3>Loss spikes</h3>" in html and "row 3, row 17" in html
 
 
 def test_a_scheduler_jumping_30x_is_the_learning_rate() -> None:

@@ -632,7 +632,8 @@ class Monitor:
         if self.world_size > 1 or self.config.hang_timeout is not None:
             self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
             self.instruments.append(self._coord)
-        if self.config.on_spike != "off":  # last: it reads the step's numbers and the coordinator's
+        if self.config.on_spike != "off" and "gradients" in self._enabled:  # where the loss rules run;
+            # last: it reads the step's numbers and the coordinator's
             self.instruments.append(SpikeGuard())
             self._call(self.instruments[-1], "install")
         self._plain.guard_module_hooks()
