@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import workloads  # noqa: E402  (the same models as the overhead benchmark)
+from overhead import workloads
 
-import torchdebug as td  # noqa: E402
-from torchdebug.session.rollback import SnapshotRing  # noqa: E402
+import torchdebug as td
+from torchdebug.session.rollback import SnapshotRing
 
 INTERVALS = (1, 10, 50, 100)
 

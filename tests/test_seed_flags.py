@@ -11,7 +11,6 @@ from torch import nn
 
 import torchdebug as td
 from torchdebug._errors import NonFiniteError
-from torchdebug.health.instrument import GradientHealth
 from torchdebug.health.standalone import ActivationInstrument, WeightInstrument
 from torchdebug.store import open_run
 

@@ -103,7 +103,10 @@ def test_a_few_corrupted_rows_are_named(tmp_path) -> None:  # type: ignore[no-un
     assert back == SpikeReport.from_dict(report.to_dict())
     # every view shows it: show, the text report, the HTML report (and the dashboard's fragment)
     shown = subprocess.run(
-        [sys.executable, "-m", "torchdebug", "show", str(mon.run_dir)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "torchdebug", "show", str(mon.run_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert f"loss spikes (1)\n  step {SPIKE}  cause batch: 2 of 32 rows carry it: rows 3 (" in shown
     text = td.report(mon.run_dir, format="text")
@@ -242,7 +245,9 @@ def test_rollback_restores_the_snapshot_bitwise_and_training_goes_on() -> None:
     # began is the one before step 30: steps 30..40 are undone, 11 batches skipped
     assert (rb.step, rb.to_step, rb.batches_skipped) == (SPIKE, 30, 11)
     assert all(torch.equal(a, b) for a, b in zip(restored[0], saved[30]))
-    assert rb.loss_before == pytest.approx(losses[SPIKE]) and rb.loss_after == pytest.approx(losses[SPIKE + 1])
+    assert rb.loss_before == pytest.approx(losses[SPIKE]) and rb.loss_after == pytest.approx(
+        losses[SPIKE + 1]
+    )
     pre = sorted(losses[SPIKE - 10 : SPIKE])[5]
     assert rb.loss_after < 3 * pre  # back at its pre-spike level, and training goes on
     assert losses[-1] < 3 * pre
@@ -276,20 +281,22 @@ def test_on_spike_raise_stops_before_the_update_and_off_reports_nothing() -> Non
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     batches = data(SPIKE + 2, {SPIKE: {3: 100.0}})
-    before = {}
+    before: dict[str, torch.Tensor] = {}
+    reached = -1
     with (
         pytest.warns(TorchDebugWarning),
         pytest.raises(LossSpikeError, match="on_spike='raise'") as err,
         watched(model, opt, on_spike="raise") as mon,
     ):
         for step, (x, y) in enumerate(batches):
+            reached = step
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             loss = F.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()  # raises from its pre-hook at the spike: the update never runs
             mon.step()
-    assert step == SPIKE
+    assert reached == SPIKE
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert err.value.report.cause == "batch" and err.value.report.step == SPIKE
     torch.manual_seed(0)

@@ -60,7 +60,6 @@ if TYPE_CHECKING:  # the names below load on first use (module __getattr__); myp
         validate_model_input,
     )
     from .events import Anomaly, ModuleFrame, Phase, RuleEvent, StepRecord
-    from .health.spikes import SpikeReport
     from .health.gradients import (
         GradientFlow,
         GradientReport,
@@ -69,6 +68,7 @@ if TYPE_CHECKING:  # the names below load on first use (module __getattr__); myp
         check_gradients,
     )
     from .health.inspection import ModelSummary, inspect_model
+    from .health.spikes import SpikeReport
     from .memory.analysis import (
         ModuleMemoryTable,
         PyTorchMemoryDebugger,

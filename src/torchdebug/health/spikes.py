@@ -25,6 +25,7 @@ at. The checks, in order:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -158,7 +159,7 @@ def attribute(ev: Evidence) -> SpikeReport:
 
     Pure: host numbers in, a :class:`SpikeReport` out. Never names a cause the numbers do not show.
     """
-    base = {
+    base: dict[str, Any] = {
         "step": ev.step,
         "loss": ev.loss,
         "median": ev.median,
@@ -236,7 +237,7 @@ def _jumps(ev: Evidence) -> list[tuple[int, int, float, float]]:
     prev = [x for x in ev.lrs if x[0] < ev.step - LOOKBACK]
     seq = ([prev[-1]] if prev else []) + lrs
     best: dict[int, tuple[int, int, float, float]] = {}
-    for (_, a), (s, b) in zip(seq, seq[1:]):
+    for (_, a), (s, b) in itertools.pairwise(seq):
         for g, (x, y) in enumerate(zip(a, b)):
             if not (math.isfinite(x) and math.isfinite(y)) or y <= 0:
                 continue
@@ -259,14 +260,15 @@ def _learning_rate(ev: Evidence, looked: dict[str, Any]) -> tuple[str, str, dict
     total = sum(ev.group_sizes) or 1
     covered = sum(ev.group_sizes[g] for g, *_ in jumps if g < len(ev.group_sizes))
     if covered * 2 < total:
-        looked["learning_rate_why"] = "the learning rate jumped only in groups holding a minority of the weights"
+        looked["learning_rate_why"] = (
+            "the learning rate jumped only in groups holding a minority of the weights"
+        )
         return None
     g, s, x, y = max(jumps, key=_factor)
     return (
         "learning_rate",
         f"the learning rate of group {g} went {_f(x)} -> {_f(y)} ({_f(_factor((g, s, x, y)))}x) at step "
-        f"{s}, just before the spike"
-        + (f" ({len(jumps)} groups jumped)" if len(jumps) > 1 else ""),
+        f"{s}, just before the spike" + (f" ({len(jumps)} groups jumped)" if len(jumps) > 1 else ""),
         {"began": s},
     )
 

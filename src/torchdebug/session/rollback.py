@@ -39,9 +39,8 @@ from typing import Any
 
 import torch
 
-from .._errors import LossSpikeError
+from .._errors import LossSpikeError, TorchDebugWarning
 from .._frames import warn_at_user
-from .._errors import TorchDebugWarning
 from ..events import RuleEvent
 from ..health.instrument import LOSS_REL_FLOOR, LossSpikeRule, layer_norms, owner
 from ..health.spikes import Evidence, SpikeReport, attribute

@@ -15,9 +15,15 @@ def spike_rows(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for e in events:
         if e.get("kind") not in KINDS:
             continue
-        data = e.get("data") if isinstance(e.get("data"), Mapping) else {}
-        ev = data.get("evidence") if isinstance(data.get("evidence"), Mapping) else {}
-        row: dict[str, Any] = {"step": e.get("step"), "kind": e.get("kind"), "message": str(e.get("message", ""))}
+        data = e.get("data")
+        data = data if isinstance(data, Mapping) else {}
+        ev = data.get("evidence")
+        ev = ev if isinstance(ev, Mapping) else {}
+        row: dict[str, Any] = {
+            "step": e.get("step"),
+            "kind": e.get("kind"),
+            "message": str(e.get("message", "")),
+        }
         if e.get("kind") == "spike_report":
             row["cause"] = str(ev.get("cause", "?"))
             named = [f"row {r.get('index')}" for r in ev.get("rows") or [] if isinstance(r, Mapping)]
@@ -29,7 +35,9 @@ def spike_rows(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row["cause"] = str(ev.get("cause", ""))
             row["what"] = f"to step {ev.get('to_step')}, {ev.get('batches_skipped')} batches skipped"
         out.append(row)
-    return sorted(out, key=lambda r: (r["step"] if isinstance(r["step"], int) else -1, r["kind"] != "spike_report"))
+    return sorted(
+        out, key=lambda r: (r["step"] if isinstance(r["step"], int) else -1, r["kind"] != "spike_report")
+    )
 
 
 def spike_lines(events: Sequence[Mapping[str, Any]]) -> list[str]:
