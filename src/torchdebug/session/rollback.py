@@ -22,7 +22,8 @@ the optimizer's state) and asks ``health.spikes.attribute`` for a :class:`SpikeR
   (:class:`Rollback`: from which step to which, why, batches skipped, the loss before and after) and
   in ``mon.rollbacks``; a spike after ``max_rollbacks`` rollbacks raises :class:`LossSpikeError`.
 
-Snapshots (``on_spike="rollback"`` only): every ``snapshot_every`` steps at the step's end, a copy into
+Snapshots (``on_spike="rollback"`` only): every ``snapshot_every`` steps as the step's first forward
+begins (the state before that step), a copy into
 host buffers reused from the ring's oldest slot (``SNAPSHOT_SLOTS`` slots; pinned memory and a
 non-blocking copy on CUDA, waited for only by a restore). Memory: ``SNAPSHOT_SLOTS`` times the
 parameters, buffers and optimizer state. No snapshot is taken while the loss is inside a spike.
@@ -216,6 +217,7 @@ class SpikeGuard:
         self._open: int | None = None  # index in mon.rollbacks waiting for its loss after
         self._lr_left = 0
         self._lr_saved: list[float] | None = None
+        self._snapped: int | None = None  # the step whose snapshot was taken
 
     def install(self, mon: Any) -> None:
         cfg = mon.config
@@ -231,8 +233,19 @@ class SpikeGuard:
                     )
                 )
                 self.mode = "warn"
-            else:
-                self.ring.take(mon, mon.global_step)  # the state before the first step
+
+    def on_forward_start(self, mon: Any, module: Any = None, args: Any = None, kwargs: Any = None) -> None:
+        # the state before step s, taken as its first forward begins (also under sync="async", where
+        # step ends are judged a step late); not while the loss is inside a spike
+        step = mon.global_step
+        if (
+            self.mode == "rollback"
+            and step % self.every == 0
+            and self._snapped != step
+            and not self.rule.active
+        ):
+            self._snapped = step
+            self.ring.take(mon, step)
 
     # ----------------------------------------------------------------- the step
 
@@ -267,8 +280,6 @@ class SpikeGuard:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._rollback(mon, step, pending[0])
-        elif self.mode == "rollback" and (step + 1) % self.every == 0 and not self.rule.active:
-            self.ring.take(mon, step + 1)
 
     def on_exit(self, mon: Any) -> None:
         if self._open is not None:
