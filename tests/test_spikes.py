@@ -252,6 +252,7 @@ def test_rollback_restores_the_snapshot_bitwise_and_training_goes_on() -> None:
     assert rb.loss_after < 3 * pre  # back at its pre-spike level, and training goes on
     assert losses[-1] < 3 * pre
     assert any(e.kind == "rollback" and e.evidence["batches_skipped"] == 11 for e in mon.events)
+    assert not guard.ring.slots  # the host copies are let go with the session
 
 
 def test_rollback_lowers_the_lr_for_a_while_and_stops_after_max_rollbacks() -> None:

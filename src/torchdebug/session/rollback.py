@@ -285,6 +285,10 @@ class SpikeGuard:
         if self._open is not None:
             self._close_rollback(mon, None)
 
+    def remove(self, mon: Any) -> None:
+        self.ring.slots.clear()  # the host copies go with the session (mon outlives it)
+        self.history.clear()
+
     # ----------------------------------------------------------------- the rare path
 
     def _loss(self, mon: Any) -> float | None:
