@@ -325,3 +325,32 @@ def test_unknown_carries_the_evidence_it_looked_at() -> None:
     assert report.evidence["batch_why"] == "no captured micro-step"
     assert "no learning rate rose 2x" in report.evidence["learning_rate_why"]
     assert report.sigmas == pytest.approx(80.0)  # (9 - 1) / 0.1
+
+
+def test_a_layer_whose_gradient_norm_rose_first_is_named_with_its_step() -> None:
+    ev = Evidence(step=50, loss=9.0, median=1.0, sigma=0.1, mads=10.0, rows=[9.0] * 8, reduction="mean")
+    ev.lrs = [(s, (0.1,)) for s in range(30, 50)]
+    ev.group_sizes = [100]
+    # per-layer gradient norms: every layer ~1 until step 46, where "blocks.2" goes to 40 (40x its
+    # median of 1.0); the others only follow at the spike step 50
+    ev.grads = [
+        (s, 1.0, {"blocks.0": 1.0, "blocks.1": 1.0, "blocks.2": 40.0 if s >= 46 else 1.0, "head": 1.0})
+        for s in range(30, 50)
+    ]
+    report = attribute(ev)
+    # the batch check looked first: all 8 rows equal, none is an outlier
+    assert "no row is more than 10 sigmas" in report.evidence["batch_why"]
+    assert (report.cause, report.modules, report.began) == ("layer", ("blocks.2",), 46)
+    assert "gradient norm 1 -> 40 (40x its median) from step 46" in report.message
+
+
+def test_rows_that_are_many_are_not_a_few_rows() -> None:
+    # 9 of 32 rows at 50, the rest at 1: loss (23 + 450) / 32 = 14.78. Without the 8 highest the mean
+    # is (23 + 50) / 24 = 3.04, still (3.04 - 1) / 0.1 = 20 sigmas: all 9 must go, more than 32 // 4
+    rows = [1.0] * 23 + [50.0] * 9
+    ev = Evidence(step=50, loss=14.78, median=1.0, sigma=0.1, mads=10.0, rows=rows, reduction="mean")
+    report = attribute(ev)
+    assert report.cause == "unknown"
+    assert report.evidence["batch_why"] == "9 of 32 rows carry it: the whole batch, not a few rows"
+    ev.rows = [1.0] * 24 + [50.0] * 8  # 8 of 32 is still a few
+    assert attribute(ev).cause == "batch" and [r.index for r in attribute(ev).rows] == list(range(24, 32))
