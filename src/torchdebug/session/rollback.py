@@ -224,15 +224,14 @@ class SpikeGuard:
         self.mode = cfg.on_spike
         self.rule = LossSpikeRule(cfg.loss_spike_mads, cfg.explode_warmup)
         self.every = int(cfg.snapshot_every)
-        if self.mode == "rollback":
-            if mon.optimizer is None:
-                warn_at_user(
-                    TorchDebugWarning(
-                        'torchdebug: on_spike="rollback" needs the optimizer passed to watch(); '
-                        "spikes are reported but not rolled back"
-                    )
+        if self.mode == "rollback" and mon.optimizer is None:
+            warn_at_user(
+                TorchDebugWarning(
+                    'torchdebug: on_spike="rollback" needs the optimizer passed to watch(); '
+                    "spikes are reported but not rolled back"
                 )
-                self.mode = "warn"
+            )
+            self.mode = "warn"
 
     def on_forward_start(self, mon: Any, module: Any = None, args: Any = None, kwargs: Any = None) -> None:
         # the state before step s, taken as its first forward begins (also under sync="async", where
