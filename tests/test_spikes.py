@@ -354,3 +354,22 @@ def test_rows_that_are_many_are_not_a_few_rows() -> None:
     assert report.evidence["batch_why"] == "9 of 32 rows carry it: the whole batch, not a few rows"
     ev.rows = [1.0] * 24 + [50.0] * 8  # 8 of 32 is still a few
     assert attribute(ev).cause == "batch" and [r.index for r in attribute(ev).rows] == list(range(24, 32))
+
+
+def test_under_sync_async_the_spike_is_judged_a_step_late_and_still_rolled_back() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)  # takes the device flag
+    batches = data(SPIKE + 6, {SPIKE: {3: 300.0, 5: 300.0}})
+    with (
+        pytest.warns(TorchDebugWarning),
+        watched(model, opt, sync="async", on_spike="rollback", snapshot_every=10) as mon,
+    ):
+        losses = train(mon, model, opt, batches)
+    assert spikes_of(mon) == [(SPIKE, "batch")]
+    assert mon.spikes[0].evidence["weights"] == "after the step's update"
+    assert sorted(r.index for r in mon.spikes[0].rows) == [3, 5]  # both labels x300
+    [rb] = mon.rollbacks
+    assert (rb.step, rb.to_step, rb.batches_skipped) == (SPIKE, 30, 11)
+    pre = sorted(losses[SPIKE - 10 : SPIKE])[5]
+    assert losses[-1] < 3 * pre
