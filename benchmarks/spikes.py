@@ -12,7 +12,10 @@ with one thread (``torch.set_num_threads(1)``, ``time.process_time``), blocks in
   (forensics run only on a spike), and rolling back (snapshots every 50 steps); the ratio of each to
   plain, and warn/rollback against off (the guard's own cost).
 
-    python benchmarks/spikes.py [--repeats 5] [--chunk 50] [--only mlp,gpt,cnn]
+    python benchmarks/spikes.py [--repeats 5] [--chunk 50] [--only mlp,gpt,cnn] [--snapshot-only]
+
+``--snapshot-only``: the plain step and the snapshot only (the watch variants need chunks of at least
+``snapshot_every`` steps to count the snapshots fairly, long on the bigger workloads).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def bench(name: str, spec: tuple, args: argparse.Namespace) -> None:
                 c0 = time.process_time()
                 ring.take(fake, 2)
                 snap.append(time.process_time() - c0)
-            for mode, got in variants.items():
+            for mode, got in variants.items() if not args.snapshot_only else ():
                 cfg = {**base["config"], "on_spike": mode, "snapshot_every": 50}
                 with td.watch(model, opt, run=False, config=cfg) as mon:
                     got.append(statistics.mean(steps(model, opt, batches, loss_fn, args.chunk, mon)))
@@ -86,6 +89,8 @@ def bench(name: str, spec: tuple, args: argparse.Namespace) -> None:
     nbytes = ring.slots[-1].nbytes
     print(f"{name}: plain step {p * 1e3:.2f} ms; one snapshot {s * 1e3:.2f} ms, {nbytes / 2**20:.1f} MiB")
     print("  snapshot cost per step: " + ", ".join(f"every {n}: {100 * s / n / p:.2f}%" for n in INTERVALS))
+    if args.snapshot_only:
+        return
     off = statistics.median(variants["off"])
     for mode, got in variants.items():
         m = statistics.median(got)
@@ -98,6 +103,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=50)
     ap.add_argument("--only", default="mlp,gpt,cnn")
+    ap.add_argument("--snapshot-only", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for name, spec in workloads("cpu").items():
