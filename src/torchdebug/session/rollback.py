@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -244,7 +245,10 @@ class SpikeGuard:
             and not self.rule.active
         ):
             self._snapped = step
-            self.ring.take(mon, step)
+            t0 = time.perf_counter()
+            snap = self.ring.take(mon, step)
+            if self.ring.taken == 1:  # the cost, measured and said once (an info event)
+                self._say_cost(mon, snap, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------- the step
 
@@ -385,6 +389,22 @@ class SpikeGuard:
         ev.rows, ev.row_index, ev.reduction = parts, starts, reduction
         if len(caps) > 1:
             ev.notes["micro_step"] = micro
+
+    def _say_cost(self, mon: Any, snap: _Snapshot, seconds: float) -> None:
+        mib = snap.nbytes / 2**20
+        slots = self.ring.slots.maxlen or SNAPSHOT_SLOTS
+        mon.emit(
+            RuleEvent(
+                "snapshot_cost",
+                mon.global_step,
+                f"rollback snapshots: {mib:.1f} MiB each, {slots} kept ({slots * mib:.1f} MiB of host memory); "
+                f"{seconds * 1e3:.2f} ms to take one"
+                + (" (a non-blocking copy: its launch)" if snap.event is not None else "")
+                + f", every {self.every} steps",
+                "info",
+                evidence={"bytes": snap.nbytes, "slots": slots, "seconds": seconds, "every": self.every},
+            )
+        )
 
     def _rollback(self, mon: Any, step: int, report: SpikeReport) -> None:
         snap = self.ring.before(step)
