@@ -253,10 +253,11 @@ def test_rollback_restores_the_snapshot_bitwise_and_training_goes_on() -> None:
     assert losses[-1] < 3 * pre
     assert any(e.kind == "rollback" and e.evidence["batches_skipped"] == 11 for e in mon.events)
     assert not guard.ring.slots  # the host copies are let go with the session
-    # the snapshot's cost, said once, at the first one (step 0, before Adam has any state): the
-    # parameters, fc1 8x16 + 16 and fc2 16x4 + 4 = 212 float32, 848 bytes
+    # the snapshot's cost, said once, at the first one holding Adam's state (step 10): the parameters
+    # (fc1 8x16 + 16, fc2 16x4 + 4 = 212 float32) and exp_avg, exp_avg_sq (2 x 212 float32) and the
+    # 4 float32 step counters: (3 * 212 + 4) * 4 = 2560 bytes
     [cost] = [e for e in mon.events if e.kind == "snapshot_cost"]
-    assert (cost.step, cost.severity, cost.evidence["bytes"]) == (0, "info", 212 * 4)
+    assert (cost.step, cost.severity, cost.evidence["bytes"]) == (10, "info", 2560)
 
 
 def test_rollback_lowers_the_lr_for_a_while_and_stops_after_max_rollbacks() -> None:

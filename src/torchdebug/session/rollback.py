@@ -219,6 +219,7 @@ class SpikeGuard:
         self._lr_left = 0
         self._lr_saved: list[float] | None = None
         self._snapped: int | None = None  # the step whose snapshot was taken
+        self._said = False  # the snapshot's cost was said
 
     def install(self, mon: Any) -> None:
         cfg = mon.config
@@ -247,7 +248,9 @@ class SpikeGuard:
             self._snapped = step
             t0 = time.perf_counter()
             snap = self.ring.take(mon, step)
-            if self.ring.taken == 1:  # the cost, measured and said once (an info event)
+            if not self._said and (any(snap.layout) or self.ring.taken > 1):
+                # the cost, measured and said once (an info event), once the optimizer's state is in it
+                self._said = True
                 self._say_cost(mon, snap, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------- the step
