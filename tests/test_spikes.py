@@ -378,3 +378,41 @@ def test_under_sync_async_the_spike_is_judged_a_step_late_and_still_rolled_back(
     assert (rb.step, rb.to_step, rb.batches_skipped) == (SPIKE, 30, 11)
     pre = sorted(losses[SPIKE - 10 : SPIKE])[5]
     assert losses[-1] < 3 * pre
+
+
+def test_a_snapshot_restores_parameters_buffers_optimizer_scaler_and_rng_bitwise() -> None:
+    from torchdebug.session.rollback import SnapshotRing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    def step() -> None:
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    class Session:  # what the ring reads of a session
+        def __init__(self) -> None:
+            self.model, self.optimizer, self.scaler, self._uses_cuda = model, opt, scaler, False
+
+    for _ in range(3):
+        step()
+    ring, mon = SnapshotRing(), Session()
+    ring.take(mon, 3)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # parameters and BatchNorm buffers
+    moments = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    scale, rng = scaler.get_scale(), torch.get_rng_state()
+    for _ in range(4):
+        step()
+    scaler.update(7.0)  # a scale the snapshot did not have
+    ring.restore(mon, ring.before(4))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    for p, saved in zip(model.parameters(), moments):
+        assert opt.state[p].keys() == saved.keys()
+        assert all(torch.equal(opt.state[p][k], saved[k]) for k in saved)
+    assert scaler.get_scale() == scale == 1024.0
+    assert torch.equal(torch.get_rng_state(), rng)
