@@ -416,3 +416,18 @@ def test_a_snapshot_restores_parameters_buffers_optimizer_scaler_and_rng_bitwise
         assert all(torch.equal(opt.state[p][k], saved[k]) for k in saved)
     assert scaler.get_scale() == scale == 1024.0
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_layer_whose_update_ratio_jumped_on_the_last_detail_check_is_named() -> None:
+    ev = Evidence(step=47, loss=9.0, median=1.0, sigma=0.1, mads=10.0, rows=[9.0] * 8, reduction="mean")
+    ev.lrs = [(s, (0.1,)) for s in range(30, 47)]
+    ev.group_sizes = [100]
+    # detail checks every 5 steps: "mlp.fc" ~1e-3 at 20..40, then 0.2 at 45 (200x); the others stay
+    ev.ratios = [
+        (s, {"attn": 1e-3, "mlp.fc": 0.2 if s == 45 else 1e-3, "head": 2e-3, "emb": 1e-3})
+        for s in range(20, 50, 5)
+    ]
+    report = attribute(ev)
+    assert (report.cause, report.modules, report.began) == ("layer", ("mlp.fc",), 45)
+    assert "update/weight ratio mlp.fc 0.001 -> 0.2" in report.message
+    assert "after the check at step 40" in report.message

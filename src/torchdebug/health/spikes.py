@@ -18,8 +18,9 @@ at. The checks, in order:
   2 or more means the second-moment estimate lags the gradient: it had collapsed (the gradient was
   near zero for long) when the gradient came back. The total gradient norm did not jump.
 - ``layer``: one module's updates or gradients jumped before the loss did: its param group's learning
-  rate jumped (groups holding less than half the elements), or its gradient norm rose ``LAYER_JUMP``
-  times above its own median at a step before the spike while most layers' did not.
+  rate jumped (groups holding less than half the elements), or its update/weight ratio on the last
+  detail check before the spike, or its gradient norm at a step before the spike, rose ``LAYER_JUMP``
+  times above its own median while most layers' did not.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class Evidence:
     ``grads``: (step, total gradient norm, per-layer gradient norms) of the recent steps, oldest
     first. ``adaptive``: per parameter of an adaptive optimizer, ``(name, rms of m_hat / (sqrt(v_hat)
     + eps), update/weight ratio of its last update)``. ``updates``: module -> update/weight ratio of
-    the last update, where the optimizer's state tells it.
+    the last update, where the optimizer's state tells it. ``ratios``: (step, per-layer update/weight
+    ratio) of the recent detail steps (the gradient-health schedule), oldest first.
     """
 
     step: int
@@ -151,6 +153,7 @@ class Evidence:
     grads: list[tuple[int, float, dict[str, float]]] = field(default_factory=list)
     adaptive: list[tuple[str, float, float]] = field(default_factory=list)
     updates: dict[str, float] = field(default_factory=dict)
+    ratios: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -320,6 +323,9 @@ def _layer(ev: Evidence, looked: dict[str, Any]) -> tuple[str, str, dict[str, An
             if others:
                 text += f" (other layers' median {_f(_median(others))})"
         return "layer", text, {"modules": modules, "began": s, "evidence": {"group": g}}
+    measured = _ratio_jump(ev, looked)
+    if measured is not None:
+        return measured
     hist = [(s, layers) for s, _, layers in ev.grads if s <= ev.step]
     if len(hist) < LOOKBACK + 4:
         looked["layer_why"] = f"gradient norms of {len(hist)} steps kept (need {LOOKBACK + 4})"
@@ -352,6 +358,32 @@ def _layer(ev: Evidence, looked: dict[str, Any]) -> tuple[str, str, dict[str, An
         f"{_names(modules)}: gradient norm {_f(b)} -> {_f(v)} ({_f(v / b)}x its median) from step {s}, "
         f"before the loss spiked at step {ev.step}",
         {"modules": modules, "began": s},
+    )
+
+
+def _ratio_jump(ev: Evidence, looked: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
+    """A layer whose update/weight ratio, measured on the detail steps, rose LAYER_JUMP times above its
+    median of the earlier checks at the last check before the spike, while most layers' did not."""
+    checks = [(s, r) for s, r in ev.ratios if s < ev.step]
+    if len(checks) < 3:
+        return None
+    (last, now), earlier = checks[-1], checks[:-1]
+    jumped: dict[str, tuple[float, float]] = {}
+    for name, v in now.items():
+        base = _median([r.get(name, math.nan) for _, r in earlier])
+        if base > 0 and math.isfinite(base) and v > LAYER_JUMP * base:
+            jumped[name] = (base, v)
+    looked["ratio_jumps"] = {k: {"step": last, "median": b, "ratio": v} for k, (b, v) in jumped.items()}
+    if not jumped or len(jumped) > max(1, len(now) // 3):
+        return None
+    prev = earlier[-1][0]
+    modules = tuple(sorted(jumped, key=lambda k: -jumped[k][1] / jumped[k][0]))
+    desc = ", ".join(f"{m or '<root>'} {_f(jumped[m][0])} -> {_f(jumped[m][1])}" for m in modules[:TOP])
+    return (
+        "layer",
+        f"update/weight ratio {desc} (its median over the earlier checks -> the check at step {last}); "
+        f"the jump began after the check at step {prev}, before the loss spiked at step {ev.step}",
+        {"modules": modules, "began": last, "evidence": {"previous_check": prev}},
     )
 
 

@@ -212,6 +212,7 @@ class SpikeGuard:
             maxlen=HISTORY
         )
         self.ring = SnapshotRing()
+        self.ratios: deque[tuple[int, Any, Any]] = deque(maxlen=8)
         self.count = 0
         self._judged: int | None = None
         self._pending: tuple[SpikeReport, bool] | None = None  # (report, judged before the update)
@@ -283,6 +284,11 @@ class SpikeGuard:
             self._judge(mon, step, before_update=False)
         lrs = tuple(float(x) for x in record.lr) if record.lr else ()
         self.history.append((step, lrs, values.get("grad_norm"), mon.grad_norms_host))
+        vectors = mon.transfer.vectors
+        ratio = vectors.get("health.ratio")
+        if ratio is not None and not (self.ratios and self.ratios[-1][1] is ratio):
+            # a detail step's update/weight ratios (references, no copy)
+            self.ratios.append((step, vectors["health.ratio"], vectors.get("health.weight")))
         pending, self._pending = self._pending, None
         if pending is not None:
             self._rollback(mon, step, pending[0])
@@ -294,6 +300,7 @@ class SpikeGuard:
     def remove(self, mon: Any) -> None:
         self.ring.slots.clear()  # the host copies go with the session (mon outlives it)
         self.history.clear()
+        self.ratios.clear()
 
     # ----------------------------------------------------------------- the rare path
 
@@ -357,6 +364,7 @@ class SpikeGuard:
             for s, _, total, norms in self.history
             if norms is not None and len(norms) == len(names)
         ]
+        ev.ratios = [(s, _layer_ratios(names, r, w)) for s, r, w in self.ratios if w is not None]
         opt = mon.optimizer
         if opt is not None:
             index = {id(p): n for p, n in zip(mon.params, names)}
@@ -442,6 +450,18 @@ class SpikeGuard:
             return
         rb = mon.rollbacks[i] = dataclasses.replace(mon.rollbacks[i], loss_after=loss_after)
         mon.emit(RuleEvent("rollback", rb.step, str(rb), "warning", evidence=rb.to_dict()))
+
+
+def _layer_ratios(names: list[str], ratio: Any, weight: Any) -> dict[str, float]:
+    """Per-layer update/weight ratio from per-parameter ratios and weight norms: |dW| / |W| over the
+    layer's parameters (rare path: a loop over parameters)."""
+    upd: dict[str, float] = {}
+    w2: dict[str, float] = {}
+    for n, r, w in zip(names, ratio, weight):
+        key = owner(n)
+        upd[key] = upd.get(key, 0.0) + (r * w) ** 2
+        w2[key] = w2.get(key, 0.0) + w * w
+    return {k: math.sqrt(upd[k] / w2[k]) for k in upd if w2[k] > 0}
 
 
 def _opt_params(opt: Any) -> list[torch.Tensor]:
