@@ -1026,6 +1026,8 @@ def watch(
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
             naming phase, module, op and source line (the failing step is replayed under tracing).
+        LossSpikeError: (``on_spike="raise"``) at a loss spike, or a spike after ``max_rollbacks``
+            rollbacks; ``.report`` is its ``SpikeReport``.
         TypeError / ValueError: bad arguments, naming the fix (``sync`` not "blocking"/"async";
             ``ConfigError``: an unknown tracker name,
             listing the allowed ones, or ``report_to`` without a run folder).
