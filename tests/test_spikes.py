@@ -431,3 +431,25 @@ def test_a_layer_whose_update_ratio_jumped_on_the_last_detail_check_is_named() -
     assert (report.cause, report.modules, report.began) == ("layer", ("mlp.fc",), 45)
     assert "update/weight ratio mlp.fc 0.001 -> 0.2" in report.message
     assert "after the check at step 40" in report.message
+
+
+def test_under_sync_async_raise_reaches_the_loop() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    batches = data(SPIKE + 4, {SPIKE: {3: 300.0}})
+    reached = -1
+    with (
+        pytest.warns(TorchDebugWarning),
+        pytest.raises(LossSpikeError) as err,
+        watched(model, opt, sync="async", on_spike="raise") as mon,
+    ):
+        for step, (x, y) in enumerate(batches):
+            reached = step
+            loss = F.mse_loss(model(x), y)  # the step before is judged as this forward begins
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    assert err.value.report.step == SPIKE and reached == SPIKE + 1
+    assert err.value.report.cause == "batch"

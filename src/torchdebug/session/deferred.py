@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import NonFiniteError
+from .._errors import LossSpikeError, NonFiniteError
 from .._tensors import Items, local
 from ..events import StepRecord
 from .transfer import Transfer, stack
@@ -157,7 +157,7 @@ class DeferredReads:
         """Stage the step's numbers and hand the optimizer the skip flag; False: judge it blocking."""
         try:
             return self._update_starting(opt)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -239,7 +239,7 @@ class DeferredReads:
         """``mon.step()`` of a staged step: keep its state for the read; None: a blocking step."""
         try:
             return self._step_end()
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -288,7 +288,7 @@ class DeferredReads:
         """Judge every pending step whose copy is complete (``block``: all of them, waiting)."""
         try:
             self._resolve_ready(block)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
