@@ -542,8 +542,9 @@ class Coordinator:
         """The ranks' mean loss this step from row 0 of the step's all-reduce (the sum of each rank's
         micro-step losses): the same float on every rank, so a loss-spike decision taken on it is the
         same everywhere. None without that all-reduce, or when other probes ride in row 0."""
-        v = mon.transfer.values
-        if not self._live() or "_dist#0" not in v or set(mon.sentinel.deferred) - {"param_norms"}:
+        dist = getattr(getattr(mon.transfer, "readout", None), "dist", None)  # the typed readout, if any
+        ready = bool(dist) if dist is not None else "_dist#0" in mon.transfer.values
+        if not self._live() or not ready or set(mon.sentinel.deferred) - {"param_norms"}:
             return None
         return sum(self._row(mon, 0)) / (self.world * max(len(mon.transfer.loss_vals), 1))
 

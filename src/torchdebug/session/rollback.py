@@ -152,7 +152,9 @@ class SnapshotRing:
             layout=layout,
             scaler=scaler.state_dict() if scaler is not None and _enabled(scaler) else None,
             rng_cpu=torch.get_rng_state(),
-            rng_cuda=torch.cuda.get_rng_state_all() if mon._uses_cuda and torch.cuda.is_available() else None,
+            rng_cuda=torch.cuda.get_rng_state_all()
+            if _uses_cuda(mon) and torch.cuda.is_available()
+            else None,
             event=event,
         )
         self.slots.append(snap)
@@ -305,7 +307,7 @@ class SpikeGuard:
     # ----------------------------------------------------------------- the rare path
 
     def _loss(self, mon: Any) -> float | None:
-        coord = getattr(mon, "_coord", None)
+        coord = getattr(mon, "coordinator", None) or getattr(mon, "_coord", None)
         if coord is not None and hasattr(coord, "mean_loss"):
             shared = coord.mean_loss(mon)  # the same float on every rank: the same decision
             if shared is not None:
@@ -387,7 +389,7 @@ class SpikeGuard:
             return
         best: tuple[float, Any] | None = None
         for i, cap in enumerate(caps):
-            got = row_losses(mon.model, cap, uses_cuda=mon._uses_cuda)
+            got = row_losses(mon.model, cap, uses_cuda=_uses_cuda(mon))
             if got[0] is None:
                 ev.rows_note = got[3]
                 continue
@@ -462,6 +464,10 @@ def _layer_ratios(names: list[str], ratio: Any, weight: Any) -> dict[str, float]
         upd[key] = upd.get(key, 0.0) + (r * w) ** 2
         w2[key] = w2.get(key, 0.0) + w * w
     return {k: math.sqrt(upd[k] / w2[k]) for k in upd if w2[k] > 0}
+
+
+def _uses_cuda(mon: Any) -> bool:
+    return bool(getattr(mon, "uses_cuda", getattr(mon, "_uses_cuda", False)))
 
 
 def _opt_params(opt: Any) -> list[torch.Tensor]:
