@@ -311,7 +311,7 @@ class SpikeGuard:
         if coord is not None and hasattr(coord, "mean_loss"):
             shared = coord.mean_loss(mon)  # the same float on every rank: the same decision
             if shared is not None:
-                return shared
+                return float(shared)
         loss = mon.transfer.values.get("loss")
         return None if loss is None else float(loss)
 
