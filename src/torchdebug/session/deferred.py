@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._errors import NonFiniteError
+from .._errors import LossSpikeError, NonFiniteError
 from .._step import StepState
 from .._tensors import Items, local
 from ..events import StepRecord
@@ -143,7 +143,7 @@ class DeferredReads:
         """Stage the step's numbers and hand the optimizer the skip flag; False: judge it blocking."""
         try:
             return self._update_starting(opt)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -225,7 +225,7 @@ class DeferredReads:
         """``mon.step()`` of a staged step: keep its state for the read; None: a blocking step."""
         try:
             return self._step_end()
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -265,7 +265,7 @@ class DeferredReads:
         """Judge every pending step whose copy is complete (``block``: all of them, waiting)."""
         try:
             self._resolve_ready(block)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)

@@ -821,3 +821,13 @@ def _with(a: Anomaly, **changes: Any) -> Anomaly:
     import dataclasses
 
     return dataclasses.replace(a, **changes)
+
+
+def mean_loss(coord: Coordinator, mon: Session) -> float | None:
+    """The ranks' mean loss this step from row 0 of the step's all-reduce (the sum of each rank's
+    micro-step losses): the same float on every rank, so a loss-spike decision taken on it is the
+    same everywhere. None without that all-reduce, or when other probes ride in row 0."""
+    dist = mon.transfer.readout.dist
+    if not coord._live() or not dist or set(mon.sentinel.deferred) - {"param_norms"}:
+        return None
+    return sum(coord._row(mon, 0)) / (coord.world * max(len(mon.transfer.loss_vals), 1))

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from .._config import DebugLevel
-from .._errors import NonFiniteError, TorchDebugWarning
+from .._errors import LossSpikeError, NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
 from .._step import Instrument, StepPhase, StepState
@@ -61,6 +61,7 @@ from .driver import PlainLoopDriver
 from .models import SeveralModels
 from .options import check_options, gather_models
 from .recording import Recording
+from .rollback import SpikeGuard
 from .transfer import Items, Transfer
 from .verdicts import Verdicts
 
@@ -86,6 +87,7 @@ class Monitor(Controls, Recording, SeveralModels):
         report_to: Any = None,
         announce: bool | None = None,
         sync: str | None = None,
+        on_spike: str | None = None,
     ) -> None:
         # several models (a list, dict or ModuleDict) are watched as one ModuleDict whose models are the
         # step's roots; several optimizers (a list) are each checked before their update
@@ -103,6 +105,7 @@ class Monitor(Controls, Recording, SeveralModels):
             report_to,
             announce,
             sync,
+            on_spike,
         )  # TypeError / ValueError / ConfigError / ImportError naming the fix, before anything is installed
         optimizer = optimizers[0] if optimizers else None
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
@@ -144,6 +147,8 @@ class Monitor(Controls, Recording, SeveralModels):
         self.step_scalars: dict[str, float] = {}  # the last step's own scalars, as stored
         self.instruments: list[Instrument] = []
         self.anomalies: list[Anomaly] = []
+        self.spikes: list[Any] = []  # a SpikeReport per loss-spike episode (session/rollback.py)
+        self.rollbacks: list[Any] = []  # a Rollback per on_spike="rollback" restore
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
         # anomaly_steps: steps with a NaN/Inf record; anomalous_steps: ``events.is_anomalous`` steps
@@ -574,6 +579,10 @@ class Monitor(Controls, Recording, SeveralModels):
         if self.world_size > 1 or self.config.hang_timeout is not None:
             self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
             self.instruments.append(self._coord)
+        if self.config.on_spike != "off" and "gradients" in self._enabled:  # where the loss rules run;
+            # last: it reads the step's numbers and the coordinator's
+            self.instruments.append(SpikeGuard())
+            self._call(self.instruments[-1], "install")
         self._plain.guard_module_hooks()
         self._plain.wrap_compiled()
 
@@ -606,7 +615,7 @@ class Monitor(Controls, Recording, SeveralModels):
             return None
         try:
             return fn(self, *args)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._disable(inst, exc)
@@ -631,7 +640,7 @@ class Monitor(Controls, Recording, SeveralModels):
                 continue
             try:
                 fn(self, *args)
-            except NonFiniteError:
+            except (NonFiniteError, LossSpikeError):
                 raise
             except Exception as exc:
                 self._disable(inst, exc)  # the warning points at the user's line
@@ -683,6 +692,7 @@ def watch(
     report_to: Any = None,
     announce: bool | None = None,
     sync: str | None = None,
+    on_spike: str | None = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -737,10 +747,18 @@ def watch(
             framework drivers, several ranks and updates by hand fall back to ``"blocking"`` with one
             ``TorchDebugWarning``; the optimizer's first update is always read blocking (its state
             does not exist yet). Cost: one small device-to-host copy per step, no wait.
+        on_spike: what a loss spike (the robust loss-spike rule) does: ``"warn"`` (default: a
+            ``SpikeReport`` in ``mon.spikes`` says why: cause ``batch`` naming the rows,
+            ``learning_rate``, ``optimizer_state`` naming the parameters, ``layer`` naming the module,
+            or ``unknown``, each with its numbers), ``"rollback"`` (also restore the last snapshot
+            before the spike, taken every ``config.snapshot_every`` steps, and go on with the next
+            batch; ``mon.rollbacks``), ``"raise"`` (``LossSpikeError``) or ``"off"``. See docs/spikes.md.
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
             naming phase, module, op and source line (the failing step is replayed under tracing).
+        LossSpikeError: (``on_spike="raise"``) at a loss spike, or a spike after ``max_rollbacks``
+            rollbacks; ``.report`` is its ``SpikeReport``.
         TypeError / ValueError: bad arguments, naming the fix (``sync`` not "blocking"/"async";
             ``ConfigError``: an unknown tracker name,
             listing the allowed ones, or ``report_to`` without a run folder).
@@ -771,4 +789,5 @@ def watch(
         report_to=report_to,
         announce=announce,
         sync=sync,
+        on_spike=on_spike,
     )

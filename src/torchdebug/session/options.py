@@ -30,6 +30,7 @@ def check_options(
     report_to: Any,
     announce: bool | None,
     sync: str | None,
+    on_spike: str | None = None,
 ) -> tuple[DebugConfig, list[Any]]:
     """The session's config (``config`` with the keyword overrides) and the sink objects of
     ``report_to``. Raises TypeError / ValueError / ConfigError naming the fix, ImportError naming the
@@ -62,6 +63,8 @@ def check_options(
         sink_objects = [i for i in items if not isinstance(i, str)]
     if announce is not None:
         changes["announce"] = announce
+    if on_spike is not None:
+        changes["on_spike"] = on_spike  # checked by DebugConfig (allowed values listed)
     if sync is not None:
         if not isinstance(sync, str) or sync.lower() not in SYNCS:
             raise ValueError(f"watch(..., sync={sync!r}): sync must be one of {', '.join(SYNCS)}")

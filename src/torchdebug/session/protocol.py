@@ -27,6 +27,8 @@ class Session(SessionView, Protocol):
     records: deque[StepRecord]
     _async: Any  # the async reads (session/deferred.py) or None
     _last_step_end: float
+    spikes: list[Any]  # SpikeReports (session/rollback.py)
+    rollbacks: list[Any]  # Rollbacks under on_spike="rollback"
 
     # the step protocol's boundaries (docs/architecture.md), called by drivers
     def forward_started(
