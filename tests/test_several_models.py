@@ -55,6 +55,8 @@ def _gan_run(fault: str, bad_step: int = 2, steps: int = 4, adopt: bool = False)
             if step == bad_step:
                 if fault == "D.forward":
                     D[1].mode = "forward"
+                elif fault == "G.forward":
+                    G.main[1].mode = "forward"
                 elif fault == "G.backward":
                     G.main[1].mode = "backward"
                 elif fault == "D.update":  # D's optimizer state goes bad: its update makes D.0 NaN
@@ -72,6 +74,16 @@ def test_a_nan_born_in_the_discriminators_forward_is_named_with_its_model() -> N
     assert (a.phase, a.module, a.op, a.step) == ("forward", "D.1", "aten.sqrt", 2)
     assert a.location == FORWARD_LINE
     assert a.micro_step is None  # D's update accumulates one backward
+
+
+def test_a_nan_born_in_the_generators_forward_is_named_in_the_generator() -> None:
+    with pytest.raises(td.NonFiniteError) as info:
+        _gan_run("G.forward")
+    a = info.value.anomaly
+    # G(z) is the step's first forward; D then reads its NaN through fake.detach(), a tensor the loss code
+    # made from G's output (not a batch input): the replay follows it back into G
+    assert (a.phase, a.module, a.op, a.step) == ("forward", "G.main.1", "aten.sqrt", 2)
+    assert a.location == FORWARD_LINE
 
 
 def test_a_module_dict_without_optimizers_adopts_both_and_names_the_same_origin() -> None:
