@@ -56,7 +56,9 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             the model and optimizer come from the trainer.
 
     Module names are relative to the LightningModule (``model.blocks.0.attn`` when ``training_step``
-    calls ``self.model(x)``). The gradients are checked at ``on_before_optimizer_step``, after the
+    calls ``self.model(x)``). With several optimizers (manual optimization, a GAN's ``self.G`` and
+    ``self.D``) each child that holds parameters is a model of the step (``td.watch`` of several
+    models): every forward of each is recorded, the learning rates are ``lr/G/0`` and ``lr/D/0``. The gradients are checked at ``on_before_optimizer_step``, after the
     closure's forward and backward and before the update, in automatic and manual optimization, with
     gradient accumulation and the AMP precision plugins. ``policy="skip"`` drops the bad step's
     gradients so the update does nothing and training goes on; ``"raise"`` stops ``fit`` with
