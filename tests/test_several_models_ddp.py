@@ -1,12 +1,14 @@
 """Several models under DDP: a GAN whose G and D are each wrapped in DistributedDataParallel, with two
 optimizers, on 2 CPU processes over gloo (every test under a timeout so a hang fails).
 
-A NaN born in D's forward on rank 1 only is named on both ranks with its model-qualified module and its
-rank; the clean run warns nothing and both ranks agree on every number.
+A NaN born in D's forward (the step's first update) or an Inf born in G's backward (its second) on
+rank 1 only is named on both ranks with its model-qualified module and its rank; the clean run warns
+nothing and both ranks agree on every number. A rank that hangs dumps its stack and exits after 60 s.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import warnings
 from pathlib import Path
 
@@ -27,6 +29,7 @@ TIMEOUT = pytest.mark.timeout(180)
 
 
 def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang (a collective one rank never joins) fails
     torch.manual_seed(0)  # the same weights on both ranks
     g_net, d_net = Generator(), Discriminator()
     G, D = DDP(g_net), DDP(d_net)
@@ -66,6 +69,7 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     result["lr_names"] = mon.lr_names()
     result["events"] = [(e.kind, e.severity) for e in mon.events]
     result["params"] = [p.detach().flatten().tolist() for p in [*g_net.parameters(), *d_net.parameters()]]
+    faulthandler.cancel_dump_traceback_later()
     return result
 
 
