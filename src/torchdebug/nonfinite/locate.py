@@ -43,6 +43,7 @@ from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, ModuleFrame, Phase
 from ..memory.analysis import storage_key
 from ..stats import TensorStats, analyze_tensor
+from .hints import Evidence, gather, make_hint
 
 # Ops that never introduce values (views, copies of metadata): skipping them saves a reduction each.
 _PASS_THROUGH = {
@@ -226,6 +227,7 @@ class _Event:
     frames: tuple[ModuleFrame, ...] = ()
     parameter: str | None = None
     hint: str = ""
+    evidence: Evidence | None = None  # what the hint is derived from (hints.py)
 
 
 @dataclass
@@ -607,6 +609,7 @@ class Tracer:
                     func=func,
                     args=args,
                     out_idx=idx,
+                    node=node,
                     **kw,
                 )
 
@@ -654,6 +657,7 @@ class Tracer:
         func: Any = None,
         args: tuple = (),
         out_idx: int = 0,
+        node: Any = None,
     ) -> _Event:
         with torch._C.DisableTorchFunction():
             tstats = analyze_tensor(t)
@@ -682,6 +686,11 @@ class Tracer:
             frames=tuple(self.frames),
             parameter=param,
         )
+        if func is not None:
+            try:
+                ev.evidence = gather(func, args, node)
+            except Exception as exc:  # the hint falls back to the statistics alone
+                self.internal_errors.append(repr(exc))
         ev.hint = make_hint(ev)
         self.events.append(ev)
         return ev
@@ -924,122 +933,6 @@ def _to_anomaly(
         stack=ev.stack,
         parameter=ev.parameter,
     )
-
-
-# -- hints ---------------------------------------------------------------------------------------
-_DTYPE_MAX = {"float16": "65504", "bfloat16": "3.39e38", "float32": "3.4e38", "float64": "1.8e308"}
-# exp(x) overflows above log(max): float16 11.09, bfloat16 and float32 88.72, float64 709.78
-_EXP_LIMIT = {"float16": 11.09, "bfloat16": 88.72, "float32": 88.72, "float64": 709.78}
-_CAST_OPS = ("_to_copy", "copy_")
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
-
-
-def make_hint(ev: _Event) -> str:
-    """Plain words for the likely cause of an event, from its op and input statistics.
-
-    Never contradicts the statistics printed beside it: "from finite inputs" only when every input
-    shown is finite.
-    """
-    op = ev.op.removeprefix("aten.")
-    ins = ev.inputs
-    mins = [s.min for s in ins if s.min is not None]
-    maxs = [s.max for s in ins if s.max is not None]
-    lo = min(mins) if mins else None
-    hi = max(maxs) if maxs else None
-    absmax = max((s.abs_max for s in ins if s.abs_max is not None), default=None)
-    zero_in = any((s.zero_fraction or 0) > 0 or (s.abs_min is None and s.numel) for s in ins)
-    in_inf = any(s.posinf_count or s.neginf_count for s in ins)
-    in_nan = any(s.nan_count for s in ins)
-    out_dtype = ev.tensor.dtype if ev.tensor is not None else ""
-    related_inf = ev.related is not None and ev.related.kind != "nan"
-    overflow = ev.kind in ("inf", "-inf") and not in_inf and not in_nan and not ev.explicit
-    if ev.phase == Phase.BACKWARD.value:
-        node = ev.op
-        if ev.kind == "nan" and (in_inf or ev.cause is not None):
-            return f"{node} turned an Inf into NaN (inf*0 or inf-inf)"
-        if node.startswith("Sqrt"):
-            return "sqrt at 0 in backward: add eps inside the sqrt (sqrt(x + eps))"
-        if node.startswith(("Norm", "LinalgVectorNorm")):
-            return "norm of an all-zero vector in backward: add eps (sqrt(sum(x**2) + eps))"
-        if node.startswith("Pow"):
-            return "pow with a fractional exponent at 0 in backward: add eps to the base"
-        if node.startswith("Log"):
-            return "log at 0 in backward (the gradient is 1/x): clamp the input or add eps"
-        if node.startswith("Div"):
-            return (
-                "division by zero in backward: the gradient of x / d is NaN/Inf where d == 0 even when "
-                "torch.where or a mask drops that forward result (0 * inf = NaN); make the denominator "
-                "safe before dividing: x / torch.where(d != 0, d, 1), or add eps"
-            )
-        if node.startswith(("Acos", "Asin")):
-            return f"{node[:4].lower()} at +-1 in backward: clamp the input to (-1+eps, 1-eps)"
-        if ev.kind == "nan" and related_inf:
-            return f"{node} turned an Inf into NaN (inf*0 or inf-inf); the Inf was born earlier (see related)"
-        if overflow and out_dtype in _DTYPE_MAX:
-            return f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {node} overflowed in backward; scale the loss or gradients down"
-        return (
-            f"{node} produced {ev.kind} from finite gradients"
-            if not (in_inf or in_nan)
-            else f"{node} produced {ev.kind}"
-        )
-    if op in ("log", "log2", "log10") and lo is not None and not in_nan:
-        if lo < 0:
-            return f"log of negative input (min {lo:.3g})"
-        return "log of 0 gives -inf: add eps (log(x + eps)) or clamp the input"
-    if op == "log1p" and lo is not None and lo <= -1:
-        return f"log1p of input <= -1 (min {lo:.3g})"
-    if op in ("sqrt", "rsqrt") and lo is not None and lo < 0:
-        return f"{op} of negative input (min {lo:.3g})"
-    if op in ("div", "div_", "reciprocal") and not in_inf:
-        if ev.kind == "nan":
-            return "0/0: numerator and denominator are both zero somewhere; add eps to the denominator"
-        return "division by zero: add eps to the denominator"
-    if op in ("acos", "asin"):
-        return (
-            f"{op} of input outside [-1, 1] (range [{lo:.3g}, {hi:.3g}])"
-            if lo is not None and hi is not None
-            else f"{op} outside [-1, 1]"
-        )
-    if op in ("pow",) and lo is not None and lo < 0:
-        return f"pow of negative base with a fractional exponent (min {lo:.3g})"
-    if op in ("_softmax", "_log_softmax", "softmax", "log_softmax") and ev.kind == "nan" and not in_nan:
-        if ev.related is not None and ev.related.explicit:
-            return "softmax over a row whose entries are all -inf (a fully masked row)"
-        if in_inf and any(s.posinf_count for s in ins):
-            return f"softmax over a row holding +Inf: exp(inf - inf) is NaN ({sum(s.posinf_count for s in ins)} +Inf in the input)"
-        return "softmax over a row whose entries are all -inf (a fully masked row)"
-    if op == "exp" and overflow and hi is not None:
-        limit = _EXP_LIMIT.get(out_dtype, 88.72)
-        return (
-            f"exp overflows {out_dtype} above ~{limit}: the largest input was {_fmt(hi)}; subtract the "
-            "max first (softmax/logsumexp do) or clamp the input"
-        )
-    if op in _CAST_OPS and overflow and out_dtype in _DTYPE_MAX:
-        big = f" of values up to {_fmt(absmax)}" if absmax is not None else ""
-        return (
-            f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: the cast to {out_dtype}{big} overflowed to Inf; "
-            "scale or clamp before casting, or keep float32 / use bfloat16"
-        )
-    if overflow and out_dtype == "float16":
-        big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
-        return (
-            f"float16 max is 65504: {op} overflowed{big}; use bfloat16, scale down, or compute it in float32"
-        )
-    if overflow and out_dtype in _DTYPE_MAX:
-        big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
-        return f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {op} overflowed{big}; scale the values down"
-    if ev.kind == "nan" and (in_inf or ev.cause is not None):
-        return f"{op} made NaN from an Inf input (inf-inf, inf*0 or inf/inf)" + (
-            "; the Inf was born earlier (see related)" if related_inf else ""
-        )
-    if in_nan or in_inf:
-        return f"{op} produced {ev.kind} from a non-finite input"
-    if ev.kind == "nan":
-        return f"{op} produced NaN from finite inputs" + (" (a zero input is involved)" if zero_in else "")
-    return f"{op} produced {ev.kind} from finite inputs"
 
 
 # -- public entry ----------------------------------------------------------------------------------
