@@ -140,7 +140,9 @@ def _zeros(s: TensorStats) -> int:
 
 def _of(s: TensorStats) -> str:
     k = _zeros(s)
-    return f"all {s.numel} values are exactly 0" if k == s.numel else f"{k} of {s.numel} values are exactly 0"
+    if k == s.numel:
+        return f"all {k} values are exactly 0" if k > 1 else "its one value is exactly 0"
+    return f"{k} of {s.numel} values {'is' if k == 1 else 'are'} exactly 0"
 
 
 def _zero_cause(ev: Any, ev_aten: str, scalars: tuple[float, ...]) -> tuple[str, TensorStats | None] | None:
@@ -187,7 +189,9 @@ def make_hint(ev: Any) -> str:
     zero = _zero_cause(ev, aten, evid.scalars) if not (in_inf or in_nan) else None
     squares = _squares_overflow(aten, ins) if not (in_inf or in_nan) else None
     if ev.phase == Phase.BACKWARD.value:
-        return _backward_hint(ev, evid, zero, squares, absmax, in_inf, in_nan, related_inf, overflow, out_dtype)
+        return _backward_hint(
+            ev, evid, zero, squares, absmax, in_inf, in_nan, related_inf, overflow, out_dtype
+        )
     if aten in ("log", "log2", "log10", "log_") and lo is not None and not in_nan and lo < 0:
         return f"log of negative input (min {lo:.3g})"
     if op == "log1p" and lo is not None and lo <= -1:
@@ -327,7 +331,12 @@ def _backward_hint(
     if squares is not None:
         return f"{node}: {squares}"
     big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
-    if overflow and out_dtype in _DTYPE_MAXF and absmax is not None and absmax * absmax > _DTYPE_MAXF[out_dtype]:
+    if (
+        overflow
+        and out_dtype in _DTYPE_MAXF
+        and absmax is not None
+        and absmax * absmax > _DTYPE_MAXF[out_dtype]
+    ):
         # only values that large can overflow by themselves: then scaling down is the fix
         return (
             f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {node} overflowed in backward{big}; scale the "
