@@ -375,7 +375,10 @@ class Tracer:
         self.model = model
         self.optimizer = optimizer
         self.names = (
-            names if names is not None else ({m: n for n, m in model.named_modules()} if model else {})
+            # "is not None": a compiled module's truth test calls its __len__, a TypeError for most models
+            names
+            if names is not None
+            else ({m: n for n, m in model.named_modules()} if model is not None else {})
         )
         self.frames: collections.deque[ModuleFrame] = collections.deque(maxlen=max(1, frames))
         self.module_stack: list[tuple[str, str]] = []
@@ -982,13 +985,13 @@ def locate_nonfinite(
         raise TypeError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    tracer = Tracer(model, frames=frames, optimizer=optimizer)
+    tracer = Tracer(_uncompiled(model), frames=frames, optimizer=optimizer)
     tracer.check_inputs(args, kwargs)
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer.anomaly()
     try:
-        with tracer:
+        with _eager(), tracer:
             result = fn(*args, **kwargs)
             if tracer.symptom is None:
                 tracer.on_backward_call(result)
@@ -996,6 +999,23 @@ def locate_nonfinite(
         if tracer.symptom is None:
             raise
     return tracer.anomaly()
+
+
+def _uncompiled(model: nn.Module | None) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped (names without the ``_orig_mod.`` prefix), else ``model``."""
+    orig = getattr(model, "_orig_mod", None) if model is not None else None
+    if type(model).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
+        return orig
+    return model
+
+
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code runs eagerly while traced: the tracer sees ops one by one, and nothing is compiled
+    for the trace (``torch.compile``'d modules and functions, ``module.compile()``)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None or torch.compiler.is_compiling():  # torch < 2.6; or inside a compiled region
+        return contextlib.nullcontext()
+    return set_stance("force_eager")  # type: ignore[no-any-return]
 
 
 # -- replay of a captured step (used by watch) -------------------------------------------------------
@@ -1090,7 +1110,7 @@ def replay_capture(
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
-        with tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+        with _eager(), tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
             out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
             if tracer.symptom is not None:
                 return tracer
