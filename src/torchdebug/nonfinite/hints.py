@@ -62,6 +62,8 @@ _ZERO_SINGULAR = {
     "rsqrt_": (0, "input"),
     "pow": (0, "base"),  # only with a negative exponent
     "pow_": (0, "base"),
+    "addcdiv": (2, "denominator"),  # self + value * t1 / t2 (Adam's update)
+    "addcdiv_": (2, "denominator"),
 }
 
 # Autograd nodes whose gradient divides by differences of eigenvalues (or of squared singular values).
@@ -88,17 +90,22 @@ class Evidence:
     custom: bool = False
     scalars: tuple[float, ...] = ()
     gap: tuple[float, float, float] | None = None
+    inputs_finite: bool | None = None  # every input was finite before the op (an in-place op's too)
+    state: str = ""  # an optimizer update: the state tensor it made non-finite (``exp_avg_sq``)
 
 
-def gather(func: Any, args: tuple, node: Any) -> Evidence:
+def gather(
+    func: Any, args: tuple, node: Any, *, inputs_finite: bool | None = None, state: str = ""
+) -> Evidence:
     """The evidence of an op that just made a non-finite value (rare path: one event at a time)."""
-    aten = func._schema.name.split("::")[-1] if func is not None else ""
+    # a multi-tensor op is worded as its one-tensor form (its inputs are the failing item's)
+    aten = func._schema.name.split("::")[-1].removeprefix("_foreach_") if func is not None else ""
     scalars = tuple(
         float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool) and a is not None
     )
     custom = node is not None and isinstance(node, torch.autograd.function.BackwardCFunction)
     gap = _spectral_gap(node) if node is not None and type(node).__name__ in _SPECTRAL else None
-    return Evidence(aten, custom, scalars, gap)
+    return Evidence(aten, custom, scalars, gap, inputs_finite, state)
 
 
 def _spectral_gap(node: Any) -> tuple[float, float, float] | None:
@@ -159,8 +166,8 @@ def _zero_cause(ev: Any, ev_aten: str, scalars: tuple[float, ...]) -> tuple[str,
         if not exps or max(exps) >= 0:
             return None
         what = f"pow(x, {_fmt(max(exps))}) of 0"
-    elif ev_aten.startswith("div"):
-        if len(ins) < 2:  # divided by a Python number
+    elif ev_aten.startswith(("div", "addcdiv")):
+        if ev_aten.startswith("div") and len(ins) < 2:  # divided by a Python number
             return ("division by the constant 0", None) if scalars and scalars[0] == 0 else None
         what = "0/0" if ev.kind == "nan" else "division by zero"
     else:
@@ -181,8 +188,10 @@ def make_hint(ev: Any) -> str:
     lo = min(mins) if mins else None
     hi = max(maxs) if maxs else None
     absmax = max((s.abs_max for s in ins if s.abs_max is not None), default=None)
-    in_inf = any(s.posinf_count or s.neginf_count for s in ins)
-    in_nan = any(s.nan_count for s in ins)
+    # an in-place op's first input is shown as it is after the op: judge finiteness from before it
+    before = evid.inputs_finite is not True
+    in_inf = before and any(s.posinf_count or s.neginf_count for s in ins)
+    in_nan = before and any(s.nan_count for s in ins)
     out_dtype = ev.tensor.dtype if ev.tensor is not None else ""
     related_inf = ev.related is not None and ev.related.kind != "nan"
     overflow = ev.kind in ("inf", "-inf") and not in_inf and not in_nan and not ev.explicit
@@ -202,6 +211,11 @@ def make_hint(ev: Any) -> str:
         return f"pow of negative base with a fractional exponent (min {lo:.3g})"
     if zero is not None:
         what, _ = zero
+        if ev.phase == Phase.OPTIMIZER.value and aten.startswith("addcdiv"):
+            return (
+                f"the update makes {what}; an Adam-type update divides by sqrt(exp_avg_sq) + eps, which is 0 "
+                "where a gradient was 0 and eps is 0: set eps > 0"
+            )
         if aten.startswith("log"):
             return f"{what}; log(0) = -inf: add eps (log(x + eps)) or clamp the input"
         return f"{what}; add eps or make it safe first: torch.where(d != 0, d, 1)"

@@ -196,6 +196,36 @@ def _weak_storage(t: torch.Tensor) -> Any:
         return None
 
 
+@functools.lru_cache(maxsize=512)
+def _write_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an op writes to (``Tensor(a!)`` in its schema)."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an in-place op wrote (a list's items for multi-tensor ops), in order."""
+    out: list[torch.Tensor] = []
+    for i, name in _write_positions(func):
+        a = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(tensor_leaves(a))
+    return out
+
+
+def _foreach_item(args: tuple, i: int) -> list[torch.Tensor]:
+    """The inputs of item ``i`` of a multi-tensor op: the i-th of each tensor list, and lone tensors."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and len(a) > i and isinstance(a[i], torch.Tensor):
+            out.append(a[i])
+        elif isinstance(a, torch.Tensor):
+            out.append(a)
+    return [t for t in out if _checkable(t)]
+
+
 def _has_inf_scalar(args: Iterable[Any]) -> bool:
     for a in args:
         if isinstance(a, float) and math.isinf(a):
@@ -486,6 +516,8 @@ class Tracer:
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.phase_override = Phase.OPTIMIZER.value
+        if self.optimizer is None:
+            self.optimizer = opt  # names the state tensors of the update
         if self.symptom is None:
             self._check_params("before the optimizer step")
 
@@ -576,6 +608,11 @@ class Tracer:
         out: Any,
     ) -> None:
         outs = [t for t in tensor_leaves(out) if _checkable(t)]
+        if (
+            func._schema.is_mutable
+        ):  # in-place multi-tensor ops (_foreach_add_) return nothing: check what they wrote
+            known = {id(t) for t in outs}
+            outs += [t for t in _written(func, args, kwargs) if id(t) not in known and _checkable(t)]
         if not outs:
             return
         out_flags = [_flags(t) for t in outs]
@@ -613,6 +650,7 @@ class Tracer:
                     args=args,
                     out_idx=idx,
                     node=node,
+                    inputs_finite=not (in_nan or in_inf),
                     **kw,
                 )
 
@@ -630,7 +668,9 @@ class Tracer:
             self.taint.put(t, key, ev)
             if phase == Phase.OPTIMIZER.value:
                 origin = ev if not ev.explicit else make(f.kind)
-                self._set_symptom(origin, f"{f.kind} in the optimizer update, made by {op}")
+                st = origin.evidence.state if origin.evidence is not None else ""
+                what = f" of {st + ' of ' if st else ''}{origin.parameter}" if origin.parameter else ""
+                self._set_symptom(origin, f"{f.kind} in the optimizer update{what}, made by {op}")
                 return
 
     def _root(self, ins: list[torch.Tensor], flags: list[_Flags], *, nan: bool) -> _Event | None:
@@ -661,14 +701,18 @@ class Tracer:
         args: tuple = (),
         out_idx: int = 0,
         node: Any = None,
+        inputs_finite: bool | None = None,
     ) -> _Event:
+        if func is not None and func._schema.name.startswith("aten::_foreach_"):
+            ins = _foreach_item(args, out_idx) or ins  # the failing item's inputs, not the lists' first
         with torch._C.DisableTorchFunction():
             tstats = analyze_tensor(t)
             before = self.pre_inputs if self.pre_inputs is not None and ins else ins
             istats = tuple(analyze_tensor(x) for x in before[:4])
         param = None
+        state = ""
         if phase == Phase.OPTIMIZER.value:
-            param = self._param_for(t, func, args, out_idx)
+            param, state = self._param_for(t, func, args, out_idx)
             if param is not None and self.model is not None:
                 module = param.rpartition(".")[0]
                 mtype = type(self.model.get_submodule(module) if module else self.model).__name__
@@ -691,22 +735,52 @@ class Tracer:
         )
         if func is not None:
             try:
-                ev.evidence = gather(func, args, node)
+                ev.evidence = gather(func, args, node, inputs_finite=inputs_finite, state=state)
             except Exception as exc:  # the hint falls back to the statistics alone
                 self.internal_errors.append(repr(exc))
         ev.hint = make_hint(ev)
         self.events.append(ev)
         return ev
 
-    def _param_for(self, t: torch.Tensor, func: Any, args: tuple, out_idx: int) -> str | None:
-        name = self._param_names.get(_storage_key(t))
-        if name is not None or self.optimizer is None:
-            return name
-        # foreach ops work on the list of parameters that have gradients, in param-group order
+    def _param_for(self, t: torch.Tensor, func: Any, args: tuple, out_idx: int) -> tuple[str | None, str]:
+        """The parameter an optimizer op's output ``t`` belongs to, and which of its state it is (``""``:
+        the parameter itself): by storage (the parameter, or a tensor of its optimizer state), else
+        for a multi-tensor (``_foreach_*``) op by the list element at the same position."""
+        owners = self._state_owners()
+        cands = [t]
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        if lists and out_idx < len(lists[0]):
+            cands.append(lists[0][out_idx])  # a foreach op's i-th output comes from its lists' i-th items
+        for c in cands:
+            key = _storage_key(c)
+            if key in self._param_names:
+                return self._param_names[key], ""
+            if key in owners:
+                return owners[key]
+        if self.optimizer is None:
+            return None, ""
+        # last resort: foreach ops work on the parameters that have gradients, in param-group order
         with_grad = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if out_idx < len(with_grad):
-            return self._param_names.get(_storage_key(with_grad[out_idx]))
-        return None
+            return self._param_names.get(_storage_key(with_grad[out_idx])), ""
+        return None, ""
+
+    def _state_owners(self) -> dict[Any, tuple[str, str]]:
+        """Storage of each optimizer state tensor -> (its parameter's name, the state's key): read at
+        an event (rare), when the state exists (Adam makes it inside its first step)."""
+        out: dict[Any, tuple[str, str]] = {}
+        opt = self.optimizer
+        if opt is None:
+            return out
+        with contextlib.suppress(Exception):
+            for p, st in opt.state.items():
+                name = self._param_names.get(_storage_key(p)) if isinstance(p, torch.Tensor) else None
+                if name is None:
+                    continue
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.numel() > 1:  # not a shared scalar step count
+                        out.setdefault(_storage_key(v), (name, str(k)))
+        return out
 
     def propagate(self, args: Any, out: Any) -> None:
         root = next(
