@@ -910,8 +910,14 @@ class Tracer:
                     root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
                     ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
                     ev.op = ""
-                    ev.hint = f"the batch already holds {f.kind.upper() if f.kind == 'nan' else f.kind}: input #{i} ({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf); check the data pipeline"
-                    self._set_symptom(ev, f"{f.kind} in input #{i}")
+                    rows = bad_rows(t)
+                    at = f" in {rows}" if rows else ""
+                    ev.hint = (
+                        f"the batch already holds {_KIND_WORD[f.kind]}: input #{i} "
+                        f"({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf){at}; check the data pipeline"
+                        + (" (those samples)" if rows else "")
+                    )
+                    self._set_symptom(ev, f"{f.kind} in input #{i}" + (f", {rows}" if rows else ""))
 
     def _check_params(self, when: str) -> None:
         if self.model is None:
@@ -1243,17 +1249,50 @@ def _check_loss_inputs(
         f = _flags(t)
         if not f.nan:
             continue
-        name = _batch_path(cap.batch, t) or "a tensor the loss code used (not made by the model)"
+        path = _batch_path(cap.batch, t)
+        name = path or "a tensor the loss code used"
         loc, stack = format_frames(raw)
         ev = tracer._event(Phase.INPUT.value, "", "", "", loc, stack, f.kind, t, [])
         with torch._C.DisableTorchFunction():
             ev.tensor = analyze_tensor(t, name)
-        ev.hint = (
-            f"the batch already holds NaN in {name} ({f.nan} NaN), used only by the loss code at "
-            f"{loc or 'an unknown line'}; check the data pipeline"
-        )
-        tracer._set_symptom(ev, f"nan in {name}")
+            rows = bad_rows(t, nan_only=True)
+        count = f"{f.nan} NaN" + (f" in {rows}" if rows else "")
+        line = loc or "an unknown line"
+        if path is not None:
+            ev.hint = (
+                f"the batch already holds NaN in {path} ({count}), used only by the loss code at {line}; "
+                "check the data pipeline"
+            )
+        else:  # said once: which code used it, and that neither the model nor that code made it
+            ev.hint = (
+                f"the loss code at {line} used a tensor that already held NaN ({count}); neither the model "
+                "nor the loss code made it, so it came with the batch: check the data pipeline"
+            )
+        tracer._set_symptom(ev, f"nan in {name}" + (f", {rows}" if rows else ""))
         return
+
+
+_ROWS_SHOWN = 5
+_KIND_WORD = {"nan": "NaN", "inf": "+Inf", "-inf": "-Inf"}
+
+
+def bad_rows(t: torch.Tensor, nan_only: bool = False) -> str:
+    """Which rows (indices along dim 0, the batch) of ``t`` hold NaN/Inf: ``"rows 2, 5 (2 of 8 rows)"``,
+    the first few and the count; ``""`` for a scalar or a single row. The index is what finds the bad
+    sample (file, line) in a dataset. Rare path: one reduction and a host read."""
+    if t.dim() == 0 or t.shape[0] < 2:
+        return ""
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        x = t.detach()
+        x = torch.view_as_real(x) if x.is_complex() else x
+        bad = torch.isnan(x) if nan_only else ~torch.isfinite(x)
+        idx = bad.reshape(x.shape[0], -1).any(dim=1).nonzero().flatten()
+        n = int(idx.numel())
+        first = idx[:_ROWS_SHOWN].tolist()
+    if n == 0:
+        return ""
+    shown = ", ".join(map(str, first)) + (", ..." if n > _ROWS_SHOWN else "")
+    return f"row{'s' if n > 1 else ''} {shown} ({n} of {t.shape[0]} rows)"
 
 
 def _batch_path(batch: Any, t: torch.Tensor, path: str = "batch", depth: int = 0) -> str | None:

@@ -1,0 +1,89 @@
+"""The words around a located origin: the rows of the batch that hold a NaN, one phrase said once, tied
+weights named by all their names, the padding mask that completed a fully masked row, and a NaN
+checkpoint reported before the model is used."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import torchdebug as td
+from tests.fixtures import models as fx
+
+_THIS = os.path.abspath(__file__)
+SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")
+
+
+def origin_line(tag: str) -> str:
+    return fx.origin_line(tag, _THIS)
+
+
+# -- the rows of the batch that hold the NaN ----------------------------------------------------------
+def test_locate_names_the_rows_of_the_input_that_hold_nan() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP(d_in=4)
+    x = torch.randn(8, 4)
+    x[2, 1] = x[5, 0] = x[5, 3] = float("nan")  # 3 NaN in rows 2 and 5
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        return loss
+
+    a = td.locate_nonfinite(step, x, model=model)
+    assert a is not None and a.phase == "input"
+    assert a.hint == (
+        "the batch already holds NaN: input #0 (3 NaN, 0 +Inf, 0 -Inf) in rows 2, 5 (2 of 8 rows); check "
+        "the data pipeline (those samples)"
+    )
+    assert a.symptom == "nan in input #0, rows 2, 5 (2 of 8 rows)"
+
+
+def test_watch_names_the_first_rows_and_the_count() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP(d_in=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for i in range(3):
+            x = torch.randn(16, 4)
+            if i == 1:
+                x[0:14:2, 2] = float("inf")  # rows 0, 2, 4, ..., 12: 7 rows hold +Inf
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.phase) == (1, "input")
+    # the first 5 of the 7 bad rows are shown, then the count
+    assert a.symptom == "inf in input #0, rows 0, 2, 4, 6, 8, ... (7 of 16 rows)"
+    assert "(0 NaN, 7 +Inf, 0 -Inf) in rows 0, 2, 4, 6, 8, ... (7 of 16 rows)" in a.hint
+
+
+def test_a_nan_only_the_loss_code_used_names_its_rows_and_says_so_once() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP(d_in=4, d_out=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for i in range(3):
+            x, w = torch.randn(8, 4), torch.ones(8)
+            if i == 2:
+                w[1] = w[3] = float("nan")  # a per-sample weight from the batch, used only by the loss
+            out = model(x).squeeze(-1)
+            loss = (out.pow(2) * w).mean()  # ORIGIN:weighted
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.location) == (2, "input", origin_line("weighted"))
+    assert a.hint == (
+        f"the loss code at {origin_line('weighted')} used a tensor that already held NaN (2 NaN in rows "
+        "1, 3 (2 of 8 rows)); neither the model nor the loss code made it, so it came with the batch: "
+        "check the data pipeline"
+    )
+    assert a.hint.count("loss code") == 2 and a.hint.count("used") == 1
+    assert a.symptom == "nan in a tensor the loss code used, rows 1, 3 (2 of 8 rows)"
