@@ -87,3 +87,57 @@ def test_a_nan_only_the_loss_code_used_names_its_rows_and_says_so_once() -> None
     )
     assert a.hint.count("loss code") == 2 and a.hint.count("used") == 1
     assert a.symptom == "nan in a tensor the loss code used, rows 1, 3 (2 of 8 rows)"
+
+
+# -- tied weights by all their names --------------------------------------------------------------------
+class TiedLM(nn.Module):
+    """A tiny language model whose output head shares the embedding's weight (as nanoGPT's)."""
+
+    def __init__(self, vocab: int = 8, d: int = 4) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mid = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one tensor, two names
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.mid(self.wte(idx))))
+
+
+def test_a_tied_weight_is_named_by_all_its_names_under_locate() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    with torch.no_grad():
+        model.lm_head.weight[3, 1] = float("nan")  # the same tensor as wte.weight
+
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        loss = model(idx).logsumexp(-1).mean()
+        loss.backward()
+        return loss
+
+    a = td.locate_nonfinite(step, torch.tensor([[1, 2, 3]]), model=model)
+    assert a is not None
+    assert (a.phase, a.module, a.parameter) == ("parameter", "wte", "wte.weight (= lm_head.weight)")
+    assert a.summary() == "nan born in parameter of wte.weight (= lm_head.weight)"
+    assert a.hint.startswith("wte.weight (= lm_head.weight) already holds 1 NaN / 0 Inf"), a.hint
+
+
+def test_a_tied_weight_is_named_by_all_its_names_under_watch() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    # SGD with lr 1e10 on gradients ~1e30 (the loss is scaled by 1e30, finite ~1e30): every update is
+    # ~1e40 > 3.4e38, so the update makes every parameter +-Inf; wte.weight is the first of them
+    opt = torch.optim.SGD(model.parameters(), lr=1e10)
+    idx = torch.tensor([[1, 2, 3]])
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for _ in range(3):
+            loss = model(idx).logsumexp(-1).mean() * 1e30
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.phase, a.parameter) == ("optimizer", "wte.weight (= lm_head.weight)"), str(a)
+    assert a.symptom.startswith("inf in parameter wte.weight (= lm_head.weight) after the optimizer step")
+    assert a.hint.startswith("the optimizer update made wte.weight (= lm_head.weight) non-finite"), a.hint
+    assert mon.anomalies[0] == a  # kept as raised

@@ -44,6 +44,7 @@ from ..events import Anomaly, ModuleFrame, Phase
 from ..memory.analysis import storage_key
 from ..stats import TensorStats, analyze_tensor
 from .hints import Evidence, gather, make_hint
+from .tied import label_tied, tied_labels
 
 # Ops that never introduce values (views, copies of metadata): skipping them saves a reduction each.
 _PASS_THROUGH = {
@@ -972,7 +973,7 @@ class Tracer:
                 depth=1,
             )
             a = dataclasses.replace(a, noticed=noticed)
-        return a
+        return label_tied(a, tied_labels(self.model))  # tied weights by all their names
 
 
 def _to_anomaly(

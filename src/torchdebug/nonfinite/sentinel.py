@@ -39,6 +39,7 @@ from .._tensors import dtensor_type, finite_probe, grad_of, local, unwrap_optimi
 from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, RuleEvent
 from .locate import LossTape, StepCapture, replay_capture
+from .tied import label_tied, tied_labels
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
 _MAX_OUT_HOOKS = 16
@@ -406,7 +407,7 @@ class Sentinel:
             if mon.config.policy == "raise":
                 mon._flush_store()
                 raise NonFiniteError(self.step_anomaly)  # type: ignore[arg-type]
-            mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
+            mon._warn_once("anomaly", f"torchdebug: {self.step_anomaly.summary()}")  # type: ignore[union-attr]
         elif (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
             # blamed on the update only when the gradients it used were finite; else they are the cause
             self.optimizer_anomaly(bad, step, ranks)
@@ -487,7 +488,7 @@ class Sentinel:
         late = not at_optimizer and not scaler_skip and not self.synced_at_backward
         anomaly = self.build_anomaly(late=late) if coord is None else coord.anomaly(mon)
         self.grad_anomaly = True
-        self.record(anomaly)
+        anomaly = self.record(anomaly)
         policy = mon.config.policy
         if policy == "skip":
             if at_optimizer and opt is not None:
@@ -573,7 +574,7 @@ class Sentinel:
 
     def _raise_or_warn(self, anomaly: Anomaly) -> None:
         mon = self.mon
-        self.record(anomaly)
+        anomaly = self.record(anomaly)
         if mon.config.policy == "raise":
             mon._flush_store()
             raise NonFiniteError(anomaly)
@@ -731,8 +732,10 @@ class Sentinel:
             parameter=first,
         )
 
-    def record(self, anomaly: Anomaly) -> None:
+    def record(self, anomaly: Anomaly) -> Anomaly:
+        """Keep and store the anomaly (tied weights named by all their names); returns it as kept."""
         mon = self.mon
+        anomaly = label_tied(anomaly, tied_labels(mon.model))
         self.step_anomaly = anomaly
         mon.counters["anomaly_steps"] += 1
         if len(mon.anomalies) < _MAX_ANOMALIES:
@@ -740,6 +743,7 @@ class Sentinel:
         if mon.writer is not None:
             with contextlib.suppress(Exception):
                 mon.writer.log_anomaly(anomaly.step, anomaly.to_dict())
+        return anomaly
 
     # -- skipped steps ----------------------------------------------------------------------------------
     def mark_skipped(self, reason: str, scaler: bool = False, severity: str = "warning") -> None:
