@@ -141,3 +141,61 @@ def test_a_tied_weight_is_named_by_all_its_names_under_watch() -> None:
     assert a.symptom.startswith("inf in parameter wte.weight (= lm_head.weight) after the optimizer step")
     assert a.hint.startswith("the optimizer update made wte.weight (= lm_head.weight) non-finite"), a.hint
     assert mon.anomalies[0] == a  # kept as raised
+
+
+# -- the padding mask that completed a fully masked row ----------------------------------------------------
+class PaddedCausal(nn.Module):
+    """Causal self-attention with a key padding mask applied on top (``pad``: True = padding)."""
+
+    def __init__(self, additive: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+        self.additive = additive
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        _, T, C = x.shape  # (B, T, C)
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        att = q @ k.transpose(-2, -1) / C**0.5  # (B, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        att = att.masked_fill(causal, float("-inf"))  # ORIGIN:causal
+        if self.additive:
+            bias = torch.zeros(pad.shape).masked_fill(pad, float("-inf"))  # ORIGIN:padbias
+            att = att + bias[:, None, :]  # ORIGIN:padadd
+        else:
+            att = att.masked_fill(pad[:, None, :], float("-inf"))  # ORIGIN:padding
+        att = att.softmax(-1)  # ORIGIN:padsoftmax
+        return att @ v
+
+
+@pytest.mark.parametrize(
+    ("additive", "tag", "op"), [(False, "padding", "aten.masked_fill"), (True, "padadd", "aten.add")]
+)
+def test_a_row_masked_by_padding_on_top_of_causal_names_the_padding_line(
+    additive: bool, tag: str, op: str
+) -> None:
+    torch.manual_seed(0)
+    model = PaddedCausal(additive)
+    x = torch.randn(2, 3, 4)
+    pad = torch.tensor([[False, False, False], [True, False, False]])  # sequence 1 starts with padding
+    # query 0 of sequence 1 sees only key 0 (causal), and key 0 is padding: its row is all -inf
+
+    def step(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        loss = model(x, pad).sum()
+        loss.backward()
+        return loss
+
+    a = td.locate_nonfinite(step, x, pad, model=model)
+    assert a is not None
+    assert (a.op, a.kind, a.location) == ("aten._softmax", "nan", origin_line("padsoftmax"))
+    assert a.hint == "softmax over a row whose entries are all -inf (a fully masked row)"
+    assert a.related is not None
+    assert (a.related.op, a.related.kind, a.related.location) == (op, "-inf", origin_line(tag))
+
+
+def test_a_mask_broadcast_over_the_batch_is_not_a_new_mask() -> None:
+    # without padding no row is fully masked: nothing to report, whatever the masks' shares
+    model = PaddedCausal()
+    a = td.locate_nonfinite(
+        lambda: model(torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.bool)).sum().backward(), model=model
+    )
+    assert a is None

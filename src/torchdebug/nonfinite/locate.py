@@ -227,6 +227,13 @@ def _foreach_item(args: tuple, i: int) -> list[torch.Tensor]:
     return [t for t in out if _checkable(t)]
 
 
+def _more_inf(out: _Flags, t: torch.Tensor, ins: list[torch.Tensor], flags: list[_Flags]) -> bool:
+    """The output holds a larger share of +-Inf than any input: the op wrote new ones (a share, not a
+    count, so broadcasting a mask over a batch is not writing)."""
+    share = (out.posinf + out.neginf) / max(1, t.numel())
+    return all((f.posinf + f.neginf) / max(1, x.numel()) < share for x, f in zip(ins, flags))
+
+
 def _has_inf_scalar(args: Iterable[Any]) -> bool:
     for a in args:
         if isinstance(a, float) and math.isinf(a):
@@ -662,6 +669,15 @@ class Tracer:
                 ev = make("nan", cause=inf_root)
             elif f.nan:  # born here; a mask's -inf (explicit) is named as related, never the origin
                 ev = make("nan", related=inf_root)
+            elif (
+                in_inf
+                and not in_nan
+                and (inf_root is None or inf_root.explicit)
+                and _more_inf(f, t, ins, in_flags)
+            ):
+                # a mask added to a mask (padding on top of causal): this op wrote -inf where its inputs
+                # held none, so it is the mask that completed a fully masked row (named as related)
+                ev = make(f.kind, explicit=True, related=inf_root)
             elif in_nan or in_inf:  # an Inf carried on; one the trace did not see made counts as a constant
                 ev = inf_root or nan_root or make(f.kind, explicit=True)
             else:  # Inf from finite inputs: an overflow, or an explicit +-inf constant (a mask)
