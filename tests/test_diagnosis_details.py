@@ -199,3 +199,39 @@ def test_a_mask_broadcast_over_the_batch_is_not_a_new_mask() -> None:
         lambda: model(torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.bool)).sum().backward(), model=model
     )
     assert a is None
+
+
+# -- a NaN checkpoint: said when the session starts --------------------------------------------------------
+def _nan_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = fx.MLP(d_in=4)
+    with torch.no_grad():
+        model.fc2.bias[1] = float("nan")
+    return model
+
+
+def test_watch_raises_at_start_on_weights_that_are_already_nan() -> None:
+    model = _nan_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY):
+        pytest.fail("the body must not run")  # the model is never used on NaN weights
+    a = ei.value.anomaly
+    assert (a.phase, a.module, a.parameter, a.kind, a.step) == ("parameter", "fc2", "fc2.bias", "nan", 0)
+    assert a.symptom == "nan in fc2.bias when the session started"
+    assert a.hint.startswith("fc2.bias already holds 1 NaN / 0 Inf when the session started, before any use")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert not model._load_state_dict_post_hooks
+
+
+def test_watch_checks_a_checkpoint_loaded_during_the_session_under_warn() -> None:
+    torch.manual_seed(0)
+    model = fx.MLP(d_in=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bad = _nan_model().state_dict()
+    warns = pytest.warns(td.TorchDebugWarning, match="nan born in parameter of fc2.bias")
+    with warns, td.watch(model, opt, run=False, policy="warn", config=SENTINEL_ONLY) as mon:
+        assert mon.anomalies == []  # healthy at the start
+        model.load_state_dict(bad)
+        symptoms = [a.symptom for a in mon.anomalies]
+        assert symptoms == ["nan in fc2.bias when load_state_dict put it in the model"]
+    assert not model._load_state_dict_post_hooks

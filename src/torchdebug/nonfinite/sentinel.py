@@ -74,6 +74,8 @@ class Sentinel:
         # FSDP2 DTensor parameters: the clip's fast path (whole local tensors) does not apply
         dtensor = dtensor_type()
         self._sharded = dtensor is not None and any(isinstance(p, dtensor) for p in mon.params)
+        self._load_hook: Any = None  # load_state_dict into the model: its weights are checked (startup.py)
+        self.loaded_bad = False
         self.reset()
 
     def reset(self) -> None:
@@ -100,6 +102,9 @@ class Sentinel:
 
     def remove(self, mon: Any = None) -> None:
         self.pop_tape(force=True)
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None
 
     # -- forward -------------------------------------------------------------------------------------
     def on_forward_start(self, mon: Any, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -571,6 +576,22 @@ class Sentinel:
             parameter=first,
         )
         self._raise_or_warn(anomaly)
+
+    def check_at_start(self, when: str = "when the session started") -> None:
+        """Session start, and each ``load_state_dict`` into the model during it: parameters already
+        non-finite (a NaN checkpoint) are an anomaly now, before the model is evaluated or saved (may
+        raise under ``raise``). One probe and read each time; said once per session."""
+        if self._load_hook is None:
+            self._load_hook = self.mon.model.register_load_state_dict_post_hook(
+                lambda module, keys: self.check_at_start("when load_state_dict put it in the model")
+            )
+        if self.active and not self.loaded_bad:
+            from .startup import loaded_anomaly
+
+            anomaly = loaded_anomaly(self.mon, when)
+            if anomaly is not None:
+                self.loaded_bad = True
+                self._raise_or_warn(anomaly)
 
     def _raise_or_warn(self, anomaly: Anomaly) -> None:
         mon = self.mon

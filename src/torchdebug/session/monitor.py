@@ -590,6 +590,11 @@ class Monitor:
         if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
             # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
             print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
+        try:
+            self.sentinel.check_at_start()  # weights already NaN (a bad checkpoint): said before any use
+        except NonFiniteError as err:
+            self.__exit__(type(err), err, err.__traceback__)
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
