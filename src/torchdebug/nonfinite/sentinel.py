@@ -582,13 +582,17 @@ class Sentinel:
         non-finite (a NaN checkpoint) are an anomaly now, before the model is evaluated or saved (may
         raise under ``raise``). One probe and read each time; said once per session."""
         if self._load_hook is None:
-            self._load_hook = self.mon.model.register_load_state_dict_post_hook(
-                lambda module, keys: self.check_at_start("when load_state_dict put it in the model")
-            )
+            with contextlib.suppress(Exception):  # an odd root module: the start's check alone
+                self._load_hook = self.mon.model.register_load_state_dict_post_hook(
+                    lambda module, keys: self.check_at_start("when load_state_dict put it in the model")
+                )
         if self.active and not self.loaded_bad:
             from .startup import loaded_anomaly
 
-            anomaly = loaded_anomaly(self.mon, when)
+            try:
+                anomaly = loaded_anomaly(self.mon, when)
+            except Exception:  # a check that cannot run (odd tensor types) must not stop the session
+                anomaly = None
             if anomaly is not None:
                 self.loaded_bad = True
                 self._raise_or_warn(anomaly)

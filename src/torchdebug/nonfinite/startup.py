@@ -19,7 +19,9 @@ def loaded_anomaly(mon: Any, when: str = "when the session started") -> Anomaly 
     One finiteness probe of every parameter on the device and one host read, once per session; the
     exact counts are read only for the parameters it flags.
     """
-    params = list(mon.params)
+    # the parameters that hold data (not on the meta device: nothing to read, and nothing to use yet)
+    index = [i for i, p in enumerate(mon.params) if local(p).device.type != "meta"]
+    params = [mon.params[i] for i in index]
     if not params:
         return None
     with torch.no_grad():
@@ -34,7 +36,7 @@ def loaded_anomaly(mon: Any, when: str = "when the session started") -> Anomaly 
     ]
     if not bad:
         return None
-    names = [mon.param_names[i] for i in bad]
+    names = [mon.param_names[index[i]] for i in bad]
     first = names[0]
     t = local(params[bad[0]].detach())
     nan = int(torch.isnan(t).sum())
