@@ -81,8 +81,8 @@ def test_a_nan_only_the_loss_code_used_names_its_rows_and_says_so_once() -> None
     a = ei.value.anomaly
     assert (a.step, a.phase, a.location) == (2, "input", origin_line("weighted"))
     assert a.hint == (
-        f"the loss code at {origin_line('weighted')} used a tensor that already held NaN (2 NaN in rows "
-        "1, 3 (2 of 8 rows)); neither the model nor the loss code made it, so it came with the batch: "
+        f"the loss code at {origin_line('weighted')} used a tensor that already held NaN: 2 NaN in rows "
+        "1, 3 (2 of 8 rows); neither the model nor the loss code made it, so it came with the batch: "
         "check the data pipeline"
     )
     assert a.hint.count("loss code") == 2 and a.hint.count("used") == 1

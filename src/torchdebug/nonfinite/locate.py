@@ -1277,12 +1277,12 @@ def _check_loss_inputs(
         line = loc or "an unknown line"
         if path is not None:
             ev.hint = (
-                f"the batch already holds NaN in {path} ({count}), used only by the loss code at {line}; "
+                f"the batch already holds NaN in {path}: {count}; used only by the loss code at {line}; "
                 "check the data pipeline"
             )
         else:  # said once: which code used it, and that neither the model nor that code made it
             ev.hint = (
-                f"the loss code at {line} used a tensor that already held NaN ({count}); neither the model "
+                f"the loss code at {line} used a tensor that already held NaN: {count}; neither the model "
                 "nor the loss code made it, so it came with the batch: check the data pipeline"
             )
         tracer._set_symptom(ev, f"nan in {name}" + (f", {rows}" if rows else ""))
