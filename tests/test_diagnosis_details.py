@@ -86,7 +86,7 @@ def test_a_nan_only_the_loss_code_used_names_its_rows_and_says_so_once() -> None
         "check the data pipeline"
     )
     assert a.hint.count("loss code") == 2 and a.hint.count("used") == 1
-    assert a.symptom == "nan in a tensor the loss code used, rows 1, 3 (2 of 8 rows)"
+    assert a.symptom == "nan in a tensor the loss code used (not made by the model), rows 1, 3 (2 of 8 rows)"
 
 
 # -- tied weights by all their names --------------------------------------------------------------------

@@ -1267,7 +1267,7 @@ def _check_loss_inputs(
         if not f.nan:
             continue
         path = _batch_path(cap.batch, t)
-        name = path or "a tensor the loss code used"
+        name = path or "a tensor the loss code used (not made by the model)"
         loc, stack = format_frames(raw)
         ev = tracer._event(Phase.INPUT.value, "", "", "", loc, stack, f.kind, t, [])
         with torch._C.DisableTorchFunction():
