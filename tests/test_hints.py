@@ -222,3 +222,13 @@ def test_backward_overflow_of_large_gradients_says_scale_down_with_magnitudes() 
         "float32 max is 3.4e38: MulBackward0 overflowed in backward (inputs up to 1e+30); scale the loss "
         "or gradients down"
     )
+
+
+def test_division_by_a_tiny_nonzero_denominator_is_an_overflow_with_its_magnitudes() -> None:
+    # no zero anywhere: 1e10 / 1e-30 = 1e40 > 3.4e38 overflows float32 (the other quotients are finite)
+    a = _locate(Op(lambda h: h / torch.full_like(h, 1e-30)), torch.tensor([1e10, 1.0, 2.0, 3.0]))
+    assert (a.op, a.kind) == ("aten.div", "inf")
+    assert a.hint == (
+        "float32 max is 3.4e38: the division overflowed (numerator up to 1e+10, smallest nonzero "
+        "|denominator| 1e-30); clamp the denominator away from 0"
+    )
