@@ -282,8 +282,8 @@ def _squares_overflow(aten: str, ins: tuple[TensorStats, ...]) -> str | None:
         return None
     return (
         f"inputs up to {_fmt(big)}; {acc} {what} overflows (squares up to {_fmt(big * big)} > max "
-        f"{_DTYPE_MAX[acc]}): {aten} cannot normalise values this large; find what made them (the module "
-        "calls before it) or scale them down"
+        f"{_DTYPE_MAX[acc]}): {aten} cannot {'take the norm of' if what == 'sum of squares' else 'normalise'} "
+        "values this large; find what made them (the module calls before it) or scale them down"
     )
 
 
