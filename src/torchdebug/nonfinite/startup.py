@@ -1,19 +1,24 @@
 """Weights that are already non-finite when a session starts (a NaN checkpoint): said before the model
-is used, evaluated or saved again, not at the first training step."""
+is used, evaluated or saved again, not at the first training step.
+
+The sentinel turns the anomaly into a verdict (:meth:`~torchdebug.nonfinite.sentinel.Sentinel.check_at_start`,
+once per session); the session applies it as the session starts and from a ``load_state_dict``
+post-hook on the model (``session/verdicts.py``: ``Verdicts.check_weights``).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from .._step import SessionView
 from .._tensors import finite_probe, local
 from ..events import Anomaly, Phase
 from ..stats import analyze_tensor
 
 
-def loaded_anomaly(mon: Any, when: str = "when the session started") -> Anomaly | None:
+def loaded_anomaly(mon: SessionView, when: str = "when the session started") -> Anomaly | None:
     """The anomaly of parameters that hold NaN/Inf as the session starts, or None.
 
     One finiteness probe of every parameter on the device and one host read, once per session; the
