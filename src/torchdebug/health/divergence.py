@@ -15,7 +15,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .._robust import RunningMedian
 from ..events import RuleEvent
@@ -260,10 +260,11 @@ class GrowthRule:
         self.count = 0
 
     def update(
-        self, step: int, loss: float | None, grad_norm: float | None, cause: str = ""
+        self, step: int, loss: float | None, grad_norm: float | None, cause: str | Callable[[], str] = ""
     ) -> RuleEvent | None:
         """Feed the loss and total gradient norm of ``step`` (None: not measured); an event when a
-        divergence starts or ends. ``cause``: what the event says is the likely cause."""
+        divergence starts or ends. ``cause``: what the event says is the likely cause, or a callable
+        returning it (called only when the event fires)."""
         values: Mapping[str, float | None] = {"loss": loss, "grad_norm": grad_norm}
         for name, value in values.items():
             if value is not None:
@@ -289,6 +290,7 @@ class GrowthRule:
         ]
         steps = step - since
         first = grown[lead]
+        cause = cause() if callable(cause) else cause
         message = (
             f"diverging since step {since}: {' and '.join(parts)} in {steps} step{'s' if steps != 1 else ''}. "
             + (cause or "Likely cause: the learning rate is too high: lower it or clip gradients (clip_grad_norm_)")

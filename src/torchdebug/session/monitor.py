@@ -55,6 +55,7 @@ from .._frames import warn_at_user
 from .._installs import Installs
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
+from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .deferred import DeferredReads
@@ -207,6 +208,7 @@ class Monitor:
         self.transfer = Transfer()
         self.sentinel = Sentinel(self)
         self.sentinel.active = "nonfinite" in self._enabled
+        self.hyperparams = HyperparameterCheck()  # lr, eps, betas ... checked before each update
         # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
         self._async = DeferredReads(self) if self.config.sync == "async" else None
         self._plain = PlainLoopDriver(self, self._called, self.model)
@@ -296,8 +298,10 @@ class Monitor:
         if self.optimizer is not None and self._lr_used is None:  # the LR this update uses (a
             # scheduler stepped before mon.step() must not change what the step records)
             self._lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+        self.hyperparams.stage(opt if opt is not None else self.optimizer, device_ok=self._async is None)
         if self._async is None or not self._async.update_starting(opt):
             self.sentinel.before_update(self, opt)
+        self.hyperparams.judge(self)  # before the update: a non-finite lr/eps/beta never reaches the weights
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
@@ -397,7 +401,7 @@ class Monitor:
 
     def _step_items(self) -> Items:
         """The step's device numbers: its own, the sentinel's probes, every instrument's."""
-        return self.transfer.items(self.scaler) + self.sentinel.items() + self._collect()
+        return self.transfer.items(self.scaler) + self.sentinel.items() + self.hyperparams.items() + self._collect()
 
     def _decode_read(self) -> None:
         """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
