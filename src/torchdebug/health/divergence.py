@@ -157,6 +157,7 @@ GROWTH_WINDOW = 4  # steps in the robust slope: judged from the 4th finite value
 GROWTH_RATE = 3.0  # the window's robust growth rate must be at least 3x a step ...
 GROWTH_ORDERS = 2.0  # ... and its last value 10**2 = 100x its first
 END_FACTOR = 10.0  # the episode ends when every grown metric is back within 10x of its value at onset
+CALM = math.log10(1.5)  # "since when": the last value within 1.5x of the window's lowest
 _LABEL = {"loss": "loss", "grad_norm": "gradient norm"}
 
 
@@ -208,8 +209,11 @@ class _Series:
         slope = repeated_median(list(pts))
         if slope < math.log10(rate):
             return None
-        since, low = min(list(pts)[:-1], key=lambda p: p[1])  # the last calm value: where growth began
-        return {"since": since, "then": 10**low, "now": 10 ** pts[-1][1], "rate": 10**slope}
+        # since when: the last value (before the newest) within 1.5x of the window's lowest, where the
+        # growth began (a calm step just before a jump is as low as the one before it)
+        low = min(p[1] for p in list(pts)[:-1])
+        since, then = next(p for p in reversed(list(pts)[:-1]) if p[1] <= low + CALM)
+        return {"since": since, "then": 10**then, "now": 10 ** pts[-1][1], "rate": 10**slope}
 
 
 def _fmt_rate(x: float) -> str:
@@ -230,7 +234,7 @@ class GrowthRule:
     fresh init stays far below 100x.
 
     When either metric grows, one ``divergence`` event (warning) names what grew, from what to what,
-    how fast (x a step), since which step (the window's lowest value before the last), and the likely
+    how fast (x a step), since which step (the last value within 1.5x of the window's lowest), and the likely
     cause with ``cause`` (the caller's text, such as the learning rates). The episode lasts until every
     metric that grew is back within ``END_FACTOR`` (10x) of its value at onset; then a
     ``divergence_end`` event (info), and the rule can fire again. Cost per step: the pairwise slopes of
