@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fixtures.divergence_models import (  # noqa: E402
+from tests.fixtures.divergence_models import (
     DIVERGING,
     HEALTHY,
     Case,
@@ -36,7 +36,8 @@ from tests.fixtures.divergence_models import (  # noqa: E402
     token_batches,
     trace,
 )
-from torchdebug.health.divergence import (  # noqa: E402
+
+from torchdebug.health.divergence import (
     GROWTH_ORDERS,
     GROWTH_RATE,
     GROWTH_WINDOW,
@@ -66,13 +67,37 @@ def deep_tanh() -> nn.Module:
 
 
 HEALTHY_EXTRA = [
-    Case("mlp small init adam 1e-2", small_init_mlp, mlp_batches, ce_loss, lambda ps: torch.optim.Adam(ps, lr=1e-2)),
-    Case("mlp small init sgd 1 mom", small_init_mlp, mlp_batches, ce_loss, lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9)),
+    Case(
+        "mlp small init adam 1e-2",
+        small_init_mlp,
+        mlp_batches,
+        ce_loss,
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    ),
+    Case(
+        "mlp small init sgd 1 mom",
+        small_init_mlp,
+        mlp_batches,
+        ce_loss,
+        lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9),
+    ),
     Case("deep tanh adam 1e-2", deep_tanh, mlp_batches, ce_loss, lambda ps: torch.optim.Adam(ps, lr=1e-2)),
-    Case("deep tanh sgd 0.5 mom", deep_tanh, mlp_batches, ce_loss, lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)),
+    Case(
+        "deep tanh sgd 0.5 mom",
+        deep_tanh,
+        mlp_batches,
+        ce_loss,
+        lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
+    ),
 ]
 DIVERGING_EXTRA = [
-    Case("transformer adam lr 1000", TransformerLM, token_batches, lm_loss, lambda ps: torch.optim.Adam(ps, lr=1000.0)),
+    Case(
+        "transformer adam lr 1000",
+        TransformerLM,
+        token_batches,
+        lm_loss,
+        lambda ps: torch.optim.Adam(ps, lr=1000.0),
+    ),
 ]
 
 
@@ -103,8 +128,12 @@ def fires(losses: list[float], norms: list[float]) -> int | None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    print(f"GrowthRule: window {GROWTH_WINDOW}, rate >= {GROWTH_RATE}x a step, growth >= {10**GROWTH_ORDERS:g}x")
-    print(f"{'run':36} {'seed':>4} {'loss rate':>10} {'growth':>9} {'norm rate':>10} {'growth':>9} {'closest':>8} {'fires':>6} {'first NaN':>9}")
+    print(
+        f"GrowthRule: window {GROWTH_WINDOW}, rate >= {GROWTH_RATE}x a step, growth >= {10**GROWTH_ORDERS:g}x"
+    )
+    print(
+        f"{'run':36} {'seed':>4} {'loss rate':>10} {'growth':>9} {'norm rate':>10} {'growth':>9} {'closest':>8} {'fires':>6} {'first NaN':>9}"
+    )
     top = {"loss rate": 0.0, "loss growth": 0.0, "norm rate": 0.0, "norm growth": 0.0, "closest call": 0.0}
     for healthy, cases in ((True, HEALTHY + HEALTHY_EXTRA), (False, DIVERGING + DIVERGING_EXTRA)):
         for case in cases:
@@ -112,7 +141,14 @@ def main() -> None:
                 losses, norms = trace(case, 100, seed=seed)
                 lr_, lg, lc = worst(losses)
                 nr, ng, nc = worst(norms)
-                bad = next((i for i, (a, b) in enumerate(zip(losses, norms)) if not (math.isfinite(a) and math.isfinite(b))), None)
+                bad = next(
+                    (
+                        i
+                        for i, (a, b) in enumerate(zip(losses, norms))
+                        if not (math.isfinite(a) and math.isfinite(b))
+                    ),
+                    None,
+                )
                 at = fires(losses, norms)
                 if healthy:
                     for k, v in zip(top, (lr_, lg, nr, ng, max(lc, nc))):

@@ -34,9 +34,13 @@ def one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-def feed(rule: GrowthRule, losses: list[float], norms: list[float] | None = None, cause: str = "") -> list[Any]:
+def feed(
+    rule: GrowthRule, losses: list[float], norms: list[float] | None = None, cause: str = ""
+) -> list[Any]:
     norms = norms if norms is not None else [1.0] * len(losses)
-    return [e for s, (lo, no) in enumerate(zip(losses, norms)) if (e := rule.update(s, lo, no, cause)) is not None]
+    return [
+        e for s, (lo, no) in enumerate(zip(losses, norms)) if (e := rule.update(s, lo, no, cause)) is not None
+    ]
 
 
 # ------------------------------------------------------------------------------- the rule, by hand
@@ -82,9 +86,13 @@ def test_both_metrics_are_named_when_both_grow() -> None:
         # one bad batch among calm steps: the repeated median stays at the calm steps' slope (0)
         pytest.param([2.0, 2.0, 2.0, 2000.0, 2.0, 2.0, 2.0], None, id="one-spike"),
         # a fresh init's gradient norm rising 10x over 4 steps (x1.78 a step), then 10x in 2 steps
-        pytest.param([2.0] * 9, [0.1, 0.178, 0.316, 0.562, 1.0, 3.16, 10.0, 10.0, 10.0], id="norm-rising-10x"),
+        pytest.param(
+            [2.0] * 9, [0.1, 0.178, 0.316, 0.562, 1.0, 3.16, 10.0, 10.0, 10.0], id="norm-rising-10x"
+        ),
         # a converged loss wobbling up 1000x near 1e-6: orders of magnitude, but far below its high
-        pytest.param([2.3, 1.0, 0.1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-5, 1e-4, 1e-3], None, id="converged-wobble"),
+        pytest.param(
+            [2.3, 1.0, 0.1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-5, 1e-4, 1e-3], None, id="converged-wobble"
+        ),
         # growth broken by a NaN (the sentinel's) starts a new window: 3 points after it are too few
         pytest.param([4.0, 120.0, math.nan, 4.0, 120.0, 3600.0], None, id="nan-breaks-the-window"),
         # a loss <= 0 has no log10: it breaks the window too
@@ -99,9 +107,14 @@ def test_the_episode_ends_when_the_metric_is_back_within_10x_of_its_onset() -> N
     rule = GrowthRule()
     # fires at step 3 (since step 0, loss 4 then); step 4's 39 <= 10 * 4 ends it
     events = feed(rule, [4.0, 120.0, 3600.0, 108_000.0, 39.0, 39.0])
-    assert [(e.kind, e.step, e.severity) for e in events] == [("divergence", 3, "warning"), ("divergence_end", 4, "info")]
+    assert [(e.kind, e.step, e.severity) for e in events] == [
+        ("divergence", 3, "warning"),
+        ("divergence_end", 4, "info"),
+    ]
     assert events[1].evidence["since_step"] == 0
-    assert events[1].message == "loss back to 39 (within 10x of 4 at step 0), 4 steps after it began to diverge"
+    assert (
+        events[1].message == "loss back to 39 (within 10x of 4 at step 0), 4 steps after it began to diverge"
+    )
     assert not rule.active
 
 
@@ -159,7 +172,9 @@ def test_sgd_lr_20_without_clip_is_named_at_step_3_before_the_nan_at_step_7(pass
     e = mon.events[0]
     assert e.evidence["since_step"] == 0 and set(e.evidence["growth"]) == {"loss", "grad_norm"}
     assert e.evidence["rate"] > 10  # the loss: x13 a step
-    assert e.message.startswith("diverging since step 0: loss 3.94 -> 1.85e+04 (x13 a step) and gradient norm 0.844")
+    assert e.message.startswith(
+        "diverging since step 0: loss 3.94 -> 1.85e+04 (x13 a step) and gradient norm 0.844"
+    )
     assert e.message.endswith(
         "in 3 steps. Likely cause: the learning rate is too high (lr 20 in param group 0 of SGD): lower it, "
         "or clip gradients (clip_grad_norm_)"
@@ -167,7 +182,9 @@ def test_sgd_lr_20_without_clip_is_named_at_step_3_before_the_nan_at_step_7(pass
 
 
 @pytest.mark.parametrize("pass_optimizer", [True, False], ids=["optimizer", "adopted"])
-def test_adam_with_a_far_too_high_lr_is_named_at_step_1_before_the_nan_at_step_20(pass_optimizer: bool) -> None:
+def test_adam_with_a_far_too_high_lr_is_named_at_step_1_before_the_nan_at_step_20(
+    pass_optimizer: bool,
+) -> None:
     # Adam's first update moves every weight by lr: the gradient norm jumps 0.84 -> ~1e20 in one step,
     # far past explode_abs (1e4), which holds from step 0; the gradients turn NaN at step 20
     mon, raised = run_lm(lambda ps: torch.optim.Adam(ps, lr=1e4), 25, pass_optimizer=pass_optimizer)

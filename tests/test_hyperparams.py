@@ -74,7 +74,9 @@ def train(
 
 with open(THIS) as _f:
     # the `opt.step()` lines: train()'s, then the raise test's
-    STEP_LINE, RAISE_LINE = [i for i, line in enumerate(_f, 1) if line.rstrip().endswith("# the line the anomaly names")]
+    STEP_LINE, RAISE_LINE = [
+        i for i, line in enumerate(_f, 1) if line.rstrip().endswith("# the line the anomaly names")
+    ]
 
 
 def lambda_inf_from(k: int) -> Any:
@@ -87,16 +89,15 @@ def test_lambdalr_returning_inf_raises_before_the_update(k: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda_inf_from(k))
     before: list[list[torch.Tensor]] = []
-    with pytest.raises(td.NonFiniteError) as err:
-        with td.watch(model, opt, run=False) as mon:
-            for _ in range(6):
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                before.append(snapshot(model))
-                opt.step()  # the line the anomaly names
-                sched.step()
-                mon.step()
+    with pytest.raises(td.NonFiniteError) as err, td.watch(model, opt, run=False) as mon:
+        for _ in range(6):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            before.append(snapshot(model))
+            opt.step()  # the line the anomaly names
+            sched.step()
+            mon.step()
     a = err.value.anomaly
     assert (a.phase, a.module, a.module_type, a.kind, a.step) == ("optimizer", "", "AdamW", "inf", k)
     assert a.symptom == f"lr = inf in param group 0 of AdamW (set by LambdaLR at step {k})"
@@ -119,15 +120,21 @@ def test_skip_keeps_the_weights_finite_and_the_run_is_not_healthy(k: int, tmp_pa
     # the lambda stays inf: steps k..5 are all skipped, each named before its update
     assert [r.skipped for r in mon.records] == [False] * k + [True] * (6 - k)
     assert [a.step for a in mon.anomalies] == list(range(k, 6))
-    assert {a.symptom for a in mon.anomalies} == {f"lr = inf in param group 0 of AdamW (set by LambdaLR at step {k})"}
+    assert {a.symptom for a in mon.anomalies} == {
+        f"lr = inf in param group 0 of AdamW (set by LambdaLR at step {k})"
+    }
     assert same(model, before[k]) and all(torch.isfinite(p).all() for p in model.parameters())
-    assert opt.state[next(iter(model.parameters()))].get("step", torch.tensor(0.0)).item() == k  # no state change
+    assert (
+        opt.state[next(iter(model.parameters()))].get("step", torch.tensor(0.0)).item() == k
+    )  # no state change
     assert said[0].startswith(f"torchdebug: step {k} skipped by policy: inf born in optimizer of AdamW")
     with open_run(mon.run_dir) as run:
         v = verdict(run)
         assert run.status == "finished"
     assert v["level"] == "error" and v["anomaly_steps"] == 6 - k
-    assert v["text"].startswith(f"finished, {6 - k} steps with non-finite values, first at step {k}: inf born in optimizer")
+    assert v["text"].startswith(
+        f"finished, {6 - k} steps with non-finite values, first at step {k}: inf born in optimizer"
+    )
 
 
 def test_warn_names_it_and_lets_the_update_through() -> None:
@@ -207,6 +214,29 @@ def test_each_hyperparameter_is_named_before_the_update(make: Any, edit: Any, sy
     assert all(torch.isfinite(p).all() for p in model.parameters())  # raised before the update
 
 
+def test_under_async_reads_the_host_check_still_comes_before_the_update() -> None:
+    # sync="async" reads the step's device numbers one step late; the lr is a Python float, checked
+    # on the host at the pre-hook all the same, and skip drops the gradients of the fused update
+    model, x, y = model_and_data()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda_inf_from(3))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with td.watch(model, opt, policy="skip", run=False, sync="async") as mon:
+            before = []
+            for _ in range(5):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                before.append(snapshot(model))
+                opt.step()
+                sched.step()
+                mon.step()
+    assert [a.step for a in mon.anomalies] == [3, 4]
+    assert [r.skipped for r in mon.records] == [False, False, False, True, True]
+    assert same(model, before[3])
+
+
 def test_a_healthy_schedule_says_nothing_and_costs_no_device_read() -> None:
     model, x, y = model_and_data()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -230,7 +260,9 @@ def test_the_check_by_hand() -> None:
     assert fresh.describe_lrs(two) == "lrs 1, 0.1 in param groups 0-1 of SGD"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a tensor lr on it joins the step's read")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: a tensor lr on it joins the step's read"
+)
 def test_a_device_tensor_lr_is_read_with_the_step() -> None:
     model, x, y = model_and_data()
     model, x, y = model.cuda(), x.cuda(), y.cuda()

@@ -11,7 +11,6 @@ upward shift counts.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import deque
@@ -181,30 +180,41 @@ def repeated_median(points: list[tuple[int, float]]) -> float:
 
 
 class _Series:
-    """One metric's last ``window`` positive finite values, in log10, and the highest value before them."""
+    """One metric's last ``window`` positive finite values, in log10, and the highest value before them.
 
-    __slots__ = ("high", "points")
+    Every step: a comparison, one ``log10`` and an append; the robust slope only when the window
+    already grew ``orders`` to a new high (rare). No other call per step (the hot path's host cost)."""
+
+    __slots__ = ("high", "n", "points", "window")
 
     def __init__(self, window: int) -> None:
+        self.window = window
         self.points: deque[tuple[int, float]] = deque(maxlen=window)
+        self.n = 0  # len(points), kept by hand
         self.high = -math.inf  # log10 of the largest value that left the window
 
     def push(self, step: int, value: float) -> None:
-        if not (math.isfinite(value) and value > 0):
-            self.points.clear()  # a break (NaN is the sentinel's; a loss <= 0 has no log): start again
+        if not 0.0 < value < math.inf:  # NaN too: a break (the sentinel's, or a loss <= 0 with no log)
+            if self.n:
+                self.points.clear()
+                self.n = 0
             return
-        if len(self.points) == self.points.maxlen:
-            self.high = max(self.high, self.points[0][1])
+        if self.n == self.window:
+            old = self.points[0][1]
+            if old > self.high:
+                self.high = old
+        else:
+            self.n += 1
         self.points.append((step, math.log10(value)))
 
     def growth(self, rate: float, orders: float) -> dict[str, float] | None:
         """Evidence when the window grows at least ``rate``x a step (repeated median in log10) and ``orders``
         orders of magnitude from its first to its last value, to a new high; else None."""
-        pts = self.points
-        if len(pts) < (pts.maxlen or 0):
+        if self.n < self.window:
             return None
-        grown = pts[-1][1] - pts[0][1]
-        if grown < orders or pts[-1][1] <= self.high:
+        pts = self.points
+        last = pts[-1][1]
+        if last - pts[0][1] < orders or last <= self.high:
             return None
         slope = repeated_median(list(pts))
         if slope < math.log10(rate):
@@ -213,7 +223,7 @@ class _Series:
         # growth began (a calm step just before a jump is as low as the one before it)
         low = min(p[1] for p in list(pts)[:-1])
         since, then = next(p for p in reversed(list(pts)[:-1]) if p[1] <= low + CALM)
-        return {"since": since, "then": 10**then, "now": 10 ** pts[-1][1], "rate": 10**slope}
+        return {"since": since, "then": 10**then, "now": 10**last, "rate": 10**slope}
 
 
 def _fmt_rate(x: float) -> str:
@@ -257,7 +267,8 @@ class GrowthRule:
         if rate <= 1 or orders <= 0:
             raise ValueError(f"need rate > 1 and orders > 0, got rate={rate}, orders={orders}")
         self.window, self.rate, self.orders = int(window), float(rate), float(orders)
-        self.series = {"loss": _Series(self.window), "grad_norm": _Series(self.window)}
+        self._loss, self._norm = _Series(self.window), _Series(self.window)
+        self.series = {"loss": self._loss, "grad_norm": self._norm}
         self.active = False
         self.onset: dict[str, dict[str, float]] = {}  # the metrics that grew: their evidence at onset
         self.since: int | None = None
@@ -269,14 +280,15 @@ class GrowthRule:
         """Feed the loss and total gradient norm of ``step`` (None: not measured); an event when a
         divergence starts or ends. ``cause``: what the event says is the likely cause, or a callable
         returning it (called only when the event fires)."""
-        values: Mapping[str, float | None] = {"loss": loss, "grad_norm": grad_norm}
-        for name, value in values.items():
-            if value is not None:
-                self.series[name].push(step, float(value))
+        losses, norms = self._loss, self._norm
+        if loss is not None:
+            losses.push(step, loss)
+        if grad_norm is not None:
+            norms.push(step, grad_norm)
         if self.active:
-            return self._end(step, values)
+            return self._end(step, {"loss": loss, "grad_norm": grad_norm})
         grown = {}
-        for name, series in self.series.items():
+        for name, series in (("loss", losses), ("grad_norm", norms)):
             evidence = series.growth(self.rate, self.orders)
             if evidence is not None:
                 grown[name] = evidence
@@ -297,7 +309,10 @@ class GrowthRule:
         cause = cause() if callable(cause) else cause
         message = (
             f"diverging since step {since}: {' and '.join(parts)} in {steps} step{'s' if steps != 1 else ''}. "
-            + (cause or "Likely cause: the learning rate is too high: lower it or clip gradients (clip_grad_norm_)")
+            + (
+                cause
+                or "Likely cause: the learning rate is too high: lower it or clip gradients (clip_grad_norm_)"
+            )
         )
         return RuleEvent(
             kind=KIND,
@@ -338,4 +353,14 @@ class GrowthRule:
         )
 
 
-__all__ = ["END_FACTOR", "GROWTH_ORDERS", "GROWTH_RATE", "GROWTH_WINDOW", "KIND", "KIND_END", "DivergenceRule", "GrowthRule", "repeated_median"]
+__all__ = [
+    "END_FACTOR",
+    "GROWTH_ORDERS",
+    "GROWTH_RATE",
+    "GROWTH_WINDOW",
+    "KIND",
+    "KIND_END",
+    "DivergenceRule",
+    "GrowthRule",
+    "repeated_median",
+]

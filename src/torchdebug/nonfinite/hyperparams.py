@@ -39,6 +39,7 @@ from ..events import Anomaly, Phase
 # Adadelta/Adamax/NAdam/RAdam/ASGD/Rprop ...). Booleans (nesterov, amsgrad, ...) and strings are skipped.
 KEYS = ("lr", "eps", "betas", "momentum", "weight_decay", "dampening", "alpha", "rho", "lr_decay")
 ITEM = "_hyper"  # the transfer item of the device-held hyperparameters
+MAX_OPTIMIZERS = 4  # optimizers whose learning rates are remembered (the most recent updates')
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,17 @@ class HyperparameterCheck:
         self.first_seen: dict[tuple[int, int, str], str] = {}
         # id(optimizer) -> (class name, the param groups' lr values) as its last update saw them
         self.lrs: dict[int, tuple[str, list[Any]]] = {}
+        self.last: Any = None  # the optimizer of the last update
 
     # -- before the read ------------------------------------------------------------------------
     def stage(self, opt: Any, device_ok: bool = True) -> None:
         """Check ``opt``'s param groups: host values now, tensors on an accelerator staged for the read.
 
-        Cost per update: ``len(param_groups) * len(KEYS)`` dict lookups and ``math.isfinite`` calls
-        (no loop over parameters, no device work for Python floats). ``device_ok``: False under
-        ``sync="async"``, where accelerator tensors are not staged (the read comes a step late).
+        Cost per update: one ``map`` over ``KEYS`` per param group and a comparison per value (``x - x``
+        is 0 for every finite float: no call); only a group holding something else than Python numbers
+        (a tensor) or a non-finite value takes the per-value path. No loop over parameters, no device
+        work for Python floats. ``device_ok``: False under ``sync="async"``, where accelerator tensors
+        are not staged (the read comes a step late).
         """
         opt = unwrap_optimizer(opt)
         self.opt, self.bad, self.device, self.staged = opt, [], [], None
@@ -93,21 +97,44 @@ class HyperparameterCheck:
             return
         lrs: list[Any] = []
         for gi, g in enumerate(groups):
-            lrs.append(g.get("lr"))
-            for key in KEYS:
-                v = g.get(key)
-                if v is None or isinstance(v, (bool, str)):
-                    continue
-                if isinstance(v, (tuple, list)):
-                    for i, e in enumerate(v):
-                        self._one(f"{key}[{i}]", gi, e, device_ok)
-                else:
-                    self._one(key, gi, v, device_ok)
-        self.lrs[id(opt)] = (type(opt).__name__, lrs)
+            vals = list(map(g.get, KEYS))
+            lrs.append(vals[0])
+            plain = True
+            for v in vals:
+                c = v.__class__
+                if c is float:
+                    if v - v != 0.0:  # inf - inf and nan - nan are nan
+                        plain = False
+                elif c is tuple or c is list:
+                    for e in v:
+                        if e.__class__ is not float or e - e != 0.0:
+                            plain = False
+                elif v is not None and c is not int and c is not bool:
+                    plain = False  # a tensor, or something else: the per-value path
+            if not plain:
+                self._group(gi, g, device_ok)
+        if self.last is not opt:  # another optimizer than the last update's: keep the bounded memory
+            self.last = opt
+            self.lrs.pop(id(opt), None)
+            while len(self.lrs) >= MAX_OPTIMIZERS:
+                del self.lrs[next(iter(self.lrs))]
+        self.lrs[id(opt)] = (type(opt).__name__, lrs)  # the newest last
         if self.device:
             with torch.no_grad():  # a few small device ops, read with the step's one transfer
                 dev = self.device[0][2].device
                 self.staged = torch.cat([t.detach().float().reshape(-1).to(dev) for _, _, t in self.device])
+
+    def _group(self, gi: int, g: dict[str, Any], device_ok: bool) -> None:
+        """The per-value path of one param group (only when its fast check saw a tensor or a bad value)."""
+        for key in KEYS:
+            v = g.get(key)
+            if v is None or isinstance(v, (bool, str)):
+                continue
+            if isinstance(v, (tuple, list)):
+                for i, e in enumerate(v):
+                    self._one(f"{key}[{i}]", gi, e, device_ok)
+            else:
+                self._one(key, gi, v, device_ok)
 
     def _one(self, name: str, group: int, v: Any, device_ok: bool) -> None:
         if isinstance(v, int):
@@ -129,18 +156,18 @@ class HyperparameterCheck:
     # -- after the read, before the update ------------------------------------------------------
     def judge(self, mon: Any) -> None:
         """Name a non-finite hyperparameter and apply the policy (may raise :class:`NonFiniteError`)."""
-        opt, bad = self.opt, list(self.bad)
-        staged, device = self.staged, self.device
+        opt, bad, staged, device = self.opt, self.bad, self.staged, self.device
+        if opt is None or (not bad and staged is None and not self.first_seen):
+            self.opt = None
+            return  # the usual answer: every value a finite Python number
         self.opt, self.bad, self.device, self.staged = None, [], [], None
-        if opt is None:
-            return
         if staged is not None:
             values = mon.transfer.values
             n = staged.numel()
-            if f"{ITEM}#0" in values or ITEM in values:
-                got = mon.transfer.vector(ITEM, n)
-            else:  # the step was read before this optimizer's update staged (a second optimizer): rare
-                got = staged.tolist()  # one more read, only with accelerator-held hyperparameters
+            read = f"{ITEM}#0" in values or ITEM in values
+            # not in the step's read when it ran before this update staged (a second optimizer in the
+            # step): one more read, only then and only with accelerator-held hyperparameters
+            got = mon.transfer.vector(ITEM, n) if read else staged.tolist()
             off = 0
             for name, group, t in device:
                 k = t.numel()
@@ -152,8 +179,8 @@ class HyperparameterCheck:
         key_of = id(opt)
         if not bad:
             if self.first_seen:
-                for k in [k for k in self.first_seen if k[0] == key_of]:
-                    del self.first_seen[k]  # finite again: the next non-finite value starts a new episode
+                for ended in [e for e in self.first_seen if e[0] == key_of]:
+                    del self.first_seen[ended]  # finite again: the next non-finite value starts a new episode
             return
         sentinel = mon.sentinel
         if sentinel.step_anomaly is not None or not sentinel.active:
@@ -214,8 +241,7 @@ def scheduler_of(opt: Any) -> Any:
 
     def drives(obj: Any) -> bool:
         return getattr(obj, "optimizer", None) is opt and (
-            isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
-            or type(obj).__name__ == "ReduceLROnPlateau"
+            isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or type(obj).__name__ == "ReduceLROnPlateau"
         )
 
     for ref in gc.get_referrers(opt):
@@ -241,7 +267,9 @@ def set_by(opt: Any, bad: BadValue, first: int) -> str:
     return f" (since step {first})"
 
 
-def hyperparameter_anomaly(opt: Any, bad: list[BadValue], when: str, step: int, rank: int, frame: Any) -> Anomaly:
+def hyperparameter_anomaly(
+    opt: Any, bad: list[BadValue], when: str, step: int, rank: int, frame: Any
+) -> Anomaly:
     """The ``optimizer`` anomaly naming the first non-finite hyperparameter (and how many more);
     ``when``: what :func:`set_by` said about the first one."""
     name = type(opt).__name__
@@ -276,4 +304,12 @@ def hyperparameter_anomaly(opt: Any, bad: list[BadValue], when: str, step: int, 
     )
 
 
-__all__ = ["ITEM", "KEYS", "BadValue", "HyperparameterCheck", "hyperparameter_anomaly", "scheduler_of", "set_by"]
+__all__ = [
+    "ITEM",
+    "KEYS",
+    "BadValue",
+    "HyperparameterCheck",
+    "hyperparameter_anomaly",
+    "scheduler_of",
+    "set_by",
+]

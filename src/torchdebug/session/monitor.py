@@ -401,7 +401,12 @@ class Monitor:
 
     def _step_items(self) -> Items:
         """The step's device numbers: its own, the sentinel's probes, every instrument's."""
-        return self.transfer.items(self.scaler) + self.sentinel.items() + self.hyperparams.items() + self._collect()
+        return (
+            self.transfer.items(self.scaler)
+            + self.sentinel.items()
+            + self.hyperparams.items()
+            + self._collect()
+        )
 
     def _decode_read(self) -> None:
         """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
