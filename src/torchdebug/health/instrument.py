@@ -1188,17 +1188,17 @@ class GradientHealth:
         return got[1], got[2], got[3], got[4]
 
     def _judge_growth(self, mon: Any, step: int, norm: float, loss: float | None) -> None:
-        """The step's gradient norm and loss: the divergence growth rule, then the explosion rule, with
-        one warning per episode between them (a divergence already named mutes the explosion)."""
+        """The step's gradient norm and loss: the explosion rule, then the divergence growth rule, with
+        one warning per episode between them: a divergence already named mutes the explosion, and an
+        explosion (it names the layers) mutes a growth that starts at its step or later."""
         self._judged_step = step
         lrs = functools.partial(_lrs, mon)
-        exploding = self.explosion.active
-        event = self.growth.update(step, loss, norm, cause=functools.partial(_cause, lrs))
-        if event is not None:
-            self._emit_episode(mon, "growth", event, exploding or self.divergence.active)
         event = self.explosion.update(step, norm, functools.partial(self._top, mon), lrs)
         if event is not None and not self.growth.active:
             self._emit(mon, event)
+        event = self.growth.update(step, loss, norm, cause=functools.partial(_cause, lrs))
+        if event is not None:
+            self._emit_episode(mon, "growth", event, self.explosion.active or self.divergence.active)
 
     def _emit_episode(self, mon: Any, rule: str, event: RuleEvent, named: bool) -> None:
         """A divergence rule's start or end: its start is muted when ``named`` (another rule already
