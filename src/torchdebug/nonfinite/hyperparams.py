@@ -73,8 +73,9 @@ class HyperparameterCheck:
         self.bad: list[BadValue] = []  # found on the host at stage()
         self.device: list[tuple[str, int, torch.Tensor]] = []  # (name, group, tensor) read with the step
         self.staged: torch.Tensor | None = None
-        # (id(optimizer), group, name) -> (the step a non-finite value was first seen, what set it):
-        # one entry per episode, so the scheduler is looked for once, not at every skipped step
+        # (id(optimizer), group, name) -> what set the non-finite value and the step it was first seen
+        # (" (set by LambdaLR at step 0)"): one entry per episode, so the scheduler is looked for once,
+        # not at every skipped step
         self.first_seen: dict[tuple[int, int, str], str] = {}
         # id(optimizer) -> (class name, the param groups' lr values) as its last update saw them
         self.lrs: dict[int, tuple[str, list[Any]]] = {}
@@ -107,7 +108,8 @@ class HyperparameterCheck:
                         plain = False
                 elif c is tuple or c is list:
                     for e in v:
-                        if e.__class__ is not float or e - e != 0.0:
+                        ec = e.__class__
+                        if (ec is not float and ec is not int) or e - e != 0:
                             plain = False
                 elif v is not None and c is not int and c is not bool:
                     plain = False  # a tensor, or something else: the per-value path
