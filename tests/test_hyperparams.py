@@ -145,7 +145,7 @@ def test_warn_names_it_and_lets_the_update_through() -> None:
     assert mon.anomalies[0].symptom == "lr = inf in param group 0 of SGD (set by LambdaLR at step 2)"
     assert said[0] == (
         "torchdebug: inf born in optimizer of SGD: lr = inf in param group 0 (set by LambdaLR at step 2) "
-        f"at tests/test_hyperparams.py:{STEP_LINE} (step 2) (policy='warn': the update runs)"
+        f"at tests/test_hyperparams.py:{STEP_LINE} (step 2) (policy='warn': training goes on)"
     )
     assert not all(torch.isfinite(p).all() for p in model.parameters())  # warn: it ran
 

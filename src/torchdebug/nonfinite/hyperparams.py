@@ -10,13 +10,16 @@ so the session checks them at the optimizer's step pre-hook:
   checked on the host at once (a few ``math.isfinite`` per param group: no device work, no sync);
   a hyperparameter held in a tensor on an accelerator joins the step's ONE read (an item of the
   transfer), so no blocking read is added;
-- :meth:`HyperparameterCheck.judge` (after the read, still before the update): a non-finite value is
-  recorded as an ``optimizer`` anomaly, "lr = inf in param group 0 of AdamW (set by LambdaLR at step
-  0)", and the policy applied: ``raise`` raises before the update, ``skip`` drops the gradients so
-  the update leaves weights and optimizer state as they were, ``warn`` lets it through.
+- :meth:`HyperparameterCheck.judge` (after the read, still before the update): a non-finite value
+  gives an ``anomaly`` :class:`~torchdebug._step.Verdict` naming it, "lr = inf in param group 0 of
+  AdamW (set by LambdaLR at step 0)" (with several models, "... of D's Adam ..."), which the session
+  applies as it applies the sentinel's (``session/verdicts.py``): ``raise`` raises before the update,
+  ``skip`` drops the gradients so the update leaves weights and optimizer state as they were,
+  ``warn`` lets it through.
 
 It also remembers each optimizer's learning rates as its last update saw them, what the divergence
-rule names as the likely cause (``describe_lrs``).
+rule names as the likely cause (``describe_lrs``; with several optimizers the one whose update is
+largest against its weights first).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .._errors import NonFiniteError
 from .._frames import user_location
+from .._step import OK, SessionView, Verdict
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, Phase
 
@@ -77,8 +80,8 @@ class HyperparameterCheck:
         # (" (set by LambdaLR at step 0)"): one entry per episode, so the scheduler is looked for once,
         # not at every skipped step
         self.first_seen: dict[tuple[int, int, str], str] = {}
-        # id(optimizer) -> (class name, the param groups' lr values) as its last update saw them
-        self.lrs: dict[int, tuple[str, list[Any]]] = {}
+        # id(optimizer) -> (the optimizer, the param groups' lr values) as its last update saw them
+        self.lrs: dict[int, tuple[Any, list[Any]]] = {}
         self.last: Any = None  # the optimizer of the last update
 
     # -- before the read ------------------------------------------------------------------------
@@ -120,7 +123,7 @@ class HyperparameterCheck:
             self.lrs.pop(id(opt), None)
             while len(self.lrs) >= MAX_OPTIMIZERS:
                 del self.lrs[next(iter(self.lrs))]
-        self.lrs[id(opt)] = (type(opt).__name__, lrs)  # the newest last
+        self.lrs[id(opt)] = (opt, lrs)  # the newest last
         if self.device:
             with torch.no_grad():  # a few small device ops, read with the step's one transfer
                 dev = self.device[0][2].device
@@ -156,20 +159,24 @@ class HyperparameterCheck:
         return [(ITEM, self.staged)] if self.staged is not None else []
 
     # -- after the read, before the update ------------------------------------------------------
-    def judge(self, mon: Any) -> None:
-        """Name a non-finite hyperparameter and apply the policy (may raise :class:`NonFiniteError`)."""
+    def judge(self, mon: SessionView, active: bool = True) -> Verdict:
+        """The verdict on the staged optimizer's hyperparameters: :data:`OK`, or an ``anomaly`` verdict
+        naming the first non-finite one, for the session to apply as the sentinel's (``raise`` raises
+        before the update, ``skip`` drops the gradients of ``opt``, ``warn`` warns). ``active``: the
+        NaN/Inf check is on (off: nothing is judged)."""
         opt, bad, staged, device = self.opt, self.bad, self.staged, self.device
         if opt is None or (not bad and staged is None and not self.first_seen):
             self.opt = None
-            return  # the usual answer: every value a finite Python number
+            return OK  # the usual answer: every value a finite Python number
         self.opt, self.bad, self.device, self.staged = None, [], [], None
         if staged is not None:
             values = mon.transfer.values
             n = staged.numel()
-            read = f"{ITEM}#0" in values or ITEM in values
+            names = [ITEM] if n == 1 else [f"{ITEM}#{i}" for i in range(n)]
+            read = all(k in values for k in names)
             # not in the step's read when it ran before this update staged (a second optimizer in the
             # step): one more read, only then and only with accelerator-held hyperparameters
-            got = mon.transfer.vector(ITEM, n) if read else staged.tolist()
+            got = [values.pop(k) for k in names] if read else staged.tolist()  # popped: never read twice
             off = 0
             for name, group, t in device:
                 k = t.numel()
@@ -183,43 +190,95 @@ class HyperparameterCheck:
             if self.first_seen:
                 for ended in [e for e in self.first_seen if e[0] == key_of]:
                     del self.first_seen[ended]  # finite again: the next non-finite value starts a new episode
-            return
-        sentinel = mon.sentinel
-        if sentinel.step_anomaly is not None or not sentinel.active:
-            return  # this step's gradients were already judged bad: one anomaly per step
+            return OK
+        if mon.state.step_anomaly is not None or not active:
+            return OK  # this step's gradients were already judged bad: one anomaly per step
         k0 = (key_of, bad[0].group, bad[0].name)
         if k0 not in self.first_seen:
             self.first_seen[k0] = set_by(opt, bad[0], step)
-        anomaly = hyperparameter_anomaly(opt, bad, self.first_seen[k0], step, mon.rank, sys._getframe(1))
-        sentinel.record(anomaly)
-        policy = mon.config.policy
-        if policy == "raise":
-            mon._flush_store()
-            raise NonFiniteError(anomaly)
-        if policy == "skip":
-            sentinel.drop_grads(opt)  # no gradient: the optimizer leaves the weights and its state alone
-            return
-        mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()} (policy='warn': the update runs)")
+        owner = model_of(mon.roots, opt) if len(mon.optimizers) > 1 else ""
+        anomaly = hyperparameter_anomaly(
+            opt, bad, self.first_seen[k0], step, mon.rank, sys._getframe(1), owner=owner
+        )
+        return Verdict("anomaly", anomaly, opt=opt)  # skip: no gradient, so no update and no state change
 
     # -- what the divergence rule names -----------------------------------------------------------
-    def describe_lrs(self, fallback: Any = None) -> str:
+    def describe_lrs(self, fallback: Any = None, roots: dict[str, Any] | None = None) -> str:
         """``"lr 20 in param group 0 of SGD"``: each optimizer's learning rates as its last update saw
-        them (``fallback``: an optimizer to read when no update was staged yet); "" when unknown."""
+        them (``fallback``: an optimizer to read when no update was staged yet); "" when unknown.
+
+        Several optimizers (``roots``: the session's models by name): each is named after the model it
+        steps ("lr 20 in param group 0 of D's SGD"), the one whose update moves its weights most
+        relative to their norm first, with that size ("its update is 3.1x its weights' norm"). Rare
+        path (an event fires): a loop over the parameters of each optimizer.
+        """
         seen = list(self.lrs.values())
         if not seen and fallback is not None and getattr(fallback, "param_groups", None):
-            seen = [(type(fallback).__name__, [g.get("lr") for g in fallback.param_groups])]
-        parts = []
-        for name, lrs in seen:
+            seen = [(fallback, [g.get("lr") for g in fallback.param_groups])]
+        several = len(seen) > 1
+        parts: list[tuple[float, str]] = []
+        for opt, lrs in seen:
             vals = [_as_float(v) for v in lrs]
             if not vals:
                 continue
+            name = type(opt).__name__
+            if several:
+                owner = model_of(roots, opt)
+                name = f"{owner}'s {name}" if owner else name
             if len(vals) == 1:
-                parts.append(f"lr {_fmt(vals[0])} in param group 0 of {name}")
+                text = f"lr {_fmt(vals[0])} in param group 0 of {name}"
             elif len(set(vals)) == 1:
-                parts.append(f"lr {_fmt(vals[0])} in all {len(vals)} param groups of {name}")
+                text = f"lr {_fmt(vals[0])} in all {len(vals)} param groups of {name}"
             else:
-                parts.append(f"lrs {', '.join(map(_fmt, vals))} in param groups 0-{len(vals) - 1} of {name}")
-        return "; ".join(parts)
+                text = f"lrs {', '.join(map(_fmt, vals))} in param groups 0-{len(vals) - 1} of {name}"
+            size = update_size(opt) if several else math.nan
+            if math.isfinite(size):
+                text += f" (its update is {_fmt(size)}x its weights' norm)"
+            parts.append((size if math.isfinite(size) else -1.0, text))
+        if several:
+            parts.sort(key=lambda p: -p[0])  # the largest update first: the likely cause
+        return "; ".join(text for _, text in parts)
+
+
+def model_of(roots: dict[str, Any] | None, opt: Any) -> str:
+    """The name of the session's model whose parameters ``opt`` steps ("D"), or "" (rare path)."""
+    first = next((p for g in getattr(opt, "param_groups", ()) for p in g["params"]), None)
+    for name, root in (roots or {}).items():
+        if first is not None and any(p is first for p in root.parameters()):
+            return str(name)
+    return ""
+
+
+def update_size(opt: Any) -> float:
+    """How far ``opt``'s next update would move its weights, relative to their norm:
+    ``||lr * direction|| / ||weights||`` over its param groups, the direction being Adam's
+    ``exp_avg / (sqrt(exp_avg_sq) + eps)`` where that state exists, else the momentum buffer or the
+    gradient (SGD). NaN when it cannot be told. Rare path only: one loop over the parameters and a
+    host read of two sums."""
+    step_sq: list[torch.Tensor] = []
+    weight_sq: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            for g in opt.param_groups:
+                lr = _as_float(g.get("lr"))
+                for p in g["params"]:
+                    state = opt.state.get(p, {})
+                    if "exp_avg" in state and "exp_avg_sq" in state:
+                        d = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + float(g.get("eps", 1e-8)))
+                    elif state.get("momentum_buffer") is not None:
+                        d = state["momentum_buffer"]
+                    elif p.grad is not None:
+                        d = p.grad
+                    else:
+                        continue
+                    step_sq.append((d.double() * lr).square().sum().cpu())
+                    weight_sq.append(p.detach().double().square().sum().cpu())
+        if not step_sq:
+            return math.nan
+        w = float(torch.stack(weight_sq).sum())
+        return math.sqrt(float(torch.stack(step_sq).sum()) / w) if w > 0 else math.nan
+    except (RuntimeError, TypeError, ValueError, KeyError, AttributeError):
+        return math.nan
 
 
 def _as_float(v: Any) -> float:
@@ -270,14 +329,16 @@ def set_by(opt: Any, bad: BadValue, first: int) -> str:
 
 
 def hyperparameter_anomaly(
-    opt: Any, bad: list[BadValue], when: str, step: int, rank: int, frame: Any
+    opt: Any, bad: list[BadValue], when: str, step: int, rank: int, frame: Any, owner: str = ""
 ) -> Anomaly:
     """The ``optimizer`` anomaly naming the first non-finite hyperparameter (and how many more);
-    ``when``: what :func:`set_by` said about the first one."""
+    ``when``: what :func:`set_by` said about the first one; ``owner``: with several models, the one
+    the optimizer steps ("D": the anomaly's module, and "D's Adam" in its symptom)."""
     name = type(opt).__name__
     b = bad[0]
     what = f"{b.name} = {b.value} in param group {b.group}"
-    symptom = f"{what} of {name}{when}"
+    who = f"{owner}'s {name}" if owner else name
+    symptom = f"{what} of {who}{when}"
     more = ""
     if len(bad) > 1:
         rest = ", ".join(f"{x.name} = {x.value} in param group {x.group}" for x in bad[1:4])
@@ -290,7 +351,7 @@ def hyperparameter_anomaly(
     }.get(key, f"set {key} to a finite number")
     return Anomaly(
         phase=Phase.OPTIMIZER.value,
-        module="",
+        module=owner,
         op=f"{what}{when}",
         location=user_location(frame),
         kind=_kind(b.value),
@@ -312,6 +373,8 @@ __all__ = [
     "BadValue",
     "HyperparameterCheck",
     "hyperparameter_anomaly",
+    "model_of",
     "scheduler_of",
     "set_by",
+    "update_size",
 ]
