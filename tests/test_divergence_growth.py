@@ -2,8 +2,10 @@
 
 The growth rule on hand-computed series, then watch() on tiny real models
 (tests/fixtures/divergence_models.py): word_language_model's Transformer with SGD lr 20 and no clip,
-the same under Adam with a far too high lr, with and without the optimizer passed to watch, and the
-healthy settings whose margins benchmarks/divergence_margins.py measures.
+the same under Adam with a far too high lr, with and without the optimizer passed to watch, the
+healthy settings whose margins benchmarks/divergence_margins.py measures, and loops of two models
+and two optimizers (an actor-critic, a least-squares GAN) where one optimizer's lr is far too high:
+the advice names that optimizer, by its model, first.
 """
 
 from __future__ import annotations
@@ -17,9 +19,22 @@ import pytest
 import torch
 
 import torchdebug as td
-from tests.fixtures.divergence_models import HEALTHY, Case, TransformerLM, lm_loss, token_batches
+from tests.fixtures.divergence_models import (
+    HEALTHY,
+    Case,
+    TransformerLM,
+    actor_critic,
+    actor_critic_step,
+    episodes,
+    gan_batches,
+    lm_loss,
+    lsgan,
+    lsgan_step,
+    token_batches,
+)
 from torchdebug.health.divergence import GrowthRule, repeated_median
 from torchdebug.health.instrument import ExplosionRule
+from torchdebug.nonfinite.hyperparams import HyperparameterCheck, update_size
 from torchdebug.store import open_run
 from torchdebug.store._verdict import verdict
 
@@ -228,3 +243,109 @@ def test_healthy_training_warns_nothing_of_divergence(case: Case) -> None:
     assert loud <= {"update_ratio"} and len(said) == len(loud) and mon.anomalies == []
     health = next(i for i in mon.instruments if i.name == "gradients")
     assert health.growth.count == 0 and health.explosion.count == 0
+
+
+# ------------------------------------------------------------------------------- several models
+
+
+def run_two(kind: str, lr_first: float, lr_second: float, steps: int) -> tuple[Any, int | None, list[str]]:
+    """Two models, two SGD optimizers, one ``mon.step()`` a step: ``"actor-critic"`` (lrs: actor,
+    critic) or ``"gan"`` (lrs: G, D). (The session, the step of the NonFiniteError or None, the
+    warnings said.)"""
+    raised = None
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            if kind == "actor-critic":
+                actor, critic = actor_critic()
+                opt_a = torch.optim.SGD(actor.parameters(), lr=lr_first)
+                opt_c = torch.optim.SGD(critic.parameters(), lr=lr_second)
+                roots = {"actor": actor, "critic": critic}
+                with td.watch(roots, [opt_a, opt_c], run=False, config=QUIET) as mon:
+                    for batch in episodes(steps):
+                        actor_critic_step(actor, critic, opt_a, opt_c, batch)
+                        mon.step()
+            else:
+                G, D = lsgan()
+                opt_g = torch.optim.SGD(G.parameters(), lr=lr_first)
+                opt_d = torch.optim.SGD(D.parameters(), lr=lr_second)
+                with td.watch([G, D], [opt_g, opt_d], run=False, config=QUIET) as mon:
+                    for batch in gan_batches(steps):
+                        lsgan_step(G, D, opt_g, opt_d, batch)
+                        mon.step()
+        except td.NonFiniteError as exc:
+            raised = exc.anomaly.step
+    return mon, raised, [str(w.message) for w in said if issubclass(w.category, td.TorchDebugWarning)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "lrs", "fired", "first", "other"),
+    [
+        # the critic's value regression at lr 1.2: loss 0.893 -> 7.63e3 in 3 steps (x11 a step); the
+        # actor at lr 0.01 moves its weights by ~0.007 of their norm
+        ("actor-critic", (0.01, 1.2), ("divergence", 3), "lr 1.2 in param group 0 of critic's SGD", "actor"),
+        # D at lr 0.5: loss 1.95 -> 3.2e4 in 3 steps
+        ("gan", (0.01, 0.5), ("divergence", 3), "lr 0.5 in param group 0 of D's SGD", "G"),
+        # D at lr 2: past explode_abs at step 2, where G's gradients are the largest (D's scores have
+        # grown, and G's gradient runs through them): the learning rate named is still D's
+        ("gan", (0.01, 2.0), ("gradient_explosion", 2), "lr 2 in param group 0 of D's SGD", "G"),
+    ],
+    ids=["critic-lr-1.2", "d-lr-0.5", "d-lr-2"],
+)
+def test_one_optimizers_lr_too_high_names_that_optimizer_first_before_the_nan(
+    kind: str, lrs: tuple[float, float], fired: tuple[str, int], first: str, other: str
+) -> None:
+    mon, raised, said = run_two(kind, *lrs, steps=30)
+    loud = [e for e in mon.events if e.severity != "info"]
+    assert (loud[0].kind, loud[0].step) == fired
+    assert raised is not None and raised > fired[1] + 5  # warned well before the first NaN
+    assert said[0].startswith(f"torchdebug: warning: step {fired[1]}: {fired[0]}")
+    # the optimizer whose update is largest against its weights comes first, with that size
+    msg = loud[0].message
+    advice = msg[msg.index("(lr ") + 1 :]
+    assert advice.startswith(f"{first}, whose update is ")
+    size = float(advice[len(first) + len(", whose update is ") :].split("x")[0])
+    second = advice[advice.index("; ") + 2 :]
+    assert second.startswith(f"lr 0.01 in param group 0 of {other}'s SGD, whose update is ")
+    # D at lr 0.5: 3.21 against G's 0.989; D at lr 2: 94.8 against 1.0; the critic: 23.3 against 0.0065
+    assert size > 2 * float(second.split("whose update is ")[1].split("x")[0]) and size > 3
+    if fired[0] == "gradient_explosion":
+        assert "largest: G." in msg  # the layers named are G's; the lr named is D's
+
+
+def test_clean_loops_of_two_models_warn_nothing_of_divergence() -> None:
+    for kind, lrs in (("actor-critic", (0.01, 0.05)), ("gan", (0.01, 0.01))):
+        mon, raised, said = run_two(kind, *lrs, steps=40)
+        assert raised is None and said == [] and mon.anomalies == []
+        assert [e for e in mon.events if e.severity != "info"] == []
+        health = next(i for i in mon.instruments if i.name == "gradients")
+        assert health.growth.count == 0 and health.explosion.count == 0
+
+
+def test_update_size_is_the_step_against_the_weights() -> None:
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))  # |w| = 5
+    w.grad = torch.tensor([0.0, 2.0])  # |g| = 2
+    sgd = torch.optim.SGD([w], lr=0.5)
+    assert update_size(sgd) == pytest.approx(0.5 * 2 / 5)  # SGD: lr |g| / |w| = 0.2
+    adam = torch.optim.Adam([w], lr=0.1, eps=0.0)
+    adam.state[w] = {"exp_avg": torch.tensor([1.0, -1.0]), "exp_avg_sq": torch.tensor([1.0, 4.0])}
+    # Adam: exp_avg / sqrt(exp_avg_sq) = (1, -0.5): 0.1 * sqrt(1.25) / 5
+    assert update_size(adam) == pytest.approx(0.1 * math.sqrt(1.25) / 5)
+    assert math.isnan(update_size(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)))  # no grad
+
+
+def test_the_lrs_of_several_optimizers_are_named_by_model_largest_update_first() -> None:
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    for p in (*a.parameters(), *b.parameters()):
+        p.grad = torch.ones_like(p)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=1e-3), torch.optim.SGD(b.parameters(), lr=10.0)
+    check = HyperparameterCheck()
+    check.stage(opt_a)
+    check.stage(opt_b)
+    text = check.describe_lrs(roots={"A": a, "B": b})
+    assert text.startswith("lr 10 in param group 0 of B's SGD, whose update is ")
+    assert "; lr 0.001 in param group 0 of A's SGD, whose update is " in text
+    check.stage(opt_a)  # one optimizer only: named as before, without its model or size
+    solo = HyperparameterCheck()
+    solo.stage(opt_a)
+    assert solo.describe_lrs(roots={"A": a, "B": b}) == "lr 0.001 in param group 0 of SGD"

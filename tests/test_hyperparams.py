@@ -276,3 +276,75 @@ def test_a_device_tensor_lr_is_read_with_the_step() -> None:
         train(model, opt, x, y, steps=3, edit=inf_at_1)
     assert err.value.anomaly.symptom == "lr = inf in param group 0 of Adam (since step 1)"
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------- several models
+
+
+def gan_run(policy: str, steps: int = 4) -> tuple[Any, dict[str, list[list[torch.Tensor]]], Any, list[str]]:
+    """A GAN (G, D, an Adam each) whose D's LambdaLR returns inf from step 2 on. (The session, each
+    model's weights before D's update of each step, D's optimizer, the warnings said.)"""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    D = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1), nn.Sigmoid())
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), lr=1e-3), torch.optim.Adam(D.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt_d, lambda_inf_from(2))
+    gen = torch.Generator().manual_seed(1)
+    before: dict[str, list[list[torch.Tensor]]] = {"G": [], "D": []}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with td.watch(
+            [G, D], [opt_g, opt_d], policy=policy, run=False, config={"log_performance": False}
+        ) as mon:
+            for _ in range(steps):
+                x, z = torch.randn(5, 6, generator=gen), torch.randn(5, 4, generator=gen)
+                opt_d.zero_grad()
+                fake = G(z)
+                (-(torch.log(D(x)) + torch.log(1 - D(fake.detach()))).mean()).backward()
+                before["G"].append(snapshot(G))
+                before["D"].append(snapshot(D))
+                opt_d.step()  # D's update: the line named
+                opt_g.zero_grad()
+                (-torch.log(D(fake)).mean()).backward()
+                opt_g.step()
+                sched.step()
+                mon.step()
+    return mon, before, opt_d, [str(w.message) for w in said]
+
+
+with open(THIS) as _f:
+    D_STEP_LINE = next(
+        i for i, line in enumerate(_f, 1) if line.rstrip().endswith("# D's update: the line named")
+    )
+
+D_SUMMARY = (
+    "inf born in optimizer of D (Adam): lr = inf in param group 0 (set by LambdaLR at step 2) "
+    f"at tests/test_hyperparams.py:{D_STEP_LINE} (step 2)"
+)
+
+
+def test_an_inf_lr_of_the_discriminators_optimizer_is_named_as_ds_before_its_update() -> None:
+    with pytest.raises(td.NonFiniteError) as err:
+        gan_run("raise")
+    a = err.value.anomaly
+    assert (a.phase, a.module, a.module_type, a.kind, a.step) == ("optimizer", "D", "Adam", "inf", 2)
+    assert a.symptom == "lr = inf in param group 0 of D's Adam (set by LambdaLR at step 2)"
+    assert a.summary() == D_SUMMARY
+
+
+def test_skip_leaves_d_as_it_was_while_g_trains_on() -> None:
+    mon, before, opt_d, said = gan_run("skip", steps=4)
+    D, G = mon.roots["D"], mon.roots["G"]
+    assert [r.skipped for r in mon.records] == [False, False, True, True]
+    assert [(a.step, a.module) for a in mon.anomalies] == [(2, "D"), (3, "D")]
+    assert same(D, before["D"][2]) and all(torch.isfinite(p).all() for p in D.parameters())
+    assert opt_d.state[D[0].weight]["step"].item() == 2  # D's two updates, none since
+    assert not same(G, before["G"][3]) and all(torch.isfinite(p).all() for p in G.parameters())  # G's ran
+    assert said[0].startswith(f"torchdebug: step 2 skipped by policy: {D_SUMMARY}")
+
+
+def test_warn_names_ds_optimizer_and_lets_its_update_through() -> None:
+    mon, _, _, said = gan_run("warn", steps=3)
+    assert said == [f"torchdebug: {D_SUMMARY} (policy='warn': training goes on)"]
+    assert not all(torch.isfinite(p).all() for p in mon.roots["D"].parameters())  # warn: it ran
+    assert [a.step for a in mon.anomalies] == [2]  # G's gradients through D's NaN: the same step's

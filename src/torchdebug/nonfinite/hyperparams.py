@@ -233,7 +233,7 @@ class HyperparameterCheck:
                 text = f"lrs {', '.join(map(_fmt, vals))} in param groups 0-{len(vals) - 1} of {name}"
             size = update_size(opt) if several else math.nan
             if math.isfinite(size):
-                text += f" (its update is {_fmt(size)}x its weights' norm)"
+                text += f", whose update is {_fmt(size)}x its weights' norm"
             parts.append((size if math.isfinite(size) else -1.0, text))
         if several:
             parts.sort(key=lambda p: -p[0])  # the largest update first: the likely cause
