@@ -209,7 +209,7 @@ class HyperparameterCheck:
 
         Several optimizers (``roots``: the session's models by name): each is named after the model it
         steps ("lr 20 in param group 0 of D's SGD"), the one whose update moves its weights most
-        relative to their norm first, with that size ("its update is 3.1x its weights' norm"). Rare
+        relative to their norm first, with that size (", whose update is 3.1x its weights' norm"). Rare
         path (an event fires): a loop over the parameters of each optimizer.
         """
         seen = list(self.lrs.values())
