@@ -341,6 +341,11 @@ def test_skip_leaves_d_as_it_was_while_g_trains_on() -> None:
     assert opt_d.state[D[0].weight]["step"].item() == 2  # D's two updates, none since
     assert not same(G, before["G"][3]) and all(torch.isfinite(p).all() for p in G.parameters())  # G's ran
     assert said[0].startswith(f"torchdebug: step 2 skipped by policy: {D_SUMMARY}")
+    # only D's update was dropped: the warning says so and does not claim G's weights stayed
+    assert said[0].endswith(
+        "; the parameters and the optimizer state of D are unchanged; the other optimizers' updates ran "
+        "(policy='skip'). Skipped steps in a row are counted and said once when they stop"
+    )
 
 
 def test_warn_names_ds_optimizer_and_lets_its_update_through() -> None:
