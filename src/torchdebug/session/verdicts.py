@@ -18,6 +18,7 @@ from .._frames import warn_at_user
 from .._step import SCALER_SKIP, SessionView, Verdict
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent
+from ..nonfinite.hyperparams import model_of
 from ..nonfinite.tied import label_tied, tied_labels
 
 _MAX_ANOMALIES = 1000
@@ -101,6 +102,7 @@ class Verdicts:
             for g in unwrap_optimizer(opt).param_groups:
                 for p in g["params"]:
                     p.grad = None  # the optimizer skips parameters without grads: no update, no state change
+        self.mon.state.skipped_updates.append(unwrap_optimizer(opt))
         anomaly = self.mon.state.step_anomaly
         self.mark_skipped(f"skipped by policy: {anomaly.summary() if anomaly else ''}", severity="info")
 
@@ -119,6 +121,18 @@ class Verdicts:
         if st.scaler_ran and st.scaler_skipped and not st.skipped:
             self.mark_skipped(SCALER_SKIP, scaler=True)
 
+    def _unchanged(self, st: Any) -> str:
+        """What a skipped step left as it was: every update, or (several optimizers) the dropped ones only."""
+        opts = self.mon.optimizers
+        dropped = [o for o in opts if any(o is d for d in st.skipped_updates)]
+        if len(opts) < 2 or not dropped or len(dropped) == len(opts):
+            return "the parameters and the optimizer state are unchanged"
+        names = [model_of(self.mon.roots, o) or f"opt{opts.index(o)}" for o in dropped]
+        return (
+            f"the parameters and the optimizer state of {', '.join(names)} are unchanged; the other "
+            "optimizers' updates ran"
+        )
+
     def say_skips(self, at_exit: bool = False) -> None:
         """policy="skip": say a run of skipped steps once when it starts and once, with its count, when it ends."""
         mon = self.mon
@@ -131,9 +145,8 @@ class Verdicts:
             self.skip_run = [mon.global_step, 1]
             warn_at_user(
                 TorchDebugWarning(
-                    f"torchdebug: step {mon.global_step} {st.skip_reason}; the parameters and the "
-                    "optimizer state are unchanged (policy='skip'). Skipped steps in a row are counted "
-                    "and said once when they stop"
+                    f"torchdebug: step {mon.global_step} {st.skip_reason}; {self._unchanged(st)} "
+                    "(policy='skip'). Skipped steps in a row are counted and said once when they stop"
                 )
             )
             return
