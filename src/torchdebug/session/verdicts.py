@@ -4,7 +4,9 @@ The sentinel (:mod:`torchdebug.nonfinite.sentinel`) decides what a step is (:cla
 ok, skip, anomaly) and never acts on the session; here the session records an anomaly (its list,
 counters and the run store), applies ``config.policy`` (``raise`` raises :class:`NonFiniteError`,
 ``skip`` drops the gradients of the update about to run, ``warn`` warns) and keeps the skipped-step
-bookkeeping (a run of skipped steps is said once when it starts and once when it ends).
+bookkeeping (a run of skipped steps is said once when it starts and once when it ends). It also
+applies the verdict on weights already non-finite as the session starts or as ``load_state_dict``
+loads them (``check_weights``).
 """
 
 from __future__ import annotations
