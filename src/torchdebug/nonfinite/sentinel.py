@@ -442,8 +442,10 @@ class Sentinel:
     def check_at_start(self, when: str = "when the session started") -> Verdict:
         """Session start, and each ``load_state_dict`` into the model during it: parameters already
         non-finite (a NaN checkpoint) are an anomaly now, before the model is evaluated or saved
-        (:mod:`.startup`). One probe and read each time; said once per session."""
-        if not self.active or self.loaded_bad:
+        (:mod:`.startup`). One probe and read each time; said once per session. Not with FSDP2 shards:
+        a rank sees only its own, and one rank raising alone would leave the others waiting in the next
+        collective; the first step's check, which every rank agrees on, says it."""
+        if not self.active or self.loaded_bad or self._sharded:
             return OK
         try:
             anomaly = loaded_anomaly(self.mon, when)
