@@ -543,6 +543,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
             # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
             print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
+        self.verdicts.check_weights(self.sentinel.check_at_start, self.__exit__)  # a NaN checkpoint: said now
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
