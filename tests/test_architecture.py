@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from tests._imports import ROOT, assert_no_circle, imports, module_name
 
-import torchdebug
-
-ROOT = Path(torchdebug.__file__).parent
 # the public surface and entry points may import any layer; they are not part of a layer themselves
 SURFACE = {
     "torchdebug",
@@ -30,31 +26,14 @@ def _imports() -> dict[str, set[str]]:
     """layer -> the layers its modules import (module-level and function-level imports alike)."""
     edges: dict[str, set[str]] = {}
     for f in ROOT.rglob("*.py"):
-        parts = list(f.relative_to(ROOT.parent).with_suffix("").parts)
-        is_pkg = parts[-1] == "__init__"
-        if is_pkg:
-            parts = parts[:-1]
-        module = ".".join(parts)
+        module = module_name(f)
         if module in SURFACE:
             continue
-        package = module if is_pkg else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            targets: list[str] = []
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    targets = [".".join(base + ([node.module] if node.module else []))]
-                else:
-                    targets = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            for t in targets:
-                if t == "torchdebug" or t.startswith("torchdebug."):
-                    src, dst = _layer(module), _layer(t)
-                    if t != "torchdebug" and src != dst:
-                        edges.setdefault(src, set()).add(dst)
-                    if t == "torchdebug":
-                        edges.setdefault(src, set()).add("<surface>")
+        for t, _ in imports(f):
+            if t == "torchdebug":
+                edges.setdefault(_layer(module), set()).add("<surface>")
+            elif t.startswith("torchdebug.") and _layer(module) != _layer(t):
+                edges.setdefault(_layer(module), set()).add(_layer(t))
     return edges
 
 
@@ -84,17 +63,4 @@ def test_no_layer_imports_the_public_surface() -> None:
 
 
 def test_no_circle_between_layers() -> None:
-    edges = _imports()
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> None:
-        if node in path:
-            raise AssertionError("import circle: " + " -> ".join([*path[path.index(node) :], node]))
-        if node in done:
-            return
-        for nxt in sorted(edges.get(node, ())):
-            visit(nxt, [*path, node])
-        done.add(node)
-
-    for node in sorted(edges):
-        visit(node, [])
+    assert_no_circle(_imports())

@@ -109,8 +109,8 @@ def test_run_watches_every_optimizer_of_a_gan_and_names_the_model(tmp_path, caps
     err = capsys.readouterr().err
     assert code == 3
     # D is watched too (its optimizer came second); one step per G-and-D iteration: iteration 2 is step 2
-    assert "nan born in forward of D.1 (Act): aten.sqrt" in err
-    assert f"at {origin_line('script_sqrt', GAN)} (step 2)" in err
+    assert "nan born in forward of D.1 (Fault): aten.sqrt" in err
+    assert f"at {origin_line('fault_forward', GAN)} (step 2)" in err
     assert "watched G and D with Adam and Adam: 2 steps, 1 anomalies" in err
     assert_clean_exit()
 

@@ -7,19 +7,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import torchdebug
+from tests._imports import ROOT, assert_no_circle, imports, module_name
 
-ROOT = Path(torchdebug.__file__).parent
 PACKAGES = ("session", "nonfinite")
 MAX_CLASS_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
-    mods: dict[str, Path] = {}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).glob("*.py")):
-            mods[f"torchdebug.{pkg}" if f.stem == "__init__" else f"torchdebug.{pkg}.{f.stem}"] = f
-    return mods
+    return {module_name(f): f for pkg in PACKAGES for f in sorted((ROOT / pkg).glob("*.py"))}
 
 
 def _edges() -> dict[str, set[str]]:
@@ -29,19 +24,8 @@ def _edges() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for name, f in mods.items():
         package = name if f.stem == "__init__" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            targets: list[str] = []
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(
-                        parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])
-                    )
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            for t in targets:
+        for base, names in imports(f):
+            for t in [base, *names]:
                 if t in mods and t != name and not (f.stem != "__init__" and t == package):
                     edges[name].add(t)
     return edges
@@ -56,20 +40,7 @@ def test_the_import_graph_is_read_from_the_source() -> None:
 
 
 def test_no_import_circle_in_the_session_core() -> None:
-    edges = _edges()
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> None:
-        if node in path:
-            raise AssertionError("import circle: " + " -> ".join([*path[path.index(node) :], node]))
-        if node in done:
-            return
-        for nxt in sorted(edges[node]):
-            visit(nxt, [*path, node])
-        done.add(node)
-
-    for node in sorted(edges):
-        visit(node, [])
+    assert_no_circle(_edges())
 
 
 def test_no_class_of_the_session_core_is_over_600_lines() -> None:

@@ -7,7 +7,6 @@ an origin is named with the model's name (``D.1``), the op and the user's line.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -16,47 +15,19 @@ import torch
 from torch import nn
 
 import torchdebug as td
+from tests.fixtures import gan_script
+from tests.fixtures.gan_script import Discriminator, Fault, Generator
+from tests.fixtures.models import origin_line
 from torchdebug.store import open_run
 
-HERE = Path(__file__).name
-
-
-def _line(fn: Any, text: str) -> str:
-    """``tests/<file>:<line>`` of the first line of ``fn`` that contains ``text``."""
-    lines, first = inspect.getsourcelines(fn)
-    (n,) = [first + i for i, line in enumerate(lines) if text in line][:1]
-    return f"{HERE}:{n}"
-
-
-class Fault(nn.Module):
-    """An activation with a switchable fault: ``forward`` (sqrt of negative inputs: NaN) or ``backward``
-    (a sqrt at exact zeros: finite forward, an infinite gradient)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.mode = ""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "forward":
-            return torch.sqrt(x)  # NaN where x < 0
-        if self.mode == "backward":
-            return x + torch.sqrt(x - x.detach())  # forward: x + 0; backward: 1/(2*sqrt(0)) = inf
-        return torch.tanh(x)
-
-
-class Generator(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.main = nn.Sequential(nn.Linear(4, 8), Fault(), nn.Linear(8, 6))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.main(z)
+GAN_FILE = gan_script.__file__
+FORWARD_LINE = origin_line("fault_forward", GAN_FILE)  # sqrt of negative inputs: NaN
+BACKWARD_LINE = origin_line("fault_backward", GAN_FILE)  # sqrt at exact zeros: an infinite gradient
 
 
 def _gan() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    G = Generator()
-    D = nn.Sequential(nn.Linear(6, 8), Fault(), nn.Linear(8, 1), nn.Sigmoid())
+    G, D = Generator(), Discriminator()
     return G, D, torch.optim.Adam(G.parameters(), lr=1e-3), torch.optim.Adam(D.parameters(), lr=1e-3)
 
 
@@ -84,6 +55,8 @@ def _gan_run(fault: str, bad_step: int = 2, steps: int = 4, adopt: bool = False)
             if step == bad_step:
                 if fault == "D.forward":
                     D[1].mode = "forward"
+                elif fault == "G.forward":
+                    G.main[1].mode = "forward"
                 elif fault == "G.backward":
                     G.main[1].mode = "backward"
                 elif fault == "D.update":  # D's optimizer state goes bad: its update makes D.0 NaN
@@ -99,8 +72,18 @@ def test_a_nan_born_in_the_discriminators_forward_is_named_with_its_model() -> N
     a = info.value.anomaly
     # D(x) is the first forward of D's micro-step: sqrt of D.0's negative outputs, at step 2
     assert (a.phase, a.module, a.op, a.step) == ("forward", "D.1", "aten.sqrt", 2)
-    assert a.location is not None and a.location.endswith(_line(Fault.forward, "torch.sqrt(x)  # NaN"))
+    assert a.location == FORWARD_LINE
     assert a.micro_step is None  # D's update accumulates one backward
+
+
+def test_a_nan_born_in_the_generators_forward_is_named_in_the_generator() -> None:
+    with pytest.raises(td.NonFiniteError) as info:
+        _gan_run("G.forward")
+    a = info.value.anomaly
+    # G(z) is the step's first forward; D then reads its NaN through fake.detach(), a tensor the loss code
+    # made from G's output (not a batch input): the replay follows it back into G
+    assert (a.phase, a.module, a.op, a.step) == ("forward", "G.main.1", "aten.sqrt", 2)
+    assert a.location == FORWARD_LINE
 
 
 def test_a_module_dict_without_optimizers_adopts_both_and_names_the_same_origin() -> None:
@@ -150,7 +133,7 @@ def test_an_inf_born_in_the_generators_backward_is_named_at_its_module_and_line(
     # G's backward runs in the second backward of the step (G's loss through D(fake)); G's forward ran
     # in D's micro-step, so the replay re-runs both, in order
     assert (a.phase, a.module, a.op, a.step) == ("backward", "G.main.1", "SqrtBackward0", 2)
-    assert a.location is not None and a.location.endswith(_line(Fault.forward, "x.detach())"))
+    assert a.location == BACKWARD_LINE
     assert a.micro_step is None  # G's update accumulates one backward: no micro-step to name
 
 
@@ -243,7 +226,7 @@ def test_a_nan_born_in_the_frozen_teachers_forward_is_named_in_the_teacher() -> 
     a = info.value.anomaly
     # the teacher runs under no_grad before the student's forward: its forward is replayed first
     assert (a.phase, a.module, a.op, a.step) == ("forward", "teacher.1", "aten.sqrt", 1)
-    assert a.location is not None and a.location.endswith(_line(Fault.forward, "torch.sqrt(x)  # NaN"))
+    assert a.location == FORWARD_LINE
 
 
 def test_a_clean_distillation_warns_nothing_and_its_update_ratio_is_the_students(tmp_path: Path) -> None:
@@ -293,7 +276,7 @@ def test_a_nan_born_in_the_critics_forward_is_named_in_the_critic() -> None:
     a = info.value.anomaly
     # the critic's value is NaN, so the actor's loss (its advantage) is: judged as the actor's update starts
     assert (a.phase, a.module, a.op, a.step) == ("forward", "critic.1", "aten.sqrt", 1)
-    assert a.location is not None and a.location.endswith(_line(Fault.forward, "torch.sqrt(x)  # NaN"))
+    assert a.location == FORWARD_LINE
 
 
 def test_an_inf_born_in_the_critics_backward_is_named_in_the_second_backward() -> None:
@@ -302,7 +285,7 @@ def test_an_inf_born_in_the_critics_backward_is_named_in_the_second_backward() -
     a = info.value.anomaly
     # the critic's loss comes after the actor's update, from the value of the step's only critic forward
     assert (a.phase, a.module, a.op, a.step) == ("backward", "critic.1", "SqrtBackward0", 1)
-    assert a.location is not None and a.location.endswith(_line(Fault.forward, "x.detach())"))
+    assert a.location == BACKWARD_LINE
     assert a.micro_step is None
 
 

@@ -30,9 +30,14 @@ def check_watch_kwargs(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def open_session(model: nn.Module, driver: str, kwargs: dict[str, Any]) -> Monitor:
-    """Start watch() on ``model`` with ``driver`` owning the step protocol."""
+def open_session(
+    model: nn.Module | dict[str, nn.Module], driver: str, kwargs: dict[str, Any], name: str | None = None
+) -> Monitor:
+    """Start watch() on ``model`` (or several models by name) with ``driver`` owning the step protocol;
+    ``name``: the run's name unless the options give one (several models would be named "moduledict")."""
     mon = watch(model, **kwargs)
+    if name is not None and mon.config.run_name is None:
+        mon.config = mon.config.replace(run_name=name.lower())
     mon.driver = driver  # the plain-loop optimizer hooks stand down; the callback calls update_*()
     mon.__enter__()
     return mon

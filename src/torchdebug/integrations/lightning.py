@@ -56,7 +56,9 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             the model and optimizer come from the trainer.
 
     Module names are relative to the LightningModule (``model.blocks.0.attn`` when ``training_step``
-    calls ``self.model(x)``). The gradients are checked at ``on_before_optimizer_step``, after the
+    calls ``self.model(x)``). With several optimizers (manual optimization, a GAN's ``self.G`` and
+    ``self.D``) each child that holds parameters is a model of the step (``td.watch`` of several
+    models): every forward of each is recorded, the learning rates are ``lr/G/0`` and ``lr/D/0``. The gradients are checked at ``on_before_optimizer_step``, after the
     closure's forward and backward and before the update, in automatic and manual optimization, with
     gradient accumulation and the AMP precision plugins. ``policy="skip"`` drops the bad step's
     gradients so the update does nothing and training goes on; ``"raise"`` stops ``fit`` with
@@ -105,7 +107,9 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
     # -- lifecycle -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         close_session(self.monitor, None)  # a previous fit that ended without our hooks
-        self.monitor = open_session(pl_module, "lightning", self.watch_kwargs)
+        models = _models(pl_module, trainer.optimizers)
+        name = type(pl_module).__name__ if isinstance(models, dict) else None
+        self.monitor = open_session(models, "lightning", self.watch_kwargs, name)
         self._stepped = False
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed": known from step 0
         if scaler is not None and self.monitor.scaler is None:
@@ -114,7 +118,8 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             raw = unwrap_optimizer(opt)
             self.monitor.owns_optimizer(raw)  # adopt it: the skipped-step rules know an optimizer exists
             self._handles.append(raw.register_step_post_hook(self._after_update))
-        self._find_entry(pl_module)
+        if self.monitor.roots is None:
+            self._find_entry(pl_module)  # several models: each one's forward is already a root
         self._open_loggers(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -271,6 +276,17 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         for h in self._finding:
             h.remove()
         self._finding.clear()
+
+
+def _models(pl_module: nn.Module, optimizers: list[Any]) -> nn.Module | dict[str, nn.Module]:
+    """What the session watches: the LightningModule, or with several optimizers (manual optimization:
+    a GAN's generator and discriminator) its children that hold parameters, each a model of the step
+    (its every forward recorded for the replay, its optimizer's ``lr/<child>/<group>``), named as in the
+    LightningModule (``D.0``). A LightningModule with parameters of its own stays one model."""
+    if len(optimizers) < 2 or any(True for _ in pl_module.parameters(recurse=False)):
+        return pl_module
+    children = {n: m for n, m in pl_module.named_children() if any(True for _ in m.parameters())}
+    return children if len(children) > 1 else pl_module
 
 
 def _logger_sink(logger: Any) -> Sink | None:

@@ -371,10 +371,10 @@ def _unmade(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor,
     made: set[int] = set()
     keep: list[torch.Tensor] = []
     for j, cap in enumerate(caps):
-        calls = [] if j in tape_only else [(cap.args, cap.kwargs, cap.outputs)]
-        calls += [(e[2], e[3], e[5]) for e in cap.tape if e[1] in (FORWARD, FORWARD_NO_GRAD)]
-        for args, kwargs, out in calls:
-            keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
+        calls = [] if j in tape_only else [(True, cap.args, cap.kwargs, cap.outputs)]
+        calls += [(e[1] in (FORWARD, FORWARD_NO_GRAD), e[2], e[3], e[5]) for e in cap.tape]
+        for forward, args, kwargs, out in calls:  # in the order they ran: D(fake.detach()) after detach
+            if forward:
+                keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
             made |= {id(t) for t in tensor_leaves(out)}
-        made |= {id(t) for e in cap.tape for t in tensor_leaves(e[5])}
     return tuple(keep)

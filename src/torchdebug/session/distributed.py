@@ -177,7 +177,10 @@ def _ddp_syncs_now(ddp: Any) -> bool:
     ``DistributedDataParallel._active_ddp_module`` around its call of the module, and
     ``require_backward_grad_sync`` is False under ``no_sync()``. A call of the wrapped module that
     bypasses DDP, DDP's Python reducer (compiled DDP) or a forward under ``no_sync`` answer False.
+    Several models (``ddp_models.DDPGroup``): a forward through any of their wrappers.
     """
+    if hasattr(ddp, "syncs_now"):
+        return bool(ddp.syncs_now())
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel._active_ddp_module is ddp and bool(
@@ -266,6 +269,9 @@ class Coordinator:
             self._t_backward = now
         self._phase = "backward"
         self._cur_sync, self._sync_pending = self._sync_pending, False
+        if self._reduced and (mon.roots is not None or len(mon.optimizers) > 1):  # another update's read
+            self._reduced = self._fast = False  # comes: its own all-reduce and verdict, on every rank
+            self._verdict, self._exact = None, []
 
     def on_backward_end(self, mon: Session) -> None:
         while len(self._micro_sync) < len(mon.transfer.micro_bad):

@@ -67,6 +67,7 @@ from .recording import Recording
 from .rollback import SpikeGuard
 from .transfer import Items, Transfer
 from .verdicts import Verdicts
+from .wrappers import is_compiled, split_models
 
 _MAX_EVENTS = 10_000
 
@@ -112,7 +113,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         )  # TypeError / ValueError / ConfigError / ImportError naming the fix, before anything is installed
         optimizer = optimizers[0] if optimizers else None
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
-        self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
+        self._ddp, model, self.roots = split_models(model, self.roots)  # DDP, compile: the wrapped modules
         # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
         # names, parameters and the instruments see the original (no "_orig_mod." prefix anywhere)
         self._called: nn.Module = model
@@ -514,13 +515,10 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
 
     @property
     def compiled(self) -> bool:
-        """True while the model runs under ``torch.compile`` (a wrapper, or ``model.compile()`` in
-        place): per-module instruments stand down (their hooks would see nothing inside it)."""
-        called = self._called
-        return (
-            type(called).__name__ == "OptimizedModule"
-            or called.__dict__.get("_compiled_call_impl") is not None
-        )
+        """True while the model (or one of several) runs under ``torch.compile`` (a wrapper, or
+        ``model.compile()`` in place): per-module instruments stand down (their hooks would see nothing
+        inside it)."""
+        return is_compiled([self._called, *(self.roots or {}).values()])
 
     def accepts_backward(self) -> bool:
         return not self.sentinel.replaying and not self._closed

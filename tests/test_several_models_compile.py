@@ -1,0 +1,131 @@
+"""Several models, one of them ``torch.compile``d: ``td.watch([torch.compile(G), D], [opt_g, opt_d])``.
+
+Names stay model-qualified without ``_orig_mod``; the compiled model stays compiled (its graphs counted
+with a backend that records each graph Dynamo hands it and runs it as is: the graphs of
+``backend="eager"``, no codegen); a fault in either model, the compiled one included, is located.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchdebug as td
+from tests.fixtures import gan_script
+from tests.fixtures.gan_script import Discriminator, Generator
+from tests.fixtures.models import origin_line
+from torchdebug.store import open_run
+
+BAD_STEP = 2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Dynamo warning or a torchdebug warning fails the test
+        yield
+    torch._dynamo.reset()
+
+
+def _counting_backend(graphs: list[int]) -> Any:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    return backend
+
+
+def _run(backend: Any, fault: str = "", steps: int = 4, **watch_kw: Any) -> tuple[Any, nn.Module, nn.Module]:
+    """The DCGAN loop of tests/test_several_models.py with G compiled; ``fault`` switched on at BAD_STEP."""
+    torch.manual_seed(0)
+    G = torch.compile(Generator(), backend=backend)
+    D = Discriminator()
+    g_net: nn.Module = G._orig_mod
+    opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(D.parameters(), lr=2e-3)
+    gen = torch.Generator().manual_seed(1)
+    mon = td.watch([G, D], [opt_g, opt_d], **watch_kw)
+    try:
+        with mon:
+            for step in range(steps):
+                x, z = torch.randn(5, 6, generator=gen), torch.randn(5, 4, generator=gen)
+                if step == BAD_STEP:
+                    if fault == "D.forward":
+                        D[1].mode = "forward"
+                    elif fault == "G.forward":
+                        g_net.main[1].mode = "forward"
+                    elif fault == "G.backward":
+                        g_net.main[1].mode = "backward"
+                fake = G(z)
+                loss_d = -(torch.log(D(x)) + torch.log(1 - D(fake.detach()))).mean()
+                opt_d.zero_grad()
+                loss_d.backward()
+                opt_d.step()
+                loss_g = -torch.log(D(fake)).mean()
+                opt_g.zero_grad()
+                loss_g.backward()
+                opt_g.step()
+                mon.step()
+    finally:
+        # everything comes off the compiled wrapper and both models, also when the fault raised
+        assert all(
+            not m._forward_pre_hooks and not m._forward_hooks for m in [G, *g_net.modules(), *D.modules()]
+        )
+    return mon, G, D
+
+
+def test_a_compiled_model_is_named_as_itself_and_stays_one_graph(tmp_path: Path) -> None:
+    graphs: list[int] = []
+    cfg = td.DebugConfig(mode="gradient_checking", detail_every=2)
+    mon, G, _ = _run(_counting_backend(graphs), run=tmp_path, config=cfg)
+    assert mon.anomalies == [] and [e for e in mon.events if e.severity != "info"] == []
+    assert mon.param_names == [
+        "G.main.0.weight",
+        "G.main.0.bias",
+        "G.main.2.weight",
+        "G.main.2.bias",
+        "D.0.weight",
+        "D.0.bias",
+        "D.2.weight",
+        "D.2.bias",
+    ]
+    assert sorted(mon.names.values()) == ["", "D", "D.0", "D.1", "D.2", "D.3", "G", "G.main"] + [
+        f"G.main.{k}" for k in range(3)
+    ]
+    assert mon.roots is not None and mon.roots["G"] is G  # its forward is seen where the loop calls it
+    # G compiled once for its 4 steps; the session knows one of its models runs compiled, so the
+    # per-module instruments stand down (their hooks would see nothing inside it)
+    assert mon.compiled and len(graphs) == 1
+    assert [r.micro_steps for r in mon.records] == [2, 2, 2, 2]
+    with open_run(mon.run_dir) as run:
+        stored = run.metric_names()
+        assert not [n for n in stored if "_orig_mod" in n]
+        assert "update_ratio/G.main.0.weight" in stored and "update_ratio/D.0.weight" in stored
+        assert run.series("lr/G/0").values == [1e-3] * 4 and run.series("lr/D/0").values == [2e-3] * 4
+
+
+CASES = [
+    # fault, phase, module, op, origin tag (tests/fixtures/gan_script.py)
+    ("D.forward", "forward", "D.1", "aten.sqrt", "fault_forward"),
+    ("G.forward", "forward", "G.main.1", "aten.sqrt", "fault_forward"),
+    ("G.backward", "backward", "G.main.1", "SqrtBackward0", "fault_backward"),
+]
+
+
+@pytest.mark.parametrize(("fault", "phase", "module", "op", "tag"), CASES, ids=[c[0] for c in CASES])
+def test_a_fault_in_either_model_is_located_with_the_compiled_one_replayed_eagerly(
+    fault: str, phase: str, module: str, op: str, tag: str
+) -> None:
+    # aot_eager: the forward and backward graphs traced by AOTAutograd, as inductor would get them
+    with pytest.raises(td.NonFiniteError) as info:
+        _run("aot_eager", fault, run=False)
+    a = info.value.anomaly
+    assert (a.phase, a.module, a.op, a.step) == (phase, module, op, BAD_STEP), str(a)
+    assert a.location == origin_line(tag, gan_script.__file__)
