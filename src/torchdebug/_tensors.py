@@ -211,11 +211,91 @@ class Plan:
             f = flat.float()
             return torch.segment_reduce(f * f, "sum", lengths=self.lengths_all).sqrt()
 
+    def reduce(self, tensors: Sequence[torch.Tensor], square: bool) -> Reduced:
+        """The list reduced for the step's read: one float32 total on the device now (the sum of every
+        element, or with ``square`` of their squares), the per-tensor numbers only if asked
+        (:meth:`Reduced.per`). No host sync.
+
+        CPU: one flatten of the small tensors (a copy, kept for :meth:`Reduced.per`) and one BLAS call
+        over it (``sum`` or ``dot``); the per-tensor ``segment_reduce`` (as slow as a few dozen
+        small kernels: a scalar loop over every element) waits until someone needs the per-tensor
+        numbers (detail steps, a non-finite total). Elsewhere the fused foreach norm (one kernel per
+        chunk of tensors) gives the per-tensor numbers at once and the total from them."""
+        with torch.no_grad():
+            if not self.cpu:
+                per = self.norms(tensors)
+                return Reduced(self, square, None, [], per.square().sum() if square else per.sum(), per)
+            flat = self._flat(tensors)
+            big: list[torch.Tensor] = []
+            for t in self.big_get(tensors):
+                v = t.reshape(-1).float()
+                big.append((torch.dot(v, v) if square else v.sum()).reshape(1))  # now: the tensor may change
+            parts = []
+            if flat is not None:
+                flat = flat.float()
+                parts.append(torch.dot(flat, flat) if square else flat.sum())
+            if not parts and not big:
+                total = torch.zeros(())
+            elif not big:
+                total = parts[0]
+            else:
+                total = torch.cat([p.reshape(1) for p in parts] + big).sum()
+            return Reduced(self, square, flat, big, total, None)
+
     def _order(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if self.empty:
             parts.append(torch.zeros(self.empty))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return out if self.inverse is None else out.index_select(0, self.inverse)
+
+
+class Reduced:
+    """One list of tensors reduced by :meth:`Plan.reduce`: ``total`` (a float32 device scalar: the sum of
+    every element, or of their squares, ``square``), and :meth:`per`, the per-tensor numbers in list
+    order (sums, or L2 norms), worked out on the device when first asked. Holds the flat copy of the
+    small tensors until then (the tensors themselves may have changed since)."""
+
+    __slots__ = ("_per", "big", "flat", "plan", "square", "total")
+
+    def __init__(
+        self,
+        plan: Plan,
+        square: bool,
+        flat: torch.Tensor | None,
+        big: list[torch.Tensor],
+        total: torch.Tensor,
+        per: torch.Tensor | None,
+    ) -> None:
+        self.plan, self.square, self.flat, self.big, self.total, self._per = plan, square, flat, big, total, per
+
+    def per(self) -> torch.Tensor:
+        """Per-tensor float32 sums (``square`` False) or L2 norms, in list order; no host sync."""
+        if self._per is None:
+            plan, flat = self.plan, self.flat
+            with torch.no_grad():
+                parts: list[torch.Tensor] = []
+                if flat is not None:
+                    parts.append(torch.segment_reduce(flat * flat if self.square else flat, "sum", lengths=plan.lengths))
+                parts += self.big
+                out = plan._order(parts) if parts else torch.zeros(plan.n)
+                self._per = out.sqrt() if self.square else out
+            self.flat, self.big = None, []
+        return self._per
+
+
+def flat_items(items: Items) -> tuple[list[int], torch.Tensor]:
+    """The items' numbers as one flat float tensor on the first item's device (FSDP2 DTensors: this
+    rank's shard) and each item's size: two torch calls for the usual handful of 0-d and 1-d items."""
+    ts = [local(t) for _, t in items]
+    sizes = [t.numel() for t in ts]
+    with torch.no_grad():  # the result never needs a graph (the items are read, not differentiated)
+        dev = ts[0].device
+        if any([t.dim() > 1 or t.device != dev for t in ts]):
+            ts = [t.reshape(-1).to(dev) for t in ts]
+        flat = torch.cat(torch.atleast_1d(ts)) if len(ts) > 1 else ts[0].reshape(-1)  # cat promotes dtypes
+        if not flat.is_floating_point():  # flags only (bool) or counts: read as floats
+            flat = flat.float()
+    return sizes, flat
 
 
 def unwrap_optimizer(opt: Any) -> Any:

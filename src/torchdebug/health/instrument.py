@@ -785,7 +785,7 @@ class GradientHealth:
             "loss_anomalies": 0,
         }
         self._last_clip: dict[str, Any] | None = None
-        self._clip_norms: tuple[Sequence[str], Sequence[float] | None] = ((), None)
+        self._clip_norms: tuple[Sequence[str], Callable[[], Sequence[float] | None]] = ((), lambda: None)
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
         self._hooks: list[Any] = []
@@ -919,8 +919,14 @@ class GradientHealth:
     # ----------------------------------------------------------------- the step's transfer
 
     def collect(self, mon: Any) -> dict[str, torch.Tensor]:
+        first = self._synced_step != mon.global_step
         self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
+        if first and self.details and mon.due(self.every):
+            # detail steps: every parameter's gradient norm, read with the step's numbers (ordinary
+            # steps read only their total)
+            per = getattr(mon.transfer, "per_tensor_items", None)
+            out.update(per() if per is not None else ())
         if self._clip is not None:
             total, max_norm, norm_type = self._clip
             self._clip = None
@@ -947,7 +953,6 @@ class GradientHealth:
         self.counters["total_steps"] += 1
         loss = values.get("loss")
         norm = values.get("grad_norm")
-        norms_host = mon.grad_norms_host
         names = mon.param_names  # read only (no copy a step)
         scalars: dict[str, float] = {}
         amp = mon.scaler is not None and record.scale is not None
@@ -972,13 +977,16 @@ class GradientHealth:
             self._emit(mon, event)
         if amp:
             bad = (
-                [n for n, v in zip(names, norms_host or ()) if not math.isfinite(v)] if record.skipped else []
+                [n for n, v in zip(names, mon.grad_norms_host or ()) if not math.isfinite(v)]
+                if record.skipped
+                else []
             )
             for event in self.amp.update(step, float(record.scale), bool(record.skipped), bad):
                 self._emit(mon, event)
         if "clip" in handed and "health.clip_total" in values:
             self._clip_insight(mon, step, float(values["health.clip_total"]), handed["clip"], record, scalars)
-        if self.details and mon.due(self.every) and norms_host is not None:
+        norms_host = mon.grad_norms_host if self.details and mon.due(self.every) else None
+        if norms_host is not None:
             scalars.update(zip(self._detail_names(mon)[3], norms_host))  # host floats, names built once
             if not record.skipped:
                 event = self.vanishing.update(step, layer_norms(names, norms_host))
@@ -1013,12 +1021,14 @@ class GradientHealth:
         scalars: dict[str, float],
     ) -> None:
         max_norm, norm_type = clip
-        names, norms_host = mon.param_names, mon.grad_norms_host
+        names = mon.param_names
         finite = math.isfinite(total)
         # clip_grad_norm_ scales the gradients by min(1, max_norm / (total + 1e-6))
         post = total * min(1.0, max_norm / (total + 1e-6)) if finite else math.nan
         scalars["grad_norm_clipped"] = post
-        self._clip_norms = (names, norms_host)
+        later = getattr(mon.transfer, "norms_later", None)
+        # the per-parameter norms are read only if the clip's shares are asked for (``last_clip``)
+        self._clip_norms = (names, later() if later is not None else (lambda: mon.grad_norms_host))
         self._last_clip = {
             "step": step,
             "pre": total,
@@ -1030,6 +1040,7 @@ class GradientHealth:
         if norm_type != 2.0:
             self._last_clip["shares"] = {}
         if not finite and not record.skipped:
+            norms_host = mon.grad_norms_host  # rare path: read now
             # per-parameter norms the monitor read (confirmed exactly when not finite): Inf/NaN here
             # means a gradient really held Inf/NaN (an Inf times clip_coef 0 is NaN, so clipping
             # cannot hide it)
@@ -1074,7 +1085,8 @@ class GradientHealth:
         ``shares`` (the largest parameters' shares of the squared norm; worked out when read)."""
         clip = self._last_clip
         if clip is not None and "shares" not in clip:
-            names, norms_host = self._clip_norms
+            names, get = self._clip_norms
+            norms_host = get()
             shares: list[tuple[str, float]] = []
             if norms_host is not None:
                 sq = [v * v for v in norms_host]

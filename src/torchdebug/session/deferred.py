@@ -105,6 +105,7 @@ class DeferredReads:
 
     def __init__(self, mon: Monitor) -> None:
         self.mon = mon
+        mon.transfer.lazy = False  # the device verdict reads per-parameter numbers and flags
         self.pending: deque[_Pending] = deque()
         self.staged: _Pending | None = None  # this step's numbers, staged at update_starting
         self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it

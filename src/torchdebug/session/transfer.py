@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .._tensors import Items, Plan, entries, finite_probe, foreach_norms, grad_of, local
+from .._tensors import Items, Plan, Reduced, entries, finite_probe, flat_items, foreach_norms, grad_of, local
 
 # Items read as one list each (``Transfer.vectors``), not one ``values`` key per element: the
 # per-parameter numbers (gradient norms or probes, the parameter and edit probes, the update ratios
@@ -47,7 +47,13 @@ class Transfer:
 
     def __init__(self) -> None:
         self.grad_norm: float | None = None
-        self.grad_norms: list[float] | None = None
+        self._grad_norms: list[float] | None = None
+        # the per-parameter numbers of the last decoded step, not read yet: (reduction, loss scale)
+        self._later: tuple[Reduced, float | None] | None = None
+        # ordinary steps read one number per micro-step for the gradients (``Plan.reduce``), the
+        # per-parameter numbers only when asked; False (the distributed coordinator, sync="async",
+        # which read the per-parameter numbers and flags themselves): one number per parameter
+        self.lazy = True
         # the session's parameter list and how to reduce it (built once; rebuilt if the list changes)
         self._plan_of: tuple[list[torch.Tensor], int, Plan | None, list[int]] | None = None
         self.reset()
@@ -65,6 +71,8 @@ class Transfer:
         self.norms: torch.Tensor | None = None  # per gradient after the last backward: norms or probe sums
         self.norm_index: list[int] = []  # which parameters ``norms`` covers
         self.norms_probe = False  # ``norms`` holds probe sums (finiteness only), not norms
+        self.reduced: Reduced | None = None  # lazy: the last backward's gradients, reduced (instead of norms)
+        self.micro_raw: list[bool] = []  # per micro-step: ``micro_bad`` holds a total (finite = ok), not a flag
         # under DDP: ``norms`` covers this rank's share only; every parameter with a gradient, and the
         # micro-step the share measured (the coordinator fills in the other ranks' shares after the read)
         self.shared: tuple[list[int], int] | None = None
@@ -95,13 +103,23 @@ class Transfer:
             plan, every = self.plan(params)
             if plan is not None:
                 try:
-                    norms = plan.sums(grads_all) if probe else plan.norms(grads_all)
+                    if self.lazy:  # one total (finite iff every gradient is), per-parameter numbers later
+                        red = plan.reduce(grads_all, square=not probe)
+                    else:
+                        norms = plan.sums(grads_all) if probe else plan.norms(grads_all)
                 except (RuntimeError, ValueError):  # a gradient unlike its parameter (sparse, resized)
                     pass
                 else:
                     self.shared = None
-                    self.norms, self.norm_index, self.norms_probe = norms, every, probe
-                    self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                    self.norm_index, self.norms_probe = every, probe
+                    if self.lazy:
+                        self.norms, self.reduced = None, red
+                        self.micro_bad.append(red.total)
+                        self.micro_raw.append(True)
+                    else:
+                        self.norms, self.reduced = norms, None
+                        self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                        self.micro_raw.append(False)
                     return every, grads_all
         idx = [i for i, g in enumerate(grads_all) if g is not None]
         if not idx:
@@ -118,8 +136,9 @@ class Transfer:
             norms = finite_probe(own) if probe else foreach_norms(own)
         else:  # a share without gradients: nothing to measure here
             norms = torch.zeros(0, device=grads[0].device)
-        self.norms, self.norm_index, self.norms_probe = norms, mine, probe
+        self.norms, self.norm_index, self.norms_probe, self.reduced = norms, mine, probe, None
         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+        self.micro_raw.append(False)
         return idx, grads
 
     def items(self, scaler: Any) -> Items:
@@ -129,13 +148,54 @@ class Transfer:
             items.append((f"_loss#{i}", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
         if self.norms is not None:
             items.append(("_gnorm", self.norms))
-        items += [(f"_mbad#{i}", b) for i, b in enumerate(self.micro_bad)]
+        raw = self.micro_raw
+        items += [(f"_mtot#{i}" if raw[i] else f"_mbad#{i}", b) for i, b in enumerate(self.micro_bad)]
         scale_t = self.scale_used
         if scale_t is None and scaler is not None:
             scale_t = getattr(scaler, "_scale", None)
         if isinstance(scale_t, torch.Tensor):
             items.append(("_scale", scale_t))
         return items
+
+    def per_tensor_items(self) -> Items:
+        """The last backward's per-parameter numbers as an item for this step's read, when only their
+        total was kept for it (detail steps: the gradient rules want every parameter's norm)."""
+        red = self.reduced
+        return [("_gnorm", red.per())] if red is not None and self.norms is None else []
+
+    @property
+    def grad_norms(self) -> list[float] | None:
+        """The last step's per-parameter gradient norms (probe sums under the sentinel alone), in the
+        order of the session's ``params``; read from the device when first asked (a host read) where
+        the step read only their total."""
+        later = self._later
+        if later is not None:
+            self._later = None
+            red, scale = later
+            per = red.per().tolist()  # a host read, only when per-parameter numbers are wanted
+            self._grad_norms = [x / scale for x in per] if scale else per
+        return self._grad_norms
+
+    @grad_norms.setter
+    def grad_norms(self, value: list[float] | None) -> None:
+        self._later = None
+        self._grad_norms = value
+
+    def norms_later(self) -> Callable[[], list[float] | None]:
+        """``grad_norms`` as they are now, read only if the returned function is called."""
+        later, now = self._later, self._grad_norms
+        if later is None:
+            return lambda: now
+        box: list[Any] = []
+
+        def get() -> list[float] | None:
+            if not box:
+                red, scale = later
+                per = red.per().tolist()  # a host read, when asked
+                box.append([x / scale for x in per] if scale else per)
+            return box[0]
+
+        return get
 
     # -- the read ------------------------------------------------------------------------------
     def read(self, items: Items) -> None:
@@ -146,12 +206,9 @@ class Transfer:
         (``tolist``): on a GPU, the step's one blocking read."""
         if not items:
             return
-        flat = stack(items)
-        dev = flat[0].device
-        host = (
-            torch.cat([t if t.device == dev else t.to(dev) for t in flat]) if len(flat) > 1 else flat[0]
-        ).tolist()
-        self.unpack([(name, t.numel()) for (name, _), t in zip(items, flat)], host)
+        sizes, flat = flat_items(items)
+        host = flat.tolist()  # the host sync
+        self.unpack([(name, n) for (name, _), n in zip(items, sizes)], host)
 
     def unpack(self, spec: list[tuple[str, int]], host: list[float]) -> None:
         """Numbers read on the host (``spec``: each item's name and size, in order) into ``values`` and
@@ -162,7 +219,9 @@ class Transfer:
             if name in VECTORS:
                 vectors[name] = host[off : off + n]
             elif n == 1:
-                values[name] = host[off]
+                values[name] = x = host[off]
+                if name.startswith("_mtot#"):  # a micro-step's gradient total: its flag is "non-finite"
+                    values["_mbad#" + name[6:]] = 0.0 if math.isfinite(x) else 1.0
             else:
                 values.update({f"{name}#{i}": x for i, x in enumerate(host[off : off + n])})
             off += n
@@ -224,7 +283,24 @@ class Transfer:
             v["loss"] = sum(losses) / len(losses)
             if scale and scaled:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
-        if self.norms is not None:
+        red = self.reduced
+        if red is not None and self.norms is None and "_gnorm" not in self.vectors:
+            last = v.get(f"_mtot#{len(self.micro_bad) - 1}", math.nan)
+            if math.isfinite(last):
+                # the usual answer: the last backward's gradients are all finite (one number said so);
+                # the per-parameter numbers stay on the device until someone asks (``grad_norms``)
+                self.micro_bad_cleared = True
+                v["grad_nonfinite"] = float(len(set(also_bad)))
+                div = scale if scale and scaled else None
+                self._later, self._grad_norms = (red, div), None
+                if not self.norms_probe:
+                    total = math.sqrt(last) / div if div else math.sqrt(last)
+                    v["grad_norm"] = total
+                    self.grad_norm = total
+                red = None
+            else:  # rare: a non-finite total; the per-parameter numbers say which (a second host read)
+                self.vectors["_gnorm"] = red.per().tolist()
+        if self.norms is not None or red is not None:
             n_params = len(params)
             gn = self.vector("_gnorm", len(self.norm_index))
             whole = len(self.norm_index) == n_params  # every parameter measured (norm_index is 0..n-1)
