@@ -266,7 +266,14 @@ class Reduced:
         total: torch.Tensor,
         per: torch.Tensor | None,
     ) -> None:
-        self.plan, self.square, self.flat, self.big, self.total, self._per = plan, square, flat, big, total, per
+        self.plan, self.square, self.flat, self.big, self.total, self._per = (
+            plan,
+            square,
+            flat,
+            big,
+            total,
+            per,
+        )
 
     def per(self) -> torch.Tensor:
         """Per-tensor float32 sums (``square`` False) or L2 norms, in list order; no host sync."""
@@ -275,7 +282,11 @@ class Reduced:
             with torch.no_grad():
                 parts: list[torch.Tensor] = []
                 if flat is not None:
-                    parts.append(torch.segment_reduce(flat * flat if self.square else flat, "sum", lengths=plan.lengths))
+                    parts.append(
+                        torch.segment_reduce(
+                            flat * flat if self.square else flat, "sum", lengths=plan.lengths
+                        )
+                    )
                 parts += self.big
                 out = plan._order(parts) if parts else torch.zeros(plan.n)
                 self._per = out.sqrt() if self.square else out

@@ -38,6 +38,7 @@ from .._frames import warn_at_user
 from .._tensors import dtensor_type, finite_probe, grad_of, local, unwrap_optimizer, version_of
 from .._trees import tensor_leaves
 from ..events import Anomaly, Phase, RuleEvent
+from .ledger import UpdateLedger, due, nonfinite_params, window_hint
 from .locate import LossTape, StepCapture, replay_capture
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
@@ -64,6 +65,7 @@ class Sentinel:
         self.deferred_step: int | None = None
         self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
+        self.ledger = UpdateLedger()  # updates not probed (off the detail schedule): see ledger.py
         self.skip_run: list[int] | None = None  # policy="skip": [first step, count] of the current run
         # sync="async" (session/deferred.py), while a step is judged one step later: its update already
         # ran or was skipped on the device (nothing to drop), and its gradients may be gone (no exact check)
@@ -84,8 +86,9 @@ class Sentinel:
         self.edit_index: list[int] = []  # gradients changed since backward() measured them
         self.edit_probe: torch.Tensor | None = None
         self.edit_bad: list[int] = []  # ... and non-finite when the update started (confirmed exactly)
-        # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled)
-        self.clips: list[tuple[torch.Tensor, list[int]]] = []
+        # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled, None),
+        # or (its total norm, the gradients, max_norm): the factor is worked out after the read
+        self.clips: list[tuple[torch.Tensor, list[int], float | None]] = []
         self.synced_at_backward = False  # manual mode: the transfer ran at the end of backward()
         self.grad_anomaly = False  # this step's anomaly came from the gradient check
         self.params_bad_now = False  # the parameter probe read with this step's transfer was non-finite
@@ -192,9 +195,13 @@ class Sentinel:
             # step's gradients were already flagged: non-finite weights are then their consequence.
             # Under DDP each rank probes its share (the parameters are the same on every rank).
             share = mon._coord.param_share(mon) if mon._coord is not None else None
-            self.deferred["param_norms"] = self._param_probe(mon, share)
-            self.deferred_index = share
-            self.deferred_step = mon.global_step
+            if not due(mon):  # off the schedule: judged by the next step's numbers (ledger.py)
+                self.ledger.unprobed(mon.global_step, mon.params)
+            else:
+                self.ledger.probed()
+                self.deferred["param_norms"] = self._param_probe(mon, share)
+                self.deferred_index = share
+                self.deferred_step = mon.global_step
         self.seen = SeenGrads()  # the references are not needed after the update
 
     def _param_probe(self, mon: Any, share: list[int] | None = None) -> torch.Tensor:
@@ -294,9 +301,14 @@ class Sentinel:
             m = float(max_norm)
         except (TypeError, ValueError):
             return
-        with torch.no_grad():
-            coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
-            self.clips.append((torch.isfinite(coef).logical_not(), idx))
+        if (
+            self.mon.transfer.lazy and self.mon._async is None
+        ):  # the total: its factor is worked out on the host
+            self.clips.append((total, idx, m))  # computed under no_grad: nothing to detach
+        else:
+            with torch.no_grad():
+                coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
+                self.clips.append((torch.isfinite(coef).logical_not(), idx, None))
         self.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
 
     # -- step end ------------------------------------------------------------------------------------
@@ -336,6 +348,12 @@ class Sentinel:
             # a DDP rank's share travels with the next step's all-reduce, and there is none: probe all
             self.deferred["param_norms"] = finite_probe(mon.params)
             self.deferred_index = None
+        elif "param_norms" not in self.deferred and self.ledger.step is not None:
+            # the last update was not probed (off the schedule): probe it now, once
+            self.deferred_step = self.ledger.step
+            self.ledger.probed()
+            self.deferred["param_norms"] = self._param_probe(mon)
+            self.deferred_index = None
         if self.deferred:
             mon.transfer.values = {}
             mon.sync()
@@ -344,7 +362,7 @@ class Sentinel:
     def items(self) -> list[tuple[str, torch.Tensor]]:
         """The sentinel's device numbers for the step's transfer."""
         items = [("_edit", self.edit_probe)] if self.edit_probe is not None else []
-        items += [(f"_clip{k}", flag) for k, (flag, _) in enumerate(self.clips)]
+        items += [(f"_clip{k}", flag) for k, (flag, _, _) in enumerate(self.clips)]
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
 
     def read_edits(self, values: dict[str, float]) -> None:
@@ -355,8 +373,9 @@ class Sentinel:
             if not all(map(math.isfinite, ep)):  # C loop: the usual answer
                 bad = [i for j, i in enumerate(self.edit_index) if not math.isfinite(ep[j])]
             self.edit_probe = None
-        for k, (_, idx) in enumerate(self.clips):
-            if values.get(f"_clip{k}", 0.0) > 0:  # a non-finite clip factor: every gradient it scaled
+        for k, (_, idx, max_norm) in enumerate(self.clips):
+            x = values.get(f"_clip{k}", 0.0)
+            if x > 0 if max_norm is None else _factor_bad(x, max_norm):  # every gradient it scaled
                 bad += [i for i in idx if i not in bad]
         self.clips = []
         if bad:
@@ -366,6 +385,7 @@ class Sentinel:
         """After the read: the parameter probe of the last update (may raise under ``raise``)."""
         mon = self.mon
         if "param_norms" not in self.deferred:
+            self.judge_unprobed()
             return
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
         transfer = mon.transfer
@@ -409,7 +429,21 @@ class Sentinel:
             mon._warn_once("anomaly", f"torchdebug: {anomaly.summary()}")
         elif (bad or ranks) and not (step == mon.global_step and self.grads_bad()):
             # blamed on the update only when the gradients it used were finite; else they are the cause
-            self.optimizer_anomaly(bad, step, ranks)
+            self.optimizer_anomaly(bad, step, ranks, since=self.ledger.window)
+
+    def judge_unprobed(self) -> None:
+        """After the read, when the last update was not probed and this step read a non-finite loss or
+        gradient: the parameters checked exactly (rare path); non-finite ones nothing wrote to since
+        that update are its doing (may raise under ``raise``)."""
+        led, mon = self.ledger, self.mon
+        step, t = led.step, mon.transfer
+        if step is None or step == mon.global_step or not (t.any_loss_bad() or t.micro_flagged()):
+            return  # the usual answer: the step's numbers are finite
+        led.step = None
+        bad = nonfinite_params(mon.param_names, mon.params)
+        if bad and not led.written_since(mon.params):
+            self.params_bad_now = True
+            self.optimizer_anomaly(bad, step)
 
     # -- detection ------------------------------------------------------------------------------------
     def grad_finite(self, i: int, now: bool = False) -> bool:
@@ -513,7 +547,9 @@ class Sentinel:
         self.mark_skipped(f"skipped by policy: {self.step_anomaly.summary()}", severity="info")  # type: ignore[union-attr]
 
     # -- anomalies ------------------------------------------------------------------------------------
-    def optimizer_anomaly(self, bad: list[str], step: int | None, ranks: list[int] | None = None) -> None:
+    def optimizer_anomaly(
+        self, bad: list[str], step: int | None, ranks: list[int] | None = None, since: int | None = None
+    ) -> None:
         """The update made parameters non-finite from finite gradients. ``bad``: this rank's non-finite
         parameters (empty when only another rank's shards are, under FSDP2); ``ranks``: with several
         ranks, those whose parameters are non-finite (every rank takes the same decision)."""
@@ -564,7 +600,8 @@ class Sentinel:
             world_size=mon.world_size if some else 1,
             tensor=stats,
             module_type=type(mod).__name__,
-            hint=f"the optimizer update made {first} non-finite{more}: check lr, eps, weight decay and the update formula",
+            hint=f"the optimizer update made {first} non-finite{more}{window_hint(since, step)}: check lr, "
+            "eps, weight decay and the update formula",
             symptom=f"{kind} in parameter {first} after the optimizer step",
             detected_by="sentinel",
             parameter=first,
@@ -840,6 +877,15 @@ class SeenGrads:
             if g is not None and 0 <= i < len(self.grads):
                 self.grads[i] = g
                 self.versions[i] = g._version
+
+
+def _factor_bad(total: float, max_norm: float) -> bool:
+    """``clip_grad_norm_``'s factor ``min(max_norm / (total + 1e-6), 1)`` is non-finite (a NaN total or
+    max_norm; an Inf total gives 0), worked out on the host as torch works it out on the device."""
+    try:
+        return not math.isfinite(min(max_norm / (total + 1e-6), 1.0))  # min keeps a NaN in first place
+    except ZeroDivisionError:
+        return False  # a norm is >= 0: total + 1e-6 > 0
 
 
 def _lift_mode(mode: Any) -> None:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 _MAX_PENDING = 2  # steps whose numbers are in flight; one more blocks on the oldest (bounded memory)
 _BAD = "_async_bad"  # this step's own items held a non-finite value
 _HALT = "_async_halt"  # the flag the optimizer saw (this step's or an earlier unread bad step's)
-_BAD_VALUES = ("_loss#", "_gnorm", "_edit")  # non-finite number = bad
+_BAD_VALUES = ("_loss#", "_gnorm", "_mtot#", "_edit")  # non-finite number = bad
 _BAD_FLAGS = ("_mbad#", "_clip")  # a flag > 0 = bad
 
 
@@ -105,7 +105,6 @@ class DeferredReads:
 
     def __init__(self, mon: Monitor) -> None:
         self.mon = mon
-        mon.transfer.lazy = False  # the device verdict reads per-parameter numbers and flags
         self.pending: deque[_Pending] = deque()
         self.staged: _Pending | None = None  # this step's numbers, staged at update_starting
         self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it
@@ -368,7 +367,7 @@ class DeferredReads:
             s.update_held = s.grads_gone = False
             t = mon.transfer
             mon.transfer, state, mon._step_events, mon.global_step, d = live
-            mon.transfer.grad_norm, mon.transfer.grad_norms = t.grad_norm, t.grad_norms
+            mon.transfer.keep_norms(t)
             for k, v in state.items():
                 setattr(s, k, v)
             s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d

@@ -51,8 +51,8 @@ class Transfer:
         # the per-parameter numbers of the last decoded step, not read yet: (reduction, loss scale)
         self._later: tuple[Reduced, float | None] | None = None
         # ordinary steps read one number per micro-step for the gradients (``Plan.reduce``), the
-        # per-parameter numbers only when asked; False (the distributed coordinator, sync="async",
-        # which read the per-parameter numbers and flags themselves): one number per parameter
+        # per-parameter numbers only when asked; False (the distributed coordinator, whose vector
+        # carries per-parameter numbers and flags): one number per parameter
         self.lazy = True
         # the session's parameter list and how to reduce it (built once; rebuilt if the list changes)
         self._plan_of: tuple[list[torch.Tensor], int, Plan | None, list[int]] | None = None
@@ -72,7 +72,9 @@ class Transfer:
         self.norm_index: list[int] = []  # which parameters ``norms`` covers
         self.norms_probe = False  # ``norms`` holds probe sums (finiteness only), not norms
         self.reduced: Reduced | None = None  # lazy: the last backward's gradients, reduced (instead of norms)
-        self.micro_raw: list[bool] = []  # per micro-step: ``micro_bad`` holds a total (finite = ok), not a flag
+        self.micro_raw: list[
+            bool
+        ] = []  # per micro-step: ``micro_bad`` holds a total (finite = ok), not a flag
         # under DDP: ``norms`` covers this rank's share only; every parameter with a gradient, and the
         # micro-step the share measured (the coordinator fills in the other ranks' shares after the read)
         self.shared: tuple[list[int], int] | None = None
@@ -180,6 +182,10 @@ class Transfer:
     def grad_norms(self, value: list[float] | None) -> None:
         self._later = None
         self._grad_norms = value
+
+    def keep_norms(self, other: Transfer) -> None:
+        """The last norms of ``other`` (read or not yet) as this transfer's own."""
+        self.grad_norm, self._grad_norms, self._later = other.grad_norm, other._grad_norms, other._later
 
     def norms_later(self) -> Callable[[], list[float] | None]:
         """``grad_norms`` as they are now, read only if the returned function is called."""
