@@ -163,7 +163,9 @@ class Transfer:
         """The last backward's per-parameter numbers as an item for this step's read, when only their
         total was kept for it (detail steps: the gradient rules want every parameter's norm)."""
         red = self.reduced
-        return [("_gnorm", red.per())] if red is not None and self.norms is None else []
+        if red is None or self.norms is not None or red.total.is_meta:  # meta: no values (sync says so)
+            return []
+        return [("_gnorm", red.per())]
 
     @property
     def grad_norms(self) -> list[float] | None:
