@@ -987,7 +987,7 @@ class GradientHealth:
             self._clip_insight(mon, step, float(values["health.clip_total"]), handed["clip"], record, scalars)
         norms_host = mon.grad_norms_host if self.details and mon.due(self.every) else None
         if norms_host is not None:
-            scalars.update(zip(self._detail_names(mon)[3], norms_host))  # host floats, names built once
+            _log_vector(mon, step, self._detail_names(mon)[3], norms_host)  # host floats, names built once
             if not record.skipped:
                 event = self.vanishing.update(step, layer_norms(names, norms_host))
                 if event is not None:
@@ -1101,9 +1101,8 @@ class GradientHealth:
     def _update_insight(self, mon: Any, step: int, ratio: Sequence[float], weight: Sequence[float]) -> None:
         names = mon.param_names[: len(ratio)]
         names_u, names_w, ndims, _ = self._detail_names(mon)
-        scalars = dict(zip(names_u, ratio))
-        scalars.update(zip(names_w, weight))
-        mon.log_scalars(scalars, step=step)
+        _log_vector(mon, step, names_u, list(ratio))
+        _log_vector(mon, step, names_w, list(weight))
         ratios = dict(zip(names, ratio))
         event = self.ratio_rule.update(step, ratios, ndims)
         if event is not None:
@@ -1212,6 +1211,18 @@ class GradientHealth:
             c["gradient_vanishing"],
             c["loss_anomalies"],
         )
+
+
+def _log_vector(mon: Any, step: int, names: list[str], values: list[float]) -> None:
+    """One value per name into the run store as one record (the writer's ``log_vector``: no Python
+    object per value on the training thread); the names list is the cached one, never copied."""
+    writer = getattr(mon, "writer", None)
+    if writer is None:
+        return
+    if hasattr(writer, "log_vector") and len(names) == len(values):
+        writer.log_vector(step, names, values)
+    else:
+        mon.log_scalars(dict(zip(names, values)), step=step)
 
 
 def _plan(mon: Any) -> Any:

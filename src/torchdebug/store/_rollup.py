@@ -17,7 +17,7 @@ meets both +Inf and -Inf becomes NaN, i.e. NULL.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 #: Bucket widths in steps, finest first: powers of 2, so for any chart of ``nb`` buckets one level
 #: has between nb/2 and nb buckets over the range and is read as it is, one rollup row per chart
@@ -117,6 +117,13 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
     ``value`` NaN or None (a NaN read back from SQLite) counts as NaN. Cost: about 1 µs per raw row
     (one dict update at the finest level; coarser levels are merged from the finest aggregates).
     """
+    return list(_aggregated(rows))
+
+
+def _aggregated(rows: Iterable[tuple[int, int, float | None, float]]) -> Iterator[tuple[object, ...]]:
+    """:func:`aggregate` one level at a time, each row made as it is consumed: a commit of many metrics
+    keeps two levels' aggregates alive, not every level and every output row (fewer live objects for
+    the garbage collector to walk, whichever thread it runs on)."""
     finest: dict[tuple[int, int], _Agg] = {}
     get = finest.get
     shift = _FINEST_SHIFT
@@ -172,7 +179,6 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
             a[2] = step
         elif step > a[3]:
             a[3] = step
-    out: list[tuple[object, ...]] = []
     level_aggs = finest
     prev_shift = shift
     for level, sh in zip(LEVELS, _SHIFTS):
@@ -188,8 +194,8 @@ def aggregate(rows: Iterable[tuple[int, int, float | None, float]]) -> list[tupl
                     _merge(c, a)
             level_aggs = coarser
             prev_shift = sh
-        out.extend((mid, level, b, *a) for (mid, b), a in level_aggs.items())
-    return out
+        for (mid, b), a in level_aggs.items():
+            yield (mid, level, b, *a)
 
 
 def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
@@ -199,9 +205,7 @@ def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None,
     and level per commit: a commit holding one step of 1000 metrics spends ~35 ms here (the raw
     rows take ~2 ms); a commit holding many steps of few metrics adds ~0.8 µs per raw row.
     """
-    params = aggregate(rows)
-    if params:
-        conn.executemany(UPSERT, params)
+    conn.executemany(UPSERT, _aggregated(rows))
 
 
 def backfill(conn: sqlite3.Connection, chunk: int = 200_000) -> None:
