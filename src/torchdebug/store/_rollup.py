@@ -208,6 +208,40 @@ def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None,
     conn.executemany(UPSERT, _aggregated(rows))
 
 
+def write_points(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
+    """Fold raw rows into ``metric_rollup`` one upsert per row and level, with no aggregation first:
+    for rows that are one point per metric (a detail step's per-parameter numbers), the same upserts
+    :func:`write` makes, streamed as the rows come (no Python object kept per row). The ``UPSERT``
+    merges each into the stored bucket, so two points of a metric in one call are still right."""
+    conn.executemany(UPSERT, _point_rows(rows))
+
+
+def _point_rows(rows: Iterable[tuple[int, int, float | None, float]]) -> Iterator[tuple[object, ...]]:
+    for mid, step, v, wall in rows:
+        if v is None or v != v:  # NaN
+            agg: tuple[object, ...] = (
+                1,
+                1,
+                step,
+                step,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                step,
+                wall,
+                None,
+                wall,
+            )
+        else:
+            agg = (1, 0, step, step, v, v, step, wall, v, step, wall, None, None, v, wall)
+        for level, shift in zip(LEVELS, _SHIFTS):
+            yield (mid, level, step >> shift, *agg)
+
+
 def backfill(conn: sqlite3.Connection, chunk: int = 200_000) -> None:
     """Build the rollups of every raw row already in ``scalars`` (migration from schema v1).
 

@@ -21,7 +21,7 @@ import uuid
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def _record_step(rec: tuple[Any, ...]) -> int | None:
     """The step of a queued record (scalars and segments carry it second, the rest first)."""
     return rec[2] if rec[0] in ("s", "g", "v") else rec[1]
+
+
+def _vector_rows(ids: dict[str, int], rec: tuple[Any, ...]) -> Iterator[tuple[int, int, float, float]]:
+    """The raw rows ``(metric_id, step, value, wall)`` of one ``log_vector`` record, one at a time."""
+    _, names, step, values, wall = rec
+    for n, v in zip(names, values):
+        yield ids[n], step, v, wall
 
 
 def _expanded(low: deque[tuple[Any, ...]]) -> deque[tuple[Any, ...]]:
@@ -339,21 +346,23 @@ class _Core:
                         cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (rec[1],))
                         ids[rec[1]] = int(cur.lastrowid or 0)
                 rows = [(ids[n], s, v, w) for _, n, s, v, w in scalars]
-                for _, names, step, values, wall in vectors:
+                for _, names, _, _, _ in vectors:
                     for n in names:
                         if n not in ids:
                             cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (n,))
                             ids[n] = int(cur.lastrowid or 0)
-                    rows += [(ids[n], step, v, wall) for n, v in zip(names, values)]
-                top = max(r[1] for r in rows)
+                top = max([r[1] for r in rows] + [rec[2] for rec in vectors])
                 if top > self.max_step:
                     self.max_step = top
-                conn.executemany(
-                    "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)", rows
-                )
-                # Same transaction as the raw rows: a crash keeps both or neither, so rollups never
-                # disagree with the rows they summarize. Cost: ~1 µs per row here, off the training thread.
-                _rollup.write(conn, rows)
+                insert = "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)"
+                if rows:
+                    conn.executemany(insert, rows)
+                    # Same transaction as the raw rows: a crash keeps both or neither, so rollups never
+                    # disagree with the rows they summarize. Cost: ~1 µs per row here, off the training thread.
+                    _rollup.write(conn, rows)
+                for rec in vectors:  # streamed row by row: no list of rows held (see _rollup.write_points)
+                    conn.executemany(insert, _vector_rows(ids, rec))
+                    _rollup.write_points(conn, _vector_rows(ids, rec))
             if stats:
                 conn.executemany(
                     "INSERT INTO tensor_stats(step, wall_time, name, data) VALUES (?, ?, ?, ?)", stats
