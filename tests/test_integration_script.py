@@ -58,3 +58,26 @@ def test_run_says_what_it_cannot_find(tmp_path, capsys):
 def test_run_missing_script_is_a_one_line_error(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.py")]) == 1
     assert "no such script" in capsys.readouterr().err
+
+
+GAN = os.path.join(os.path.dirname(__file__), "fixtures", "gan_script.py")
+
+
+def test_run_watches_every_optimizer_of_a_gan_and_names_the_model(tmp_path, capsys):
+    code = main(["run", "--run-dir", str(tmp_path), GAN, "--iters", "4", "--bad-iter", "2"])
+    err = capsys.readouterr().err
+    assert code == 3
+    # D is watched too (its optimizer came second); one step per G-and-D iteration: iteration 2 is step 2
+    assert "nan born in forward of D.1 (Act): aten.sqrt" in err
+    assert f"at {origin_line('script_sqrt', GAN)} (step 2)" in err
+    assert "watched G and D with Adam and Adam: 2 steps, 1 anomalies" in err
+    assert_clean_exit()
+
+
+def test_run_of_a_clean_gan_counts_one_step_per_iteration(tmp_path, capsys):
+    code = main(["run", "--run-dir", str(tmp_path), GAN, "--iters", "3"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("done: loss_d ")
+    assert "watched G and D with Adam and Adam: 3 steps, 0 anomalies" in err
+    assert meta(tmp_path)["status"] == "finished"
+    assert_clean_exit()

@@ -10,9 +10,9 @@ import torchdebug as td
 PUBLIC = [
     "Anomaly", "AsyncTrainingLogger", "AutogradAnomalyDetector", "ConfigError", "DebugConfig", "DebugInfo", "DebugLevel",
     "DebugMode", "DiffusionModelDebugger", "FlopReport", "GradientDebugger", "GradientFlow", "GradientReport", "InstrumentError",
-    "ModeComparison", "ModeResult", "ModelDebugger", "ModelSummary", "ModuleFrame", "ModuleMemoryTable", "Monitor", "NonFiniteError",
+    "LossSpikeError", "ModeComparison", "ModeResult", "ModelDebugger", "ModelSummary", "ModuleFrame", "ModuleMemoryTable", "Monitor", "NonFiniteError",
     "OomReport", "OptimizationMode", "Phase", "ProfileSummary", "PyTorchDebugConfig", "PyTorchDebugManager", "PyTorchDebugger",
-    "PyTorchMemoryDebugger", "PyTorchOptimizer", "RuleEvent", "RunStoreError", "SchemaVersionError", "StepRecord", "TensorStats",
+    "PyTorchMemoryDebugger", "PyTorchOptimizer", "RuleEvent", "RunStoreError", "SchemaVersionError", "SpikeReport", "StepRecord", "TensorStats",
     "TorchDebugError", "TorchDebugWarning", "TrainingDebugger", "TrainingPhase", "__version__", "analyze_gradient_flow",
     "analyze_model_parameters", "analyze_tensor", "build_report", "check_gradient_anomalies",
     "check_gradient_anomalies_async", "check_gradients", "check_tensor_anomalies",

@@ -82,12 +82,12 @@ def test_policy_warn_points_at_the_users_line(tmp_path: Path) -> None:
 
 
 def test_failed_replay_warning_points_at_the_users_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchdebug.nonfinite.sentinel as sentinel
+    import torchdebug.nonfinite.replay as replay  # the rare path: the replay of a failing step
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("replay machinery broke")
 
-    monkeypatch.setattr(sentinel, "replay_capture", broken)
+    monkeypatch.setattr(replay, "replay_capture", broken)
     model, opt = _model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

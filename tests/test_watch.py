@@ -512,7 +512,7 @@ def test_instrument_whose_constructor_fails_is_the_only_one_switched_off(
         td.watch(model, run=False, config=cfg) as mon,
     ):
         names = sorted(type(i).__name__ for i in mon.instruments)
-    assert names == ["GradientHealth", "MemoryInstrument"]
+    assert names == ["GradientHealth", "MemoryInstrument", "SpikeGuard"]  # the loss-spike guard (on_spike)
 
 
 def test_loss_tape_under_a_user_mode_is_lifted_out_at_exit() -> None:

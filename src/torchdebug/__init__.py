@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import (
     ConfigError,
     InstrumentError,
+    LossSpikeError,
     NonFiniteError,
     RunStoreError,
     SchemaVersionError,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:  # the names below load on first use (module __getattr__); myp
         check_gradients,
     )
     from .health.inspection import ModelSummary, inspect_model
+    from .health.spikes import SpikeReport
     from .memory.analysis import (
         ModuleMemoryTable,
         PyTorchMemoryDebugger,
@@ -122,6 +124,7 @@ _LAZY = {
     "RuleEvent": ".events",
     "StepRecord": ".events",
     "GradientFlow": ".health.gradients",
+    "SpikeReport": ".health.spikes",
     "GradientReport": ".health.gradients",
     "analyze_gradient_flow": ".health.gradients",
     "analyze_model_parameters": ".health.gradients",
@@ -215,6 +218,7 @@ __all__ = [
     "GradientFlow",
     "GradientReport",
     "InstrumentError",
+    "LossSpikeError",
     "ModeComparison",
     "ModeResult",
     "ModelDebugger",
@@ -235,6 +239,7 @@ __all__ = [
     "RuleEvent",
     "RunStoreError",
     "SchemaVersionError",
+    "SpikeReport",
     "StepRecord",
     "TensorStats",
     "TorchDebugError",

@@ -279,6 +279,7 @@ Policy = Literal["raise", "warn", "skip"]
 AnomalyMode = Literal["warn", "raise"]
 OnOOM = Literal["raise", "retry_half"]
 Sync = Literal["blocking", "async"]
+OnSpike = Literal["warn", "rollback", "raise", "off"]
 
 
 @dataclass(kw_only=True, repr=False)
@@ -371,6 +372,11 @@ class DebugConfig:
       update_ratio_min [1e-5] < update_ratio_max [1e-1]; clip_on_spike [None: max norm to clip
       to on a spike].
     - loss rules: loss_spike_mads [10.0], loss_plateau_window [200, 2..10000], loss_plateau_rel [1e-4].
+    - loss spikes (docs/spikes.md): on_spike "warn"|"rollback"|"raise"|"off" ["warn": every spike gets a
+      ``SpikeReport`` naming its cause; "rollback" also restores the last snapshot before the spike and
+      goes on; "raise" raises ``LossSpikeError``]; snapshot_every [50 steps between rollback snapshots,
+      >= 1]; max_rollbacks [3: a spike after that many rollbacks raises]; rollback_lr_scale [1.0, in
+      (0, 1]: the learning rate is multiplied by it for rollback_lr_steps [0] updates after a rollback].
     - mixed precision: scale_floor [1.0], scale_shrink_steps [5].
     - input_bound_fraction [0.3, in (0, 1]]; slowdown_factor [1.5, > 1]; leak_window [50 samples, 2..1000];
       leak_every [4: steps between leak-test samples, or memory_every when smaller; the window spans
@@ -456,6 +462,11 @@ class DebugConfig:
     loss_spike_mads: float = _opt(10.0, gt=0)
     loss_plateau_window: int = _opt(200, ge=2, le=10_000)  # sorted every step: O(window log window)
     loss_plateau_rel: float = _opt(1e-4, ge=0)
+    on_spike: OnSpike = "warn"
+    snapshot_every: int = _opt(50, ge=1)
+    max_rollbacks: int = _opt(3, ge=0)
+    rollback_lr_scale: float = _opt(1.0, gt=0, le=1)
+    rollback_lr_steps: int = _opt(0, ge=0)
     dead_unit_fraction: float = _opt(0.95, gt=0, le=1)
     update_ratio_min: float = _opt(1e-5, ge=0)
     update_ratio_max: float = _opt(1e-1, gt=0)

@@ -5,14 +5,15 @@ TorchDebugError (Exception)
 ├── RunStoreError                        a run folder or database cannot be read or written
 │   └── SchemaVersionError               the database was written by a newer torchdebug
 ├── ConfigError (also ValueError)        an unknown option, wrong type or unknown option string
-└── InstrumentError                      an instrument failed (it is switched off, training goes on)
+├── InstrumentError                      an instrument failed (it is switched off, training goes on)
+└── LossSpikeError (also RuntimeError)   .report: the SpikeReport (on_spike="raise", or max_rollbacks)
 
 TorchDebugWarning (UserWarning)          warnings torchdebug emits (instrument off, rule events)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .events import Anomaly
@@ -51,3 +52,14 @@ class InstrumentError(TorchDebugError):
 
 class TorchDebugWarning(UserWarning):
     """Warnings emitted by torchdebug (rule events, instruments switched off)."""
+
+
+class LossSpikeError(TorchDebugError, RuntimeError):
+    """The loss spiked and ``on_spike="raise"``, or it spiked again after ``max_rollbacks`` rollbacks.
+
+    ``.report`` is the spike's ``SpikeReport`` (``torchdebug.health.spikes``): its cause and numbers.
+    """
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        self.report = report
+        super().__init__(message)

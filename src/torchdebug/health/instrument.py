@@ -457,9 +457,15 @@ class LRRule:
         self.zero: set[int] = set()
         self.bad: set[int] = set()
 
-    def update(self, step: int, lrs: Sequence[float]) -> list[RuleEvent]:
-        """Feed the per-group learning rates of ``step``."""
+    def update(self, step: int, lrs: Sequence[float], labels: Sequence[str] | None = None) -> list[RuleEvent]:
+        """Feed the per-group learning rates of ``step`` (``labels``: what to call each; default
+        ``param group <g>``; with several optimizers, which optimizer's group)."""
         out: list[RuleEvent] = []
+        label = (
+            (lambda g: labels[g])
+            if labels is not None and len(labels) == len(lrs)
+            else (lambda g: f"param group {g}")
+        )
         lrs = tuple(float(x) for x in lrs)
         prev = self.prev
         if prev is None or len(prev) != len(lrs):
@@ -474,7 +480,7 @@ class LRRule:
                         RuleEvent(
                             "lr_nonfinite",
                             step,
-                            f"learning rate of param group {g} is {lr}; check the scheduler",
+                            f"learning rate of {label(g)} is {lr}; check the scheduler",
                             "error",
                             evidence={"group": g, "lr": lr},
                         )
@@ -493,7 +499,7 @@ class LRRule:
                     RuleEvent(
                         "lr_zero",
                         step,
-                        f"learning rate of param group {g} dropped to 0 (was {_fmt(before)}): nothing will be learned",
+                        f"learning rate of {label(g)} dropped to 0 (was {_fmt(before)}): nothing will be learned",
                         "warning",
                         evidence={"group": g, "lr": lr, "previous": before},
                     )
@@ -506,7 +512,7 @@ class LRRule:
                     RuleEvent(
                         "lr_change",
                         step,
-                        f"learning rate of param group {g}: {_fmt(before)} -> {_fmt(lr)}",
+                        f"learning rate of {label(g)}: {_fmt(before)} -> {_fmt(lr)}",
                         "info",
                         evidence={"group": g, "lr": lr, "previous": before},
                     )
@@ -817,6 +823,7 @@ class GradientHealth:
         self._synced_step: int | None = None  # the step whose transfer already ran (collect was called)
         self._judged_step: int | None = None  # the step the explosion rule already judged
         self._before: Any = None  # weights before a detail step's update (a flat copy, or a list)
+        self._before_step: int | None = None  # the step ``_before`` was copied at
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (step, ratios, weight norms)
         self._handed: dict[str, Any] = {}  # what this step's collect calls handed to the transfer
         self._clip: tuple[torch.Tensor, float, float] | None = None
@@ -892,16 +899,19 @@ class GradientHealth:
                         evidence={"grad_norm": unscaled, "max_norm": float(self.clip_on_spike)},
                     ),
                 )
-        if self.details and mon.due(self.every) and mon.params:
+        # several updates in a step (several optimizers): one copy before the first, so the ratio after
+        # the last covers every update of the step
+        if self.details and mon.due(self.every) and mon.params and self._before_step != step:
             plan = _plan(mon)
+            self._before_step = step
             with torch.no_grad():  # detail steps only: one copy of the weights
                 self._before = (
                     plan.flatten(mon.params) if plan is not None else [p.detach().clone() for p in mon.params]
                 )
 
     def after_optimizer_step(self, mon: Any) -> None:
-        before, self._before = self._before, None
-        if before is None:
+        before = self._before
+        if before is None or self._before_step != mon.global_step:
             return
         with torch.no_grad():
             if isinstance(before, torch.Tensor):  # the plan's flat copy: a few torch calls in all
@@ -932,9 +942,10 @@ class GradientHealth:
             self._clip = None
             out["health.clip_total"] = total.reshape(())
             self._handed["clip"] = (max_norm, norm_type)
-        if self._pending is not None:
+        if self._pending is not None and getattr(getattr(mon, "state", None), "phase", None) != "update":
+            # (not in the read before a later update of the same step: the ratios then are not final)
             step, ratio, weight = self._pending
-            self._pending = None
+            self._pending = self._before = None
             out["health.ratio"] = ratio  # read as one list each (the transfer's VECTORS)
             out["health.weight"] = weight
             self._handed["update"] = (step, len(ratio))
@@ -973,7 +984,7 @@ class GradientHealth:
                     self._emit(mon, event)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
-        for event in self.lr_rule.update(step, record.lr or ()):
+        for event in self.lr_rule.update(step, record.lr or (), getattr(mon, "lr_labels", None)):
             self._emit(mon, event)
         if amp:
             bad = (

@@ -79,8 +79,10 @@ def _cli(args: argparse.Namespace) -> int:
     if mon is not None:
         where = f"; run folder {mon.run_dir}" if mon.run_dir is not None else ""
         anomalies = f"{len(mon.anomalies)} anomalies"
+        models = " and ".join(mon.roots) if mon.roots is not None else type(mon.model).__name__
+        opts = " and ".join(type(o).__name__ for o in mon.optimizers) or type(mon.optimizer).__name__
         print(
-            f"torchdebug run: watched {type(mon.model).__name__} with {type(mon.optimizer).__name__}: "
+            f"torchdebug run: watched {models} with {opts}: "
             f"{mon.global_step} steps, {style(anomalies, 'error' if found else 'ok', colour)}{where}",
             file=sys.stderr,
         )

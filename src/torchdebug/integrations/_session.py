@@ -7,7 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from ..session.monitor import POLICIES, Monitor, watch
+from ..session.monitor import Monitor, watch
+from ..session.options import POLICIES
 
 _FRAMEWORK_OWNED = ("model", "optimizer")
 

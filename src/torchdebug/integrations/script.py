@@ -5,6 +5,12 @@ runs; at the first optimizer the script creates, the model is the outermost ``nn
 owns all of that optimizer's parameters, and ``watch(model, optimizer)`` starts there (so the first
 forward is already captured). A step ends after each step of that optimizer (its step post-hook
 calls ``mon.step()``), since the script never calls it.
+
+Every optimizer the script creates later is watched too (``mon.watch_also``): a model not watched
+yet joins the session before its first step (a GAN's G and D, named after the script's variables).
+With several optimizers a step ends at the next forward of a watched model once every optimizer has
+stepped since the last step ended (one ``mon.step()`` per G-and-D iteration) or one has stepped
+twice (a critic stepped several times per generator step), and at the script's end.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ FALLBACK = (
     "fall back to three lines in the script: `with td.watch(model, optimizer) as mon:` around the loop "
     "and `mon.step()` after `optimizer.step()`"
 )
+
+
+def _user_frame() -> Any:
+    """The script's frame that created the optimizer (the first outside torch and torchdebug)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("torch", "torchdebug"):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame
 
 
 def _owner(params: list[torch.Tensor]) -> tuple[nn.Module | None, int]:
@@ -56,6 +70,8 @@ class ScriptSession:
         self.notes: list[str] = []
         self._handles: list[Any] = []
         self._orig_init: Any = None
+        self._stepped: set[int] = set()  # several optimizers: those that stepped since the last step end
+        self._again = False  # ... and one of them stepped twice
 
     def __enter__(self) -> ScriptSession:
         orig = self._orig_init = torch.optim.Optimizer.__init__
@@ -66,9 +82,14 @@ class ScriptSession:
             orig(opt, *args, **kwargs)
             if session.monitor is None and not session.notes:
                 try:
-                    session._found(opt)  # the first optimizer only
+                    session._found(opt)  # the first optimizer
                 except Exception as exc:  # never break the script: it runs unwatched, and says so
                     session.notes.append(f"finding the model failed ({exc!r}); nothing is watched")
+            elif session.monitor is not None and not session.monitor.closed:
+                try:
+                    session._also(opt, _user_frame())  # every later one
+                except Exception as exc:
+                    session.notes.append(f"watching {type(opt).__name__} too failed ({exc!r})")
 
         torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         return self
@@ -90,19 +111,53 @@ class ScriptSession:
             )
         self.monitor = watch(model, opt, **self.watch_kwargs)
         self.monitor.__enter__()
+        self._hook(model)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         # registered after the session's own post-hook, so update_done() has run: the step ends here
         self._handles.append(register_optimizer_step_post_hook(self._step_end))
 
+    def _also(self, opt: torch.optim.Optimizer, caller: Any) -> None:
+        """A later optimizer: watched too, and its model when the session does not hold it yet."""
+        mon = self.monitor
+        assert mon is not None
+        opt = unwrap_optimizer(opt)
+        model, _ = _owner([p for g in opt.param_groups for p in g["params"]])
+        if mon.watch_also(model, opt, caller):
+            if model is not None:
+                self._hook(model)
+        else:
+            self.notes.append(
+                f"{type(opt).__name__} was created after training began: its model is not watched"
+            )
+
+    def _hook(self, model: nn.Module) -> None:
+        # before the session's own forward hook: the step that ended is closed before the next begins
+        self._handles.append(model.register_forward_pre_hook(self._forward, prepend=True))
+
     def _step_end(self, opt: Any, args: Any, kwargs: Any) -> None:
+        mon = self.monitor
+        if mon is None or mon.closed or mon.replaying or not mon.owns_optimizer(opt):
+            return
+        if len(mon.optimizers) > 1:  # several: the step ends at the next forward (see the module docstring)
+            key = id(unwrap_optimizer(opt))
+            self._again = self._again or key in self._stepped  # one stepped twice: end at the next forward
+            self._stepped.add(key)
+        elif unwrap_optimizer(opt) is mon.optimizer:
+            mon.step()
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
         mon = self.monitor
         if (
             mon is not None
             and not mon.closed
             and not mon.replaying
-            and unwrap_optimizer(opt) is mon.optimizer
+            and self._stepped
+            and (self._again or self._stepped >= {id(o) for o in mon.optimizers})
+            and torch.is_grad_enabled()
         ):
+            self._stepped.clear()
+            self._again = False
             mon.step()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -112,6 +167,12 @@ class ScriptSession:
             h.remove()
         self._handles.clear()
         mon = self.monitor
+        if mon is not None and not mon.closed and exc is None and self._stepped:
+            self._stepped.clear()
+            try:
+                mon.step()  # several optimizers: the last step ends with the script
+            except BaseException as err:
+                exc_type, exc, tb = type(err), err, err.__traceback__
         if mon is not None and not mon.closed:
             mon.__exit__(exc_type, exc, tb)
         if mon is None and not self.notes:

@@ -14,10 +14,9 @@ at exit, blamed on the updates since the last probe.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from .._step import SessionView
 from .._tensors import local, version_of
 
 
@@ -65,7 +64,7 @@ def window_hint(since: int | None, step: int | None) -> str:
     )
 
 
-def due(mon: Any) -> bool:
+def due(mon: SessionView) -> bool:
     """Probe after this update: on the detail schedule, and always where the probe travels in its own
     way (several ranks: the all-reduced vector; sync="async": with the staged step)."""
-    return mon._coord is not None or mon._async is not None or mon.due(mon.config.detail_every)
+    return mon.coordinator is not None or mon.config.sync == "async" or mon.due(mon.config.detail_every)

@@ -26,28 +26,26 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .._errors import NonFiniteError
+from .._errors import LossSpikeError, NonFiniteError
+from .._step import StepState
 from .._tensors import Items, local
 from ..events import StepRecord
-from .transfer import Transfer, stack
-
-if TYPE_CHECKING:
-    from .monitor import Monitor
+from .protocol import Session
+from .transfer import stack
 
 _MAX_PENDING = 2  # steps whose numbers are in flight; one more blocks on the oldest (bounded memory)
 _BAD = "_async_bad"  # this step's own items held a non-finite value
 _HALT = "_async_halt"  # the flag the optimizer saw (this step's or an earlier unread bad step's)
-_BAD_VALUES = ("_loss#", "_gnorm", "_mtot#", "_edit")  # non-finite number = bad
-_BAD_FLAGS = ("_mbad#", "_clip")  # a flag > 0 = bad
+_BAD_VALUES = frozenset({"_loss", "_gnorm", "_mtot", "_edit"})  # non-finite number = bad
+_BAD_FLAGS = frozenset({"_mbad", "_clip"})  # a flag > 0 = bad
 
 
 def host_values(buf: torch.Tensor) -> list[float]:
@@ -69,23 +67,12 @@ class _Pending:
     spec: list[tuple[str, int]]  # each staged item's name and size, in order
     buffers: list[tuple[torch.Tensor, Any]]  # (host buffer, CUDA event or None); one per staging
     deferred: tuple[dict[str, torch.Tensor], int | None, list[int] | None, list[int]]
-    transfer: Transfer | None = None  # set at the step end
-    state: dict[str, Any] | None = None  # the sentinel's per-step state
-    events: list[Any] | None = None
+    state: StepState | None = None  # the step's whole state, kept at its end
     lr: tuple[float, ...] = ()
     time_s: float | None = None
 
     def ready(self) -> bool:
         return all(ev is None or ev.query() for _, ev in self.buffers)
-
-
-def _step_keys() -> tuple[str, ...]:
-    """The sentinel's per-step attributes: those its ``reset`` sets (read from a bare instance)."""
-    from ..nonfinite.sentinel import Sentinel
-
-    bare = object.__new__(Sentinel)
-    Sentinel.reset(bare)
-    return tuple(vars(bare))
 
 
 def _cat(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -103,14 +90,13 @@ def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
 class DeferredReads:
     """The async read of one session (``config.sync == "async"``); see the module docstring."""
 
-    def __init__(self, mon: Monitor) -> None:
+    def __init__(self, mon: Session) -> None:
         self.mon = mon
         self.pending: deque[_Pending] = deque()
         self.staged: _Pending | None = None  # this step's numbers, staged at update_starting
         self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it
         self._why_not: dict[int, str | None] = {}  # id(optimizer) -> why it cannot skip on the device
         self._set: dict[int, tuple[Any, bool, Any]] = {}  # optimizer -> its found_inf before ours
-        self._keys = _step_keys()
         self.host_reads = 0  # staged steps read from host memory (no sync)
         self.blocking_reads = 0  # waits for a copy: the pending queue was full, or the session ended
 
@@ -122,7 +108,7 @@ class DeferredReads:
             return "the NaN/Inf sentinel is off"  # nothing to protect: said nowhere (the user's choice)
         if mon.driver is not None:
             reason = f"the {mon.driver} driver owns the update"
-        elif mon._coord is not None:
+        elif mon.coordinator is not None:
             reason = "several ranks decide each step together (one all-reduced verdict)"
         elif mon.scaler is not None and getattr(mon.scaler, "is_enabled", lambda: True)():
             reason = "a GradScaler owns the optimizer's found_inf"
@@ -146,7 +132,7 @@ class DeferredReads:
                 # would keep it if skipped): that one step is read blocking, said nowhere
                 return "its state does not exist yet" if not opt.state else None
             reason = cached
-        mon._warn_once(
+        mon.warn_once(
             f"async:{reason}",
             f"torchdebug: sync='async' falls back to the blocking read (one host sync per step): {reason}",
         )
@@ -157,7 +143,7 @@ class DeferredReads:
         """Stage the step's numbers and hand the optimizer the skip flag; False: judge it blocking."""
         try:
             return self._update_starting(opt)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -182,7 +168,7 @@ class DeferredReads:
         if self.why_not(opt) is not None:
             self.resolve(block=True)  # the blocking verdict comes after every earlier step's
             return False
-        s.opt_ran = s.opt_ran_in_scaler = True
+        mon.state.opt_ran = mon.state.opt_ran_in_scaler = True
         s.manual = False
         s.probe_edits(opt)  # device work: gradients changed since backward()
         items = mon._step_items()
@@ -191,8 +177,8 @@ class DeferredReads:
         spec, flat = _stack(items)
         with torch.no_grad():
             # one pass over the step's items (a handful: losses, the gradient vector, flags), not elements
-            vals = [t for n, t in items if n.startswith(_BAD_VALUES)]
-            flags = [t for n, t in items if n.startswith(_BAD_FLAGS)]
+            vals = [t for n, t in items if n in _BAD_VALUES]
+            flags = [t for n, t in items if n in _BAD_FLAGS]
             bad = torch.zeros((), device=flat.device, dtype=torch.bool)
             if vals:
                 bad = bad | _cat(vals, flat.device).isfinite().logical_not().any()
@@ -239,7 +225,7 @@ class DeferredReads:
         """``mon.step()`` of a staged step: keep its state for the read; None: a blocking step."""
         try:
             return self._step_end()
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -258,27 +244,18 @@ class DeferredReads:
             spec, flat = _stack(more)
             p.spec += spec
             p.buffers.append(self._copy(flat))
-        s = mon.sentinel
-        p.transfer = mon.transfer
-        p.state = {k: getattr(s, k) for k in self._keys}
-        p.events = mon._step_events
-        p.lr = (
-            tuple([float(g.get("lr", math.nan)) for g in mon.optimizer.param_groups])
-            if mon.optimizer is not None
-            else ()
-        )
+        p.state = mon.state
+        p.lr = tuple([float(g.get("lr", math.nan)) for o in mon.optimizers for g in o.param_groups])
         now = time.perf_counter()
         p.time_s = now - mon._last_step_end
-        fresh = copy.copy(p.transfer)  # what outlives a step (the last norms, the reduction plan) ...
-        fresh.reset()  # ... and new per-step containers (reset assigns new ones: the pending's stay)
-        mon.transfer = fresh
+        mon.state = p.state.detach()  # the next step's: fresh containers, what outlives a step
         self.pending.append(p)
         while len(self.pending) > _MAX_PENDING:
             self._resolve(self.pending.popleft(), block=True)
         # the step's numbers come one step later (mon.records, the store, on_step_end)
         return StepRecord(
             step=p.step,
-            micro_steps=len(p.transfer.micro_bad) or len(p.state.get("captures", ())),
+            micro_steps=len(p.state.transfer.micro_bad) or len(p.state.captures),
             lr=p.lr,
             time_s=p.time_s,
         )
@@ -288,7 +265,7 @@ class DeferredReads:
         """Judge every pending step whose copy is complete (``block``: all of them, waiting)."""
         try:
             self._resolve_ready(block)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._fail(exc)
@@ -296,7 +273,7 @@ class DeferredReads:
     def _fail(self, exc: BaseException) -> None:
         """A failure of this machinery never stops training: one warning, blocking reads from now on."""
         mon = self.mon
-        mon._warn_once(
+        mon.warn_once(
             "async:failed",
             f"torchdebug: sync='async' failed ({exc!r}) and was switched off: the session reads each "
             "step blocking from now on",
@@ -311,7 +288,7 @@ class DeferredReads:
         while self.pending and (block or self.pending[0].ready()):
             self._resolve(self.pending.popleft(), block)
         for p in self.pending:  # still in flight (CUDA, the device behind): keep less while waiting
-            for cap in (p.state or {}).get("captures", ()):
+            for cap in p.state.captures if p.state is not None else ():
                 if getattr(cap, "tape_complete", False):
                     # the replay re-runs the loss from its tape; the outputs' gradients (on a language
                     # model the logits' gradient) are only its fallback: not kept through this forward
@@ -326,31 +303,26 @@ class DeferredReads:
                 self.blocking_reads += 1
             host += host_values(buf)
         self.host_reads += 1
-        bad, halt = host[0], host[1]  # staged first: _BAD, _HALT
+        bad, halt = host[0], host[1]  # staged first: _BAD, _HALT (not unpacked)
         if halt > 0 and self.halt is not None:
             self.halt.zero_()  # read: later updates follow their own flag again (queued before them)
-        assert p.transfer is not None and p.state is not None and p.events is not None  # set at step end
+        assert p.state is not None  # set at the step end
         live = (
-            mon.transfer,
-            {k: getattr(s, k) for k in self._keys},
-            mon._step_events,
+            mon.state,
             mon.global_step,
             (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index),
         )
-        mon.transfer, mon._step_events, mon.global_step = p.transfer, p.events, p.step
-        for k, v in p.state.items():
-            setattr(s, k, v)
+        mon.state, mon.global_step = p.state, p.step
         s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
-        s.update_held = True  # the update ran (or was skipped on the device) already: nothing to drop
+        mon.verdicts.update_held = True  # the update ran (or was skipped on the device): nothing to drop
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
-            mon.transfer.unpack(p.spec, host)
-            mon.transfer.values.pop(_BAD, None)
-            mon.transfer.values.pop(_HALT, None)
+            mon.transfer.unpack(p.spec[2:], host[2:])
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
-            s.check_gradients(at_optimizer=True, opt=p.opt)  # the verdict: replay, record, policy (may raise)
-            if halt > 0 and not s.skipped:
-                held = bad == 0 and s.step_anomaly is None
+            # the verdict (may replay), then recorded and the policy applied (may raise)
+            mon.verdicts.apply(s.judge(at_optimizer=True, opt=p.opt))
+            if halt > 0 and not mon.state.skipped:
+                held = bad == 0 and mon.state.step_anomaly is None
                 why = (
                     "held on the device: an earlier step's NaN/Inf was not read yet (sync='async')"
                     if held
@@ -358,18 +330,19 @@ class DeferredReads:
                 )
                 if held and mon.config.policy == "skip":
                     why = "skipped by policy: " + why  # counted with the run of skipped steps
-                s.mark_skipped(why, severity="info")  # the anomaly (or the earlier one) was said already
+                mon.verdicts.mark_skipped(
+                    why, severity="info"
+                )  # the anomaly (or the earlier one) was said already
             record = mon._record(lr=p.lr, time_s=p.time_s)
+            mon.verdicts.say_skips()
             s.after_step_end(mon, False)
             mon._each("on_step_end", record, record.values)
             mon._keep(record)
         finally:
-            s.update_held = s.grads_gone = False
+            mon.verdicts.update_held = s.grads_gone = False
             t = mon.transfer
-            mon.transfer, state, mon._step_events, mon.global_step, d = live
+            mon.state, mon.global_step, d = live
             mon.transfer.keep_norms(t)
-            for k, v in state.items():
-                setattr(s, k, v)
             s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d
 
     # -- exit -----------------------------------------------------------------------------------------

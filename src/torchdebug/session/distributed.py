@@ -51,6 +51,7 @@ from torch import nn
 
 from .._tensors import dtensor_type, finite_probe, foreach_norms
 from ..events import Anomaly, RuleEvent
+from .protocol import Session
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
 _HANG_STEPS = 20.0  # ... or 20 x the median step time, whichever is longer
@@ -197,7 +198,7 @@ class Coordinator:
 
     name = "distributed"
 
-    def __init__(self, mon: Any, rank: int, world: int, pg: bool, ddp: Any) -> None:
+    def __init__(self, mon: Session, rank: int, world: int, pg: bool, ddp: Any) -> None:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
         mon.transfer.lazy = False  # the step's vector carries per-parameter numbers and flags
         self.collective = pg and world > 1
@@ -253,28 +254,28 @@ class Coordinator:
             self._thread.start()
 
     # -- the step protocol ----------------------------------------------------------------------
-    def on_forward_start(self, mon: Any, module: Any, args: Any, kwargs: Any) -> None:
+    def on_forward_start(self, mon: Session, module: Any, args: Any, kwargs: Any) -> None:
         if self._t_forward is None:
             self._t_forward = time.perf_counter()
         self._phase = "forward"
         if self._ddp_fast and _ddp_syncs_now(self.ddp):
             self._sync_pending = True
 
-    def on_backward_start(self, mon: Any, loss: Any) -> None:
+    def on_backward_start(self, mon: Session, loss: Any) -> None:
         now = time.perf_counter()
         if self._t_backward is None:
             self._t_backward = now
         self._phase = "backward"
         self._cur_sync, self._sync_pending = self._sync_pending, False
 
-    def on_backward_end(self, mon: Any) -> None:
+    def on_backward_end(self, mon: Session) -> None:
         while len(self._micro_sync) < len(mon.transfer.micro_bad):
             self._micro_sync.append(self._cur_sync)
         if self._cur_sync and self._work is None and not self._reduced and self._live():
             self._launch(mon, time.perf_counter())
         self._cur_sync = False
 
-    def before_optimizer_step(self, mon: Any) -> None:
+    def before_optimizer_step(self, mon: Session) -> None:
         self._phase = "optimizer"
 
     def _timings(self, now: float) -> tuple[float, float]:
@@ -285,7 +286,7 @@ class Coordinator:
         end = self._t_backward or now
         return max(end - self._step_start, 0.0), max(t_fwd - self._step_start, 0.0)
 
-    def _vector(self, mon: Any, now: float, probes: bool = True) -> torch.Tensor:
+    def _vector(self, mon: Session, now: float, probes: bool = True) -> torch.Tensor:
         """``(4, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
         losses, the micro-steps' gradient flags and (``probes``) the other deferred probes known now
         (non-finite iff one of them is, or, rarely, a float32 sum of finite values overflows: the
@@ -334,7 +335,9 @@ class Coordinator:
                 vec = self._per_param(mon, vec, (), None)  # zeros: the same length on every rank
         return vec
 
-    def _per_param(self, mon: Any, vec: torch.Tensor, idx: Any, nums: torch.Tensor | None) -> torch.Tensor:
+    def _per_param(
+        self, mon: Session, vec: torch.Tensor, idx: Any, nums: torch.Tensor | None
+    ) -> torch.Tensor:
         """``vec`` flattened, then one entry per parameter of the session (the same length on every
         rank): ``nums`` at the parameters ``idx``, zeros elsewhere. The index goes to the device once
         per distinct ``idx``, not with every step's vector (no host-to-device copy per step on GPUs)."""
@@ -347,7 +350,7 @@ class Coordinator:
             per[self._index_dev[1]] = nums.to(dev, torch.float32)
         return torch.cat([vec.reshape(-1), per])
 
-    def _shard_norm(self, mon: Any) -> torch.Tensor | None:
+    def _shard_norm(self, mon: Session) -> torch.Tensor | None:
         """This rank's share of the FSDP2 gradient norm, on the device: ``sqrt(sum_i w_i * n_i**2)``
         over the per-parameter norms of the local shards the session already computed (no new pass
         over the gradients), ``w_i`` = 1 / (ranks holding a copy of each element of parameter i), so
@@ -362,9 +365,10 @@ class Coordinator:
         if self._grad_weights is None or self._grad_weights[0] != idx:
             w = [_copies(mon.params[i], self.world) ** -0.5 for i in idx]
             self._grad_weights = (idx, torch.tensor(w, dtype=torch.float32, device=norms.device))
-        return torch.linalg.vector_norm(norms.float() * self._grad_weights[1])
+        weighted: torch.Tensor = torch.linalg.vector_norm(norms.float() * self._grad_weights[1])
+        return weighted
 
-    def global_grad_norm(self, mon: Any, local: float, scale: float = 1.0) -> float:
+    def global_grad_norm(self, mon: Session, local: float, scale: float = 1.0) -> float:
         """FSDP2: the norm of the whole gradient, from every rank's shard norm in this step's vector.
 
         ``local`` is the session's norm of this rank's shards (returned as it is without sharding, on
@@ -372,10 +376,7 @@ class Coordinator:
         Read from the step's all-reduced vector: no extra collective and no extra host sync. NaN when
         any rank's shards hold a NaN, Inf when any holds an Inf.
         """
-        if (
-            not (self.sharded and self._live())
-            or f"_dist#{_ROW_GRAD * self.world}" not in mon.transfer.values
-        ):
+        if not (self.sharded and self._live()) or len(mon.transfer.readout.dist) <= _ROW_GRAD * self.world:
             return local
         row = self._row(mon, _ROW_GRAD)
         if any(x == -1.0 for x in row):
@@ -385,25 +386,25 @@ class Coordinator:
         return math.sqrt(sum(x * x for x in row)) / (scale or 1.0)  # float64 on the host: no overflow
 
     def global_grad_norms(
-        self, mon: Any, local: list[float] | None, scale: float = 1.0
+        self, mon: Session, local: list[float] | None, scale: float = 1.0
     ) -> list[float] | None:
         """FSDP2: each parameter's gradient norm over the whole parameter, not this rank's shard, from
         the per-parameter entries of this step's vector (no extra collective or host sync); ``local``
         (in the order of ``mon.params``) as it is when the step sent none."""
         base = self._rows * self.world
-        v = mon.transfer.values
-        if local is None or not (self.sharded and self._live()) or f"_dist#{base}" not in v:
+        v = mon.transfer.readout.dist
+        if local is None or not (self.sharded and self._live()) or len(v) <= base:
             return local
         if any(x == -1.0 for x in self._row(mon, _ROW_GRAD)):
             return local
         out = list(local)
         for i in mon.transfer.norm_index:
-            sq = v.get(f"_dist#{base + i}", math.nan)
+            sq = v[base + i] if base + i < len(v) else math.nan
             out[i] = math.sqrt(sq) / (scale or 1.0) if sq >= 0 or math.isnan(sq) else math.nan
         return out
 
     # -- the parameter probe ------------------------------------------------------------------------
-    def param_share(self, mon: Any) -> list[int] | None:
+    def param_share(self, mon: Session) -> list[int] | None:
         """The parameters this rank probes after an update, or None for all of them.
 
         Under DDP every rank holds the same parameters after the update, so each rank probes about
@@ -425,12 +426,12 @@ class Coordinator:
             self._share = (len(params), sorted(mine))
         return self._share[1]
 
-    def grad_share(self, mon: Any) -> list[int] | None:
+    def grad_share(self, mon: Session) -> list[int] | None:
         """The gradients this rank measures after the backward now ending, or None for all of them:
         its :meth:`param_share` when DDP all-reduced them (every rank holds the same gradients)."""
         return self.param_share(mon) if self._cur_sync else None
 
-    def fill_shares(self, mon: Any) -> None:
+    def fill_shares(self, mon: Session) -> None:
         """After the step's read, under a DDP share: the other ranks' gradient numbers from the
         all-reduced vector, so the verdict, the norms and the records cover every parameter on every
         rank. Without the vector (the coordinator went off mid-step) this rank measures the rest now."""
@@ -438,10 +439,10 @@ class Coordinator:
         if t.shared is None:
             return
         base = self._rows * self.world
-        v = t.values
+        v = t.readout.dist
         n = len(mon.params)
-        if f"_dist#{base + n - 1}" in v:
-            whole = [v[f"_dist#{base + i}"] for i in range(n)]
+        if len(v) >= base + n:
+            whole = v[base : base + n]
         else:  # rare: measured here, with a host read
             idx = t.shared[0]
             grads = [mon.params[i].grad for i in idx]
@@ -451,10 +452,10 @@ class Coordinator:
                 whole[i] = nums[j]
         t.fill_shares(whole)
 
-    def params_flagged(self, mon: Any) -> bool | None:
+    def params_flagged(self, mon: Session) -> bool | None:
         """Whether any rank's probe of the last update's parameters read non-finite (from this step's
         all-reduced vector), or None when the vector carried none (a single rank, the check at exit)."""
-        if not self._live() or f"_dist#{_ROW_PARAM * self.world}" not in mon.transfer.values:
+        if not self._live() or len(mon.transfer.readout.dist) <= _ROW_PARAM * self.world:
             return None
         return any(not math.isfinite(x) for x in self._row(mon, _ROW_PARAM))
 
@@ -483,7 +484,7 @@ class Coordinator:
             work.wait()
         return work
 
-    def _launch(self, mon: Any, now: float) -> None:
+    def _launch(self, mon: Session, now: float) -> None:
         """Start this step's all-reduce without waiting: at the end of the backward whose gradients
         DDP all-reduced, carrying the losses and the micro-steps' flags, this rank's share of the
         gradient numbers and its share of the last update's parameter probe. The step's transfer
@@ -494,7 +495,7 @@ class Coordinator:
         self._launched = (len(mon.transfer.loss_vals), len(mon.transfer.micro_bad))
         self.collectives["hidden"] += 1
 
-    def collect(self, mon: Any) -> dict[str, torch.Tensor]:
+    def collect(self, mon: Session) -> dict[str, torch.Tensor]:
         """This step's all-reduced vector, read with the step's one transfer.
 
         Under DDP it is the one launched at the synced backward's end (waited for here). A blocking all-reduce of every local flag instead when the step's gradients did
@@ -535,14 +536,14 @@ class Coordinator:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _row(self, mon: Any, r: int) -> list[float]:
-        v = mon.transfer.values
-        return [v.get(f"_dist#{r * self.world + k}", 0.0) for k in range(self.world)]
+    def _row(self, mon: Session, r: int) -> list[float]:
+        v = mon.transfer.readout.dist
+        return [v[r * self.world + k] if r * self.world + k < len(v) else 0.0 for k in range(self.world)]
 
-    def on_step_end(self, mon: Any, record: Any, values: Any) -> None:
+    def on_step_end(self, mon: Session, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)
-        if self.collective and self.rank == 0 and f"_dist#{self.world}" in mon.transfer.values:
+        if self.collective and self.rank == 0 and len(mon.transfer.readout.dist) > self.world:
             self._straggler_rule(mon, int(record.step), self._row(mon, 1))
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
@@ -556,10 +557,10 @@ class Coordinator:
         self._step_start = now
         self._t_forward = self._t_backward = None
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: Session) -> None:
         self.remove(mon)
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: Session) -> None:
         self._stop.set()
         self._work = self._vec = None  # never waited for at exit: the other rank may have left
         t = self._thread
@@ -567,7 +568,7 @@ class Coordinator:
             t.join(timeout=5.0)
 
     # -- agreement -------------------------------------------------------------------------------
-    def step_bad(self, mon: Any) -> bool:
+    def step_bad(self, mon: Session) -> bool:
         """The decision every rank takes for this step (the same on every rank).
 
         The fast path reads the all-reduced flags (every rank's loss) and, under DDP, this rank's
@@ -576,7 +577,7 @@ class Coordinator:
         probe's false alarm on one rank cannot split them; a non-finite loss on any rank then counts
         as one on every rank (the GradScaler's "non-finite loss" rule sees the same answer).
         """
-        if not self._live() or "_dist#0" not in mon.transfer.values:
+        if not self._live() or not mon.transfer.readout.dist:
             return bool(mon.sentinel.grads_bad())
         if self._verdict is not None and self._verdict[0] == mon.global_step:
             return self._verdict[1]
@@ -585,11 +586,12 @@ class Coordinator:
         )
         if not suspect:
             return False
-        v = mon.transfer.values
-        loss_bad = any(not math.isfinite(v[k]) for k in v if k.startswith("_loss#"))
+        readout = mon.transfer.readout
+        loss_bad = readout.any_loss_bad()
         # gradients that never left this rank (micro-steps under no_sync): non-finite ones were born here
+        flags = readout.micro_bad
         local = self.ddp is not None and any(
-            v.get(f"_mbad#{i}", 0.0) > 0 for i, synced in enumerate(self._micro_sync) if not synced
+            i < len(flags) and flags[i] > 0 for i, synced in enumerate(self._micro_sync) if not synced
         )
         mine = torch.zeros(3, self.world, device=self._dev)  # NCCL reduces device tensors only
         mine[0, self.rank] = float(loss_bad)
@@ -600,10 +602,8 @@ class Coordinator:
         self._exact = mine.tolist()
         decision = any(x > 0 for row in self._exact for x in row)
         self._verdict = (mon.global_step, decision)
-        if decision and not loss_bad:
-            for r, x in enumerate(self._exact[0]):
-                if x > 0:  # rank r's loss was non-finite: this rank's checks see it as its own
-                    v[f"_loss#rank{r}"] = math.nan
+        if decision and not loss_bad and any(x > 0 for x in self._exact[0]):
+            readout.other_rank_loss_bad = True  # a rank's loss was non-finite: this rank's checks see it
         return decision
 
     def births(self) -> list[int]:
@@ -617,7 +617,7 @@ class Coordinator:
                 return found
         return [self.rank]
 
-    def anomaly(self, mon: Any) -> Anomaly:
+    def anomaly(self, mon: Session) -> Anomaly:
         """Build this step's anomaly on every rank: the first rank of birth replays (locally, without
         collectives) and broadcasts what it found; the others record that rank k found the origin.
 
@@ -672,7 +672,7 @@ class Coordinator:
             reproducible=d.get("reproducible"),
         )
 
-    def _replay(self, mon: Any) -> Anomaly:
+    def _replay(self, mon: Session) -> Anomaly:
         """This rank's anomaly, replayed locally: the wrapped module under ``no_sync`` (no collective).
 
         Never raises: the other ranks wait in the collective that follows, so an error becomes the
@@ -695,7 +695,7 @@ class Coordinator:
             )
 
     # -- stragglers -------------------------------------------------------------------------------
-    def _straggler_rule(self, mon: Any, step: int, busy: list[float]) -> None:
+    def _straggler_rule(self, mon: Session, step: int, busy: list[float]) -> None:
         """One event per episode when one rank's busy time is consistently above the others'.
 
         Robust: per-rank medians over the last 20 steps; the slowest rank's median against the
@@ -738,7 +738,7 @@ class Coordinator:
             self._straggling = None  # episode over: the next one is a new event
 
     # -- hang watchdog ------------------------------------------------------------------------
-    def hang_timeout(self, mon: Any) -> float:
+    def hang_timeout(self, mon: Session) -> float:
         """``config.hang_timeout``, else max(5 min, 20 x the median step time)."""
         fixed = mon.config.hang_timeout
         if fixed is not None:
@@ -747,7 +747,7 @@ class Coordinator:
         med = statistics.median(durations) if durations else 0.0
         return max(_HANG_MIN_S, _HANG_STEPS * med)
 
-    def _watchdog(self, mon: Any) -> None:
+    def _watchdog(self, mon: Session) -> None:
         while not self._stop.is_set():
             timeout = self.hang_timeout(mon)
             if self._stop.wait(min(1.0, timeout / 4)):
@@ -760,22 +760,8 @@ class Coordinator:
                 except Exception as exc:  # the watchdog must never take the job down
                     print(f"torchdebug: the hang watchdog could not record ({exc!r})", file=sys.stderr)
 
-    def _record_hang(self, mon: Any, stuck: float, timeout: float) -> None:
-        frames = sys._current_frames()
-        names = {t.ident: t.name for t in threading.enumerate()}
-        stacks = {}
-        for ident, frame in frames.items():
-            if ident == threading.get_ident():
-                continue  # this watchdog
-            fs = traceback.extract_stack(frame)[-_MAX_STACK:]
-            stacks[f"{names.get(ident, 'thread')} ({ident})"] = [
-                f"{Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in fs
-            ]
-        main = frames.get(self._main)
-        where = ""
-        if main is not None:
-            inner = traceback.extract_stack(main)[-1]
-            where = f"{inner.filename}:{inner.lineno} in {inner.name}"
+    def _record_hang(self, mon: Session, stuck: float, timeout: float) -> None:
+        stacks, where = _thread_stacks(self._main)
         after = (
             "no step completed yet" if self._last_step is None else f"last completed step {self._last_step}"
         )
@@ -796,6 +782,26 @@ class Coordinator:
         print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # one line; the job is never killed
 
 
+def _thread_stacks(main: int | None) -> tuple[dict[str, list[str]], str]:
+    """Every thread's stack but this one's (the watchdog's), and where the thread ``main`` is now."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks = {}
+    for ident, frame in frames.items():
+        if ident == threading.get_ident():
+            continue  # this watchdog
+        fs = traceback.extract_stack(frame)[-_MAX_STACK:]
+        stacks[f"{names.get(ident, 'thread')} ({ident})"] = [
+            f"{Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in fs
+        ]
+    top = frames.get(main) if main is not None else None
+    where = ""
+    if top is not None:
+        inner = traceback.extract_stack(top)[-1]
+        where = f"{inner.filename}:{inner.lineno} in {inner.name}"
+    return stacks, where
+
+
 def _copies(p: Any, world: int) -> float:
     """How many ranks hold each element of parameter ``p``: 1 for an FSDP2 parameter sharded over all
     ranks (1-D mesh), R for HSDP's R replicas of a shard, ``world`` for a plain tensor (replicated,
@@ -805,7 +811,7 @@ def _copies(p: Any, world: int) -> float:
         return float(world)
     mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
     shards = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
-    return max(world / shards, 1.0)
+    return max(world / float(shards), 1.0)
 
 
 def _join(a: str, b: str) -> str:
@@ -816,3 +822,13 @@ def _with(a: Anomaly, **changes: Any) -> Anomaly:
     import dataclasses
 
     return dataclasses.replace(a, **changes)
+
+
+def mean_loss(coord: Coordinator, mon: Session) -> float | None:
+    """The ranks' mean loss this step from row 0 of the step's all-reduce (the sum of each rank's
+    micro-step losses): the same float on every rank, so a loss-spike decision taken on it is the
+    same everywhere. None without that all-reduce, or when other probes ride in row 0."""
+    dist = mon.transfer.readout.dist
+    if not coord._live() or not dist or set(mon.sentinel.deferred) - {"param_norms"}:
+        return None
+    return sum(coord._row(mon, 0)) / (coord.world * max(len(mon.transfer.loss_vals), 1))

@@ -24,17 +24,15 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from .._installs import Installs
+from .protocol import Session
 
-if TYPE_CHECKING:
-    from .monitor import Monitor
-
-_ACTIVE: list[Monitor] = []  # the sessions the global patches serve
+_ACTIVE: list[Session] = []  # the sessions the global patches serve
 _TLS = threading.local()
 _ORIGINALS: dict[str, Any] = {}  # non-empty while the global patches are installed
 _PATCHES = Installs()  # the global patches, shared by every active session
@@ -158,7 +156,7 @@ def _getstate_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(orig)
     def __getstate__(self: nn.Module) -> dict:
-        state = orig(self)
+        state: dict = orig(self)
         for key, hooks in list(state.items()):
             if not (key.startswith("_") and "hooks" in key and isinstance(hooks, dict) and hooks):
                 continue
@@ -231,27 +229,49 @@ class PlainLoopDriver:
     module the session names and watches.
     """
 
-    def __init__(self, mon: Monitor, root: nn.Module, model: nn.Module) -> None:
+    def __init__(
+        self, mon: Session, root: nn.Module, model: nn.Module, roots: list[nn.Module] | None = None
+    ) -> None:
         self.mon = mon
         self.root = root
         self.model = model
+        self.roots = roots or [root]  # several models: each one's forward is a root of the step
         self.in_compiled_call = False  # inside an in-place compiled call: the hooks of its eager fallback
         self._handles: list[Any] = []
+        self._root_handles: list[Any] = []
 
     def install(self) -> None:
         mon = self.mon
         _ACTIVE.append(mon)
         _install_patches()
         add = mon.installs.hook
-        self._handles.append(add(self.root.register_forward_pre_hook(mon.forward_started, with_kwargs=True)))
-        self._handles.append(add(self.root.register_forward_hook(mon.forward_done)))
+        self.hook_roots()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(add(register_optimizer_step_pre_hook(self._opt_pre)))
         self._handles.append(add(register_optimizer_step_post_hook(self._opt_post)))
 
+    def hook_roots(self, roots: list[nn.Module] | None = None) -> None:
+        """Forward hooks on the modules the loop calls (``roots``: a new set, the old hooks removed)."""
+        for h in self._root_handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._root_handles.clear()
+        if roots is not None:
+            self.roots = roots
+        add, mon = self.mon.installs.hook, self.mon
+        for root in self.roots:
+            self._root_handles.append(
+                add(root.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
+            )
+            self._root_handles.append(add(root.register_forward_hook(mon.forward_done)))
+
     def remove(self) -> None:
         self.unwrap_compiled()
+        for h in self._root_handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._root_handles.clear()
         for h in self._handles:
             with contextlib.suppress(Exception):
                 h.remove()

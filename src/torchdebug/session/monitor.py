@@ -35,60 +35,46 @@ plain-loop driver and global patches (:mod:`torchdebug.session.driver`), the dis
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
-import os
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._config import DebugConfig, DebugLevel, check_path, coerce_config
-from .._errors import ConfigError, NonFiniteError, RunStoreError, TorchDebugWarning
+from .._config import DebugLevel
+from .._errors import LossSpikeError, NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
-from .._tensors import unwrap_optimizer
-from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous, rule_counts, training_summary
+from .._step import Instrument, StepPhase, StepState
+from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
+from .control import Controls
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
+from .models import SeveralModels
+from .options import check_options, gather_models
+from .recording import Recording
+from .rollback import SpikeGuard
 from .transfer import Items, Transfer
+from .verdicts import Verdicts
 
-POLICIES = ("raise", "warn", "skip")
-SYNCS = ("blocking", "async")
 _MAX_EVENTS = 10_000
 
-# instrument name -> (module, class); each class is constructed with no arguments
-_INSTRUMENTS: dict[str, tuple[str, str]] = {
-    "gradients": ("torchdebug.health.instrument", "GradientHealth"),
-    # alone (no "gradients"): GradientHealth records these itself when it runs, see _wanted()
-    "activations": ("torchdebug.health.standalone", "ActivationInstrument"),
-    "gradient_details": ("torchdebug.health.standalone", "WeightInstrument"),
-    "device_placement": ("torchdebug.session.placement", "DevicePlacementInstrument"),
-    "memory": ("torchdebug.memory.instrument", "MemoryInstrument"),
-    "module_memory": ("torchdebug.memory.instrument", "ModuleMemoryInstrument"),
-    "timing": ("torchdebug.perf.timing", "TimingInstrument"),
-    "module_time": ("torchdebug.perf.timing", "ModuleTimeInstrument"),
-    "flops": ("torchdebug.perf.flops", "FlopsInstrument"),
-    "profiler": ("torchdebug.perf.profiler", "ProfilerInstrument"),
-    "step_details": ("torchdebug.health.details", "StepDetails"),
-}
 
-
-class Monitor:
+class Monitor(Controls, Recording, SeveralModels):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: Any,
+        optimizer: Any = None,
         *,
         policy: str | None = None,
         scaler: Any = None,
@@ -101,60 +87,28 @@ class Monitor:
         report_to: Any = None,
         announce: bool | None = None,
         sync: str | None = None,
+        on_spike: str | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
-        optimizer = unwrap_optimizer(optimizer)
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"watch(..., optimizer=): expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        cfg = coerce_config(config)
-        changes: dict[str, Any] = {}
-        if policy is not None:
-            if not isinstance(policy, str) or policy.lower() not in POLICIES:
-                raise ValueError(
-                    f"watch(..., policy={policy!r}): policy must be one of {', '.join(POLICIES)}"
-                )
-            changes["policy"] = policy.lower()
-        if tensorboard is not None:
-            changes["tensorboard"] = tensorboard
-        if clip_on_spike is not None:
-            changes["clip_on_spike"] = clip_on_spike
-        if on_oom is not None:
-            changes["on_oom"] = on_oom
-        self._sink_objects: list[Any] = []  # Sink objects / SummaryWriters given in report_to
-        if report_to is not None:
-            items = [report_to] if isinstance(report_to, str) else report_to
-            if not isinstance(items, (list, tuple)):
-                items = [items]
-            changes["report_to"] = [i for i in items if isinstance(i, str)]
-            self._sink_objects = [i for i in items if not isinstance(i, str)]
-        if announce is not None:
-            changes["announce"] = announce
-        if sync is not None:
-            if not isinstance(sync, str) or sync.lower() not in SYNCS:
-                raise ValueError(f"watch(..., sync={sync!r}): sync must be one of {', '.join(SYNCS)}")
-            changes["sync"] = sync.lower()
-        self.config: DebugConfig = cfg.replace(**changes) if changes else cfg
+        # several models (a list, dict or ModuleDict) are watched as one ModuleDict whose models are the
+        # step's roots; several optimizers (a list) are each checked before their update
+        model, self.roots, optimizers = gather_models(model, optimizer, _caller())
+        self.config, self._sink_objects = check_options(
+            model,
+            None,
+            policy,
+            scaler,
+            run,
+            config,
+            tensorboard,
+            clip_on_spike,
+            on_oom,
+            report_to,
+            announce,
+            sync,
+            on_spike,
+        )  # TypeError / ValueError / ConfigError / ImportError naming the fix, before anything is installed
+        optimizer = optimizers[0] if optimizers else None
         self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
-        if self.config.report_to or self.config.tensorboard or self._sink_objects:
-            from ..sinks import as_sink, require, resolve_names
-
-            if run is False or (run is None and not self.config.store):
-                raise ConfigError(
-                    "report_to / tensorboard send the run's records as the run folder gets them, so they "
-                    "need the run store: drop run=False (or store=False), or drop report_to"
-                )
-            resolve_names(self.config.report_to)  # a missing library: ImportError naming the extra, now
-            if self.config.tensorboard:
-                require("tensorboard")
-            for obj in self._sink_objects:
-                as_sink(obj)  # a TypeError for anything else, now
-        if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "step", "update")):
-            raise TypeError(
-                f"watch(..., scaler=): expected a torch.amp.GradScaler, got {type(scaler).__name__}"
-            )
         self._ddp, model = _distributed.split_ddp(model)  # DDP: watch the wrapped module
         # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
         # names, parameters and the instruments see the original (no "_orig_mod." prefix anywhere)
@@ -163,13 +117,14 @@ class Monitor:
         if type(model).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
             model = orig
         self.model = model
-        self.optimizer = optimizer
-        # the optimizer when unwrapping leaves it as it is (``owns_optimizer``'s shortcut)
-        self._bare_optimizer = optimizer if unwrap_optimizer(optimizer) is optimizer else None
+        self.optimizer = optimizer  # the first optimizer given (None: adopted as they step)
+        # every optimizer of the session: those given, else those adopted (in the order they first stepped)
+        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
+        self._given = bool(optimizers)
+        self._lr_names: tuple[tuple[int, ...], list[str]] = ((-1,), [])
+        self._bare_optimizer = optimizer  # ``owns_optimizer``'s shortcut
         self.scaler = scaler
         self.early_stopping = early_stopping
-        if isinstance(run, (str, bytes, os.PathLike)):
-            check_path(os.fspath(run), "run")  # a NUL byte would only fail later, inside the user's `with`
         self._run_arg = run
         # everything the session and its instruments install: taken off in _teardown, whatever failed
         self.installs = Installs()
@@ -190,8 +145,10 @@ class Monitor:
         self.writer: Any = None
         self.run_dir: Path | None = None
         self.step_scalars: dict[str, float] = {}  # the last step's own scalars, as stored
-        self.instruments: list[Any] = []
+        self.instruments: list[Instrument] = []
         self.anomalies: list[Anomaly] = []
+        self.spikes: list[Any] = []  # a SpikeReport per loss-spike episode (session/rollback.py)
+        self.rollbacks: list[Any] = []  # a Rollback per on_spike="rollback" restore
         self.events: deque[RuleEvent] = deque(maxlen=_MAX_EVENTS)
         self.records: deque[StepRecord] = deque(maxlen=1000)
         # anomaly_steps: steps with a NaN/Inf record; anomalous_steps: ``events.is_anomalous`` steps
@@ -204,19 +161,17 @@ class Monitor:
         }
         self.level_overrides: list[str] = []
         self._enabled = self.config.instruments()
-        self.transfer = Transfer()
+        self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
         self.sentinel = Sentinel(self)
+        self.verdicts = Verdicts(self)  # applies the sentinel's verdicts: records, the policy, skips
         self.sentinel.active = "nonfinite" in self._enabled
         # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
         self._async = DeferredReads(self) if self.config.sync == "async" else None
-        self._plain = PlainLoopDriver(self, self._called, self.model)
+        self._plain = PlainLoopDriver(self, self._called, self.model, list((self.roots or {}).values()))
         self._entered = False
         self._closed = False
         self._warned: set[str] = set()
-        self._uses_cuda = any(p.is_cuda for p in self.params)
-        self._step_events: list[RuleEvent] = []
-        self._lr_used: tuple[float, ...] | None = None  # read as the update starts (update_starting)
-        self._new_micro_step = True  # the next forward is the first of a micro-step
+        self.uses_cuda = any(p.is_cuda for p in self.params)
         self._last_step_end = time.perf_counter()
         self._adopted: set[int] = set()
         self._segment_start = 0  # the step the current history segment (dashboard "clear") began
@@ -226,6 +181,9 @@ class Monitor:
     # -- the step protocol (see the module docstring) -------------------------------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         """Forward began (the root module's forward pre-hook; ``outside``: around a compiled call)."""
+        if self.roots is not None:
+            self._root_started(module, args, kwargs)
+            return
         if (
             self.sentinel.replaying
             or not torch.is_grad_enabled()
@@ -233,8 +191,13 @@ class Monitor:
         ):
             return
         self.sentinel.pop_tape()
-        if self._new_micro_step:
-            self._new_micro_step = False
+        self._first_forward(module, args, kwargs, outside)
+
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
+        state = self.state
+        if state.new_micro_step:
+            state.new_micro_step = False
+            state.phase = StepPhase.FORWARD
             if self._async is not None:
                 self._async.resolve(block=False)  # the last step's numbers, copied by now (may raise)
             self.sentinel.on_forward_start(self, module, args, kwargs)
@@ -245,6 +208,9 @@ class Monitor:
 
     def forward_done(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
         """Forward done (the root module's forward hook)."""
+        if self.roots is not None:
+            self._root_done(module, output)
+            return
         if (
             self.sentinel.replaying
             or not torch.is_grad_enabled()
@@ -257,6 +223,7 @@ class Monitor:
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
         self.sentinel.pop_tape()
+        self.state.fwd_depth = 0
         if self._called.__dict__.get("_compiled_call_impl") is not None:  # model.compile() in place
             self._plain.wrap_compiled()
         self.sentinel.on_backward_start(self, loss, gradient)
@@ -271,7 +238,8 @@ class Monitor:
     def backward_done(self) -> None:
         """Backward done: one device reduction of the gradients (a norm or a finiteness probe each)."""
         self.micro_step += 1
-        self._new_micro_step = True
+        self.state.new_micro_step = True
+        self.state.phase = StepPhase.BACKWARD
         if self.sentinel.active or "gradients" in self._enabled:
             # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
             share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
@@ -281,7 +249,13 @@ class Monitor:
             if idx:
                 self.sentinel.saw_gradients(idx, grads)
         self._each("on_backward_end")
-        self.sentinel.on_backward_end(self)  # a loop that updates by hand is checked here
+        if self.roots is not None:
+            self.sentinel.after_backward(self)  # the loss code that follows is recorded too
+        if self.sentinel.judges_at_backward_end(self):
+            # an update by hand (or every backward checked): no optimizer hook runs before the update
+            self.sync()
+            self.state.synced_at_backward = True
+            self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
 
     def update_starting(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update is about to start and the gradients are final.
@@ -293,21 +267,38 @@ class Monitor:
         """
         if self.sentinel.replaying:
             return
-        if self.optimizer is not None and self._lr_used is None:  # the LR this update uses (a
-            # scheduler stepped before mon.step() must not change what the step records)
-            self._lr_used = tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
+        state = self.state
+        state.phase = StepPhase.UPDATE
+        self.sentinel.pop_tape()  # the update is not loss code
+        # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
+        for o in [opt] if any([opt is o for o in self.optimizers]) else self.optimizers:
+            state.lr_used.setdefault(id(o), tuple([float(g.get("lr", math.nan)) for g in o.param_groups]))
         if self._async is None or not self._async.update_starting(opt):
-            self.sentinel.before_update(self, opt)
+            if self.sentinel.before_update(self, opt):
+                self.sync()  # the step's one read (a second optimizer in the step reuses it)
+            if self.sentinel.active:
+                self.verdicts.apply(self.sentinel.judge(at_optimizer=True, opt=opt))  # may raise or skip
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
         if self.sentinel.replaying:
             return
+        state = self.state
+        state.phase = StepPhase.UPDATED
+        state.micro_base = len(self.transfer.micro_bad)  # the next update's micro-steps count from here
         if self._async is not None:
             self._async.update_done(opt)
         self.sentinel.after_update(self)
         self._each("after_optimizer_step")
+        if (
+            self.roots is not None
+            and state.cap is not None
+            and state.captures
+            and state.cap is state.captures[-1]
+            and len(state.captures) - 1 in state.tape_only  # the capture of what follows a backward
+        ):
+            self.sentinel.open_tape(self, state.cap)  # several models: the loss code after it is recorded
 
     def scaler_step_started(self, scaler: Any) -> None:
         """``GradScaler.step`` began for this session's optimizer (the scaler is adopted if unknown)."""
@@ -317,7 +308,10 @@ class Monitor:
 
     def scaler_step_done(self, scaler: Any, failed: bool = False) -> None:
         """``GradScaler.step`` returned: when it skipped the update, the sentinel judges it now."""
-        self.sentinel.scaler_step_done(self, scaler, failed)
+        if self.sentinel.scaler_step_done(self, scaler, failed):  # skipped: judged now, gradients still here
+            if self.sentinel.wants_read():
+                self.sync()
+            self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
 
     def clip_starting(self, params: list[Any]) -> list[int]:
         """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
@@ -337,6 +331,8 @@ class Monitor:
         """
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        if self.roots is not None:
+            self.sentinel.pop_tape()
         if self._async is not None:
             early = self._async.step_end()  # a staged step: judged one step later
             if early is not None:
@@ -345,13 +341,16 @@ class Monitor:
         sentinel, transfer = self.sentinel, self.transfer
         manual = sentinel.manual_update(self)
         synced = transfer.synced
-        sentinel.before_step_end(self, manual)  # the verdict, when the update did not give it
+        if sentinel.before_step_end(self, manual):  # the verdict, when the update did not give it
+            self.sync()
+            self.verdicts.apply(sentinel.judge(at_optimizer=False))
         if synced:
             transfer.read(self._collect())  # numbers made after the optimizer step (detail steps only)
         elif not sentinel.active:
             self.sync()
-        sentinel.note_scaler_skip()
+        self.verdicts.note_scaler_skip()
         record = self._record()
+        self.verdicts.say_skips()
         sentinel.after_step_end(self, manual)
         self._each("on_step_end", record, record.values)
         self._keep(record)
@@ -360,7 +359,7 @@ class Monitor:
 
     def _keep(self, record: StepRecord) -> None:
         """A step's full record (now, or one step later under sync="async"): counted and kept."""
-        if is_anomalous(record.anomaly, [e.severity for e in self._step_events]):
+        if is_anomalous(record.anomaly, [e.severity for e in self.state.events]):
             self.counters["anomalous_steps"] += 1
         self.records.append(record)
 
@@ -385,7 +384,7 @@ class Monitor:
         if any([t.is_meta for _, t in items]):
             # a model on the meta device computes shapes only: there are no values to read or check
             items = [(k, t) for k, t in items if not t.is_meta]
-            self._warn_once(
+            self.warn_once(
                 "meta",
                 "torchdebug: tensors on the meta device hold no values: the NaN/Inf checks and the "
                 "numbers of this run skip them (move the model to a real device to check it)",
@@ -403,18 +402,18 @@ class Monitor:
         """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
         if self._coord is not None:
             self._coord.fill_shares(self)  # DDP: the other ranks' shares of the gradient numbers
-        values = self.transfer.values
-        self.sentinel.read_edits(values)
+        values, readout = self.transfer.values, self.transfer.readout
+        self.sentinel.read_edits(readout)
         scaled = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
-        self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.sentinel.edit_bad)
+        self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.state.edit_bad)
         if (
             self._coord is not None and "grad_norm" in values
         ):  # FSDP2: the whole gradient's norm, not the shard's
-            scale = (values.get("_scale") if scaled else None) or 1.0
+            scale = (readout.scale if scaled else None) or 1.0
             values["grad_norm"] = self._coord.global_grad_norm(self, values["grad_norm"], scale)
             self.transfer.grad_norm = values["grad_norm"]
             self.transfer.grad_norms = self._coord.global_grad_norms(self, self.transfer.grad_norms, scale)
-        self.sentinel.read_deferred(values)  # the last update's parameter probe (may raise)
+        self.verdicts.apply(self.sentinel.read_deferred(readout))  # the last update's probe (may raise)
 
     def _collect(self) -> Items:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
@@ -438,35 +437,28 @@ class Monitor:
 
     def _record(self, lr: tuple[float, ...] | None = None, time_s: float | None = None) -> StepRecord:
         """The step's record; its scalars go to the store (``lr``, ``time_s``: kept from the step end)."""
-        sentinel = self.sentinel
         now = time.perf_counter()
         v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
         if lr is None:
-            lr = (
-                self._lr_used
-                if self._lr_used is not None
-                else tuple([float(g.get("lr", math.nan)) for g in self.optimizer.param_groups])
-                if self.optimizer is not None
-                else ()
-            )
+            lr = self.step_lrs()
         record = StepRecord(
             step=self.global_step,
-            micro_steps=len(self.transfer.micro_bad) or len(sentinel.captures),
+            micro_steps=len(self.transfer.micro_bad) or len(self.state.captures),
             loss=v.get("loss"),
             grad_norm=v.get("grad_norm"),
-            skipped=sentinel.skipped,
-            skip_reason=sentinel.skip_reason,
+            skipped=self.state.skipped,
+            skip_reason=self.state.skip_reason,
             scale=v.get("amp_scale"),
             lr=lr,
             time_s=now - self._last_step_end if time_s is None else time_s,
             values=v,
-            anomaly=sentinel.step_anomaly,
-            events=self._step_events,
+            anomaly=self.state.step_anomaly,
+            events=self.state.events,
         )
         scalars = {k: x for k, x in v.items() if k in ("loss", "grad_norm", "grad_nonfinite", "amp_scale")}
-        scalars["skipped"] = 1.0 if sentinel.skipped else 0.0
-        for i, x in enumerate(lr):
-            scalars[f"lr/{i}"] = x
+        scalars["skipped"] = 1.0 if self.state.skipped else 0.0
+        for name, x in zip(self.lr_names(), lr):
+            scalars[name] = x
         self.step_scalars = scalars  # what the run folder gets for this step (framework callbacks forward it)
         if self.writer is not None:
             with contextlib.suppress(Exception):
@@ -474,11 +466,7 @@ class Monitor:
         return record
 
     def _reset_step(self) -> None:
-        self._lr_used = None
-        self.transfer.reset()
-        self.sentinel.reset()
-        self._step_events = []
-        self._new_micro_step = True
+        self.state.reset()
 
     # -- what drivers and instruments read -------------------------------------------------------
     @property
@@ -486,51 +474,31 @@ class Monitor:
         """True once the session has exited."""
         return self._closed
 
-    # -- how a session reads in a notebook or a debugger -----------------------------------------
-    @property
-    def status(self) -> str:
-        """``"not started"`` (before ``with``), ``"active"``, or ``"closed"`` (after ``with``)."""
-        if not self._entered:
-            return "not started"
-        return "closed" if self._closed else "active"
-
-    def _findings(self) -> tuple[int, list[RuleEvent]]:
-        """(anomalies so far, the warning/error rule events so far)."""
-        return len(self.anomalies), [e for e in self.events if e.severity != "info"]
-
-    def __repr__(self) -> str:
-        n, warned = self._findings()
-        where = f", run {self.run_dir}" if self.run_dir is not None else ""
-        return (
-            f"<Monitor {self.status}: step {self.global_step}, {n} anomal{'y' if n == 1 else 'ies'}, "
-            f"{len(warned)} warning{'' if len(warned) == 1 else 's'}{where}>"
-        )
-
-    def _repr_html_(self) -> str:
-        """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
-        from ..events import html_table
-
-        n, warned = self._findings()
-        rows: list[tuple[str, Any]] = [
-            ("status", self.status),
-            ("step", self.global_step),
-            ("anomalies", n if n == 0 else f"{n}, first: {self.anomalies[0].summary()}"),
-            (
-                "warnings",
-                len(warned)
-                if not warned
-                else f"{len(warned)}: {', '.join(sorted({e.kind for e in warned}))}",
-            ),
-            ("run folder", self.run_dir if self.run_dir is not None else "none"),
-        ]
-        colour = "#c0392b" if n else ("#b9770e" if warned else "#1e8449")
-        title = f"torchdebug watch of {type(self.model).__name__}"
-        return html_table(title, colour, rows, "torchdebug-monitor")
-
     @property
     def replaying(self) -> bool:
         """True while the sentinel replays a failing micro-step (drivers ignore what it does)."""
         return self.sentinel.replaying
+
+    @property
+    def coordinator(self) -> Any:
+        """The distributed coordinator (several ranks, or a hang timeout), or None."""
+        return self._coord
+
+    @property
+    def adopted(self) -> bool:
+        """True once an optimizer of the session's parameters was adopted (``watch`` got none)."""
+        return bool(self._adopted)
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the model eagerly while the sentinel replays a step (bypasses an in-place compile)."""
+        with self._plain.eager():
+            yield
+
+    @property
+    def transfer(self) -> Transfer:
+        """The step's device numbers and their one read (``self.state.transfer``)."""
+        return self.state.transfer  # type: ignore[no-any-return]
 
     @property
     def grad_norm_host(self) -> float | None:
@@ -554,23 +522,6 @@ class Monitor:
 
     def accepts_backward(self) -> bool:
         return not self.sentinel.replaying and not self._closed
-
-    def owns_optimizer(self, opt: Any) -> bool:
-        """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
-        if opt is self._bare_optimizer and opt is not None and opt is self.optimizer:
-            return True  # twice a step (the optimizer hooks): the session's own, unwrapped optimizer
-        opt = unwrap_optimizer(opt)
-        if self.optimizer is not None:
-            return opt is self.optimizer
-        if id(opt) in self._adopted:
-            return True
-        for g in getattr(opt, "param_groups", []):
-            for p in g["params"]:
-                if id(p) in self._param_ids:
-                    self._adopted.add(id(opt))
-                    return True
-                break
-        return False
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -610,8 +561,10 @@ class Monitor:
                     self._call(inst, "on_exception", exc)
             if exc is None and self.sentinel.active:
                 with contextlib.suppress(Exception):
-                    self.sentinel.final_check(self)
-            self.sentinel.say_skips(at_exit=True)
+                    if self.sentinel.final_check(self):  # the last update's parameter probe
+                        self.transfer.values = {}
+                        self.sync()
+            self.verdicts.say_skips(at_exit=True)
             for inst in list(self.instruments):
                 self._call(inst, "on_exit")
             if late is not None:
@@ -626,6 +579,10 @@ class Monitor:
         if self.world_size > 1 or self.config.hang_timeout is not None:
             self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
             self.instruments.append(self._coord)
+        if self.config.on_spike != "off" and "gradients" in self._enabled:  # where the loss rules run;
+            # last: it reads the step's numbers and the coordinator's
+            self.instruments.append(SpikeGuard())
+            self._call(self.instruments[-1], "install")
         self._plain.guard_module_hooks()
         self._plain.wrap_compiled()
 
@@ -643,126 +600,13 @@ class Monitor:
         self._plain.remove()
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self._reset_step()
-        status = "finished" if exc is None else "failed"
-        if self.writer is not None and self._owns_writer:
-            with contextlib.suppress(Exception):
-                self.writer.close(status=status)
-        if self._hub is not None:
-            hub, self._hub = self._hub, None
-            if not self._owns_writer:
-                with contextlib.suppress(Exception):
-                    self.writer.flush()  # the listener has what was logged
-                self.writer.remove_listener(hub.feed)
-            with contextlib.suppress(Exception):
-                lost = getattr(self.writer, "lost", 0)  # records the store could not write
-                hub.close(status, self.global_step - 1 if self.global_step else None, lost)
+        self._close_store("finished" if exc is None else "failed")
 
-    def _open_store(self) -> None:
-        run = self._run_arg
-        self._owns_writer = False
-        if run is False or (run is None and not self.config.store):
-            return
-        if run is not None and hasattr(run, "log_scalars"):
-            self.writer = run
-        else:
-            try:
-                from ..store import create_run
-            except ImportError:
-                return
-            root = os.fspath(run) if run is not None else self.config.run_dir
-            name = self.config.run_name or type(self.model).__name__.lower()
-            cfg = self.config.to_dict()
-            try:
-                self.writer = _distributed.create_run_for(
-                    create_run, root, name, cfg, self.rank, self.world_size, self._has_pg
-                )
-            except (OSError, RunStoreError) as exc:
-                # recording is a convenience: training goes on without a run folder
-                warn_at_user(
-                    TorchDebugWarning(
-                        f"torchdebug: cannot create a run under {root!r} ({exc}); recording is off for this "
-                        "session. Pass run=<writable folder> or run=False."
-                    )
-                )
-                return
-            self._owns_writer = True
-        self.run_dir = Path(self.writer.path) if getattr(self.writer, "path", None) is not None else None
-
-    def _open_sinks(self) -> None:
-        """Start the trackers of ``report_to`` / ``tensorboard``: they hear the run writer's batches."""
-        cfg = self.config
-        if not (cfg.report_to or cfg.tensorboard or self._sink_objects) or self.rank != 0:
-            return  # rank 0 reports the run; the other ranks' records stay in their run files
-        if self.writer is None or not hasattr(self.writer, "add_listener"):
-            self._warn_once("sinks", "torchdebug: no run folder, so report_to sends nothing this session")
-            return
-        from ..sinks import RunInfo, SinkHub, build_sinks
-
-        info = RunInfo(
-            name=str(getattr(self.writer, "name", None) or type(self.model).__name__.lower()),
-            run_id=getattr(self.writer, "run_id", None),
-            path=self.run_dir,
-            config=cfg.to_dict(),
-        )
-        hub = SinkHub(build_sinks(cfg.report_to, self._sink_objects, cfg.tensorboard), info)
-        self.writer.add_listener(hub.feed)
-        self._hub = hub
-        if hub.pending:
-            hub.warn(stacklevel=5)  # a tracker that could not start
-
-    # -- instruments -----------------------------------------------------------------------------
-    def _wanted(self) -> set[str]:
-        wanted = set(self._enabled)
-        if "gradients" in wanted:
-            wanted -= {"activations", "gradient_details"}  # GradientHealth records them (one set of hooks)
-        return wanted
-
-    def _build_instrument(self, name: str) -> None:
-        spec = _INSTRUMENTS.get(name)
-        if spec is None:
-            return  # handled by the monitor (nonfinite)
-        try:
-            cls = getattr(importlib.import_module(spec[0]), spec[1])
-        except (ImportError, AttributeError):
-            return  # not available in this build, or its extra is not installed
-        if any(type(i) is cls for i in self.instruments):
-            return
-        try:
-            inst = cls()
-        except Exception as exc:
-            self._disable(cls, exc)
-            return
-        self.instruments.append(inst)
-        self._call(inst, "install")
-
-    def _apply_level(self, level: DebugLevel, **changes: Any) -> None:
-        """Switch the instruments to a new level and options (on the training thread, between steps)."""
-        self.config = self.config.replace(level=level, **changes)
-        self._enabled = self.config.instruments()
-        self.sentinel.active = "nonfinite" in self._enabled
-        if (self._async is not None) != (self.config.sync == "async"):  # sync switched live
-            if self._async is not None:
-                self._async.finish()  # the steps in flight are judged now (may raise)
-            self._async = DeferredReads(self) if self._async is None else None
-        ours = {spec[1] for spec in _INSTRUMENTS.values()}
-        for inst in [i for i in self.instruments if type(i).__name__ in ours]:
-            self.instruments.remove(inst)  # rebuilt below: their depth follows the level
-            with contextlib.suppress(Exception):
-                if hasattr(inst, "remove"):
-                    inst.remove(self)
-        for name in sorted(self._wanted()):
-            self._build_instrument(name)
-        self._plain.guard_module_hooks()
-
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn (at the user's line) once per ``key`` in this session."""
         if key not in self._warned:
             self._warned.add(key)
             warn_at_user(TorchDebugWarning(message))  # the user's line, wherever the check runs
-
-    def _flush_store(self) -> None:
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.flush()
 
     # -- instrument plumbing ---------------------------------------------------------------------
     def _call(self, inst: Any, method: str, *args: Any) -> Any:
@@ -771,7 +615,7 @@ class Monitor:
             return None
         try:
             return fn(self, *args)
-        except NonFiniteError:
+        except (NonFiniteError, LossSpikeError):
             raise
         except Exception as exc:
             self._disable(inst, exc)
@@ -796,7 +640,7 @@ class Monitor:
                 continue
             try:
                 fn(self, *args)
-            except NonFiniteError:
+            except (NonFiniteError, LossSpikeError):
                 raise
             except Exception as exc:
                 self._disable(inst, exc)  # the warning points at the user's line
@@ -808,17 +652,13 @@ class Monitor:
     def emit(self, event: RuleEvent) -> None:
         """Record a rule event (store + memory) and warn once per kind."""
         self.events.append(event)
-        self._step_events.append(event)
+        self.state.events.append(event)
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 self.writer.log_event(event.step, event.kind, event.severity, event.message, event.to_dict())
         if event.severity != "info" and event.kind not in self._warned:
             self._warned.add(event.kind)
             warn_at_user(TorchDebugWarning(f"torchdebug: {event}"))  # the user's line, not ours
-
-    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
-        if self.writer is not None:
-            self.writer.log_scalars(self.global_step if step is None else step, dict(values))
 
     def observe(self, name: str, value: float) -> None:
         """Record a monitored value (validation loss, early-stopping metric) at the current step."""
@@ -828,122 +668,18 @@ class Monitor:
         self.log_scalars({f"observe/{name}": value})
         self._each("on_observe", name, value)
 
-    def run_step(self, step_fn: Callable[[Any], Any], batch: Any) -> Any:
-        """Run ``step_fn(batch)`` (forward + loss + backward; returns the loss) with the OOM policy.
 
-        With ``on_oom="retry_half"`` an out-of-memory error re-runs the step on halves of the batch
-        with gradients scaled so they equal the full-batch gradients (gradient accumulation), and
-        records an ``oom_retry`` event. Call ``optimizer.step()`` and ``mon.step()`` after it.
-        """
-        if not callable(step_fn):
-            raise TypeError(
-                f"run_step(step_fn, batch): step_fn must be callable, got {type(step_fn).__name__}"
-            )
-        from ..memory.recovery import run_step_with_oom_retry
-
-        def new_micro_step(_piece: Any) -> None:
-            self._new_micro_step = True  # the failed attempt never reached its backward
-
-        def record(retry: Any) -> None:
-            evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
-            self.emit(RuleEvent("oom_retry", self.global_step, str(retry), "warning", evidence=evidence))
-
-        return run_step_with_oom_retry(
-            step_fn,
-            batch,
-            on_oom=self.config.on_oom,
-            optimizer=self.optimizer,
-            params=self.params,
-            before_attempt=new_micro_step,
-            on_retry=record,
-        )
-
-    # -- live control (dashboard) ----------------------------------------------------------------
-    def set_level(self, level: str | DebugLevel) -> DebugLevel:
-        """Switch the debug level of the live session; instruments follow at the end of the next step.
-
-        Safe to call from another thread (the dashboard's): the switch itself happens on the training
-        thread inside ``mon.step()``. Raises ``ValueError`` for an unknown level, listing the allowed.
-        """
-        lv = DebugLevel(level) if not isinstance(level, DebugLevel) else level
-        self._pending_level = lv
-        self.level_overrides.append(lv.value)
-        if self.writer is not None:
-            self.writer.log_event(
-                self.global_step,
-                "level_change",
-                "info",
-                f"debug level set to {lv.value}",
-                {"level": lv.value},
-            )
-        return lv
-
-    def reconfigure(self, **changes: Any) -> DebugConfig:
-        """Change options of the live session; instruments follow at the end of the next step.
-
-        Validated now (``ConfigError`` naming the option), applied on the training thread inside
-        ``mon.step()`` like ``set_level``, and recorded as a ``config_change`` event. Returns the
-        config the session will run with. Runtime switches of the seed-era names:
-        ``enable_debugging`` / ``disable_debugging`` / ``get_debugging_status``.
-        """
-        new = self.config.replace(**{**self._pending_changes, **changes})
-        self._pending_changes.update(changes)
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.log_event(
-                    self.global_step,
-                    "config_change",
-                    "info",
-                    "options changed: " + ", ".join(f"{k}={v!r}" for k, v in sorted(changes.items())),
-                    {"changes": {k: getattr(v, "value", v) for k, v in changes.items()}},
-                )
-        return new
-
-    def enable_debugging(self, options: Any = None) -> dict[str, Any]:
-        """Seed 000's runtime switch; see ``torchdebug.compat.enable_debugging``."""
-        from .runtime import enable_debugging
-
-        return enable_debugging(self, options)
-
-    def disable_debugging(self, options: Any = None) -> dict[str, Any]:
-        """Seed 000's runtime switch; see ``torchdebug.compat.disable_debugging``."""
-        from .runtime import disable_debugging
-
-        return disable_debugging(self, options)
-
-    def get_debugging_status(self) -> dict[str, Any]:
-        """Seed 000's status; see ``torchdebug.compat.get_debugging_status``."""
-        from .runtime import get_debugging_status
-
-        return get_debugging_status(self)
-
-    def clear(self) -> None:
-        """Start a new history segment (the dashboard's "clear"); nothing stored is deleted."""
-        self.events.clear()
-        self.records.clear()
-        self.counters = dict.fromkeys(self.counters, 0)
-        for inst in self.instruments:
-            c = getattr(inst, "counters", None)
-            if isinstance(c, dict):
-                for k in c:
-                    c[k] = 0
-        if self.writer is not None and hasattr(self.writer, "start_segment"):
-            self.writer.start_segment(f"cleared at step {self.global_step}", step=self.global_step)
-        self._segment_start = self.global_step
-
-    def training_summary(self) -> dict[str, Any]:
-        """The seed-era training summary (counts and rates since the last ``clear()``).
-
-        ``anomaly_steps`` counts the steps ``events.is_anomalous`` calls anomalous (a NaN/Inf, or a
-        warning-level event), as every seed-era summary does; the rule counts are ``rule_counts``."""
-        total = max(self.global_step - self._segment_start, 0)
-        explosions, vanishing, loss = rule_counts(e.kind for e in self.events)
-        return training_summary(total, self.counters["anomalous_steps"], explosions, vanishing, loss)
+def _caller() -> Any:
+    """The first frame outside torchdebug (names several models after the caller's variables)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torchdebug"):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame
 
 
 def watch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | list[nn.Module] | tuple[nn.Module, ...] | dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     *,
     policy: str | None = None,
     scaler: Any = None,
@@ -956,6 +692,7 @@ def watch(
     report_to: Any = None,
     announce: bool | None = None,
     sync: str | None = None,
+    on_spike: str | None = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -963,10 +700,15 @@ def watch(
     :class:`StepRecord`.
 
     Args:
-        model: the model; modules are named as in ``model.named_modules()``.
-        optimizer: the optimizer. With it, the check runs in its step pre-hook so corrupted gradients
-            never reach the weights, and ``policy="skip"`` can skip the update. Without it, the first
-            optimizer stepping this model's parameters is adopted.
+        model: the model; modules are named as in ``model.named_modules()``. Several models (a GAN's
+            G and D, a teacher and its student, an actor and its critic): a list (named after the
+            caller's variables: ``td.watch([G, D], ...)`` names ``G.main.0``, ``D.1``), a dict or an
+            ``nn.ModuleDict`` (named by its keys); every forward of each in a step is recorded and
+            the replay re-runs the step's micro-steps in order (docs/integrations.md).
+        optimizer: the optimizer, or a list of them. With it, the check runs in its step pre-hook so
+            corrupted gradients never reach the weights, and ``policy="skip"`` can skip the update;
+            with several, each update is checked before it runs. Without it, every optimizer
+            stepping these parameters is adopted as it first steps (``mon.optimizers``).
         policy: ``"raise"`` (default: raise :class:`NonFiniteError`), ``"warn"`` (warn, record, go on)
             or ``"skip"`` (skip the optimizer update: parameters and optimizer state unchanged).
         scaler: the ``torch.amp.GradScaler``, if any (detected when ``scaler.step`` is called). Its
@@ -1005,10 +747,18 @@ def watch(
             framework drivers, several ranks and updates by hand fall back to ``"blocking"`` with one
             ``TorchDebugWarning``; the optimizer's first update is always read blocking (its state
             does not exist yet). Cost: one small device-to-host copy per step, no wait.
+        on_spike: what a loss spike (the robust loss-spike rule) does: ``"warn"`` (default: a
+            ``SpikeReport`` in ``mon.spikes`` says why: cause ``batch`` naming the rows,
+            ``learning_rate``, ``optimizer_state`` naming the parameters, ``layer`` naming the module,
+            or ``unknown``, each with its numbers), ``"rollback"`` (also restore the last snapshot
+            before the spike, taken every ``config.snapshot_every`` steps, and go on with the next
+            batch; ``mon.rollbacks``), ``"raise"`` (``LossSpikeError``) or ``"off"``. See docs/spikes.md.
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
             naming phase, module, op and source line (the failing step is replayed under tracing).
+        LossSpikeError: (``on_spike="raise"``) at a loss spike, or a spike after ``max_rollbacks``
+            rollbacks; ``.report`` is its ``SpikeReport``.
         TypeError / ValueError: bad arguments, naming the fix (``sync`` not "blocking"/"async";
             ``ConfigError``: an unknown tracker name,
             listing the allowed ones, or ``report_to`` without a run folder).
@@ -1039,4 +789,5 @@ def watch(
         report_to=report_to,
         announce=announce,
         sync=sync,
+        on_spike=on_spike,
     )

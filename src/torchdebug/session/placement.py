@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .._step import SessionView
 from .._trees import tensor_leaves
 from ..events import RuleEvent
 
@@ -44,11 +45,13 @@ class DevicePlacementInstrument:
         self.placement: dict[str, Any] = {}
         self._done = False
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         self._params = [(n, str(p.device)) for n, p in mon.model.named_parameters()]
         self._buffers = [(n, str(b.device)) for n, b in mon.model.named_buffers()]
 
-    def on_forward_start(self, mon: Any, module: Any = None, args: Any = None, kwargs: Any = None) -> None:
+    def on_forward_start(
+        self, mon: SessionView, module: Any = None, args: Any = None, kwargs: Any = None
+    ) -> None:
         if self._done:
             return
         self._done = True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from .._config import INSTRUMENTS_BY_SWITCH, DebugMode
 
@@ -32,6 +32,15 @@ EXTRA_OPTIONS: dict[str, str] = {
 _ALL = {**DEBUG_OPTIONS, **EXTRA_OPTIONS}
 
 
+class Reconfigurable(Protocol):
+    """What the runtime switches need of a session: its config and ``reconfigure``."""
+
+    config: Any
+    instruments: list[Any]
+
+    def reconfigure(self, **changes: Any) -> Any: ...
+
+
 def _fields(options: str | Iterable[str] | None) -> list[str]:
     if options is None:
         return list(DEBUG_OPTIONS.values())
@@ -45,7 +54,7 @@ def _fields(options: str | Iterable[str] | None) -> list[str]:
     return out
 
 
-def enable_debugging(mon: Any, options: str | Iterable[str] | None = None) -> dict[str, Any]:
+def enable_debugging(mon: Reconfigurable, options: str | Iterable[str] | None = None) -> dict[str, Any]:
     """Switch seed-000 debugging options on in a live session (all ten ``debug_*`` when ``options`` is None).
 
     The change is validated now and applied at the end of the next ``mon.step()`` on the training
@@ -72,7 +81,7 @@ def enable_debugging(mon: Any, options: str | Iterable[str] | None = None) -> di
     return get_debugging_status(mon)
 
 
-def disable_debugging(mon: Any, options: str | Iterable[str] | None = None) -> dict[str, Any]:
+def disable_debugging(mon: Reconfigurable, options: str | Iterable[str] | None = None) -> dict[str, Any]:
     """Switch options off at the next step boundary; with no ``options`` everything goes off.
 
     "Everything" is mode ``none`` and every instrument switch off: no instrument runs afterwards
@@ -87,7 +96,7 @@ def disable_debugging(mon: Any, options: str | Iterable[str] | None = None) -> d
     return get_debugging_status(mon)
 
 
-def get_debugging_status(mon: Any) -> dict[str, Any]:
+def get_debugging_status(mon: Reconfigurable) -> dict[str, Any]:
     """The seed-000 options on/off (as they will be after pending changes) and the instruments.
 
     Returns:

@@ -4,8 +4,10 @@ During the step only device work happens: the loss of each micro-step is kept (d
 each backward the gradients are reduced to one float32 per tensor (a norm, or a cheaper finiteness
 probe when no instrument needs norms) plus a per-micro-step "non-finite" flag. Once per step the
 session stacks these, the sentinel's probes and every instrument's ``collect()`` into one tensor and
-reads it with ONE host sync (:meth:`Transfer.read`); :meth:`Transfer.decode` turns the raw numbers
-into ``loss``, ``grad_norm``, ``grad_nonfinite`` and ``amp_scale``.
+reads it with ONE host sync (:meth:`Transfer.read`). The session's own numbers come back typed, in a
+:class:`Readout` (a list per kind of item, in the order they were added); the instruments' numbers
+by their names in ``values``. :meth:`Transfer.decode` turns the readout into ``loss``, ``grad_norm``,
+``grad_nonfinite`` and ``amp_scale``.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from typing import Any
 
 import torch
 
+from .._step import SLOTS, Readout
 from .._tensors import Items, Plan, Reduced, entries, finite_probe, flat_items, foreach_norms, grad_of, local
 
-# Items read as one list each (``Transfer.vectors``), not one ``values`` key per element: the
-# per-parameter numbers (gradient norms or probes, the parameter and edit probes, the update ratios
-# and weight norms of detail steps). One list slice per item, whatever the parameter count.
-VECTORS = frozenset({"_gnorm", "_edit", "_def_param_norms", "_def_edit", "health.ratio", "health.weight"})
+# An instrument's items read as one list each (``Transfer.vectors``), not one ``values`` key per
+# element: the update ratios and weight norms of detail steps. One list slice per item, whatever the
+# parameter count.
+VECTORS = frozenset({"health.ratio", "health.weight"})
+
+
 _IS_NONE = functools.partial(operator.is_, None)
 
 
@@ -72,18 +77,23 @@ class Transfer:
         self.norm_index: list[int] = []  # which parameters ``norms`` covers
         self.norms_probe = False  # ``norms`` holds probe sums (finiteness only), not norms
         self.reduced: Reduced | None = None  # lazy: the last backward's gradients, reduced (instead of norms)
-        self.micro_raw: list[
-            bool
-        ] = []  # per micro-step: ``micro_bad`` holds a total (finite = ok), not a flag
+        # per micro-step: ``micro_bad`` holds the gradients' total (read into ``Readout.micro_tot``:
+        # finite = ok), not a flag
+        self.micro_raw: list[bool] = []
         # under DDP: ``norms`` covers this rank's share only; every parameter with a gradient, and the
         # micro-step the share measured (the coordinator fills in the other ranks' shares after the read)
         self.shared: tuple[list[int], int] | None = None
         self.micro_bad: list[torch.Tensor] = []  # per micro-step: "a gradient is non-finite" (a probe)
         self.micro_bad_cleared = False  # every flagged gradient was confirmed finite exactly
         self.scale_used: torch.Tensor | None = None  # the loss scale this step's backward saw
-        self.values: dict[str, float] = {}
+        self.values: dict[str, float] = {}  # the instruments' numbers (and the decoded ones), by name
         self.vectors: dict[str, list[float]] = {}  # the VECTORS items the read gave (list order)
+        self.readout = Readout()  # the session's own numbers, typed
         self.synced = False
+        # losses and micro-step flags already handed to a read (a step with several updates reads
+        # once before each: the later reads carry only what came after)
+        self.read_losses = 0
+        self.read_micro = 0
 
     # -- during the step (device work only) -------------------------------------------------------
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -146,12 +156,15 @@ class Transfer:
     def items(self, scaler: Any) -> Items:
         """The step's own numbers, for the read."""
         items: Items = []
-        for i, lv in enumerate(self.loss_vals):
-            items.append((f"_loss#{i}", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
+        for lv in self.loss_vals[self.read_losses :]:
+            items.append(("_loss", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
         if self.norms is not None:
             items.append(("_gnorm", self.norms))
         raw = self.micro_raw
-        items += [(f"_mtot#{i}" if raw[i] else f"_mbad#{i}", b) for i, b in enumerate(self.micro_bad)]
+        items += [
+            ("_mtot" if raw[i] else "_mbad", self.micro_bad[i]) for i in range(self.read_micro, len(raw))
+        ]
+        self.read_losses, self.read_micro = len(self.loss_vals), len(self.micro_bad)
         scale_t = self.scale_used
         if scale_t is None and scaler is not None:
             scale_t = getattr(scaler, "_scale", None)
@@ -194,12 +207,12 @@ class Transfer:
         later, now = self._later, self._grad_norms
         if later is None:
             return lambda: now
-        box: list[Any] = []
+        box: list[list[float]] = []
 
         def get() -> list[float] | None:
             if not box:
                 red, scale = later
-                per = red.per().tolist()  # a host read, when asked
+                per: list[float] = red.per().tolist()  # a host read, when asked
                 box.append([x / scale for x in per] if scale else per)
             return box[0]
 
@@ -219,23 +232,34 @@ class Transfer:
         self.unpack([(name, n) for (name, _), n in zip(items, sizes)], host)
 
     def unpack(self, spec: list[tuple[str, int]], host: list[float]) -> None:
-        """Numbers read on the host (``spec``: each item's name and size, in order) into ``values`` and
-        ``vectors`` (also for ``sync="async"``, which reads them one step later)."""
-        values, vectors = self.values, self.vectors
+        """Numbers read on the host (``spec``: each item's name and size, in order) into the
+        :class:`Readout` (the session's own items), ``vectors`` and ``values`` (also for
+        ``sync="async"``, which reads them one step later)."""
+        values, vectors, readout = self.values, self.vectors, self.readout
+        # what each read gives anew (the step's losses and micro-step flags add up over its reads)
+        readout.gnorm, readout.edit, readout.clips, readout.dist = [], [], [], []
+        readout.param_probe, readout.late_edit = [], []
         off = 0
         for name, n in spec:
-            if name in VECTORS:
+            slot = SLOTS.get(name)
+            if name == "_mtot":  # a micro-step's gradient total: finite iff none of its gradients is bad
+                x = host[off]
+                readout.micro_tot.append(x)
+                readout.micro_bad.append(0.0 if math.isfinite(x) else 1.0)
+            elif slot is not None:
+                getattr(readout, slot).extend(host[off : off + n])
+            elif name == "_scale":
+                readout.scale = host[off]
+            elif name in VECTORS:
                 vectors[name] = host[off : off + n]
             elif n == 1:
-                values[name] = x = host[off]
-                if name.startswith("_mtot#"):  # a micro-step's gradient total: its flag is "non-finite"
-                    values["_mbad#" + name[6:]] = 0.0 if math.isfinite(x) else 1.0
+                values[name] = host[off]
             else:
                 values.update({f"{name}#{i}": x for i, x in enumerate(host[off : off + n])})
             off += n
 
     def vector(self, name: str, n: int) -> list[float]:
-        """The ``n`` numbers the item ``name`` gave (zeros for a missing item)."""
+        """The ``n`` numbers the instrument's item ``name`` gave (zeros for a missing item)."""
         got = self.vectors.get(name)
         if got is not None and len(got) == n:
             return got
@@ -248,27 +272,37 @@ class Transfer:
         if self.shared is None:
             return
         idx, micro = self.shared
-        v = self.values
         nums = [whole[i] for i in idx]
-        self.vectors["_gnorm"] = nums
-        v[f"_mbad#{micro}"] = 1.0 if any(not math.isfinite(x) for x in nums) else 0.0
+        r = self.readout
+        r.gnorm = nums
+        flag = 1.0 if any(not math.isfinite(x) for x in nums) else 0.0
+        if micro < len(r.micro_bad):
+            r.micro_bad[micro] = flag
+        else:
+            r.micro_bad.extend([0.0] * (micro - len(r.micro_bad)) + [flag])
         self.norm_index = idx
 
     def losses_bad(self) -> list[int]:
         """Micro-steps whose loss was non-finite (after the read)."""
-        v = self.values
-        return [i for i in range(len(self.loss_vals)) if not math.isfinite(v.get(f"_loss#{i}", 0.0))]
+        return [i for i, x in enumerate(self.readout.losses) if not math.isfinite(x)]
 
     def any_loss_bad(self) -> bool:
-        """A non-finite loss in this step, this rank's or (``_loss#rank<k>``) another rank's."""
-        # every step: a list (one frame) rather than a generator resumed per key
-        return any([not math.isfinite(x) for k, x in self.values.items() if k.startswith("_loss#")])
+        """A non-finite loss in this step, this rank's or (the coordinator's exact round) another rank's."""
+        return self.readout.any_loss_bad()
 
     def micro_flagged(self) -> bool:
         """A micro-step's gradients read as non-finite and the exact check did not clear them."""
         if self.micro_bad_cleared:  # the usual answer, without a pass over the values
             return False
-        return any([x > 0 for k, x in self.values.items() if k.startswith("_mbad#")])
+        return any([x > 0 for x in self.readout.micro_bad])
+
+    def unread(self) -> bool:
+        """Losses or micro-steps came after the last read (a step with several updates)."""
+        return len(self.micro_bad) > self.read_micro or len(self.loss_vals) > self.read_losses
+
+    def first_bad_micro(self) -> int | None:
+        """The first micro-step whose gradient flag is up (after the read), or None."""
+        return next((i for i, x in enumerate(self.readout.micro_bad) if x > 0), None)
 
     def decode(
         self,
@@ -284,16 +318,17 @@ class Transfer:
         loss and norms are divided by the scale; ``also_bad``: parameters whose gradient an edit after
         backward() made non-finite (counted in ``grad_nonfinite``).
         """
-        v = self.values
-        losses = [x for k, x in v.items() if k.startswith("_loss#")]
-        scale = v.get("_scale")
+        v, r = self.values, self.readout
+        losses = r.losses
+        scale = r.scale
         if losses:
             v["loss"] = sum(losses) / len(losses)
             if scale and scaled:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
         red = self.reduced
-        if red is not None and self.norms is None and "_gnorm" not in self.vectors:
-            last = v.get(f"_mtot#{len(self.micro_bad) - 1}", math.nan)
+        if red is not None and self.norms is None and not r.gnorm:
+            self.micro_bad_cleared = False  # judged anew with each read's gradient numbers
+            last = r.micro_tot[-1] if r.micro_tot else math.nan  # the last backward's total
             if math.isfinite(last):
                 # the usual answer: the last backward's gradients are all finite (one number said so);
                 # the per-parameter numbers stay on the device until someone asks (``grad_norms``)
@@ -307,10 +342,11 @@ class Transfer:
                     self.grad_norm = total
                 red = None
             else:  # rare: a non-finite total; the per-parameter numbers say which (a second host read)
-                self.vectors["_gnorm"] = red.per().tolist()
+                r.gnorm = red.per().tolist()
         if self.norms is not None or red is not None:
+            self.micro_bad_cleared = False  # judged anew with each read's gradient numbers
             n_params = len(params)
-            gn = self.vector("_gnorm", len(self.norm_index))
+            gn = r.gnorm if len(r.gnorm) == len(self.norm_index) else [0.0] * len(self.norm_index)
             whole = len(self.norm_index) == n_params  # every parameter measured (norm_index is 0..n-1)
             per = list(gn) if whole else [0.0] * n_params
             if not whole:
@@ -350,5 +386,5 @@ class Transfer:
                 )
                 v["grad_norm"] = total
                 self.grad_norm = total
-        if "_scale" in v:
-            v["amp_scale"] = v["_scale"]
+        if scale is not None:
+            v["amp_scale"] = scale

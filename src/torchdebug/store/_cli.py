@@ -223,6 +223,10 @@ def _show(args: argparse.Namespace) -> int:
         out.extend(f"  {kind}  {n}" for kind, n in sorted(events.items(), key=lambda kv: (-kv[1], kv[0])))
         if not events:
             out.append("  none")
+        if any(k in events for k in ("spike_report", "rollback")):
+            from ._spikes import spike_lines
+
+            out += ["", *spike_lines(run.events())]
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")

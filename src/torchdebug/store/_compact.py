@@ -6,10 +6,14 @@ bucket is whole) are compacted in one transaction:
 
 - ``scalars``: raw rows are deleted, except within ``NEAR`` steps of an event or an anomaly. The
   rollups keep every bucket's min, max (spikes), sum/count (mean), last and earliest NaN.
-- ``metric_rollup``: levels below ``KEEP_LEVEL`` are deleted (a chart of a compacted span reads
-  buckets of at least ``KEEP_LEVEL`` steps; 1M steps at 2000 points need 1024).
-- ``timings``: per 64-step bucket the last step's sample and the slowest step's sample stay (the
-  means stay sampled, the slow steps stay visible), plus every sample near an event or anomaly.
+- ``metric_rollup`` and ``timing_rollup``: levels below ``KEEP_LEVEL`` are deleted (a chart of a
+  compacted span reads buckets of at least ``KEEP_LEVEL`` steps; 1M steps at 2000 points need 1024).
+- ``timings``: per 64-step bucket the last step's sample and the slowest step's sample stay, plus
+  every sample near an event or anomaly; ``timing_rollup`` (schema v4) keeps every phase's and the
+  step time's count, sum, min, max and last per bucket, so step-time figures stay exact.
+- ``finite_rollup``: for a chunk's metric or phase whose min or max is +-Inf, the count, sum, min and
+  max of its finite values and its count of NaN/Inf (rollups count no Inf), from the raw rows before
+  they go: a report's finite mean/min/max and NaN/Inf count stay exact.
 - ``anomalies``, ``events``, ``segments``, ``memory`` (one sample per ``memory_every`` steps) and
   ``tensor_stats`` (detail steps) are never compacted.
 
@@ -76,9 +80,26 @@ _KEPT = """EXISTS (SELECT 1 FROM events e WHERE e.step BETWEEN {t}.step - :near 
 
 
 def _compact_chunk(conn: sqlite3.Connection, lo: int, hi: int) -> None:
-    p = {"lo": lo, "hi": hi, "near": NEAR, "keep": KEEP_LEVEL, "tb": TIMING_BUCKET}
+    p = {"lo": lo, "hi": hi, "near": NEAR, "keep": KEEP_LEVEL, "tb": TIMING_BUCKET, "top": CHUNK}
     conn.execute("BEGIN IMMEDIATE")
     try:
+        # before the raw rows go: the finite part of each bucket whose extreme is +-Inf
+        for kind, table, key, raw, value in (
+            ("metric", "metric_rollup", "metric_id", "scalars", "value"),
+            ("timing", "timing_rollup", "phase", "timings", "seconds"),
+        ):
+            fin = f"abs({value}) < 9e999"  # NaN reads as NULL: not finite either
+            conn.execute(
+                f"""INSERT OR REPLACE INTO finite_rollup
+                    SELECT '{kind}', {key}, :lo / :top, count(CASE WHEN {fin} THEN 1 END),
+                           count(CASE WHEN {fin} THEN NULL ELSE 1 END), sum(CASE WHEN {fin} THEN {value} END),
+                           min(CASE WHEN {fin} THEN {value} END), max(CASE WHEN {fin} THEN {value} END)
+                    FROM {raw} WHERE step >= :lo AND step < :hi AND {key} IN (
+                        SELECT {key} FROM {table} WHERE level = :top AND bucket = :lo / :top
+                        AND (abs(min_value) >= 9e999 OR abs(max_value) >= 9e999))
+                    GROUP BY {key}""",
+                p,
+            )
         before = conn.execute(
             "SELECT count(DISTINCT step) FROM scalars WHERE step >= :lo AND step < :hi", p
         ).fetchone()[0]
@@ -88,11 +109,12 @@ def _compact_chunk(conn: sqlite3.Connection, lo: int, hi: int) -> None:
         after = conn.execute(
             "SELECT count(DISTINCT step) FROM scalars WHERE step >= :lo AND step < :hi", p
         ).fetchone()[0]
-        conn.execute(
-            "DELETE FROM metric_rollup WHERE level < :keep AND bucket * level >= :lo "
-            "AND (bucket + 1) * level <= :hi",
-            p,
-        )
+        for table in ("metric_rollup", "timing_rollup"):
+            conn.execute(
+                f"DELETE FROM {table} WHERE level < :keep AND bucket * level >= :lo "
+                "AND (bucket + 1) * level <= :hi",
+                p,
+            )
         # the slowest step of each timing bucket (SQLite's bare columns: the row of the max)
         conn.execute(
             f"""DELETE FROM timings WHERE step >= :lo AND step < :hi

@@ -6,6 +6,8 @@ import math
 import statistics
 from typing import Any
 
+from . import _aggregate
+
 
 def _median(values: list[Any]) -> float | None:
     vals = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
@@ -31,7 +33,8 @@ def rank_overview(run: Any) -> dict[str, Any]:
       ``message``); ``stragglers``: straggler events (``rank``, ``ratio``, ``step``, ``message``).
 
     Example: ``rank_overview(open_run(path))["per_rank"][1]["step_time_s"]``.
-    Cost: reads every rank's timing and memory samples.
+    Cost: per rank, the step and data seconds of its timing samples and an SQL aggregate of its
+    memory samples.
     """
     rows: list[dict[str, Any]] = []
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -40,7 +43,11 @@ def rank_overview(run: Any) -> dict[str, Any]:
     for k in run.ranks:
         r = run if k == run.rank else run.open_rank(k)
         try:
-            timings, memory = r.timings(), r.memory()
+            # one column each in SQL, not every sample pivoted (a long run holds millions of rows;
+            # a compacted span keeps each 64-step bucket's last and slowest sample)
+            step_s = [v for (v,) in r._rows("SELECT seconds FROM timings WHERE phase = 'step'")]
+            data_s = [v for (v,) in r._rows("SELECT seconds FROM timings WHERE phase = 'data'")]
+            mem = _aggregate.memory_stats(r)
             anomalies = r.anomalies()
             hang_events = r.events("hang")
             last = r.last_values()
@@ -50,10 +57,10 @@ def rank_overview(run: Any) -> dict[str, Any]:
                     "status": r.status,
                     "steps": r.steps(),
                     "last_step": max((s for s, _ in last.values()), default=None),
-                    "step_time_s": _median([t.get("total") for t in timings]),
-                    "data_wait_s": _median([t.get("data") for t in timings]),
-                    "rss_max": _max([m.get("rss") for m in memory]),
-                    "cuda_max": _max([m.get("cuda_allocated") for m in memory]),
+                    "step_time_s": _median(step_s),
+                    "data_wait_s": _median(data_s),
+                    "rss_max": _max([mem.get("rss", {}).get("max")]),
+                    "cuda_max": _max([mem.get("cuda_allocated", {}).get("max")]),
                     "grad_norm": last["grad_norm"][1] if "grad_norm" in last else None,
                     "anomalies": len(anomalies),
                     "hangs": len(hang_events),

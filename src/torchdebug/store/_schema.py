@@ -18,7 +18,7 @@ from . import _rollup
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -112,12 +112,23 @@ def _add_last_v3(conn: sqlite3.Connection) -> None:
             conn.execute(statement)
 
 
+def _add_timing_rollups_v4(conn: sqlite3.Connection) -> None:
+    # v4: timing samples get the same per-bucket rollups as metrics (the key "step" holds each
+    # sample's step time), so reports of long runs read them instead of every sample; built here
+    # for the timing rows a v3 writer left (a file it compacted has only its kept samples). And
+    # compaction keeps the finite part of a bucket holding +-Inf (finite_rollup).
+    conn.execute(_rollup.TIMING_CREATE)
+    conn.execute(_rollup.FINITE_CREATE)
+    _rollup.backfill_timings(conn)
+
+
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     0: _create_v1,
     1: _add_rollups_v2,
     2: _add_last_v3,
+    3: _add_timing_rollups_v4,
 }
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"

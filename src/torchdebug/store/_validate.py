@@ -105,10 +105,11 @@ def _check_depth(value: Any, where: str) -> None:
         v, depth = stack.pop()
         if depth > MAX_DEPTH:
             raise RunStoreError(f"{where} is JSON nested too deeply to read (over {MAX_DEPTH} levels)")
+        # only containers are pushed: a leaf cannot be too deep (a meta.json is mostly leaves)
         if isinstance(v, dict):
-            stack.extend((x, depth + 1) for x in v.values())
+            stack.extend((x, depth + 1) for x in v.values() if isinstance(x, (dict, list)))
         elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v)
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
 
 
 def check_fields(doc: dict[str, Any], fields: dict[str, tuple[type, ...]], where: str) -> None:

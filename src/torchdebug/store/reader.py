@@ -739,6 +739,10 @@ class Run:
         """Timing samples ``{"step", "wall_time", "forward": s, ..., "total": s}`` by step (seconds).
 
         ``"step"`` is the step index; the whole step's seconds, logged under ``"step"``, is ``"total"``.
+        A compacted span holds each 64-step bucket's last and slowest sample and the samples near an
+        event or anomaly (see store/_compact.py); its exact step time, per-phase totals and extremes
+        are in the timing rollups (``torchdebug.store._aggregate.timing_stats``).
+        Cost: every sample pivoted in Python (about 2 µs per row); reports read aggregates instead.
         """
         return list(self._samples("timings", "phase", "seconds", "", (), _TIMING_RENAME))
 
@@ -882,20 +886,30 @@ def open_run(path: str | os.PathLike[str], rank: int | None = None) -> Run:
 def _quick_info(path: Path) -> RunInfo | None:
     """A closed run's line from meta.json and the summary its writer left (no database opened), or
     None when that cannot stand for the database: a running run, no or a malformed summary, a
-    database whose size or mtime changed since, a -wal beside it. Cost: two small reads, two stats."""
+    database whose size or mtime changed since, a -wal beside it, anything unexpected (the caller
+    then opens the run, which says what is wrong). Cost: two small reads and two stats (~0.1 ms)."""
+    folder = os.fspath(path)
     try:
-        meta = _read_meta(path)
+        meta_file = os.path.join(folder, "meta.json")
+        with open(meta_file, "rb") as f:
+            meta = _validate.meta(f.read(), meta_file)
         status = meta.get("status")
-        if status not in ("finished", "failed") or meta.get("rank", 0) != 0:
+        version = meta.get("schema_version")
+        if (
+            status not in ("finished", "failed")
+            or meta.get("rank", 0) != 0
+            or (isinstance(version, int) and version > SCHEMA_VERSION)
+        ):
             return None
-        doc = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
-        db = path / "rank0.sqlite"
-        st = db.stat()
+        with open(os.path.join(folder, SUMMARY_FILE), "rb") as f:
+            doc = json.loads(f.read())
+        db = os.path.join(folder, "rank0.sqlite")
+        st = os.stat(db)
         if (
             not isinstance(doc, dict)
             or doc.get("db_size") != st.st_size
             or doc.get("db_mtime_ns") != st.st_mtime_ns
-            or Path(str(db) + "-wal").exists()
+            or os.path.lexists(db + "-wal")
             or not all(type(doc.get(k)) is int and doc[k] >= 0 for k in ("steps", "anomalies"))
         ):
             return None
@@ -940,11 +954,24 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
     for entry in entries:
         p = Path(entry.path)
         # DirEntry answers from the directory listing: only a symlink needs resolving
-        if entry.is_symlink() and p.resolve().parent != real_base:
+        link = entry.is_symlink()
+        if link and p.resolve().parent != real_base:
             continue
-        if not (p / "meta.json").is_file():
-            continue
-        why = outside_root(p, base, resolved=real_base if not entry.is_symlink() else None)
+        why = None
+        if link or not entry.is_dir(follow_symlinks=False):
+            if not (p / "meta.json").is_file():
+                continue
+            why = outside_root(p, base)
+        else:  # a plain folder: one listing says whether it is a run and whether a file of it is a link
+            try:
+                with os.scandir(entry.path) as it:
+                    names = {e.name: e.is_symlink() for e in it}
+            except OSError:
+                continue
+            if "meta.json" not in names:
+                continue
+            if any(linked and _RUN_FILE.match(name) for name, linked in names.items()):
+                why = outside_root(p, base, resolved=real_base)
         if why is not None:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, why))
             continue

@@ -324,6 +324,7 @@ class _Core:
         memory: list[tuple[Any, ...]] = []
         timings: list[tuple[Any, ...]] = []
         vectors: list[tuple[Any, ...]] = []
+        timing_samples: list[tuple[int, float, list[tuple[str, float]]]] = []
         for rec in low:
             tag = rec[0]
             if tag == "s":
@@ -336,6 +337,7 @@ class _Core:
                 memory.extend((rec[1], rec[3], k, v) for k, v in rec[2])
             else:
                 timings.extend((rec[1], rec[3], k, v) for k, v in rec[2])
+                timing_samples.append((rec[1], rec[3], rec[2]))
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -375,6 +377,8 @@ class _Core:
                 conn.executemany(
                     "INSERT INTO timings(step, wall_time, phase, seconds) VALUES (?, ?, ?, ?)", timings
                 )
+                # rolled up in the same transaction, as scalars are (one upsert per phase and bucket)
+                _rollup.write_timings(conn, timing_samples)
             for rec in high:
                 tag = rec[0]
                 if tag == "a":

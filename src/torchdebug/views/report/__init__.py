@@ -55,20 +55,13 @@ def collect_views(run: Any, max_points: int = 2000, since_step: int | None = Non
     what it drew); the verdict, summary, anomalies and events are always the whole run's.
 
     Example: ``collect_views(open_run(path))["figures"][0]["id"] == "loss"``.
-    Cost: one downsampled query per metric and a full read of timings and memory samples.
+    Cost: one downsampled query per metric, SQL aggregates and bucketed timing and memory samples:
+    bounded whatever the run's length (about 0.5 s at 1,000,000 steps).
     """
-    timings, memory = run.timings(), run.memory()  # read once, used by both
-    report = build_report(run, metrics=False, timings=timings, memory=memory)
-    if since_step is None:
-        data = collect_data(run, max_points=max_points, timings=timings, memory=memory)
-    else:
-        data = collect_data(
-            run,
-            max_points=max_points,
-            since_step=since_step,
-            timings=[t for t in timings if t["step"] >= since_step],
-            memory=[m for m in memory if m["step"] >= since_step],
-        )
+    summary = run.summary()
+    report = build_report(run, metrics=False, summary=summary)
+    data = collect_data(run, max_points=max_points, since_step=since_step)
+    if since_step is not None:
         for key in ("anomalies", "events"):
             data[key] = [x for x in data[key] if isinstance(x.get("step"), int) and x["step"] >= since_step]
         tn = data["tensor_nonfinite"]
@@ -80,7 +73,7 @@ def collect_views(run: Any, max_points: int = 2000, since_step: int | None = Non
         "meta": meta,
         "status": meta["status"],
         "verdict": report["verdict"],
-        "last_step": run.summary()["last_step"],
+        "last_step": summary["last_step"],
         "report": report,
         "figures": build_figures(data),
         "anomalies": report["anomalies"],
@@ -106,8 +99,8 @@ def render_report(run: Any, format: str = "text", path: str | os.PathLike[str] |
         RunStoreError: the run cannot be read.
 
     Example: ``print(render_report("runs/demo-20250101-120000"))``.
-    Cost: text/json read every metric point (about 0.5 s per million); html downsamples each series
-    to 2000 points and inlines a 30 KB chart renderer.
+    Cost: bounded whatever the run's length (SQL aggregates over rollups; charts of at most 2000
+    points per series): under 1 s at 1,000,000 steps; html inlines a 30 KB chart renderer.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ...store import _aggregate
 from ...store._verdict import anomaly_text, judge
 from ._format import envelope, event_category, is_finite
 
@@ -69,24 +70,34 @@ def _config(meta: Mapping[str, Any]) -> Mapping[str, Any]:
     return cfg if isinstance(cfg, Mapping) else {}
 
 
-def metric_table(run: Any) -> dict[str, dict[str, Any]]:
+def metric_table(run: Any, stats: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Per metric: points, last step, last value, finite min/max and the count of NaN/Inf points.
 
-    Cost: reads every point of every metric (about 0.5 s per million points).
+    Cost: SQL aggregates over the rollups (one row per 4096 steps per metric), not the points: a few
+    ms per metric whatever the run's length (see ``torchdebug.store._aggregate.metric_stats``).
     """
-    out: dict[str, dict[str, Any]] = {}
-    for name in run.metric_names():
-        s = run.series(name)
-        _, hi, lo, _, bad = _stats(s.values)
-        out[name] = {
-            "points": len(s.steps),
-            "last_step": s.steps[-1] if s.steps else None,
-            "last": s.values[-1] if s.values else None,
-            "min": lo,
-            "max": hi,
-            "nonfinite": bad,
+    if stats is None:
+        stats = _aggregate.metric_stats(run)
+    return {
+        name: {
+            "points": s["points"],
+            "last_step": s["last_step"],
+            "last": s["last"],
+            "min": s["min"],
+            "max": s["max"],
+            "nonfinite": s["bad"],
         }
-    return out
+        for name, s in sorted(stats.items())
+    }
+
+
+def _agg_stats(s: Mapping[str, Any]) -> tuple[float | None, float | None, float | None, int, int]:
+    """``_stats``'s tuple from an SQL aggregate ``{"count", "bad", "sum", "min", "max"}``."""
+    n = int(s["count"])
+    return (s["sum"] / n if n else None), s["max"], s["min"], n, int(s["bad"])
+
+
+_NO_STATS = (None, None, None, 0, 0)
 
 
 def build_report(
@@ -95,13 +106,16 @@ def build_report(
     metrics: bool = True,
     timings: list[dict[str, Any]] | None = None,
     memory: list[dict[str, Any]] | None = None,
+    summary: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON summary of a run, with the keys of the seed system's ``create_debug_report``.
 
     Args:
         run: an open ``torchdebug.store.Run`` (see ``torchdebug.store.open_run``).
-        metrics: include the per-metric last/min/max table (reads every point; off for quick views).
-        timings, memory: ``run.timings()`` / ``run.memory()`` when the caller already read them.
+        metrics: include the per-metric last/min/max table.
+        timings, memory: samples to summarize instead of the run's (``run.timings()`` /
+            ``run.memory()``, or a filtered list); by default the run's are aggregated in SQL.
+        summary: ``run.summary()`` when the caller already read it.
 
     Returns:
         A dict (NaN/Inf kept as floats; ``json_safe`` turns them into strings):
@@ -131,31 +145,45 @@ def build_report(
         RunStoreError: the run's database cannot be read.
 
     Example: ``build_report(open_run("runs/demo-20250101-120000"))["summary"]["anomalies_detected"]``.
-    Cost: one pass over grad_norm, timings and memory; plus every metric point when ``metrics``.
+    Cost: bounded whatever the run's length (0.1 - 0.3 s at 1,000,000 steps): SQL aggregates over
+    the metric and timing rollups (one row per 4096 steps) and the memory samples; anomaly and
+    event documents are read whole.
     """
+    lost = run.summary() if summary is None else summary
     meta = dict(run.meta)
-    meta["status"] = run.status
+    meta["status"] = lost["status"]
     cfg = _config(meta)
     anomalies = run.anomalies()
     events = run.events()
-    timings = run.timings() if timings is None else timings
-    memory = run.memory() if memory is None else memory
     categories = Counter(event_category(str(e["kind"])) for e in events)
 
-    step_t = _stats(step_seconds(t) for t in timings)
-    rss = _stats(m.get("rss") for m in memory)
-    gpu = _stats(m.get("cuda_allocated") for m in memory)
-    names = set(run.metric_names())
-    grad = _stats(run.series("grad_norm").values) if "grad_norm" in names else (None, None, None, 0, 0)
-
     time_by_phase: dict[str, float] = {}
-    for phase in TIMING_PHASES:
-        vals = [t[phase] for t in timings if is_finite(t.get(phase))]
-        if vals:
-            time_by_phase[phase] = math.fsum(vals)
+    if timings is None and memory is None:  # SQL aggregates: bounded whatever the run's length
+        tstats = _aggregate.timing_stats(run)
+        step_t = _agg_stats(tstats["step_time"])
+        for phase in TIMING_PHASES:
+            if tstats.get(phase, {}).get("count"):
+                time_by_phase[phase] = tstats[phase]["sum"]
+        mstats = _aggregate.memory_stats(run)
+        rss = _agg_stats(mstats["rss"]) if "rss" in mstats else _NO_STATS
+        gpu = _agg_stats(mstats["cuda_allocated"]) if "cuda_allocated" in mstats else _NO_STATS
+        n_memory = _aggregate.memory_samples(run)
+    else:  # the caller's samples (a filtered or synthetic list)
+        timings = run.timings() if timings is None else timings
+        memory = run.memory() if memory is None else memory
+        step_t = _stats(step_seconds(t) for t in timings)
+        for phase in TIMING_PHASES:
+            vals = [t[phase] for t in timings if is_finite(t.get(phase))]
+            if vals:
+                time_by_phase[phase] = math.fsum(vals)
+        rss = _stats(m.get("rss") for m in memory)
+        gpu = _stats(m.get("cuda_allocated") for m in memory)
+        n_memory = len(memory)
+    per_metric = _aggregate.metric_stats(run)
+    grad = _agg_stats(per_metric["grad_norm"]) if "grad_norm" in per_metric else _NO_STATS
     report: dict[str, Any] = {
         "summary": {
-            "total_debug_operations": run.steps(),
+            "total_debug_operations": lost["steps"],
             "anomalies_detected": len(anomalies),
             "memory_leaks_detected": categories["memory"],
             "performance_issues_detected": categories["performance"],
@@ -173,7 +201,7 @@ def build_report(
             "max_memory_usage": _as_int(rss[1]),
             "average_gpu_memory": _as_int(gpu[0]),
             "max_gpu_memory": _as_int(gpu[1]),
-            "samples": len(memory),
+            "samples": n_memory,
         },
         "gradient_analysis": {
             "average_gradient_norm": grad[0],
@@ -193,8 +221,7 @@ def build_report(
         "config": dict(cfg),
     }
     if metrics:
-        report["metrics"] = metric_table(run)
-    lost = run.summary()
+        report["metrics"] = metric_table(run, per_metric)
     v = judge(
         str(meta["status"]),
         steps=report["summary"]["total_debug_operations"],
@@ -269,6 +296,29 @@ def _tensor_nonfinite(run: Any) -> dict[str, list[Any]]:
     return {"steps": steps, "nan": [nan[s] for s in steps], "inf": [inf[s] for s in steps]}
 
 
+def _samples_for_chart(
+    run: Any, table: str, given: list[dict[str, Any]] | None, max_points: int, since_step: int | None
+) -> dict[str, dict[str, list[Any]]]:
+    """Chart data of timing or memory samples: the caller's list or a short table pivoted in Python
+    (every point up to ``max_points``); a long or compacted one read from the timing rollups, else
+    bucketed in one pass (``_aggregate.timing_series`` / ``sample_series``)."""
+    since = since_step or 0
+    if given is None:
+        long = _aggregate.sample_count(run, table, since) > _aggregate.PIVOT_ROWS
+        # a compacted span keeps only some timing samples: its rollups hold every step's extremes
+        if table == "timings" and (long or since < _aggregate.compacted_to(run)):
+            got = _aggregate.timing_series(run, max_points, since)
+            if got is not None:
+                return got
+        if long:
+            return _aggregate.sample_series(run, table, max_points, since)
+    if given is None:
+        given = run.timings() if table == "timings" else run.memory()
+        if since:
+            given = [t for t in given if t["step"] >= since]
+    return _pivot(_with_total(given) if table == "timings" else given, max_points)
+
+
 def collect_data(
     run: Any,
     max_points: int = 2000,
@@ -283,11 +333,13 @@ def collect_data(
     "tensor_nonfinite": {"steps", "nan", "inf"}, "anomalies": [...], "events": [...]}``; values keep
     NaN/Inf as floats.
 
-    ``timings`` / ``memory``: ``run.timings()`` / ``run.memory()`` when the caller already read them.
+    ``timings`` / ``memory``: samples to chart instead of the run's (already filtered to
+    ``since_step`` by the caller).
 
     Example: ``collect_data(open_run(path), max_points=500)["series"]["loss"]["values"]``.
-    Cost: one downsampled query per metric (about 90 ms per 100k-step metric) plus a full read of
-    memory and timing samples.
+    Cost: one downsampled query per metric (about 1 ms from the rollups); timing and memory samples
+    are pivoted in Python up to 20,000 rows; beyond, timings read their rollups (one row per phase
+    and chart bucket) and memory samples are bucketed in one pass (about 60 ms per 40k rows).
     """
     series = {}
     for name in run.metric_names():
@@ -295,8 +347,8 @@ def collect_data(
         series[name] = {"steps": s.steps, "values": s.values}
     return {
         "series": series,
-        "memory": _pivot(run.memory() if memory is None else memory, max_points),
-        "timings": _pivot(_with_total(run.timings() if timings is None else timings), max_points),
+        "memory": _samples_for_chart(run, "memory", memory, max_points, since_step),
+        "timings": _samples_for_chart(run, "timings", timings, max_points, since_step),
         "tensor_nonfinite": _tensor_nonfinite(run),
         "anomalies": run.anomalies(),
         "events": run.events(),

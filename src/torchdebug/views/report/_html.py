@@ -199,8 +199,26 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
     return "".join(out)
 
 
+def render_spikes(events: Sequence[Mapping[str, Any]]) -> str:
+    """Loss spikes (``spike_report`` and ``rollback`` events) as a table: step, what, cause, named, message."""
+    from ...store._spikes import spike_rows
+
+    rows = [
+        f'<tr class="sev-warning"><td class="num">{_e(fmt_num(r["step"]))}</td><td>{_e(r["kind"])}</td>'
+        f"<td>{_e(r['cause'])}</td><td>{_e(r['what'])}</td><td>{_e(r['message'])}</td></tr>"
+        for r in spike_rows(events)
+    ]
+    if not rows:
+        return ""
+    return (
+        '<h3>Loss spikes</h3><table class="spikes"><tr><th>step</th><th>kind</th><th>cause</th>'
+        "<th>named</th><th>message</th></tr>" + "".join(rows) + "</table><h3>All rule events</h3>"
+    )
+
+
 def render_events(events: Sequence[Mapping[str, Any]]) -> str:
-    """Rule events as a table: severity, step, kind, modules, message, evidence."""
+    """Rule events as a table: severity, step, kind, modules, message, evidence (plain numbers and
+    text; nested evidence, a spike report's, is left to the loss-spike table above it)."""
     if not events:
         return '<p class="empty">No rule fired.</p>'
     rows = []
@@ -209,7 +227,7 @@ def render_events(events: Sequence[Mapping[str, Any]]) -> str:
         modules = ", ".join(map(str, data.get("modules") or [])) if isinstance(data, Mapping) else ""
         evidence = data.get("evidence") if isinstance(data, Mapping) else None
         ev_text = (
-            ", ".join(f"{k}={fmt_num(v)}" for k, v in evidence.items())
+            ", ".join(f"{k}={fmt_num(v)}" for k, v in evidence.items() if not isinstance(v, (Mapping, list)))
             if isinstance(evidence, Mapping)
             else ""
         )
@@ -220,7 +238,8 @@ def render_events(events: Sequence[Mapping[str, Any]]) -> str:
             f"<td><code>{_e(ev_text)}</code></td></tr>"
         )
     return (
-        "<table><tr><th>severity</th><th>step</th><th>kind</th><th>modules</th><th>message</th><th>evidence</th></tr>"
+        render_spikes(events)
+        + "<table><tr><th>severity</th><th>step</th><th>kind</th><th>modules</th><th>message</th><th>evidence</th></tr>"
         + "".join(rows)
         + "</table>"
     )

@@ -93,6 +93,11 @@ def render_text(report: Mapping[str, Any]) -> str:
                 f"first {g['first_step']}, last {g['last_step']}",
             )
         out += ["  " + line for line in card]
+    from ...store._spikes import spike_lines
+
+    spikes = spike_lines(report["events"])
+    if spikes:
+        out += [_RULE, spikes[0].replace("loss spikes", "Loss spikes"), *spikes[1:]]
     out += [_RULE, f"Rule events ({len(report['events'])})"]
     if not report["events"]:
         out.append("  none")

@@ -1,0 +1,335 @@
+"""One training step's state as the session and its instruments see it: typed, with its phase.
+
+The shared contract between the session (``session/``) and the parts it drives (the sentinel in
+``nonfinite/``, the instruments): :class:`Readout` (the step's own numbers after its one read),
+:class:`StepState` (everything one step accumulates, reset at its end), :class:`Verdict` (what the
+sentinel decides, applied by the session) and the protocols :class:`SessionView` (the narrow view of
+the session that instruments and the sentinel receive) and :class:`Instrument`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import enum
+import itertools
+import math
+import operator
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from ._config import DebugConfig
+from ._tensors import grad_of, version_of
+from .events import Anomaly, RuleEvent
+
+
+@dataclasses.dataclass(eq=False)
+class Readout:
+    """The session's own numbers of one step after the read, by kind, each in the order its items were
+    added (an item's name says its kind: :data:`SLOTS`). Empty lists: nothing of that kind this step."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)  # per micro-step loss (a mean if not 0-dim)
+    micro_bad: list[float] = dataclasses.field(
+        default_factory=list
+    )  # per micro-step "a gradient is non-finite"
+    # per micro-step whose gradients were read as one total (the sum of their squares, or of their
+    # elements under the sentinel alone): finite iff every gradient is; its flag goes to ``micro_bad``
+    micro_tot: list[float] = dataclasses.field(default_factory=list)
+    gnorm: list[float] = dataclasses.field(default_factory=list)  # per measured gradient: norm or probe sum
+    scale: float | None = None  # the loss scale the step's backward saw (GradScaler)
+    edit: list[float] = dataclasses.field(
+        default_factory=list
+    )  # probe of the gradients edited since backward
+    clips: list[float] = dataclasses.field(
+        default_factory=list
+    )  # per clip_grad_norm_ call: factor non-finite
+    param_probe: list[float] = dataclasses.field(default_factory=list)  # the last update's parameter probe
+    late_edit: list[float] = dataclasses.field(default_factory=list)  # an edit after a manual-update check
+    dist: list[float] = dataclasses.field(default_factory=list)  # the coordinator's all-reduced vector
+    other_rank_loss_bad: bool = False  # another rank's loss was non-finite (the coordinator's exact round)
+
+    def any_loss_bad(self) -> bool:
+        return self.other_rank_loss_bad or not all(map(math.isfinite, self.losses))
+
+
+# item name -> the Readout field its numbers go to (the session's own items)
+SLOTS: dict[str, str] = {
+    "_loss": "losses",
+    "_mbad": "micro_bad",
+    "_mtot": "micro_tot",  # also sets the micro-step's ``micro_bad`` flag (session/transfer.py)
+    "_gnorm": "gnorm",
+    "_edit": "edit",
+    "_clip": "clips",
+    "_def_param_norms": "param_probe",
+    "_def_edit": "late_edit",
+    "_dist": "dist",
+}
+
+
+class StepPhase(str, enum.Enum):
+    """Where the step now running is in the step protocol (docs/architecture.md)."""
+
+    FORWARD = "forward"  # the step began (its first forward, or nothing yet)
+    BACKWARD = "backward"  # a backward ended; more micro-steps may follow
+    UPDATE = "update"  # the update started: the step's numbers were read and judged
+    UPDATED = "updated"  # the update finished (its parameter probe is queued)
+
+
+class SeenGrads:
+    """The gradient tensors backward() left and their ``_version`` s, by parameter index: the edit check
+    compares them with the gradients as the update starts. Built with one C-level pass per backward."""
+
+    __slots__ = ("grads", "idx", "versions", "whole")
+
+    def __init__(self, idx: list[int] | None = None, grads: list[Any] | None = None, n: int = 0) -> None:
+        self.idx: list[int] = idx or []
+        self.whole = idx is not None and grads is not None and len(idx) == n  # every parameter, in order
+        if self.whole:
+            self.grads: list[Any] = grads  # type: ignore[assignment]
+        else:
+            self.grads = [None] * n
+            for i, g in zip(self.idx, grads or ()):
+                self.grads[i] = g
+        self.versions: list[int] = (
+            list(map(version_of, self.grads))
+            if self.whole
+            else [-1 if g is None else g._version for g in self.grads]
+        )
+
+    def get(self, i: int) -> Any:
+        """The gradient parameter i had after backward(), or None."""
+        return self.grads[i] if 0 <= i < len(self.grads) else None
+
+    def same(self, i: int, g: Any) -> bool:
+        """Parameter i's gradient is the tensor backward() left, unchanged since."""
+        return 0 <= i < len(self.grads) and self.grads[i] is g and self.versions[i] == g._version
+
+    def unchanged(self, grads: list[Any]) -> bool:
+        """Every gradient (``grads``: all parameters, in order) is the one backward() left, unchanged."""
+        return (
+            self.whole
+            and len(grads) == len(self.grads)
+            and all(map(operator.is_, grads, self.grads))
+            and list(map(version_of, grads)) == self.versions
+        )
+
+    def rebase(self, idx: list[int], params: list[Any]) -> None:
+        """Those gradients changed in a way judged elsewhere (a clip's factor): take them as seen now."""
+        if self.whole and idx is self.idx:  # the clip's fast path: every gradient
+            self.grads = list(map(grad_of, params))
+            if not any(map(operator.is_, self.grads, itertools.repeat(None))):  # a C loop
+                self.versions = list(map(version_of, self.grads))
+                return
+            self.whole = False
+            self.versions = [-1 if g is None else g._version for g in self.grads]
+            return
+        for i in idx:
+            g = params[i].grad
+            if g is not None and 0 <= i < len(self.grads):
+                self.grads[i] = g
+                self.versions[i] = g._version
+
+
+@dataclasses.dataclass(eq=False)
+class StepState:
+    """Everything one training step accumulates, in one place, with its phase.
+
+    Owned by the session (``mon.state``) and reset at each step end; the sentinel reads and writes it
+    through the session, the transfer holds its device numbers and their :class:`Readout`. Under
+    ``sync="async"`` a step's state is kept whole until its numbers are read one step later
+    (:meth:`detach`), then put back to judge it.
+    """
+
+    transfer: Any  # the step's device numbers and their read (session/transfer.py ``Transfer``)
+    phase: StepPhase = StepPhase.FORWARD
+    new_micro_step: bool = True  # the next forward is the first of a micro-step
+    # id(optimizer) -> the lr of each of its param groups as its update started
+    lr_used: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    events: list[RuleEvent] = dataclasses.field(default_factory=list)  # the rule events of this step
+    # the sentinel's: what a replay needs, per micro-step (references to the batch, RNG, outputs)
+    captures: list[Any] = dataclasses.field(default_factory=list)
+    cap: Any = None  # the capture of the micro-step now running
+    # what backward() left, for the edit check as the update starts
+    seen: SeenGrads = dataclasses.field(default_factory=lambda: SeenGrads())
+    edit_index: list[int] = dataclasses.field(default_factory=list)  # gradients changed since backward()
+    edit_probe: Any = None  # their finiteness probe (a device tensor), read with the step's transfer
+    edit_bad: list[int] = dataclasses.field(default_factory=list)  # ... non-finite as the update started
+    # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled, None),
+    # or (its total norm, the gradients, max_norm): the factor is worked out on the host after the read
+    clips: list[tuple[Any, list[int], float | None]] = dataclasses.field(default_factory=list)
+    # several models (the session's roots): every watched model's forward in the step is recorded
+    fwd_depth: int = 0  # watched models' forwards running now (one called inside another is part of it)
+    entry: int | None = None  # the tape index of a later forward running now (-1: not recorded)
+    tape_only: set[int] = dataclasses.field(default_factory=set)  # captures with no forward of their own
+    micro_base: int = 0  # micro-steps before the update now starting (its own are counted from here)
+    synced_at_backward: bool = False  # manual mode: the transfer ran at the end of backward()
+    grad_anomaly: bool = False  # this step's anomaly came from the gradient check
+    params_bad_now: bool = False  # the parameter probe read with this step's transfer was non-finite
+    opt_ran: bool = False  # an optimizer update of the session started
+    opt_ran_in_scaler: bool = False  # ... inside GradScaler.step (the scaler did not skip it)
+    scaler_ran: bool = False
+    scaler_skipped: bool = False
+    # the verdict
+    step_anomaly: Anomaly | None = None
+    skipped: bool = False
+    skip_reason: str = ""
+
+    def reset(self) -> None:
+        """The step ended: a fresh state for the next one (the transfer keeps what outlives a step)."""
+        transfer = self.transfer
+        transfer.reset()
+        self.__init__(transfer)  # type: ignore[misc]
+
+    def detach(self) -> StepState:
+        """This step's state is kept (``sync="async"``); the next step gets a fresh one and its own
+        per-step containers in a copy of the transfer (what outlives a step: the last norms, the plan)."""
+        fresh = copy.copy(self.transfer)
+        fresh.reset()  # reset assigns new containers: the kept step's stay its own
+        return StepState(fresh)
+
+
+VerdictKind = Literal["ok", "skip", "anomaly"]
+SCALER_SKIP = "GradScaler found inf/NaN gradients (loss scale too high)"  # the reason of a scaler's skip
+
+
+class Verdict(NamedTuple):
+    """What the sentinel decided about a step; the session applies it (records, the policy, skips).
+
+    ``ok``: nothing to do. ``skip``: the step is skipped without an anomaly (``reason``; ``by_scaler``:
+    the GradScaler skipped its update, counted but not announced). ``anomaly``: a NaN/Inf was found;
+    the session records it (``fresh``; an anomaly recorded earlier in the step only lets ``policy="skip"``
+    drop the gradients of ``opt``) and applies the policy: ``raise`` raises, ``skip`` drops the
+    gradients of ``opt`` (the update about to run) or, when the GradScaler skips the update anyway
+    (``by_scaler``), records the step as skipped; ``warn`` warns. ``late``: found after the update ran,
+    so no policy can skip it (``raise`` raises, the others warn).
+    """
+
+    kind: VerdictKind
+    anomaly: Anomaly | None = None
+    reason: str = ""
+    by_scaler: bool = False
+    opt: Any = None
+    fresh: bool = True
+    late: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+
+OK = Verdict("ok")
+
+
+class TransferView(Protocol):
+    """What the sentinel and the coordinator read of the step's device numbers (``session/transfer.py``)."""
+
+    synced: bool
+    values: dict[str, float]
+    vectors: dict[str, list[float]]
+    readout: Readout
+    loss_vals: list[torch.Tensor]
+    micro_bad: list[torch.Tensor]
+    norms: torch.Tensor | None
+    norm_index: list[int]
+    norms_probe: bool
+    shared: tuple[list[int], int] | None
+    scale_used: torch.Tensor | None
+    grad_norm: float | None
+    grad_norms: list[float] | None
+
+    def plan(self, params: list[torch.Tensor]) -> tuple[Any, list[int]]: ...
+    def fill_shares(self, whole: list[float]) -> None: ...
+    def losses_bad(self) -> list[int]: ...
+    def any_loss_bad(self) -> bool: ...
+    def micro_flagged(self) -> bool: ...
+    def first_bad_micro(self) -> int | None: ...
+    def reset(self) -> None: ...
+
+
+class CoordinatorView(Protocol):
+    """What the sentinel asks of the distributed coordinator (``session/distributed.py``)."""
+
+    def param_share(self, mon: Any) -> list[int] | None: ...
+    def params_flagged(self, mon: Any) -> bool | None: ...
+    def params_agree(self, mine: bool) -> list[int]: ...
+    def step_bad(self, mon: Any) -> bool: ...
+    def anomaly(self, mon: Any) -> Anomaly: ...
+
+
+class SessionView(Protocol):
+    """The narrow view of a watch session that instruments and the sentinel receive (``mon``).
+
+    What they may read and call; everything else of ``Monitor`` is the session's own. Checked by mypy:
+    ``Monitor`` satisfies it, and the sentinel, the coordinator and the async reads are typed with it.
+    """
+
+    config: DebugConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    optimizers: list[torch.optim.Optimizer]  # every optimizer of the session (given, or adopted)
+    roots: dict[str, nn.Module] | None  # several models: each by name (``model`` is their ModuleDict)
+    scaler: Any
+    writer: Any
+    run_dir: Path | None
+    global_step: int
+    micro_step: int
+    rank: int
+    world_size: int
+    driver: str | None
+    batch: Any
+    thread: threading.Thread
+    names: dict[nn.Module, str]
+    param_names: list[str]
+    params: list[torch.Tensor]
+    counters: dict[str, int]
+    anomalies: list[Anomaly]
+    installs: Any
+    instruments: list[Instrument]
+    early_stopping: Any
+    state: StepState
+    uses_cuda: bool
+
+    @property
+    def transfer(self) -> Any: ...
+    @property
+    def coordinator(self) -> CoordinatorView | None: ...
+    @property
+    def adopted(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def compiled(self) -> bool: ...
+    @property
+    def replaying(self) -> bool: ...
+    @property
+    def grad_norm_host(self) -> float | None: ...
+    @property
+    def grad_norms_host(self) -> list[float] | None: ...
+
+    def due(self, every: int | None) -> bool: ...
+    def emit(self, event: RuleEvent) -> None: ...
+    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None: ...
+    def warn_once(self, key: str, message: str) -> None: ...
+    def flush_store(self) -> None: ...
+    def eager(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class Instrument(Protocol):
+    """An instrument of a watch session: a ``name`` and any of the step protocol's methods.
+
+    Every method is optional (the session calls only those that exist), so this protocol names only
+    what all have; the full list, with when each is called, is in docs/architecture.md
+    ("Instrument protocol"): ``install``, ``remove``, ``on_forward_start``, ``on_forward_end``,
+    ``on_backward_start``, ``on_backward_end``, ``on_clip``, ``before_optimizer_step``,
+    ``after_optimizer_step``, ``collect`` (device numbers for the step's one read), ``on_step_end``,
+    ``on_observe``, ``on_exception``, ``on_exit``. Each receives the session as a :class:`SessionView`.
+    """
+
+    name: str

@@ -1,0 +1,366 @@
+"""The sentinel's rare path: the anomaly of a bad step, replayed to its origin, or its symptom.
+
+Runs only when a step's numbers read non-finite (once per session for the replay): re-runs the
+failing micro-step under op-level tracing (:func:`torchdebug.nonfinite.locate.replay_capture`) with
+the step's batch, weights, buffers and RNG state, and builds the :class:`~torchdebug.events.Anomaly`
+the session records. The per-step path is :mod:`torchdebug.nonfinite.sentinel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Protocol
+
+import torch
+
+from .._frames import format_frames
+from .._step import SessionView
+from .._tensors import local
+from .._trees import map_tensors, tensor_leaves
+from ..events import Anomaly, Phase
+from .ledger import window_hint
+from .locate import StepCapture, Tracer, _autocast, _check_loss_inputs, _preserved_state, replay_capture
+
+# a tape entry that is a watched model's forward (several models), with or without grad
+FORWARD = "forward"
+FORWARD_NO_GRAD = "forward-no-grad"
+
+
+class Replaying(Protocol):
+    """Who holds the "a replay is running" flag (the sentinel)."""
+
+    replaying: bool
+
+
+def optimizer_anomaly(
+    mon: SessionView,
+    bad: list[str],
+    step: int | None,
+    ranks: list[int] | None = None,
+    since: int | None = None,
+) -> Anomaly:
+    """The update made parameters non-finite from finite gradients. ``bad``: this rank's non-finite
+    parameters (empty when only another rank's shards are, under FSDP2); ``ranks``: with several
+    ranks, those whose parameters are non-finite (every rank takes the same decision)."""
+    opt = _optimizer_of(mon, bad[0]) if bad else mon.optimizer
+    op = type(opt).__name__ + ".step" if opt is not None else "optimizer.step"
+    # several ranks: named when only some hold non-finite parameters (FSDP2 shards); under DDP
+    # every rank holds the same parameters, so the update made them non-finite on every rank
+    ranks = ranks or []
+    some = 0 < len(ranks) < mon.world_size
+    if not bad:  # another rank's shards: its own record names the parameters
+        anomaly = Anomaly(
+            phase=Phase.OPTIMIZER.value,
+            module=None,
+            op=op,
+            location=None,
+            kind="nan",
+            step=step,
+            rank=ranks[0] if ranks else mon.rank,
+            world_size=mon.world_size,
+            hint="the optimizer update made parameters non-finite on another rank: its record names them",
+            symptom="non-finite parameters after the optimizer step",
+            detected_by=f"rank {ranks[0]}" if ranks else "sentinel",
+        )
+        return anomaly
+    first = bad[0]
+    owner = first.rpartition(".")[0]
+    mod = mon.model.get_submodule(owner) if owner else mon.model
+    stats = None
+    with contextlib.suppress(Exception):
+        from ..stats import analyze_tensor
+
+        stats = analyze_tensor(local(dict(mon.model.named_parameters())[first].detach()), first)
+    kind = (
+        "nan"
+        if stats is not None and stats.has_nan
+        else ("inf" if stats is None or stats.posinf_count else "-inf")
+    )
+    more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])})" if len(bad) > 1 else ""
+    anomaly = Anomaly(
+        phase=Phase.OPTIMIZER.value,
+        module=owner,
+        op=op,
+        location=None,
+        kind=kind,
+        step=step,
+        rank=mon.rank,
+        world_size=mon.world_size if some else 1,
+        tensor=stats,
+        module_type=type(mod).__name__,
+        hint=f"the optimizer update made {first} non-finite{more}{window_hint(since, step)}: check lr, "
+        "eps, weight decay and the update formula",
+        symptom=f"{kind} in parameter {first} after the optimizer step",
+        detected_by="sentinel",
+        parameter=first,
+    )
+    return anomaly
+
+
+def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anomaly:
+    """The anomaly of this step's bad gradients or loss: replayed (the first one) to its origin.
+
+    ``flag.replaying`` is True while the replay runs (the session's boundaries ignore what it does).
+
+    ``late``: checked at ``mon.step()`` after an update the session did not see start; when that
+    update already made the parameters non-finite a replay would blame them, so it is not replayed.
+    """
+    t = mon.transfer
+    bad_micro = t.first_bad_micro()
+    losses_bad = t.losses_bad()
+    idx = min([i for i in [bad_micro, losses_bad[0] if losses_bad else None] if i is not None], default=0)
+    # the micro-steps of the update now judged (several updates in a step: those since the last one)
+    base = min(mon.state.micro_base, idx)
+    micro = idx - base if len(t.micro_bad) - base > 1 else None
+    if mon.state.edit_bad and not t.micro_flagged() and not losses_bad:
+        # backward() made finite gradients (measured then); code before the update made them non-finite
+        return gradient_edit_anomaly(mon, micro)
+    first_replay = mon.counters["replays"] == 0
+    replayable = not (late and mon.state.params_bad_now)
+    if mon.config.replay and first_replay and replayable and idx < len(mon.state.captures):
+        mon.counters["replays"] += 1
+        flag.replaying = True
+        try:
+            # A fault that does not come back when the step is re-run is information (a one-off
+            # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
+            for _ in range(2):
+                with mon.eager():
+                    if mon.roots is not None:  # several models: the step's micro-steps, in order
+                        tracer = replay_in_order(mon, idx)
+                    else:
+                        tracer = replay_capture(
+                            mon.model,
+                            mon.state.captures[idx],
+                            names=mon.names,
+                            frames=mon.config.frames,
+                            uses_cuda=mon.uses_cuda,
+                        )
+                a = tracer.anomaly(
+                    step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel"
+                )
+                if a is not None:
+                    return dataclasses.replace(a, reproducible=True)
+            return symptom_anomaly(mon, micro, losses_bad, reproduced=False)
+        except Exception as exc:
+            mon.warn_once(
+                "replay",
+                f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only",
+            )
+            return symptom_anomaly(mon, micro, losses_bad, why="the replay failed")
+        finally:
+            flag.replaying = False
+    why = "only the first anomaly of a session is replayed"
+    if not mon.config.replay:
+        why = "replay is off (config.replay=False)"
+    elif first_replay and not replayable:
+        why = (
+            "your update (no optimizer object) ran before the check and made the parameters non-finite; "
+            "call mon.update_starting() before it"
+        )
+    elif first_replay:
+        why = "the failing micro-step was not captured"
+    return symptom_anomaly(mon, micro, losses_bad, why=why)
+
+
+def gradient_edit_anomaly(mon: SessionView, micro: int | None, kind: str | None = None) -> Anomaly:
+    """Gradients backward() left finite were made non-finite before the update (``mon.state.edit_bad``)."""
+    bad = [mon.param_names[i] for i in mon.state.edit_bad]
+    first = bad[0] if bad else None
+    owner = first.rpartition(".")[0] if first else ""
+    mod = mon.model.get_submodule(owner) if owner else mon.model
+    g = mon.params[mon.state.edit_bad[0]].grad if mon.state.edit_bad else None
+    if kind is None:
+        kind = "nan" if g is not None and bool(torch.isnan(g).any()) else "inf"  # exact: rare path only
+    more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+    return Anomaly(
+        phase=Phase.GRADIENT_EDIT.value,
+        module=owner,
+        op=None,
+        location=None,
+        kind=kind,
+        step=mon.global_step,
+        rank=mon.rank,
+        module_type=type(mod).__name__,
+        micro_step=micro,
+        symptom=f"non-finite gradient of {first} when the update started{more}",
+        detected_by="sentinel",
+        hint=(
+            "backward() made finite gradients (measured right after it); code between backward() and "
+            "the update made them non-finite: gradient clipping (a NaN max_norm), a manual normalisation "
+            "(0/0), GradScaler.unscale_ with a zero scale, or a gradient hook"
+        ),
+        parameter=first,
+    )
+
+
+def symptom_anomaly(
+    mon: SessionView, micro: int | None, losses_bad: list[int], reproduced: bool | None = None, why: str = ""
+) -> Anomaly:
+    """What was seen, without an origin: the replay did not run, failed, or found everything finite."""
+    per = mon.transfer.grad_norms or []
+    bad = [mon.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
+    loss_bad = bool(losses_bad)
+    kind = "nan" if any(math.isnan(x) for x in per) else "inf"
+    if reproduced is False:
+        # Say what was seen and what was compared; name no origin the replay could not confirm.
+        losses = mon.transfer.readout.losses
+        loss_kinds = sorted(
+            {"nan" if math.isnan(losses[i]) else "inf" for i in losses_bad if i < len(losses)}
+        )
+        if loss_kinds == ["nan"] or (not per and loss_kinds):
+            kind = loss_kinds[0]
+        seen = []
+        if loss_bad:
+            seen.append(f"the loss ({'/'.join(loss_kinds) or 'non-finite'})")
+        if bad:
+            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+            seen.append(f"the gradients of {', '.join(bad[:4])}{more}")
+        observed = " and ".join(seen) or "a non-finite value"
+        return Anomaly(
+            phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
+            module=None,
+            op=None,
+            location=None,
+            kind=kind,
+            step=mon.global_step,
+            rank=mon.rank,
+            micro_step=micro,
+            symptom=f"{observed} held NaN/Inf in the step",
+            detected_by="sentinel",
+            hint=(
+                f"not reproducible: in the step, {observed} held NaN/Inf; replayed twice with the same "
+                "batch, weights, buffers and RNG state, the loss and every gradient came out finite. "
+                "Likely a one-off fault: hardware or silent data corruption, a nondeterministic "
+                "kernel or race, a hook or state that changed between the step and the replay, or "
+                "loss code the replay did not capture"
+            ),
+            reproducible=False,
+        )
+    first = bad[0] if bad else None
+    owner = first.rpartition(".")[0] if first else ""
+    mod = mon.model.get_submodule(owner) if owner else mon.model
+    symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"
+    return Anomaly(
+        phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
+        module=owner if not loss_bad else "",
+        op=None,
+        location=None,
+        kind=kind,
+        step=mon.global_step,
+        rank=mon.rank,
+        module_type=type(mod).__name__,
+        micro_step=micro,
+        symptom=symptom + (f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""),
+        detected_by="sentinel (no replay)",
+        hint=f"origin not traced: {why}; use td.locate_nonfinite(step_fn) for the exact op",
+        parameter=first,
+    )
+
+
+def _optimizer_of(mon: SessionView, name: str) -> Any:
+    """The optimizer that steps the parameter ``name`` (several optimizers), else the session's first."""
+    if name in mon.param_names:
+        param = mon.params[mon.param_names.index(name)]
+        for opt in mon.optimizers:
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                return opt
+    return mon.optimizer
+
+
+def replay_in_order(mon: SessionView, idx: int) -> Tracer:
+    """Several models: re-run the step's micro-steps 0..``idx`` in order under the tracer, each from its
+    RNG state, and the backward of micro-step ``idx``.
+
+    Each micro-step is the first forward of a watched model (none when the micro-step began with loss
+    code after a backward, or with a frozen model's forward), then its tape: the loss code's torch
+    calls and the other watched models' forwards (a frozen one's under ``no_grad``), as they ran. A
+    tensor an earlier call made (G's output fed to D, a critic's value used by the next loss) is
+    replaced by its replayed counterpart, so a value born in D's forward called from G's loss is traced
+    to ``D.<module>``. The user's grads, buffers and RNG are restored after.
+    """
+    st = mon.state
+    caps = st.captures[: idx + 1]
+    tracer = Tracer(mon.model, frames=mon.config.frames, names=mon.names)
+    tracer.check_inputs(_unmade(caps, st.tape_only), {})  # the batch, not what a model made
+    tracer.check_parameters()
+    if tracer.symptom is not None:
+        return tracer
+    made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
+    with _preserved_state(mon.model, mon.uses_cuda), tracer:
+        for j, cap in enumerate(caps):
+            torch.set_rng_state(cap.rng_cpu)
+            if cap.rng_cuda is not None:
+                torch.cuda.set_rng_state_all(cap.rng_cuda)
+            with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+                out = None
+                if j not in st.tape_only:
+                    module = cap.module if cap.module is not None else mon.model
+                    out = module(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
+                    _pair(made, cap.outputs, out)
+                    if tracer.symptom is not None:
+                        return tracer
+                if cap.tape_complete and not _rerun(cap, made, tracer):
+                    return tracer
+                if j < idx:
+                    continue
+                loss = made.get(id(cap.loss)) if cap.loss is not None else None
+                if loss is not None:
+                    loss.backward(gradient=cap.loss_grad)
+                elif out is not None:
+                    pairs = [
+                        (n, cap.out_grads[i])
+                        for i, n in enumerate(tensor_leaves(out))
+                        if i in cap.out_grads and n.requires_grad
+                    ]
+                    if pairs:
+                        torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
+    return tracer
+
+
+def _pair(made: dict[int, torch.Tensor], old: Any, new: Any) -> None:
+    for o, n in zip(tensor_leaves(old), tensor_leaves(new)):
+        made[id(o)] = n
+
+
+def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer) -> bool:
+    """The micro-step's tape, in order (False: stop, the tracer found the symptom or the tape failed)."""
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
+    try:
+        for func, kind, args, kwargs, raw, res in cap.tape:
+            if kind in (FORWARD, FORWARD_NO_GRAD):  # a watched model's forward: its own ops are traced
+                with torch.set_grad_enabled(kind == FORWARD and torch.is_grad_enabled()):
+                    new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+            else:
+                _check_loss_inputs(cap, args, kwargs, made, raw, tracer)
+                if tracer.symptom is not None:
+                    return False
+                tracer.location_override = format_frames(raw)
+                try:
+                    new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+                finally:
+                    tracer.location_override = None
+            _pair(made, res, new)
+            if tracer.symptom is not None:
+                return False
+    except Exception as exc:
+        tracer.internal_errors.append(f"replay of the step failed: {exc!r}")
+        return False
+    return True
+
+
+def _unmade(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor, ...]:
+    """The inputs of the step's recorded forwards that no earlier recorded call made (the batch, not
+    G's output fed to D)."""
+    made: set[int] = set()
+    keep: list[torch.Tensor] = []
+    for j, cap in enumerate(caps):
+        calls = [] if j in tape_only else [(cap.args, cap.kwargs, cap.outputs)]
+        calls += [(e[2], e[3], e[5]) for e in cap.tape if e[1] in (FORWARD, FORWARD_NO_GRAD)]
+        for args, kwargs, out in calls:
+            keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
+            made |= {id(t) for t in tensor_leaves(out)}
+        made |= {id(t) for e in cap.tape for t in tensor_leaves(e[5])}
+    return tuple(keep)

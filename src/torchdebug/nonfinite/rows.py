@@ -1,0 +1,101 @@
+"""Per-row losses of a captured micro-step: the forward replayed once, the loss code per batch row.
+
+The loss-spike forensics (``session/rollback.py``) ask which rows of the batch carry a spike. The
+captured micro-step (:class:`~torchdebug.nonfinite.locate.StepCapture`: the batch, RNG, autocast
+state, the recorded loss code) is replayed without gradients: the model's forward runs once on the
+whole batch (so batch statistics and dropout are those of the real step), then the recorded loss code
+runs once per row on the row's slice of the model's outputs and of every batch tensor it used (a
+tensor whose first dimension is the batch size, not made by the model or the loss code, not a
+parameter). The user's gradients, buffers and RNG are left as they were.
+
+Known limitations: the batch dimension is the first one of the model's first input; loss code that
+builds shapes from the batch size (``view(B * T, -1)``) cannot run on one row (the rows are then
+unavailable, with the error); with more than ``MAX_PARTS`` rows, contiguous groups of rows are
+replayed as parts and a part is named by its first row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._trees import map_tensors, tensor_leaves
+from .locate import StepCapture, _autocast, _preserved_state
+
+MAX_PARTS = 512
+
+
+def row_losses(
+    model: nn.Module, cap: StepCapture, *, uses_cuda: bool = False
+) -> tuple[list[float] | None, list[int], str | None, str]:
+    """``(losses per part, first row of each part, reduction, note)`` of one captured micro-step.
+
+    ``reduction`` is ``"mean"`` or ``"sum"`` when the parts' losses give the replayed full loss that
+    way (within 1e-4 relative), else None. ``losses`` is None when the step cannot be split; ``note``
+    says why. Cost: one forward without gradients plus the loss code once per part.
+    """
+    if cap.loss is None or not cap.tape_complete or not cap.tape:
+        return None, [], None, "the loss code was not recorded (trace_loss off, or more than 64 calls)"
+    leaves = [t for t in tensor_leaves((cap.args, cap.kwargs)) if t.dim() >= 1]
+    if not leaves:
+        return None, [], None, "the model's inputs hold no batched tensor"
+    n = int(leaves[0].shape[0])
+    if n < 2:
+        return None, [], None, "a batch of one row"
+    step = max(1, math.ceil(n / MAX_PARTS))
+    starts = list(range(0, n, step))
+    params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
+    try:
+        with _preserved_state(model, uses_cuda), torch.no_grad():
+            torch.set_rng_state(cap.rng_cpu)
+            if cap.rng_cuda is not None:
+                torch.cuda.set_rng_state_all(cap.rng_cuda)
+            with _autocast(cap.autocast):
+                out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
+                full = _loss(cap, out, None, n, params)
+                parts = [_loss(cap, out, slice(a, min(a + step, n)), n, params) for a in starts]
+    except Exception as exc:  # the loss code does not run on a slice: no rows, and why
+        return None, [], None, f"the loss code failed on one row: {type(exc).__name__}: {exc}"
+    sizes = [min(a + step, n) - a for a in starts]
+    mean = sum(p * s for p, s in zip(parts, sizes)) / n
+    total = sum(parts)
+    reduction = None
+    if _close(mean, full):
+        reduction = "mean"
+    elif _close(total, full):
+        reduction = "sum"
+    return parts, starts, reduction, ""
+
+
+def _loss(cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[int]) -> float:
+    """The recorded loss code on ``rows`` of the outputs and batch tensors (None: the whole batch)."""
+    mapping: dict[int, torch.Tensor] = {}
+    for o, t in zip(tensor_leaves(cap.outputs), tensor_leaves(out)):
+        mapping[id(o)] = t[rows] if rows is not None and t.dim() >= 1 and t.shape[0] == n else t
+
+    def sub(t: torch.Tensor) -> torch.Tensor:
+        got = mapping.get(id(t))
+        if got is not None:
+            return got
+        if rows is not None and id(t) not in params and t.dim() >= 1 and t.shape[0] == n:
+            return t[rows]  # a batch tensor only the loss code used (the labels)
+        return t
+
+    for func, _types, args, kwargs, _raw, res in cap.tape:
+        new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+        for o, t in zip(tensor_leaves(res), tensor_leaves(new)):
+            mapping[id(o)] = t
+    loss = mapping.get(id(cap.loss))
+    if loss is None:
+        raise RuntimeError("the loss was not made by the recorded calls")
+    return float(loss.detach().float().sum())  # rare path (a spike): one read per part
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= 1e-4 * max(abs(a), abs(b), 1e-12)
+
+
+__all__ = ["MAX_PARTS", "row_losses"]
