@@ -47,6 +47,41 @@ def test_reduce_total_and_per_tensor_numbers_equal_one_call_per_tensor(square: b
     assert red.per().tolist() == pytest.approx(ref, rel=1e-4, abs=1e-3)
 
 
+def _stacks() -> list[torch.Tensor]:
+    # 20 tensors of shape (3, 2) (stacked: STACKED = 16 of one shape), 16 float64 ones of shape (4,)
+    # (stacked apart: another dtype), 15 of shape (5,) (too few: flattened with the rest), interleaved
+    g = torch.Generator().manual_seed(1)
+    ts: list[torch.Tensor] = []
+    for i in range(20):
+        ts.append(torch.randn(3, 2, generator=g))
+        if i < 16:
+            ts.append(torch.randn(4, generator=g, dtype=torch.float64))
+        if i < 15:
+            ts.append(torch.randn(5, generator=g))
+    ts.append(torch.randn(SMALL + 3, generator=g))  # big: reduced alone
+    ts.append(torch.zeros(0))
+    return ts
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["sums", "norms"])
+def test_stacked_shapes_give_the_same_numbers_as_one_call_per_tensor(square: bool) -> None:
+    ts = _stacks()
+    plan = Plan(ts)
+    assert [k for _, k in plan.stacks] == [20, 16]  # the (5,) tensors are 15: flattened
+    if square:
+        ref = [float(torch.linalg.vector_norm(t.double())) for t in ts]
+        total = sum(x * x for x in ref)
+    else:
+        ref = [float(t.double().sum()) for t in ts]
+        total = sum(ref)
+    red = plan.reduce(ts, square=square)
+    assert float(red.total) == pytest.approx(total, rel=1e-4, abs=1e-2)
+    eager = (plan.norms(ts) if square else plan.sums(ts)).tolist()
+    ts[0].fill_(math.nan)  # the per-tensor numbers come from the copies taken at reduce()
+    assert red.per().tolist() == pytest.approx(ref, rel=1e-4, abs=1e-3)
+    assert eager == pytest.approx(ref, rel=1e-4, abs=1e-3)
+
+
 def test_the_per_parameter_norms_are_read_only_when_asked() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
