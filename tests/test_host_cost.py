@@ -225,3 +225,31 @@ def test_log_vector_checks_its_input(tmp_path: Path) -> None:
     run = open_run(w.path)
     assert run.series("a").values == [1.0] and run.series("b").values == [2.5]
     run.close()
+
+
+def test_the_spike_guard_reads_its_historys_per_parameter_norms_only_when_asked() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    refs: list[list[float]] = []
+    counts = []
+    with td.watch(model, opt, run=False, config=td.DebugConfig(detail_every=100)) as mon:
+        guard = next(i for i in mon.instruments if i.name == "spikes")
+        for _ in range(3):  # step 0 is a detail step (its norms are read with it), 1 and 2 ordinary
+            opt.zero_grad()
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            refs.append([float(torch.linalg.vector_norm(p.grad.double())) for p in model.parameters()])
+            opt.step()
+            with HostReads() as reads:
+                mon.step()
+            counts.append(reads.count)
+        steps = [s for s, _, _, _ in guard.history]
+        with HostReads() as reads:
+            got = [later() for _, _, _, later in guard.history]
+    # each step's one read ran as its update started; step 0, a detail step, reads again at its end
+    # (its update's parameter probe and ratios: 2 reads on a detail step, tests/test_host_reads.py)
+    assert counts == [1, 0, 0]
+    assert reads.count == 2  # steps 1 and 2, read now; step 0's came with its detail read
+    assert steps == [0, 1, 2]
+    for norms, ref in zip(got, refs):
+        assert norms == pytest.approx(ref, rel=1e-5)
