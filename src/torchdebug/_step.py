@@ -168,6 +168,7 @@ class StepState:
     entry: int | None = None  # the tape index of a later forward running now (-1: not recorded)
     tape_only: set[int] = dataclasses.field(default_factory=set)  # captures with no forward of their own
     micro_base: int = 0  # micro-steps before the update now starting (its own are counted from here)
+    updating: Any = None  # the optimizer whose update is starting (None: a driver's, unnamed)
     synced_at_backward: bool = False  # manual mode: the transfer ran at the end of backward()
     grad_anomaly: bool = False  # this step's anomaly came from the gradient check
     params_bad_now: bool = False  # the parameter probe read with this step's transfer was non-finite

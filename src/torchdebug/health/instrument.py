@@ -21,6 +21,7 @@ from .._robust import MAD_TO_SIGMA, RunningMedian, Streak
 from ..events import RuleEvent, training_summary
 from ..stats import foreach_norms
 from .divergence import DivergenceRule
+from .optnorms import OptimizerNorms
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
 WINDOW = 200
@@ -792,6 +793,8 @@ class GradientHealth:
         }
         self._last_clip: dict[str, Any] | None = None
         self._clip_norms: tuple[Sequence[str], Callable[[], Sequence[float] | None]] = ((), lambda: None)
+        self._optnorms = OptimizerNorms()
+        self._per_handed: Any = None  # the gradient reduction whose per-parameter numbers a read carried
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
         self._hooks: list[Any] = []
@@ -929,14 +932,16 @@ class GradientHealth:
     # ----------------------------------------------------------------- the step's transfer
 
     def collect(self, mon: Any) -> dict[str, torch.Tensor]:
-        first = self._synced_step != mon.global_step
         self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
-        if first and self.details and mon.due(self.every):
+        red = getattr(mon.transfer, "reduced", None)
+        if red is not None and red is not self._per_handed and self.details and mon.due(self.every):
             # detail steps: every parameter's gradient norm, read with the step's numbers (ordinary
-            # steps read only their total)
-            per = getattr(mon.transfer, "per_tensor_items", None)
-            out.update(per() if per is not None else ())
+            # steps read only their total); again at a later read when a backward came since (several
+            # updates in the step), so the step end needs no read of its own
+            self._per_handed = red
+            out.update(mon.transfer.per_tensor_items())
+        out.update(self._optnorms.items(mon))  # several optimizers: each one's gradient norm
         if self._clip is not None:
             total, max_norm, norm_type = self._clip
             self._clip = None
