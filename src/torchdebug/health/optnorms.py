@@ -31,7 +31,8 @@ class OptimizerNorms:
     """The per-optimizer reductions of one session (plans cached per optimizer)."""
 
     def __init__(self) -> None:
-        self._plans: dict[int, tuple[list[torch.Tensor], Plan | None]] = {}
+        # id(optimizer) -> (its parameter count, its parameters with gradients, their Plan)
+        self._plans: dict[int, tuple[int, list[torch.Tensor], Plan | None]] = {}
 
     def items(self, mon: SessionView) -> dict[str, torch.Tensor]:
         """Device numbers for the read now running: ``grad_norm/<model>`` per optimizer still to step."""
@@ -55,11 +56,12 @@ class OptimizerNorms:
         return out
 
     def _norm(self, opt: Any) -> torch.Tensor | None:
+        count = sum([len(g["params"]) for g in opt.param_groups])  # a group added: plan again
         got = self._plans.get(id(opt))
-        if got is None:
+        if got is None or got[0] != count:
             params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-            got = self._plans[id(opt)] = (params, Plan.build(params))
-        params, plan = got
+            got = self._plans[id(opt)] = (count, params, Plan.build(params))
+        _, params, plan = got
         grads = list(map(grad_of, params))
         present = [g for g in grads if g is not None]
         if not present:
