@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overhead import workloads
+from overhead import run_chunk, workloads
 
 import torchdebug as td
 from torchdebug.session.rollback import SnapshotRing
@@ -40,18 +40,10 @@ INTERVALS = (1, 10, 50, 100)
 
 
 def steps(model: Any, opt: Any, batches: list, loss_fn: Any, n: int, mon: Any = None) -> list[float]:
-    out = []
-    for i in range(n):
-        x, y = batches[i % len(batches)]
-        c0 = time.process_time()
-        loss = loss_fn(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if mon is not None:
-            mon.step()
-        out.append(time.process_time() - c0)
-    return out
+    """Each step's process CPU time (the overhead benchmark's loop)."""
+    cpu: list[float] = []
+    run_chunk(model, opt, batches, loss_fn, n, "cpu", mon, cpu=cpu)
+    return cpu
 
 
 def bench(name: str, spec: tuple, args: argparse.Namespace) -> None:

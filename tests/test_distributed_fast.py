@@ -7,6 +7,7 @@ gloo; every test under a timeout so a hang fails."""
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,21 @@ def _batch(rank: int, step: int, micro: int, sc: dict) -> tuple[torch.Tensor, to
     return x, y
 
 
+class OverflowingSGD(torch.optim.SGD):
+    """SGD whose update of param group 1 overflows once ``bad`` is set: an update-formula bug (finite
+    gradients, finite hyperparameters, non-finite weights) that only the parameter probe can see."""
+
+    bad = False
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        out = super().step(closure)
+        if self.bad:
+            for p in self.param_groups[1]["params"]:
+                p.mul_(float("inf"))
+        return out
+
+
 def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     result: dict = {"rank": rank}
     torch.manual_seed(0)
@@ -49,10 +65,10 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         model.register_comm_hook(None, fp16_compress_hook)
-    if sc.get("inf_lr_fc2"):  # fc2 in a group of its own, whose lr turns inf at BAD_STEP
+    if sc.get("bad_fc2"):  # fc2 in a group of its own, whose lr turns inf (or update overflows) at BAD_STEP
         fc2 = list(net.fc2.parameters())
         rest = [p for p in net.parameters() if all(p is not q for q in fc2)]
-        opt = torch.optim.SGD([{"params": rest}, {"params": fc2}], lr=0.1)
+        opt = OverflowingSGD([{"params": rest}, {"params": fc2}], lr=0.1)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu") if sc.get("scaler") else None
@@ -76,8 +92,10 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
 
                 mon.transfer.measure = spy
                 for step in range(STEPS):
-                    if sc.get("inf_lr_fc2") and step == BAD_STEP:
-                        opt.param_groups[1]["lr"] = float("inf")  # finite gradients, fc2 becomes +-inf/NaN
+                    if sc.get("bad_fc2") == "inf_lr" and step == BAD_STEP:
+                        opt.param_groups[1]["lr"] = float("inf")  # named before the update
+                    if sc.get("bad_fc2") == "overflow" and step == BAD_STEP:
+                        opt.bad = True  # finite gradients and lr, fc2 becomes +-inf/NaN
                     opt.zero_grad()
                     for micro in range(micro_steps):
                         # gradient accumulation: every micro-step but one (the last) keeps its gradients local
@@ -149,7 +167,8 @@ SCENARIOS = {
     "no_ddp": {"poison": "backward", "no_ddp": True},
     "own_hook": {"poison": "backward", "own_hook": True},
     "replay_breaks_on_rank0": {"poison": "backward", "break_replay_rank": 0},
-    "optimizer": {"inf_lr_fc2": True},
+    "optimizer": {"bad_fc2": "overflow"},
+    "inf_lr": {"bad_fc2": "inf_lr"},
 }
 
 
@@ -322,13 +341,31 @@ def test_each_ddp_rank_probes_its_share_of_the_parameters_and_both_name_the_upda
             BAD_STEP,
             "fc2.weight",
             "fc2",
-            "SGD.step",
+            "OverflowingSGD.step",
         )
         assert a["rank"] == r["rank"] and "world_size" not in a  # the same update made it on every rank
         assert len(r["anomalies"]) == 1
-        # the gradient health's learning-rate rule saw the cause at step 7's end
-        assert r["warnings"] == [
-            "torchdebug: error: step 7: lr_nonfinite: learning rate of param group 1 is inf; check the scheduler"
-        ]
+        assert r["warnings"] == []
         # steps 0-8 each launched one hidden all-reduce; DDP's ranks need no exchange to agree
         assert r["collectives"] == {"hidden": BAD_STEP + 2, "blocking": 0, "rare": 0}
+
+
+@TIMEOUT
+def test_an_inf_lr_is_named_on_every_ddp_rank_before_the_update(runs):
+    # every rank holds the same param groups: each names lr = inf at step 7's pre-hook, after the
+    # step's hidden all-reduce and before the update, with no collective of its own
+    for r in runs["inf_lr"]:
+        assert r["error"] == "NonFiniteError" and r["step"] == BAD_STEP
+        a = r["anomaly"]
+        assert (a["phase"], a["step"], a["module_type"], a["symptom"]) == (
+            "optimizer",
+            BAD_STEP,
+            "OverflowingSGD",
+            "lr = inf in param group 1 of OverflowingSGD (since step 7)",
+        )
+        assert all(math.isfinite(x) for p in r["params"] for x in _flat(p))
+        assert r["collectives"] == {"hidden": BAD_STEP + 1, "blocking": 0, "rare": 0}
+
+
+def _flat(x: object) -> list[float]:
+    return [y for e in x for y in _flat(e)] if isinstance(x, list) else [float(x)]  # type: ignore[arg-type]

@@ -129,7 +129,11 @@ def test_explosion_threshold_follows_the_noise_of_the_run() -> None:
 
 def test_explosion_absolute_bound_and_warmup() -> None:
     rule = ExplosionRule(mads=10, abs_threshold=1e4, warmup=3)
-    assert rule.update(0, 5e4) is None  # warm-up: nothing fires in the first 3 observations
+    # the absolute bound holds from step 0 (a run diverging from its first step passes it at once);
+    # the warm-up only keeps the relative test quiet: 1 -> 9000 inside it is not judged relative
+    assert rule.update(0, 5e4) is not None
+    quiet = ExplosionRule(mads=10, abs_threshold=1e4, warmup=3)
+    assert [quiet.update(s, x) for s, x in enumerate([1.0, 9e3, 9e3])] == [None] * 3
     rule2 = ExplosionRule(mads=10, abs_threshold=1e4, warmup=0)
     e = rule2.update(0, 2e4)  # no history: only the absolute bound can judge
     assert e is not None and "above the absolute bound 1e+04" in e.message

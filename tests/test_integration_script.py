@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 import torchdebug as td
@@ -58,6 +59,46 @@ def test_run_says_what_it_cannot_find(tmp_path, capsys):
 def test_run_missing_script_is_a_one_line_error(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.py")]) == 1
     assert "no such script" in capsys.readouterr().err
+
+
+LOADS_NAN_CHECKPOINT = """
+import sys
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+if sys.argv[2] == "before":
+    model.load_state_dict(torch.load(sys.argv[1]))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+if sys.argv[2] == "after":
+    model.load_state_dict(torch.load(sys.argv[1]))  # resumed after the optimizer was made
+with torch.no_grad():
+    print("evaluated", model(torch.randn(3, 4)).sum().item())
+torch.save(model.state_dict(), sys.argv[1] + ".resaved")
+"""
+
+
+@pytest.mark.parametrize(
+    "when", ["before", "after"], ids=["loaded-before-optimizer", "loaded-after-optimizer"]
+)
+def test_run_reports_a_nan_checkpoint_before_the_model_is_evaluated_or_saved(tmp_path, capsys, when):
+    torch.manual_seed(0)
+    good = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    state = good.state_dict()
+    state["2.weight"][1, 5] = float("nan")  # one NaN in the head
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save(state, ckpt)
+    script = tmp_path / "resume.py"
+    script.write_text(LOADS_NAN_CHECKPOINT)
+    code = main(["run", "--run-dir", str(tmp_path / "runs"), str(script), str(ckpt), when])
+    out, err = capsys.readouterr()
+    assert code == 3
+    assert "evaluated" not in out and not (tmp_path / "ckpt.pt.resaved").exists()  # stopped before both
+    assert "nan born in parameter of 2.weight (step 0)" in err
+    when = "when the session started" if when == "before" else "when load_state_dict put it in the model"
+    assert f"2.weight already holds 1 NaN / 0 Inf {when}, before any use" in err
+    assert "watched Sequential with AdamW: 0 steps, 1 anomalies" in err
+    assert_clean_exit()
 
 
 GAN = os.path.join(os.path.dirname(__file__), "fixtures", "gan_script.py")

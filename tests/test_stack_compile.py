@@ -165,3 +165,29 @@ def test_torch_compile_wrapper_names_carry_no_orig_mod_prefix(tmp_path: Path) ->
         stored = run.metric_names() + [s["name"] for s in run.tensor_stats()]
     assert stored and not [n for n in stored if "_orig_mod" in n]
     assert any("fc1.weight" in n for n in stored)  # per-parameter metrics are named plainly
+
+
+@pytest.mark.parametrize("compiled_first", [False, True], ids=["never-run", "compiled-and-run"])
+def test_locate_nonfinite_on_a_torch_compiled_model(compiled_first: bool) -> None:
+    # DeepLogNet is not Sized: a truth test of its compiled wrapper calls __len__ and raised TypeError
+    torch.manual_seed(0)
+    model = fx.DeepLogNet()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(6, 8)
+    if compiled_first:
+        compiled(x).pow(2).mean().backward()  # a compiled graph exists before the fault
+        model.zero_grad()
+    model.blocks[1].act.shift = -5.0
+
+    def step() -> torch.Tensor:
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    a = td.locate_nonfinite(step, model=compiled)
+    assert a is not None
+    # traced eagerly and named as in the original model (no "_orig_mod." prefix)
+    assert (a.phase, a.module, a.op, a.kind) == ("forward", "blocks.1.act", "aten.log", "nan"), str(a)
+    assert a.location == origin_line("log")
+    assert not [f for f in a.frames if "_orig_mod" in f.module]
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())

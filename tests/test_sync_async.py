@@ -163,7 +163,9 @@ def test_the_counter_sees_the_blocking_read(monkeypatch: pytest.MonkeyPatch) -> 
     opt = _fused(model)
     with count_reads(monkeypatch) as counts:
         _loop(model, opt, lambda i: torch.randn(4, 8), 6)
-    assert counts["where"] == ["tolist"] * 7  # 6 steps, and the exit's (the last update's parameter probe)
+    # the start's parameter probe (weights already NaN?), 6 steps, and the exit's (the last update's
+    # parameter probe)
+    assert counts["where"] == ["tolist"] * 8
 
 
 def test_numbers_arrive_one_step_later_and_equal_the_blocking_ones(tmp_path: Any) -> None:

@@ -30,18 +30,16 @@ class _OldExplosionRule(ExplosionRule):
         if not math.isfinite(norm) or norm <= 0:
             return None
         early = self.seen < self.warmup
-        if early and self.seen < EARLY_HISTORY:
-            return None
         evidence: dict[str, float] = {"grad_norm": norm}
         rel = False
-        if len(self.history):
+        if len(self.history) and not (early and self.seen < EARLY_HISTORY):  # the absolute bound: always
             med = self.history.median()
             sigma = self.history.sigma(abs_floor=LOG_SIGMA_FLOOR)
             z = (math.log10(norm) - med) / sigma
             ratio = norm / 10**med
             rel = z > self.mads and ratio >= (EARLY_RATIO if early else self.min_ratio)
             evidence.update(median=10**med, mads=z, ratio=ratio, threshold=10 ** (med + self.mads * sigma))
-        if rel or (norm > self.abs_threshold and not early):
+        if rel or norm > self.abs_threshold:
             evidence["abs_threshold"] = self.abs_threshold
             return evidence
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -112,3 +113,42 @@ def test_instrument_failure_warning_points_at_the_users_line(monkeypatch: pytest
             _loop(mon, model, opt, 2, bad=None)
     (w,) = [w for w in caught if "instrument 'timing' failed" in str(w.message)]
     assert w.filename == __file__
+
+
+def test_a_warning_from_a_thread_without_user_frames_points_at_the_main_threads_line() -> None:
+    import threading
+
+    from torchdebug._frames import warn_at_user
+
+    # the thread runs torchdebug's own function directly: nothing of the user on its stack (as on an
+    # autograd device thread); the main thread is in start() or join() below, the user's lines
+    t = threading.Thread(target=warn_at_user, args=(td.TorchDebugWarning("from a thread"),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.start()  # USER-LINE
+        t.join()  # USER-LINE
+    (w,) = [w for w in caught if "from a thread" in str(w.message)]
+    assert w.filename == __file__
+    source = Path(__file__).read_text().splitlines()
+    assert source[w.lineno - 1].endswith("# USER-LINE")
+
+
+def test_a_warning_from_code_without_a_file_points_at_that_code() -> None:
+    import subprocess
+    import sys
+
+    # `python -` reading the script from stdin: its frames are "<stdin>", no file frame at all
+    script = (
+        "import warnings\n"
+        "from torchdebug import TorchDebugWarning\n"
+        "from torchdebug._frames import warn_at_user\n"
+        "warnings.simplefilter('always')\n"
+        "warn_at_user(TorchDebugWarning('from stdin'))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("<stdin>:5: TorchDebugWarning: from stdin"), done.stderr

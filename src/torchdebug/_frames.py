@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -118,6 +119,19 @@ def user_stack(start: Any = None, depth: int = _STACK_DEPTH) -> tuple[str | None
     return first, tuple(frames)
 
 
+def _first_user(f: Any, anonymous: bool = False) -> Any:
+    """The innermost user frame from ``f`` outwards, or None; ``anonymous``: also code without a file
+    (``<stdin>``, ``<string>``), but not the interpreter's or torch's generated code."""
+    while f is not None:
+        name = f.f_code.co_filename
+        if not skip_frame(name):
+            return f
+        if anonymous and name.startswith("<") and not name.startswith(("<frozen", "<eval_with_key")):
+            return f
+        f = f.f_back
+    return None
+
+
 def warn_at_user(message: Warning, start: Any = None) -> None:
     """Issue ``message`` attributed to the innermost user frame (not torch's, not torchdebug's).
 
@@ -126,10 +140,15 @@ def warn_at_user(message: Warning, start: Any = None) -> None:
     ``opt.step()`` or ``mon.step()`` call) and honours the filters and "once" registry of that
     frame's module, as ``warnings.warn`` would. Falls back to the caller when no user frame exists.
     """
-    f = start if start is not None else sys._getframe(1)
-    first = f
-    while f is not None and skip_frame(f.f_code.co_filename):
-        f = f.f_back
+    first = start if start is not None else sys._getframe(1)
+    f = _first_user(first)
+    if f is None and threading.current_thread() is not threading.main_thread():
+        # no user frame on this thread (an autograd device thread, a worker): the training loop's line
+        # on the main thread, which waits in backward() or join()
+        main = sys._current_frames().get(threading.main_thread().ident or -1)
+        f = _first_user(main)
+    if f is None:  # code without a file (python -c, stdin, exec of a string, a notebook cell)
+        f = _first_user(first, anonymous=True)
     if f is None:
         f = first
     g = f.f_globals
@@ -140,5 +159,7 @@ def warn_at_user(message: Warning, start: Any = None) -> None:
         f.f_lineno,
         module=g.get("__name__"),
         registry=g.setdefault("__warningregistry__", {}),
-        module_globals=g,
+        # the source line is looked up through the module's loader; code without a file (stdin) has
+        # none that can give it (its loader raises ImportError), so none is asked
+        module_globals=None if f.f_code.co_filename.startswith("<") else g,
     )

@@ -180,6 +180,9 @@ class StepState:
     step_anomaly: Anomaly | None = None
     skipped: bool = False
     skip_reason: str = ""
+    skipped_updates: list[Any] = dataclasses.field(
+        default_factory=list
+    )  # optimizers whose update was dropped
 
     def reset(self) -> None:
         """The step ended: a fresh state for the next one (the transfer keeps what outlives a step)."""

@@ -1,4 +1,5 @@
-"""The loss divergence rule: a sustained upward level shift of the loss, once per episode (host side).
+"""The divergence rules (host side, once per episode): a run that grows by orders of magnitude from its
+first steps (:class:`GrowthRule`), and a sustained upward level shift of the loss (:class:`DivergenceRule`).
 
 A spike is one bad step (``LossSpikeRule``); a divergence is the loss moving to a new, much higher
 level and staying there: 0.018 -> ~18 after a learning-rate spike that training never recovers
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable, Mapping
 
 from .._robust import RunningMedian
 from ..events import RuleEvent
@@ -147,4 +149,218 @@ class DivergenceRule:
         )
 
 
-__all__ = ["KIND", "KIND_END", "DivergenceRule"]
+# The growth rule's thresholds, measured on tiny real models (benchmarks/divergence_margins.py; the
+# margins are in docs/reading.md): healthy runs never grow faster than 2.4x a step on this estimator nor
+# more than 13x over a window while reaching a new high, diverging ones 8-1000x a step, 300x-1e7x.
+GROWTH_WINDOW = 4  # steps in the robust slope: judged from the 4th finite value on (step 3)
+GROWTH_RATE = 3.0  # the window's robust growth rate must be at least 3x a step ...
+GROWTH_ORDERS = 2.0  # ... and its last value 10**2 = 100x its first
+END_FACTOR = 10.0  # the episode ends when every grown metric is back within 10x of its value at onset
+CALM = math.log10(1.5)  # "since when": the last value within 1.5x of the window's lowest
+_LABEL = {"loss": "loss", "grad_norm": "gradient norm"}
+
+
+def repeated_median(points: list[tuple[int, float]]) -> float:
+    """Siegel's repeated-median slope of ``(x, y)`` points: for each point the median of its slopes to
+    the others, then the median of those. Robust to up to half the points being outliers: a single
+    spike, even at the window's end, does not make a slope.
+
+    Example:
+        >>> repeated_median([(0, 0.0), (1, 0.0), (2, 0.0), (3, 3.0)])  # one spike: no growth
+        0.0
+        >>> repeated_median([(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.5)])
+        1.0
+    """
+    per = []
+    for i, (xi, yi) in enumerate(points):
+        slopes = [(y - yi) / (x - xi) for j, (x, y) in enumerate(points) if j != i and x != xi]
+        if slopes:
+            per.append(statistics.median(slopes))
+    return statistics.median(per) if per else 0.0
+
+
+class _Series:
+    """One metric's last ``window`` positive finite values, in log10, and the highest value before them.
+
+    Every step: a comparison, one ``log10`` and an append; the robust slope only when the window
+    already grew ``orders`` to a new high (rare). No other call per step (the hot path's host cost)."""
+
+    __slots__ = ("high", "n", "points", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.points: deque[tuple[int, float]] = deque(maxlen=window)
+        self.n = 0  # len(points), kept by hand
+        self.high = -math.inf  # log10 of the largest value that left the window
+
+    def push(self, step: int, value: float) -> None:
+        if not 0.0 < value < math.inf:  # NaN too: a break (the sentinel's, or a loss <= 0 with no log)
+            if self.n:
+                self.points.clear()
+                self.n = 0
+            return
+        if self.n == self.window:
+            old = self.points[0][1]
+            if old > self.high:
+                self.high = old
+        else:
+            self.n += 1
+        self.points.append((step, math.log10(value)))
+
+    def growth(self, rate: float, orders: float) -> dict[str, float] | None:
+        """Evidence when the window grows at least ``rate``x a step (repeated median in log10) and ``orders``
+        orders of magnitude from its first to its last value, to a new high; else None."""
+        if self.n < self.window:
+            return None
+        pts = self.points
+        last = pts[-1][1]
+        if last - pts[0][1] < orders or last <= self.high:
+            return None
+        slope = repeated_median(list(pts))
+        if slope < math.log10(rate):
+            return None
+        # since when: the last value (before the newest) within 1.5x of the window's lowest, where the
+        # growth began (a calm step just before a jump is as low as the one before it)
+        low = min(p[1] for p in list(pts)[:-1])
+        since, then = next(p for p in reversed(list(pts)[:-1]) if p[1] <= low + CALM)
+        return {"since": since, "then": 10**then, "now": 10**last, "rate": 10**slope}
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x:.2g}" if x < 100 else f"{x:.3g}"
+
+
+class GrowthRule:
+    """Divergence from the first steps: the loss or the gradient norm grows by orders of magnitude over
+    a few steps.
+
+    Each metric keeps its last ``window`` positive finite values in log10 (no warm-up, no history to
+    compare with). It grows when, over that window, (1) the robust growth rate (Siegel's repeated-median
+    slope in log10, :func:`repeated_median`) is at least ``rate``x a step, (2) the last value
+    is at least ``10**orders`` times the first and (3) the last value is above every value seen before
+    the window (a new high: a converged loss wobbling from 1e-6 to 1e-4 is not a divergence). A loss
+    falling fast never fires (the slope is negative); one spike among the window's points leaves the
+    repeated median near the others' slope; a gradient norm rising 10x over the first steps of a
+    fresh init stays far below 100x.
+
+    When either metric grows, one ``divergence`` event (warning) names what grew, from what to what,
+    how fast (x a step), since which step (the last value within 1.5x of the window's lowest), and the likely
+    cause with ``cause`` (the caller's text, such as the learning rates). The episode lasts until every
+    metric that grew is back within ``END_FACTOR`` (10x) of its value at onset; then a
+    ``divergence_end`` event (info), and the rule can fire again. Cost per step: the pairwise slopes of
+    ``window`` points (12 for the default 4).
+
+    Example:
+        >>> rule = GrowthRule()
+        >>> [rule.update(s, 4.0 * 30**s, 1.0) for s in range(3)]
+        [None, None, None]
+        >>> event = rule.update(3, 4.0 * 30**3, 1.0)
+        >>> event.kind, event.evidence["since_step"], round(event.evidence["rate"])
+        ('divergence', 0, 30)
+    """
+
+    def __init__(
+        self, window: int = GROWTH_WINDOW, rate: float = GROWTH_RATE, orders: float = GROWTH_ORDERS
+    ) -> None:
+        if window < 3:
+            raise ValueError(f"window must be >= 3 (a robust slope needs 3 points), got {window}")
+        if rate <= 1 or orders <= 0:
+            raise ValueError(f"need rate > 1 and orders > 0, got rate={rate}, orders={orders}")
+        self.window, self.rate, self.orders = int(window), float(rate), float(orders)
+        self._loss, self._norm = _Series(self.window), _Series(self.window)
+        self.series = {"loss": self._loss, "grad_norm": self._norm}
+        self.active = False
+        self.onset: dict[str, dict[str, float]] = {}  # the metrics that grew: their evidence at onset
+        self.since: int | None = None
+        self.count = 0
+
+    def update(
+        self, step: int, loss: float | None, grad_norm: float | None, cause: str | Callable[[], str] = ""
+    ) -> RuleEvent | None:
+        """Feed the loss and total gradient norm of ``step`` (None: not measured); an event when a
+        divergence starts or ends. ``cause``: what the event says is the likely cause, or a callable
+        returning it (called only when the event fires)."""
+        losses, norms = self._loss, self._norm
+        if loss is not None:
+            losses.push(step, loss)
+        if grad_norm is not None:
+            norms.push(step, grad_norm)
+        if self.active:
+            return self._end(step, {"loss": loss, "grad_norm": grad_norm})
+        grown = {}
+        for name, series in (("loss", losses), ("grad_norm", norms)):
+            evidence = series.growth(self.rate, self.orders)
+            if evidence is not None:
+                grown[name] = evidence
+        if not grown:
+            return None
+        self.active = True
+        self.count += 1
+        self.onset = grown
+        lead = "loss" if "loss" in grown else "grad_norm"
+        since = int(min(e["since"] for e in grown.values()))
+        self.since = since
+        parts = [
+            f"{_LABEL[n]} {_fmt(e['then'])} -> {_fmt(e['now'])} (x{_fmt_rate(e['rate'])} a step)"
+            for n, e in grown.items()
+        ]
+        steps = step - since
+        first = grown[lead]
+        cause = cause() if callable(cause) else cause
+        message = (
+            f"diverging since step {since}: {' and '.join(parts)} in {steps} step{'s' if steps != 1 else ''}. "
+            + (
+                cause
+                or "Likely cause: the learning rate is too high: lower it or clip gradients (clip_grad_norm_)"
+            )
+        )
+        return RuleEvent(
+            kind=KIND,
+            step=step,
+            message=message,
+            severity="warning",
+            evidence={
+                "metric": lead,
+                "before": first["then"],
+                "after": first["now"],
+                "since_step": since,
+                "rate": first["rate"],
+                "growth": {n: dict(e) for n, e in grown.items()},
+                "cause": cause,
+            },
+        )
+
+    def _end(self, step: int, values: Mapping[str, float | None]) -> RuleEvent | None:
+        back = all(
+            (v := values.get(n)) is not None and math.isfinite(v) and v <= END_FACTOR * e["then"]
+            for n, e in self.onset.items()
+        )
+        if not back:
+            return None
+        since, self.active, onset = self.since, False, self.onset
+        self.onset = {}
+        lead = "loss" if "loss" in onset else "grad_norm"
+        now = float(values[lead])  # type: ignore[arg-type]
+        return RuleEvent(
+            kind=KIND_END,
+            step=step,
+            message=(
+                f"{_LABEL[lead]} back to {_fmt(now)} (within {END_FACTOR:g}x of {_fmt(onset[lead]['then'])} "
+                f"at step {since}), {step - (since or 0)} steps after it began to diverge"
+            ),
+            severity="info",
+            evidence={"metric": lead, "before": onset[lead]["then"], "after": now, "since_step": since},
+        )
+
+
+__all__ = [
+    "END_FACTOR",
+    "GROWTH_ORDERS",
+    "GROWTH_RATE",
+    "GROWTH_WINDOW",
+    "KIND",
+    "KIND_END",
+    "DivergenceRule",
+    "GrowthRule",
+    "repeated_median",
+]

@@ -20,7 +20,8 @@ from torch import nn
 from .._robust import MAD_TO_SIGMA, RunningMedian, Streak
 from ..events import RuleEvent, training_summary
 from ..stats import foreach_norms
-from .divergence import DivergenceRule
+from .divergence import KIND as DIVERGENCE
+from .divergence import DivergenceRule, GrowthRule
 from .optnorms import OptimizerNorms
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
@@ -96,7 +97,8 @@ class ExplosionRule:
     - relative: ``log10(norm)`` is more than ``mads`` robust sigmas (1.4826 MAD, floored at
       ``LOG_SIGMA_FLOOR``) above the median of the last ``window`` steps AND ``norm`` is at least
       ``min_ratio`` times that median, or
-    - absolute: ``norm > abs_threshold``.
+    - absolute: ``norm > abs_threshold``, from the first step on (the bound is the user's
+      ``explode_abs``: no warm-up hides a run that leaves it at step 1).
 
     Working in log space makes the rule scale-free (a model whose norm is 1e-3 and one whose norm
     is 50 are judged alike) and keeps the slow drift of a healthy run inside the range. The two
@@ -142,18 +144,16 @@ class ExplosionRule:
         if not math.isfinite(norm) or norm <= 0:
             return None
         early = self.seen < self.warmup
-        if early and self.seen < EARLY_HISTORY:
-            return None
         evidence: dict[str, float] = {"grad_norm": norm}
         rel = False
-        if len(self.history):
+        if len(self.history) and not (early and self.seen < EARLY_HISTORY):  # the relative test
             med = self.history.median()
             sigma = self.history._sigma_at(med, abs_floor=LOG_SIGMA_FLOOR)  # the median computed once
             z = (math.log10(norm) - med) / sigma
             ratio = norm / 10**med
             rel = z > self.mads and ratio >= (EARLY_RATIO if early else self.min_ratio)
             evidence.update(median=10**med, mads=z, ratio=ratio, threshold=10 ** (med + self.mads * sigma))
-        if rel or (norm > self.abs_threshold and not early):
+        if rel or norm > self.abs_threshold:
             evidence["abs_threshold"] = self.abs_threshold
             return evidence
         return None
@@ -163,6 +163,7 @@ class ExplosionRule:
         step: int,
         norm: float,
         top: Sequence[tuple[str, float]] | Callable[[], Sequence[tuple[str, float]]] = (),
+        lrs: str | Callable[[], str] = "",
     ) -> RuleEvent | None:
         """Feed the total gradient norm of ``step``; an event at the first step of an explosion.
 
@@ -171,6 +172,8 @@ class ExplosionRule:
             norm: the total (unscaled) gradient norm.
             top: the largest per-parameter norms ``[(name, norm)]``, named in the event, or a
                 callable returning them (called only when the event fires: no sort per step).
+            lrs: the learning rates the advice names ("lr 20 in param group 0 of SGD"), or a
+                callable returning them (called only when the event fires).
         """
         evidence = self.check(norm)
         # what the message says was typical: the median before this norm joins it (read only on the
@@ -220,10 +223,12 @@ class ExplosionRule:
         self.recent.clear()  # the next episode measures from the norms after this one
         if top:
             why += "; largest: " + ", ".join(f"{n} {_fmt(v)}" for n, v in top)
+        lr_text = lrs() if callable(lrs) else lrs
         return RuleEvent(
             kind="gradient_explosion",
             step=step,
-            message=why + ". Lower the learning rate or clip gradients (clip_grad_norm_).",
+            message=why
+            + f". Lower the learning rate{f' ({lr_text})' if lr_text else ''} or clip gradients (clip_grad_norm_).",
             severity="warning",
             modules=modules,
             evidence={**evidence, "top": {n: v for n, v in top}},
@@ -818,6 +823,10 @@ class GradientHealth:
         self.spike = LossSpikeRule(cfg.loss_spike_mads, cfg.explode_warmup)
         self.plateau = LossPlateauRule(cfg.loss_plateau_window, cfg.loss_plateau_rel)
         self.divergence = DivergenceRule()
+        self.growth = GrowthRule()
+        # one warning per episode across the explosion and the two divergence rules: the rules whose
+        # start was not emitted because another had named the episode (their end is not emitted either)
+        self._muted: set[str] = set()
         self.lr_rule = LRRule()
         self.amp = AmpScaleRule(cfg.scale_floor, cfg.scale_shrink_steps)
         self.dead = DeadUnitRule(cfg.dead_unit_fraction)
@@ -880,11 +889,8 @@ class GradientHealth:
         norm = mon.grad_norm_host
         # judge here only when this step's transfer already ran (the monitor syncs right before us)
         if self._synced_step == step and norm is not None and self._judged_step != step:
-            self._judged_step = step
             unscaled = norm  # the monitor reports norms already divided by the loss scale backward used
-            event = self.explosion.update(step, unscaled, functools.partial(self._top, mon))
-            if event is not None:
-                self._emit(mon, event)
+            self._judge_growth(mon, step, unscaled, mon.transfer.values.get("loss"))
             if self.explosion.active and self.clip_on_spike is not None:  # active: this step explodes
                 self._auto_clipping = True
                 try:
@@ -974,22 +980,23 @@ class GradientHealth:
         amp = mon.scaler is not None and record.scale is not None
 
         if norm is not None and self._judged_step != step and not record.skipped:
-            self._judged_step = step
-            unscaled = norm  # already unscaled by the monitor
-            event = self.explosion.update(step, float(unscaled), functools.partial(self._top, mon))
-            if event is not None:
-                self._emit(mon, event)
+            self._judge_growth(mon, step, float(norm), loss)  # already unscaled by the monitor
         self.counters["gradient_explosions"] = self.explosion.count
         if loss is not None and not record.skipped:
             # a skipped AMP step's loss is unscaled with the scale after update(): not comparable
             loss = float(loss)
-            for rule in (self.spike, self.plateau, self.divergence):
+            for rule in (self.spike, self.plateau):
                 event = rule.update(step, loss)
                 if event is not None:
                     self._emit(mon, event)
+            event = self.divergence.update(step, loss)
+            if event is not None:
+                self._emit_episode(mon, "level", event, self.growth.active)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
         for event in self.lr_rule.update(step, record.lr or (), getattr(mon, "lr_labels", None)):
+            if event.kind == "lr_nonfinite" and mon.sentinel.active:
+                continue  # the sentinel named it before the update, as an `optimizer` anomaly
             self._emit(mon, event)
         if amp:
             bad = (
@@ -1207,6 +1214,31 @@ class GradientHealth:
             )
         return got[1], got[2], got[3], got[4]
 
+    def _judge_growth(self, mon: Any, step: int, norm: float, loss: float | None) -> None:
+        """The step's gradient norm and loss: the explosion rule, then the divergence growth rule, with
+        one warning per episode between them: a divergence already named mutes the explosion, and an
+        explosion (it names the layers) mutes a growth that starts at its step or later."""
+        self._judged_step = step
+        lrs = functools.partial(_lrs, mon)
+        event = self.explosion.update(step, norm, functools.partial(self._top, mon), lrs)
+        if event is not None and not self.growth.active:
+            self._emit(mon, event)
+        event = self.growth.update(step, loss, norm, cause=functools.partial(_cause, lrs))
+        if event is not None:
+            self._emit_episode(mon, "growth", event, self.explosion.active or self.divergence.active)
+
+    def _emit_episode(self, mon: Any, rule: str, event: RuleEvent, named: bool) -> None:
+        """A divergence rule's start or end: its start is muted when ``named`` (another rule already
+        named this episode), and then so is its end."""
+        if event.kind == DIVERGENCE:
+            if named:
+                self._muted.add(rule)
+                return
+        elif rule in self._muted:
+            self._muted.discard(rule)
+            return
+        self._emit(mon, event)
+
     def _top(self, mon: Any) -> list[tuple[str, float]]:
         norms = mon.grad_norms_host
         return [] if norms is None else top_params(list(mon.param_names), list(norms))
@@ -1239,6 +1271,23 @@ def _log_vector(mon: Any, step: int, names: list[str], values: list[float]) -> N
         writer.log_vector(step, names, values)
     else:
         mon.log_scalars(dict(zip(names, values)), step=step)
+
+
+def _lrs(mon: Any) -> str:
+    """The learning rates the last update used, as the advice names them ("lr 20 in param group 0 of
+    SGD"); read only when an event fires."""
+    check = getattr(mon, "hyperparams", None)
+    if check is None:
+        return ""
+    return str(check.describe_lrs(getattr(mon, "optimizer", None), getattr(mon, "roots", None)))
+
+
+def _cause(lrs: Callable[[], str]) -> str:
+    text = lrs()
+    return (
+        f"Likely cause: the learning rate is too high{f' ({text})' if text else ''}: lower it, or clip "
+        "gradients (clip_grad_norm_)"
+    )
 
 
 def _plan(mon: Any) -> Any:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._errors import NonFiniteError
 from .._tensors import unwrap_optimizer
 from ..session.monitor import Monitor, watch
 
@@ -83,6 +84,8 @@ class ScriptSession:
             if session.monitor is None and not session.notes:
                 try:
                     session._found(opt)  # the first optimizer
+                except NonFiniteError:
+                    raise  # the weights are already NaN/Inf (a bad checkpoint): the script stops here
                 except Exception as exc:  # never break the script: it runs unwatched, and says so
                     session.notes.append(f"finding the model failed ({exc!r}); nothing is watched")
             elif session.monitor is not None and not session.monitor.closed:

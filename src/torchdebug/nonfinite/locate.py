@@ -43,6 +43,8 @@ from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, ModuleFrame, Phase
 from ..memory.analysis import storage_key
 from ..stats import TensorStats, analyze_tensor
+from .hints import Evidence, gather, make_hint
+from .tied import label_tied, tied_labels
 
 # Ops that never introduce values (views, copies of metadata): skipping them saves a reduction each.
 _PASS_THROUGH = {
@@ -195,6 +197,43 @@ def _weak_storage(t: torch.Tensor) -> Any:
         return None
 
 
+@functools.lru_cache(maxsize=512)
+def _write_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an op writes to (``Tensor(a!)`` in its schema)."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an in-place op wrote (a list's items for multi-tensor ops), in order."""
+    out: list[torch.Tensor] = []
+    for i, name in _write_positions(func):
+        a = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(tensor_leaves(a))
+    return out
+
+
+def _foreach_item(args: tuple, i: int) -> list[torch.Tensor]:
+    """The inputs of item ``i`` of a multi-tensor op: the i-th of each tensor list, and lone tensors."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and len(a) > i and isinstance(a[i], torch.Tensor):
+            out.append(a[i])
+        elif isinstance(a, torch.Tensor):
+            out.append(a)
+    return [t for t in out if _checkable(t)]
+
+
+def _more_inf(out: _Flags, t: torch.Tensor, ins: list[torch.Tensor], flags: list[_Flags]) -> bool:
+    """The output holds a larger share of +-Inf than any input: the op wrote new ones (a share, not a
+    count, so broadcasting a mask over a batch is not writing)."""
+    share = (out.posinf + out.neginf) / max(1, t.numel())
+    return all((f.posinf + f.neginf) / max(1, x.numel()) < share for x, f in zip(ins, flags))
+
+
 def _has_inf_scalar(args: Iterable[Any]) -> bool:
     for a in args:
         if isinstance(a, float) and math.isinf(a):
@@ -226,6 +265,7 @@ class _Event:
     frames: tuple[ModuleFrame, ...] = ()
     parameter: str | None = None
     hint: str = ""
+    evidence: Evidence | None = None  # what the hint is derived from (hints.py)
 
 
 @dataclass
@@ -373,7 +413,10 @@ class Tracer:
         self.model = model
         self.optimizer = optimizer
         self.names = (
-            names if names is not None else ({m: n for n, m in model.named_modules()} if model else {})
+            # "is not None": a compiled module's truth test calls its __len__, a TypeError for most models
+            names
+            if names is not None
+            else ({m: n for n, m in model.named_modules()} if model is not None else {})
         )
         self.frames: collections.deque[ModuleFrame] = collections.deque(maxlen=max(1, frames))
         self.module_stack: list[tuple[str, str]] = []
@@ -481,6 +524,8 @@ class Tracer:
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.phase_override = Phase.OPTIMIZER.value
+        if self.optimizer is None:
+            self.optimizer = opt  # names the state tensors of the update
         if self.symptom is None:
             self._check_params("before the optimizer step")
 
@@ -571,6 +616,11 @@ class Tracer:
         out: Any,
     ) -> None:
         outs = [t for t in tensor_leaves(out) if _checkable(t)]
+        if (
+            func._schema.is_mutable
+        ):  # in-place multi-tensor ops (_foreach_add_) return nothing: check what they wrote
+            known = {id(t) for t in outs}
+            outs += [t for t in _written(func, args, kwargs) if id(t) not in known and _checkable(t)]
         if not outs:
             return
         out_flags = [_flags(t) for t in outs]
@@ -607,6 +657,8 @@ class Tracer:
                     func=func,
                     args=args,
                     out_idx=idx,
+                    node=node,
+                    inputs_finite=not (in_nan or in_inf),
                     **kw,
                 )
 
@@ -617,6 +669,15 @@ class Tracer:
                 ev = make("nan", cause=inf_root)
             elif f.nan:  # born here; a mask's -inf (explicit) is named as related, never the origin
                 ev = make("nan", related=inf_root)
+            elif (
+                in_inf
+                and not in_nan
+                and (inf_root is None or inf_root.explicit)
+                and _more_inf(f, t, ins, in_flags)
+            ):
+                # a mask added to a mask (padding on top of causal): this op wrote -inf where its inputs
+                # held none, so it is the mask that completed a fully masked row (named as related)
+                ev = make(f.kind, explicit=True, related=inf_root)
             elif in_nan or in_inf:  # an Inf carried on; one the trace did not see made counts as a constant
                 ev = inf_root or nan_root or make(f.kind, explicit=True)
             else:  # Inf from finite inputs: an overflow, or an explicit +-inf constant (a mask)
@@ -624,7 +685,9 @@ class Tracer:
             self.taint.put(t, key, ev)
             if phase == Phase.OPTIMIZER.value:
                 origin = ev if not ev.explicit else make(f.kind)
-                self._set_symptom(origin, f"{f.kind} in the optimizer update, made by {op}")
+                st = origin.evidence.state if origin.evidence is not None else ""
+                what = f" of {st + ' of ' if st else ''}{origin.parameter}" if origin.parameter else ""
+                self._set_symptom(origin, f"{f.kind} in the optimizer update{what}, made by {op}")
                 return
 
     def _root(self, ins: list[torch.Tensor], flags: list[_Flags], *, nan: bool) -> _Event | None:
@@ -654,14 +717,19 @@ class Tracer:
         func: Any = None,
         args: tuple = (),
         out_idx: int = 0,
+        node: Any = None,
+        inputs_finite: bool | None = None,
     ) -> _Event:
+        if func is not None and func._schema.name.startswith("aten::_foreach_"):
+            ins = _foreach_item(args, out_idx) or ins  # the failing item's inputs, not the lists' first
         with torch._C.DisableTorchFunction():
             tstats = analyze_tensor(t)
             before = self.pre_inputs if self.pre_inputs is not None and ins else ins
             istats = tuple(analyze_tensor(x) for x in before[:4])
         param = None
+        state = ""
         if phase == Phase.OPTIMIZER.value:
-            param = self._param_for(t, func, args, out_idx)
+            param, state = self._param_for(t, func, args, out_idx)
             if param is not None and self.model is not None:
                 module = param.rpartition(".")[0]
                 mtype = type(self.model.get_submodule(module) if module else self.model).__name__
@@ -682,19 +750,54 @@ class Tracer:
             frames=tuple(self.frames),
             parameter=param,
         )
+        if func is not None:
+            try:
+                ev.evidence = gather(func, args, node, inputs_finite=inputs_finite, state=state)
+            except Exception as exc:  # the hint falls back to the statistics alone
+                self.internal_errors.append(repr(exc))
         ev.hint = make_hint(ev)
         self.events.append(ev)
         return ev
 
-    def _param_for(self, t: torch.Tensor, func: Any, args: tuple, out_idx: int) -> str | None:
-        name = self._param_names.get(_storage_key(t))
-        if name is not None or self.optimizer is None:
-            return name
-        # foreach ops work on the list of parameters that have gradients, in param-group order
+    def _param_for(self, t: torch.Tensor, func: Any, args: tuple, out_idx: int) -> tuple[str | None, str]:
+        """The parameter an optimizer op's output ``t`` belongs to, and which of its state it is (``""``:
+        the parameter itself): by storage (the parameter, or a tensor of its optimizer state), else
+        for a multi-tensor (``_foreach_*``) op by the list element at the same position."""
+        owners = self._state_owners()
+        cands = [t]
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        if lists and out_idx < len(lists[0]):
+            cands.append(lists[0][out_idx])  # a foreach op's i-th output comes from its lists' i-th items
+        for c in cands:
+            key = _storage_key(c)
+            if key in self._param_names:
+                return self._param_names[key], ""
+            if key in owners:
+                return owners[key]
+        if self.optimizer is None:
+            return None, ""
+        # last resort: foreach ops work on the parameters that have gradients, in param-group order
         with_grad = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if out_idx < len(with_grad):
-            return self._param_names.get(_storage_key(with_grad[out_idx]))
-        return None
+            return self._param_names.get(_storage_key(with_grad[out_idx])), ""
+        return None, ""
+
+    def _state_owners(self) -> dict[Any, tuple[str, str]]:
+        """Storage of each optimizer state tensor -> (its parameter's name, the state's key): read at
+        an event (rare), when the state exists (Adam makes it inside its first step)."""
+        out: dict[Any, tuple[str, str]] = {}
+        opt = self.optimizer
+        if opt is None:
+            return out
+        with contextlib.suppress(Exception):
+            for p, st in opt.state.items():
+                name = self._param_names.get(_storage_key(p)) if isinstance(p, torch.Tensor) else None
+                if name is None:
+                    continue
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.numel() > 1:  # not a shared scalar step count
+                        out.setdefault(_storage_key(v), (name, str(k)))
+        return out
 
     def propagate(self, args: Any, out: Any) -> None:
         root = next(
@@ -824,8 +927,14 @@ class Tracer:
                     root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
                     ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
                     ev.op = ""
-                    ev.hint = f"the batch already holds {f.kind.upper() if f.kind == 'nan' else f.kind}: input #{i} ({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf); check the data pipeline"
-                    self._set_symptom(ev, f"{f.kind} in input #{i}")
+                    rows = bad_rows(t)
+                    at = f" in {rows}" if rows else ""
+                    ev.hint = (
+                        f"the batch already holds {_KIND_WORD[f.kind]}: input #{i} "
+                        f"({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf){at}; check the data pipeline"
+                        + (" (those samples)" if rows else "")
+                    )
+                    self._set_symptom(ev, f"{f.kind} in input #{i}" + (f", {rows}" if rows else ""))
 
     def _check_params(self, when: str) -> None:
         if self.model is None:
@@ -880,7 +989,7 @@ class Tracer:
                 depth=1,
             )
             a = dataclasses.replace(a, noticed=noticed)
-        return a
+        return label_tied(a, tied_labels(self.model))  # tied weights by all their names
 
 
 def _to_anomaly(
@@ -924,122 +1033,6 @@ def _to_anomaly(
         stack=ev.stack,
         parameter=ev.parameter,
     )
-
-
-# -- hints ---------------------------------------------------------------------------------------
-_DTYPE_MAX = {"float16": "65504", "bfloat16": "3.39e38", "float32": "3.4e38", "float64": "1.8e308"}
-# exp(x) overflows above log(max): float16 11.09, bfloat16 and float32 88.72, float64 709.78
-_EXP_LIMIT = {"float16": 11.09, "bfloat16": 88.72, "float32": 88.72, "float64": 709.78}
-_CAST_OPS = ("_to_copy", "copy_")
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
-
-
-def make_hint(ev: _Event) -> str:
-    """Plain words for the likely cause of an event, from its op and input statistics.
-
-    Never contradicts the statistics printed beside it: "from finite inputs" only when every input
-    shown is finite.
-    """
-    op = ev.op.removeprefix("aten.")
-    ins = ev.inputs
-    mins = [s.min for s in ins if s.min is not None]
-    maxs = [s.max for s in ins if s.max is not None]
-    lo = min(mins) if mins else None
-    hi = max(maxs) if maxs else None
-    absmax = max((s.abs_max for s in ins if s.abs_max is not None), default=None)
-    zero_in = any((s.zero_fraction or 0) > 0 or (s.abs_min is None and s.numel) for s in ins)
-    in_inf = any(s.posinf_count or s.neginf_count for s in ins)
-    in_nan = any(s.nan_count for s in ins)
-    out_dtype = ev.tensor.dtype if ev.tensor is not None else ""
-    related_inf = ev.related is not None and ev.related.kind != "nan"
-    overflow = ev.kind in ("inf", "-inf") and not in_inf and not in_nan and not ev.explicit
-    if ev.phase == Phase.BACKWARD.value:
-        node = ev.op
-        if ev.kind == "nan" and (in_inf or ev.cause is not None):
-            return f"{node} turned an Inf into NaN (inf*0 or inf-inf)"
-        if node.startswith("Sqrt"):
-            return "sqrt at 0 in backward: add eps inside the sqrt (sqrt(x + eps))"
-        if node.startswith(("Norm", "LinalgVectorNorm")):
-            return "norm of an all-zero vector in backward: add eps (sqrt(sum(x**2) + eps))"
-        if node.startswith("Pow"):
-            return "pow with a fractional exponent at 0 in backward: add eps to the base"
-        if node.startswith("Log"):
-            return "log at 0 in backward (the gradient is 1/x): clamp the input or add eps"
-        if node.startswith("Div"):
-            return (
-                "division by zero in backward: the gradient of x / d is NaN/Inf where d == 0 even when "
-                "torch.where or a mask drops that forward result (0 * inf = NaN); make the denominator "
-                "safe before dividing: x / torch.where(d != 0, d, 1), or add eps"
-            )
-        if node.startswith(("Acos", "Asin")):
-            return f"{node[:4].lower()} at +-1 in backward: clamp the input to (-1+eps, 1-eps)"
-        if ev.kind == "nan" and related_inf:
-            return f"{node} turned an Inf into NaN (inf*0 or inf-inf); the Inf was born earlier (see related)"
-        if overflow and out_dtype in _DTYPE_MAX:
-            return f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {node} overflowed in backward; scale the loss or gradients down"
-        return (
-            f"{node} produced {ev.kind} from finite gradients"
-            if not (in_inf or in_nan)
-            else f"{node} produced {ev.kind}"
-        )
-    if op in ("log", "log2", "log10") and lo is not None and not in_nan:
-        if lo < 0:
-            return f"log of negative input (min {lo:.3g})"
-        return "log of 0 gives -inf: add eps (log(x + eps)) or clamp the input"
-    if op == "log1p" and lo is not None and lo <= -1:
-        return f"log1p of input <= -1 (min {lo:.3g})"
-    if op in ("sqrt", "rsqrt") and lo is not None and lo < 0:
-        return f"{op} of negative input (min {lo:.3g})"
-    if op in ("div", "div_", "reciprocal") and not in_inf:
-        if ev.kind == "nan":
-            return "0/0: numerator and denominator are both zero somewhere; add eps to the denominator"
-        return "division by zero: add eps to the denominator"
-    if op in ("acos", "asin"):
-        return (
-            f"{op} of input outside [-1, 1] (range [{lo:.3g}, {hi:.3g}])"
-            if lo is not None and hi is not None
-            else f"{op} outside [-1, 1]"
-        )
-    if op in ("pow",) and lo is not None and lo < 0:
-        return f"pow of negative base with a fractional exponent (min {lo:.3g})"
-    if op in ("_softmax", "_log_softmax", "softmax", "log_softmax") and ev.kind == "nan" and not in_nan:
-        if ev.related is not None and ev.related.explicit:
-            return "softmax over a row whose entries are all -inf (a fully masked row)"
-        if in_inf and any(s.posinf_count for s in ins):
-            return f"softmax over a row holding +Inf: exp(inf - inf) is NaN ({sum(s.posinf_count for s in ins)} +Inf in the input)"
-        return "softmax over a row whose entries are all -inf (a fully masked row)"
-    if op == "exp" and overflow and hi is not None:
-        limit = _EXP_LIMIT.get(out_dtype, 88.72)
-        return (
-            f"exp overflows {out_dtype} above ~{limit}: the largest input was {_fmt(hi)}; subtract the "
-            "max first (softmax/logsumexp do) or clamp the input"
-        )
-    if op in _CAST_OPS and overflow and out_dtype in _DTYPE_MAX:
-        big = f" of values up to {_fmt(absmax)}" if absmax is not None else ""
-        return (
-            f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: the cast to {out_dtype}{big} overflowed to Inf; "
-            "scale or clamp before casting, or keep float32 / use bfloat16"
-        )
-    if overflow and out_dtype == "float16":
-        big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
-        return (
-            f"float16 max is 65504: {op} overflowed{big}; use bfloat16, scale down, or compute it in float32"
-        )
-    if overflow and out_dtype in _DTYPE_MAX:
-        big = f" (inputs up to {_fmt(absmax)})" if absmax is not None else ""
-        return f"{out_dtype} max is {_DTYPE_MAX[out_dtype]}: {op} overflowed{big}; scale the values down"
-    if ev.kind == "nan" and (in_inf or ev.cause is not None):
-        return f"{op} made NaN from an Inf input (inf-inf, inf*0 or inf/inf)" + (
-            "; the Inf was born earlier (see related)" if related_inf else ""
-        )
-    if in_nan or in_inf:
-        return f"{op} produced {ev.kind} from a non-finite input"
-    if ev.kind == "nan":
-        return f"{op} produced NaN from finite inputs" + (" (a zero input is involved)" if zero_in else "")
-    return f"{op} produced {ev.kind} from finite inputs"
 
 
 # -- public entry ----------------------------------------------------------------------------------
@@ -1089,13 +1082,13 @@ def locate_nonfinite(
         raise TypeError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    tracer = Tracer(model, frames=frames, optimizer=optimizer)
+    tracer = Tracer(_uncompiled(model), frames=frames, optimizer=optimizer)
     tracer.check_inputs(args, kwargs)
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer.anomaly()
     try:
-        with tracer:
+        with _eager(), tracer:
             result = fn(*args, **kwargs)
             if tracer.symptom is None:
                 tracer.on_backward_call(result)
@@ -1103,6 +1096,23 @@ def locate_nonfinite(
         if tracer.symptom is None:
             raise
     return tracer.anomaly()
+
+
+def _uncompiled(model: nn.Module | None) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped (names without the ``_orig_mod.`` prefix), else ``model``."""
+    orig = getattr(model, "_orig_mod", None) if model is not None else None
+    if type(model).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
+        return orig
+    return model
+
+
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code runs eagerly while traced: the tracer sees ops one by one, and nothing is compiled
+    for the trace (``torch.compile``'d modules and functions, ``module.compile()``)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None or torch.compiler.is_compiling():  # torch < 2.6; or inside a compiled region
+        return contextlib.nullcontext()
+    return set_stance("force_eager")  # type: ignore[no-any-return]
 
 
 # -- replay of a captured step (used by watch) -------------------------------------------------------
@@ -1197,7 +1207,7 @@ def replay_capture(
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
-        with tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+        with _eager(), tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
             out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
             if tracer.symptom is not None:
                 return tracer
@@ -1256,17 +1266,50 @@ def _check_loss_inputs(
         f = _flags(t)
         if not f.nan:
             continue
-        name = _batch_path(cap.batch, t) or "a tensor the loss code used (not made by the model)"
+        path = _batch_path(cap.batch, t)
+        name = path or "a tensor the loss code used (not made by the model)"
         loc, stack = format_frames(raw)
         ev = tracer._event(Phase.INPUT.value, "", "", "", loc, stack, f.kind, t, [])
         with torch._C.DisableTorchFunction():
             ev.tensor = analyze_tensor(t, name)
-        ev.hint = (
-            f"the batch already holds NaN in {name} ({f.nan} NaN), used only by the loss code at "
-            f"{loc or 'an unknown line'}; check the data pipeline"
-        )
-        tracer._set_symptom(ev, f"nan in {name}")
+            rows = bad_rows(t, nan_only=True)
+        count = f"{f.nan} NaN" + (f" in {rows}" if rows else "")
+        line = loc or "an unknown line"
+        if path is not None:
+            ev.hint = (
+                f"the batch already holds NaN in {path}: {count}; used only by the loss code at {line}; "
+                "check the data pipeline"
+            )
+        else:  # said once: which code used it, and that neither the model nor that code made it
+            ev.hint = (
+                f"the loss code at {line} used a tensor that already held NaN: {count}; neither the model "
+                "nor the loss code made it, so it came with the batch: check the data pipeline"
+            )
+        tracer._set_symptom(ev, f"nan in {name}" + (f", {rows}" if rows else ""))
         return
+
+
+_ROWS_SHOWN = 5
+_KIND_WORD = {"nan": "NaN", "inf": "+Inf", "-inf": "-Inf"}
+
+
+def bad_rows(t: torch.Tensor, nan_only: bool = False) -> str:
+    """Which rows (indices along dim 0, the batch) of ``t`` hold NaN/Inf: ``"rows 2, 5 (2 of 8 rows)"``,
+    the first few and the count; ``""`` for a scalar or a single row. The index is what finds the bad
+    sample (file, line) in a dataset. Rare path: one reduction and a host read."""
+    if t.dim() == 0 or t.shape[0] < 2:
+        return ""
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        x = t.detach()
+        x = torch.view_as_real(x) if x.is_complex() else x
+        bad = torch.isnan(x) if nan_only else ~torch.isfinite(x)
+        idx = bad.reshape(x.shape[0], -1).any(dim=1).nonzero().flatten()
+        n = int(idx.numel())
+        first = idx[:_ROWS_SHOWN].tolist()
+    if n == 0:
+        return ""
+    shown = ", ".join(map(str, first)) + (", ..." if n > _ROWS_SHOWN else "")
+    return f"row{'s' if n > 1 else ''} {shown} ({n} of {t.shape[0]} rows)"
 
 
 def _batch_path(batch: Any, t: torch.Tensor, path: str = "batch", depth: int = 0) -> str | None:

@@ -168,30 +168,22 @@ def gradient_edit_anomaly(mon: SessionView, micro: int | None, kind: str | None 
     """Gradients backward() left finite were made non-finite before the update (``mon.state.edit_bad``)."""
     bad = [mon.param_names[i] for i in mon.state.edit_bad]
     first = bad[0] if bad else None
-    owner = first.rpartition(".")[0] if first else ""
-    mod = mon.model.get_submodule(owner) if owner else mon.model
     g = mon.params[mon.state.edit_bad[0]].grad if mon.state.edit_bad else None
     if kind is None:
         kind = "nan" if g is not None and bool(torch.isnan(g).any()) else "inf"  # exact: rare path only
     more = f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""
-    return Anomaly(
-        phase=Phase.GRADIENT_EDIT.value,
-        module=owner,
-        op=None,
-        location=None,
+    return _untraced(
+        mon,
+        Phase.GRADIENT_EDIT,
+        first,
         kind=kind,
-        step=mon.global_step,
-        rank=mon.rank,
-        module_type=type(mod).__name__,
-        micro_step=micro,
+        micro=micro,
         symptom=f"non-finite gradient of {first} when the update started{more}",
-        detected_by="sentinel",
         hint=(
             "backward() made finite gradients (measured right after it); code between backward() and "
             "the update made them non-finite: gradient clipping (a NaN max_norm), a manual normalisation "
             "(0/0), GradScaler.unscale_ with a zero scale, or a gradient hook"
         ),
-        parameter=first,
     )
 
 
@@ -239,12 +231,40 @@ def symptom_anomaly(
             reproducible=False,
         )
     first = bad[0] if bad else None
-    owner = first.rpartition(".")[0] if first else ""
-    mod = mon.model.get_submodule(owner) if owner else mon.model
     symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"
+    return _untraced(
+        mon,
+        Phase.FORWARD if loss_bad else Phase.BACKWARD,
+        first,
+        kind=kind,
+        micro=micro,
+        symptom=symptom + (f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""),
+        hint=f"origin not traced: {why}; use td.locate_nonfinite(step_fn) for the exact op",
+        detected_by="sentinel (no replay)",
+        module="" if loss_bad else None,
+    )
+
+
+def _untraced(
+    mon: SessionView,
+    phase: Phase,
+    parameter: str | None,
+    *,
+    kind: str,
+    micro: int | None,
+    symptom: str,
+    hint: str,
+    detected_by: str = "sentinel",
+    module: str | None = None,
+) -> Anomaly:
+    """An anomaly of this step that the sentinel saw but no replay traced to an op (no op, no line):
+    named by ``parameter``, the module that owns it (``module`` overrides the name: ``""`` for the loss)
+    and that module's type."""
+    owner = parameter.rpartition(".")[0] if parameter else ""
+    mod = mon.model.get_submodule(owner) if owner else mon.model
     return Anomaly(
-        phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
-        module=owner if not loss_bad else "",
+        phase=phase.value,
+        module=owner if module is None else module,
         op=None,
         location=None,
         kind=kind,
@@ -252,10 +272,10 @@ def symptom_anomaly(
         rank=mon.rank,
         module_type=type(mod).__name__,
         micro_step=micro,
-        symptom=symptom + (f" (+{len(bad) - 1} more parameters)" if len(bad) > 1 else ""),
-        detected_by="sentinel (no replay)",
-        hint=f"origin not traced: {why}; use td.locate_nonfinite(step_fn) for the exact op",
-        parameter=first,
+        symptom=symptom,
+        detected_by=detected_by,
+        hint=hint,
+        parameter=parameter,
     )
 
 

@@ -44,6 +44,7 @@ from . import replay
 from .ledger import UpdateLedger, due, nonfinite_params
 from .locate import LossTape, StepCapture
 from .replay import FORWARD, FORWARD_NO_GRAD
+from .startup import loaded_anomaly
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
 _MAX_TAPE = 64  # torch calls and model forwards recorded per micro-step (as the loss tape's limit)
@@ -74,6 +75,7 @@ class Sentinel:
         # sync="async" (session/deferred.py), while a step is judged one step later: its gradients may be
         # gone (no exact check)
         self.grads_gone = False
+        self.loaded_bad = False  # weights already non-finite at start or at a load_state_dict: said once
         self.reindex(mon)
 
     def reindex(self, mon: SessionView) -> None:
@@ -452,6 +454,23 @@ class Sentinel:
             self.deferred_index = None
             self.deferred_clean = True
         return bool(self.deferred)
+
+    def check_at_start(self, when: str = "when the session started") -> Verdict:
+        """Session start, and each ``load_state_dict`` into the model during it: parameters already
+        non-finite (a NaN checkpoint) are an anomaly now, before the model is evaluated or saved
+        (:mod:`.startup`). One probe and read each time; said once per session. Not with FSDP2 shards:
+        a rank sees only its own, and one rank raising alone would leave the others waiting in the next
+        collective; the first step's check, which every rank agrees on, says it."""
+        if not self.active or self.loaded_bad or self._sharded:
+            return OK
+        try:
+            anomaly = loaded_anomaly(self.mon, when)
+        except Exception:  # a check that cannot run (odd tensor types) must not stop the session
+            return OK
+        if anomaly is None:
+            return OK
+        self.loaded_bad = True
+        return Verdict("anomaly", anomaly, late=True)  # nothing to skip: no update is running
 
     # -- the transfer ---------------------------------------------------------------------------------
     def items(self) -> list[tuple[str, torch.Tensor]]:

@@ -15,7 +15,8 @@ backward began      ``backward_started``            the loss is kept (device); `
 backward done       ``backward_done``               one device reduction of the gradients;
                                                     ``on_backward_end``
 update starting     ``update_starting(opt)``        the step's ONE host transfer (``sync``), the
-                                                    sentinel's verdict and policy;
+                                                    sentinel's verdict and policy; the optimizer's
+                                                    hyperparameters judged the same way;
                                                     ``before_optimizer_step``
 update done         ``update_done(opt)``            the parameter probe (read with the next
                                                     transfer); ``after_optimizer_step``
@@ -53,11 +54,13 @@ from .._frames import warn_at_user
 from .._installs import Installs
 from .._step import Instrument, StepPhase, StepState
 from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous
+from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .control import Controls
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
+from .items import StepItems
 from .models import SeveralModels
 from .options import check_options, gather_models
 from .recording import Recording
@@ -69,7 +72,7 @@ _MAX_EVENTS = 10_000
 _SCALARS = ("loss", "grad_norm", "grad_nonfinite", "amp_scale")  # the record's scalars to the store
 
 
-class Monitor(Controls, Recording, SeveralModels):
+class Monitor(Controls, Recording, SeveralModels, StepItems):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(
@@ -166,6 +169,7 @@ class Monitor(Controls, Recording, SeveralModels):
         self.sentinel = Sentinel(self)
         self.verdicts = Verdicts(self)  # applies the sentinel's verdicts: records, the policy, skips
         self.sentinel.active = "nonfinite" in self._enabled
+        self.hyperparams = HyperparameterCheck()  # lr, eps, betas ... checked before each update
         # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
         self._async = DeferredReads(self) if self.config.sync == "async" else None
         self._plain = PlainLoopDriver(self, self._called, self.model, list((self.roots or {}).values()))
@@ -274,11 +278,13 @@ class Monitor(Controls, Recording, SeveralModels):
         # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
         for o in [opt] if any([opt is o for o in self.optimizers]) else self.optimizers:
             state.lr_used.setdefault(id(o), tuple([float(g.get("lr", math.nan)) for g in o.param_groups]))
+        self.hyperparams.stage(opt if opt is not None else self.optimizer, device_ok=self._async is None)
         if self._async is None or not self._async.update_starting(opt):
             if self.sentinel.before_update(self, opt):
                 self.sync()  # the step's one read (a second optimizer in the step reuses it)
             if self.sentinel.active:
                 self.verdicts.apply(self.sentinel.judge(at_optimizer=True, opt=opt))  # may raise or skip
+        self.verdicts.apply(self.hyperparams.judge(self, self.sentinel.active))  # lr, eps, betas ...
         self._each("before_optimizer_step")
 
     def update_done(self, opt: Any = None) -> None:
@@ -394,10 +400,6 @@ class Monitor(Controls, Recording, SeveralModels):
             return
         self.transfer.read(items)  # the step's host sync
         self._decode_read()
-
-    def _step_items(self) -> Items:
-        """The step's device numbers: its own, the sentinel's probes, every instrument's."""
-        return self.transfer.items(self.scaler) + self.sentinel.items() + self._collect()
 
     def _decode_read(self) -> None:
         """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
@@ -542,6 +544,7 @@ class Monitor(Controls, Recording, SeveralModels):
         if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
             # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
             print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
+        self.verdicts.check_weights(self.sentinel.check_at_start, self.__exit__)  # a NaN checkpoint: said now
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:

@@ -4,12 +4,15 @@ The sentinel (:mod:`torchdebug.nonfinite.sentinel`) decides what a step is (:cla
 ok, skip, anomaly) and never acts on the session; here the session records an anomaly (its list,
 counters and the run store), applies ``config.policy`` (``raise`` raises :class:`NonFiniteError`,
 ``skip`` drops the gradients of the update about to run, ``warn`` warns) and keeps the skipped-step
-bookkeeping (a run of skipped steps is said once when it starts and once when it ends).
+bookkeeping (a run of skipped steps is said once when it starts and once when it ends). It also
+applies the verdict on weights already non-finite as the session starts or as ``load_state_dict``
+loads them (``check_weights``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import NonFiniteError, TorchDebugWarning
@@ -17,6 +20,8 @@ from .._frames import warn_at_user
 from .._step import SCALER_SKIP, SessionView, Verdict
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent
+from ..nonfinite.hyperparams import model_of
+from ..nonfinite.tied import label_tied, tied_labels
 
 _MAX_ANOMALIES = 1000
 
@@ -46,7 +51,7 @@ class Verdicts:
             if policy == "skip" and verdict.opt is not None:
                 self.drop_grads(verdict.opt)
             return
-        self.record(anomaly)
+        anomaly = self.record(anomaly)
         if policy == "raise":
             mon.flush_store()
             raise NonFiniteError(anomaly)
@@ -64,9 +69,11 @@ class Verdicts:
         else:
             mon.warn_once("anomaly", f"torchdebug: {anomaly.summary()} (policy='warn': training goes on)")
 
-    def record(self, anomaly: Anomaly) -> None:
-        """The step's anomaly: kept (the first 1000 of a session), counted and stored."""
+    def record(self, anomaly: Anomaly) -> Anomaly:
+        """The step's anomaly: kept (the first 1000 of a session), counted and stored; returns it as kept
+        (tied weights named by all their names, ``nonfinite/tied.py``: a walk of the model, rare path)."""
         mon = self.mon
+        anomaly = label_tied(anomaly, tied_labels(mon.model))
         mon.state.step_anomaly = anomaly
         mon.counters["anomaly_steps"] += 1
         if len(mon.anomalies) < _MAX_ANOMALIES:
@@ -74,6 +81,22 @@ class Verdicts:
         if mon.writer is not None:
             with contextlib.suppress(Exception):
                 mon.writer.log_anomaly(anomaly.step, anomaly.to_dict())
+        return anomaly
+
+    def check_weights(self, judge: Callable[[str], Verdict], close: Callable[..., None]) -> None:
+        """Session start: weights already non-finite (a NaN checkpoint) are said now, before the model is
+        used (``judge``: the sentinel's ``check_at_start``), and when a ``load_state_dict`` into the model
+        puts such weights in while the session runs (a post-hook, removed on exit). A ``NonFiniteError``
+        at start (``policy="raise"``) ends the session first (``close``: its ``__exit__``)."""
+        mon = self.mon
+        with contextlib.suppress(Exception):  # an odd root module: the start's check alone
+            hook = lambda module, keys: self.apply(judge("when load_state_dict put it in the model"))  # noqa: E731
+            mon.installs.hook(mon.model.register_load_state_dict_post_hook(hook))
+        try:
+            self.apply(judge("when the session started"))
+        except NonFiniteError as err:
+            close(type(err), err, err.__traceback__)  # everything installed comes off
+            raise
 
     def drop_grads(self, opt: Any) -> None:
         """``policy="skip"``: the update about to run does nothing (parameters and state unchanged)."""
@@ -81,6 +104,7 @@ class Verdicts:
             for g in unwrap_optimizer(opt).param_groups:
                 for p in g["params"]:
                     p.grad = None  # the optimizer skips parameters without grads: no update, no state change
+        self.mon.state.skipped_updates.append(unwrap_optimizer(opt))
         anomaly = self.mon.state.step_anomaly
         self.mark_skipped(f"skipped by policy: {anomaly.summary() if anomaly else ''}", severity="info")
 
@@ -99,6 +123,18 @@ class Verdicts:
         if st.scaler_ran and st.scaler_skipped and not st.skipped:
             self.mark_skipped(SCALER_SKIP, scaler=True)
 
+    def _unchanged(self, st: Any) -> str:
+        """What a skipped step left as it was: every update, or (several optimizers) the dropped ones only."""
+        opts = self.mon.optimizers
+        dropped = [o for o in opts if any(o is d for d in st.skipped_updates)]
+        if len(opts) < 2 or not dropped or len(dropped) == len(opts):
+            return "the parameters and the optimizer state are unchanged"
+        names = [model_of(self.mon.roots, o) or f"opt{opts.index(o)}" for o in dropped]
+        return (
+            f"the parameters and the optimizer state of {', '.join(names)} are unchanged; the other "
+            "optimizers' updates ran"
+        )
+
     def say_skips(self, at_exit: bool = False) -> None:
         """policy="skip": say a run of skipped steps once when it starts and once, with its count, when it ends."""
         mon = self.mon
@@ -111,9 +147,8 @@ class Verdicts:
             self.skip_run = [mon.global_step, 1]
             warn_at_user(
                 TorchDebugWarning(
-                    f"torchdebug: step {mon.global_step} {st.skip_reason}; the parameters and the "
-                    "optimizer state are unchanged (policy='skip'). Skipped steps in a row are counted "
-                    "and said once when they stop"
+                    f"torchdebug: step {mon.global_step} {st.skip_reason}; {self._unchanged(st)} "
+                    "(policy='skip'). Skipped steps in a row are counted and said once when they stop"
                 )
             )
             return
