@@ -25,11 +25,17 @@ sample. Then the blocking device-to-host reads torchdebug makes on an ordinary s
 step (``tests/fixtures/host_reads.py``: calls of ``Tensor.item/tolist/cpu/numpy/
 __bool__/__float__/__int__/__index__`` whose first frame outside torch is torchdebug's).
 
+``--boundaries``: instead of whole steps, torchdebug's own CPU time per step inside each step-protocol
+method of the session (``Monitor.forward_started`` ... ``step``, the sentinel and instruments they call
+included; not the loss tape's calls, the global patches' wrappers or the run store's thread), medians
+of interleaved sessions: far less blurred by a shared machine's load than a whole step, and the
+per-tensor slope between workloads is read from it directly.
+
 ``--rss N``: the 5,000-tensor model under the default watch for N steps (one session), RSS every
 ``N // 20`` steps, and the growth after the first 10%.
 
     python benchmarks/host_cost.py [--quick] [--only gpt2,deep_mlp,mlp4] [--many] [--repeats 15]
-                                   [--chunk 10] [--rss 5000]
+                                   [--chunk 10] [--rss 5000] [--boundaries]
 """
 
 from __future__ import annotations
@@ -179,6 +185,68 @@ def count_calls(w: Workload, model: Any, opt: Any, batches: list, writer: Any) -
     return got
 
 
+BOUNDARIES = (
+    "forward_started",
+    "forward_done",
+    "backward_started",
+    "backward_done",
+    "clip_starting",
+    "clip_done",
+    "update_starting",
+    "update_done",
+    "step",
+)
+
+
+def boundaries(w: Workload, repeats: int, chunk: int, writer: Any) -> str:
+    """torchdebug's CPU time per step inside each step-protocol method (see the module docstring)."""
+    import collections
+
+    from torchdebug.session import monitor
+
+    acc: collections.Counter[str] = collections.Counter()
+    originals = {n: getattr(monitor.Monitor, n) for n in BOUNDARIES}
+
+    def timed(name: str, orig: Any) -> Any:
+        def method(*a: Any, **k: Any) -> Any:
+            t = time.process_time()
+            try:
+                return orig(*a, **k)
+            finally:
+                acc[name] += time.process_time() - t
+
+        return method
+
+    g = torch.Generator().manual_seed(0)
+    batches = [w.batch(g) for _ in range(4)]
+    torch.manual_seed(0)
+    model = w.build()
+    opt = w.optimizer(model)
+    per: dict[str, list[dict[str, float]]] = {"sentinel": [], "watch": []}
+    try:
+        for n, orig in originals.items():
+            setattr(monitor.Monitor, n, timed(n, orig))
+        with quiet():
+            for rep in range(repeats):
+                for v in list(per) if rep % 2 == 0 else list(reversed(per)):
+                    with td.watch(model, opt, run=writer, config=CONFIGS[v]) as mon:
+                        _block(w, model, opt, batches, 2, mon)
+                        acc.clear()
+                        _block(w, model, opt, batches, chunk, mon)
+                        per[v].append({k: x / chunk for k, x in acc.items()})
+    finally:
+        for n, orig in originals.items():
+            setattr(monitor.Monitor, n, orig)
+    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    lines = [f"{w.name} ({n_tensors} parameter tensors): torchdebug's own CPU us per step (medians)"]
+    for v, rows in per.items():
+        parts = {n: statistics.median([r.get(n, 0.0) for r in rows]) * 1e6 for n in BOUNDARIES}
+        own = sum(parts.values())
+        detail = ", ".join(f"{n} {x:.0f}" for n, x in parts.items() if x >= 1)
+        lines.append(f"  {v:<9} {own:8.0f} us ({own / n_tensors:.2f} us/tensor): {detail}")
+    return "\n".join(lines)
+
+
 def rss_run(steps: int, writer: Any) -> None:
     import psutil
 
@@ -241,6 +309,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--chunk", type=int, default=10, help="steps per block")
     ap.add_argument("--rss", type=int, default=0, help="RSS over this many steps of the 5,000-tensor model")
+    ap.add_argument("--boundaries", action="store_true", help="torchdebug's CPU time per boundary instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = [n for n in args.only.split(",") if n]
@@ -261,6 +330,9 @@ def main() -> None:
         try:
             for n in names:
                 repeats = args.repeats if n != "many5000" else max(args.repeats // 4, 2)
+                if args.boundaries:
+                    print(boundaries(WORKLOADS[n], repeats, args.chunk, writer), flush=True)
+                    continue
                 print(table(bench(WORKLOADS[n], repeats, args.chunk, writer)), flush=True)
                 print()
             if args.rss:

@@ -38,6 +38,9 @@ class Readout:
     micro_bad: list[float] = dataclasses.field(
         default_factory=list
     )  # per micro-step "a gradient is non-finite"
+    # per micro-step whose gradients were read as one total (the sum of their squares, or of their
+    # elements under the sentinel alone): finite iff every gradient is; its flag goes to ``micro_bad``
+    micro_tot: list[float] = dataclasses.field(default_factory=list)
     gnorm: list[float] = dataclasses.field(default_factory=list)  # per measured gradient: norm or probe sum
     scale: float | None = None  # the loss scale the step's backward saw (GradScaler)
     edit: list[float] = dataclasses.field(
@@ -59,6 +62,7 @@ class Readout:
 SLOTS: dict[str, str] = {
     "_loss": "losses",
     "_mbad": "micro_bad",
+    "_mtot": "micro_tot",  # also sets the micro-step's ``micro_bad`` flag (session/transfer.py)
     "_gnorm": "gnorm",
     "_edit": "edit",
     "_clip": "clips",
@@ -156,13 +160,15 @@ class StepState:
     edit_index: list[int] = dataclasses.field(default_factory=list)  # gradients changed since backward()
     edit_probe: Any = None  # their finiteness probe (a device tensor), read with the step's transfer
     edit_bad: list[int] = dataclasses.field(default_factory=list)  # ... non-finite as the update started
-    # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled)
-    clips: list[tuple[Any, list[int]]] = dataclasses.field(default_factory=list)
+    # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled, None),
+    # or (its total norm, the gradients, max_norm): the factor is worked out on the host after the read
+    clips: list[tuple[Any, list[int], float | None]] = dataclasses.field(default_factory=list)
     # several models (the session's roots): every watched model's forward in the step is recorded
     fwd_depth: int = 0  # watched models' forwards running now (one called inside another is part of it)
     entry: int | None = None  # the tape index of a later forward running now (-1: not recorded)
     tape_only: set[int] = dataclasses.field(default_factory=set)  # captures with no forward of their own
     micro_base: int = 0  # micro-steps before the update now starting (its own are counted from here)
+    updating: Any = None  # the optimizer whose update is starting (None: a driver's, unnamed)
     synced_at_backward: bool = False  # manual mode: the transfer ran at the end of backward()
     grad_anomaly: bool = False  # this step's anomaly came from the gradient check
     params_bad_now: bool = False  # the parameter probe read with this step's transfer was non-finite

@@ -22,6 +22,7 @@ from ..events import RuleEvent, training_summary
 from ..stats import foreach_norms
 from .divergence import KIND as DIVERGENCE
 from .divergence import DivergenceRule, GrowthRule
+from .optnorms import OptimizerNorms
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
 WINDOW = 200
@@ -796,7 +797,9 @@ class GradientHealth:
             "loss_anomalies": 0,
         }
         self._last_clip: dict[str, Any] | None = None
-        self._clip_norms: tuple[Sequence[str], Sequence[float] | None] = ((), None)
+        self._clip_norms: tuple[Sequence[str], Callable[[], Sequence[float] | None]] = ((), lambda: None)
+        self._optnorms = OptimizerNorms()
+        self._per_handed: Any = None  # the gradient reduction whose per-parameter numbers a read carried
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
         self._hooks: list[Any] = []
@@ -937,6 +940,14 @@ class GradientHealth:
     def collect(self, mon: Any) -> dict[str, torch.Tensor]:
         self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
+        red = getattr(mon.transfer, "reduced", None)
+        if red is not None and red is not self._per_handed and self.details and mon.due(self.every):
+            # detail steps: every parameter's gradient norm, read with the step's numbers (ordinary
+            # steps read only their total); again at a later read when a backward came since (several
+            # updates in the step), so the step end needs no read of its own
+            self._per_handed = red
+            out.update(mon.transfer.per_tensor_items())
+        out.update(self._optnorms.items(mon))  # several optimizers: each one's gradient norm
         if self._clip is not None:
             total, max_norm, norm_type = self._clip
             self._clip = None
@@ -964,7 +975,6 @@ class GradientHealth:
         self.counters["total_steps"] += 1
         loss = values.get("loss")
         norm = values.get("grad_norm")
-        norms_host = mon.grad_norms_host
         names = mon.param_names  # read only (no copy a step)
         scalars: dict[str, float] = {}
         amp = mon.scaler is not None and record.scale is not None
@@ -990,14 +1000,17 @@ class GradientHealth:
             self._emit(mon, event)
         if amp:
             bad = (
-                [n for n, v in zip(names, norms_host or ()) if not math.isfinite(v)] if record.skipped else []
+                [n for n, v in zip(names, mon.grad_norms_host or ()) if not math.isfinite(v)]
+                if record.skipped
+                else []
             )
             for event in self.amp.update(step, float(record.scale), bool(record.skipped), bad):
                 self._emit(mon, event)
         if "clip" in handed and "health.clip_total" in values:
             self._clip_insight(mon, step, float(values["health.clip_total"]), handed["clip"], record, scalars)
-        if self.details and mon.due(self.every) and norms_host is not None:
-            scalars.update(zip(self._detail_names(mon)[3], norms_host))  # host floats, names built once
+        norms_host = mon.grad_norms_host if self.details and mon.due(self.every) else None
+        if norms_host is not None:
+            _log_vector(mon, step, self._detail_names(mon)[3], norms_host)  # host floats, names built once
             if not record.skipped:
                 event = self.vanishing.update(step, layer_norms(names, norms_host))
                 if event is not None:
@@ -1031,12 +1044,14 @@ class GradientHealth:
         scalars: dict[str, float],
     ) -> None:
         max_norm, norm_type = clip
-        names, norms_host = mon.param_names, mon.grad_norms_host
+        names = mon.param_names
         finite = math.isfinite(total)
         # clip_grad_norm_ scales the gradients by min(1, max_norm / (total + 1e-6))
         post = total * min(1.0, max_norm / (total + 1e-6)) if finite else math.nan
         scalars["grad_norm_clipped"] = post
-        self._clip_norms = (names, norms_host)
+        later = getattr(mon.transfer, "norms_later", None)
+        # the per-parameter norms are read only if the clip's shares are asked for (``last_clip``)
+        self._clip_norms = (names, later() if later is not None else (lambda: mon.grad_norms_host))
         self._last_clip = {
             "step": step,
             "pre": total,
@@ -1048,6 +1063,7 @@ class GradientHealth:
         if norm_type != 2.0:
             self._last_clip["shares"] = {}
         if not finite and not record.skipped:
+            norms_host = mon.grad_norms_host  # rare path: read now
             # per-parameter norms the monitor read (confirmed exactly when not finite): Inf/NaN here
             # means a gradient really held Inf/NaN (an Inf times clip_coef 0 is NaN, so clipping
             # cannot hide it)
@@ -1092,7 +1108,8 @@ class GradientHealth:
         ``shares`` (the largest parameters' shares of the squared norm; worked out when read)."""
         clip = self._last_clip
         if clip is not None and "shares" not in clip:
-            names, norms_host = self._clip_norms
+            names, get = self._clip_norms
+            norms_host = get()
             shares: list[tuple[str, float]] = []
             if norms_host is not None:
                 sq = [v * v for v in norms_host]
@@ -1107,9 +1124,8 @@ class GradientHealth:
     def _update_insight(self, mon: Any, step: int, ratio: Sequence[float], weight: Sequence[float]) -> None:
         names = mon.param_names[: len(ratio)]
         names_u, names_w, ndims, _ = self._detail_names(mon)
-        scalars = dict(zip(names_u, ratio))
-        scalars.update(zip(names_w, weight))
-        mon.log_scalars(scalars, step=step)
+        _log_vector(mon, step, names_u, list(ratio))
+        _log_vector(mon, step, names_w, list(weight))
         ratios = dict(zip(names, ratio))
         event = self.ratio_rule.update(step, ratios, ndims)
         if event is not None:
@@ -1243,6 +1259,18 @@ class GradientHealth:
             c["gradient_vanishing"],
             c["loss_anomalies"],
         )
+
+
+def _log_vector(mon: Any, step: int, names: list[str], values: list[float]) -> None:
+    """One value per name into the run store as one record (the writer's ``log_vector``: no Python
+    object per value on the training thread); the names list is the cached one, never copied."""
+    writer = getattr(mon, "writer", None)
+    if writer is None:
+        return
+    if hasattr(writer, "log_vector") and len(names) == len(values):
+        writer.log_vector(step, names, values)
+    else:
+        mon.log_scalars(dict(zip(names, values)), step=step)
 
 
 def _lrs(mon: Any) -> str:

@@ -20,6 +20,7 @@ from .._step import SessionView
 from .._tensors import local
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, Phase
+from .ledger import window_hint
 from .locate import StepCapture, Tracer, _autocast, _check_loss_inputs, _preserved_state, replay_capture
 
 # a tape entry that is a watched model's forward (several models), with or without grad
@@ -34,7 +35,11 @@ class Replaying(Protocol):
 
 
 def optimizer_anomaly(
-    mon: SessionView, bad: list[str], step: int | None, ranks: list[int] | None = None
+    mon: SessionView,
+    bad: list[str],
+    step: int | None,
+    ranks: list[int] | None = None,
+    since: int | None = None,
 ) -> Anomaly:
     """The update made parameters non-finite from finite gradients. ``bad``: this rank's non-finite
     parameters (empty when only another rank's shards are, under FSDP2); ``ranks``: with several
@@ -85,7 +90,8 @@ def optimizer_anomaly(
         world_size=mon.world_size if some else 1,
         tensor=stats,
         module_type=type(mod).__name__,
-        hint=f"the optimizer update made {first} non-finite{more}: check lr, eps, weight decay and the update formula",
+        hint=f"the optimizer update made {first} non-finite{more}{window_hint(since, step)}: check lr, "
+        "eps, weight decay and the update formula",
         symptom=f"{kind} in parameter {first} after the optimizer step",
         detected_by="sentinel",
         parameter=first,

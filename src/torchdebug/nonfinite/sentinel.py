@@ -41,6 +41,7 @@ from .._tensors import dtensor_type, finite_probe, grad_of, local
 from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
+from .ledger import UpdateLedger, due, nonfinite_params
 from .locate import LossTape, StepCapture
 from .replay import FORWARD, FORWARD_NO_GRAD
 from .startup import loaded_anomaly
@@ -70,6 +71,7 @@ class Sentinel:
         self.deferred_index: list[int] | None = None  # the parameters the probe covers (None: all)
         self.deferred_edit_index: list[int] = []  # manual updates: gradients an edit changed after backward
         self.deferred_clean = False  # the probed update was judged clean before it ran
+        self.ledger = UpdateLedger()  # updates not probed (off the detail schedule): see ledger.py
         # sync="async" (session/deferred.py), while a step is judged one step later: its gradients may be
         # gone (no exact check)
         self.grads_gone = False
@@ -296,12 +298,16 @@ class Sentinel:
             # checked on the device now, read with the next transfer (no extra sync). Skipped when this
             # step's gradients were already flagged: non-finite weights are then their consequence.
             # Under DDP each rank probes its share (the parameters are the same on every rank).
-            coord = mon.coordinator
-            share = coord.param_share(mon) if coord is not None else None
-            self.deferred["param_norms"] = self._param_probe(mon, share)
-            self.deferred_index = share
-            self.deferred_step = mon.global_step
-            self.deferred_clean = True  # the update was judged clean before it ran: what it made is its own
+            if not due(mon):  # off the schedule: judged by the next step's numbers (ledger.py)
+                self.ledger.unprobed(mon.global_step, mon.params)
+            else:
+                self.ledger.probed()
+                coord = mon.coordinator
+                share = coord.param_share(mon) if coord is not None else None
+                self.deferred["param_norms"] = self._param_probe(mon, share)
+                self.deferred_index = share
+                self.deferred_step = mon.global_step
+                self.deferred_clean = True  # judged clean before it ran: what it made is its own
         self.st.seen = SeenGrads()  # the references are not needed after the update
 
     def _param_probe(self, mon: SessionView, share: list[int] | None = None) -> torch.Tensor:
@@ -398,9 +404,12 @@ class Sentinel:
             m = float(max_norm)
         except (TypeError, ValueError):
             return
-        with torch.no_grad():
-            coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
-            self.st.clips.append((torch.isfinite(coef).logical_not(), idx))
+        if self.mon.transfer.lazy and self.mon.config.sync != "async":
+            self.st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
+        else:
+            with torch.no_grad():
+                coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
+                self.st.clips.append((torch.isfinite(coef).logical_not(), idx, None))
         self.st.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
 
     # -- step end ------------------------------------------------------------------------------------
@@ -437,6 +446,13 @@ class Sentinel:
             # a DDP rank's share travels with the next step's all-reduce, and there is none: probe all
             self.deferred["param_norms"] = finite_probe(mon.params)
             self.deferred_index = None
+        elif "param_norms" not in self.deferred and self.ledger.step is not None:
+            # the last update was not probed (off the schedule): probe it now, once
+            self.deferred_step = self.ledger.step
+            self.ledger.probed()
+            self.deferred["param_norms"] = self._param_probe(mon)
+            self.deferred_index = None
+            self.deferred_clean = True
         return bool(self.deferred)
 
     def check_at_start(self, when: str = "when the session started") -> Verdict:
@@ -460,7 +476,7 @@ class Sentinel:
     def items(self) -> list[tuple[str, torch.Tensor]]:
         """The sentinel's device numbers for the step's transfer."""
         items = [("_edit", self.st.edit_probe)] if self.st.edit_probe is not None else []
-        items += [("_clip", flag) for flag, _ in self.st.clips]
+        items += [("_clip", flag) for flag, _, _ in self.st.clips]
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
 
     def read_edits(self, readout: Readout) -> None:
@@ -472,8 +488,9 @@ class Sentinel:
                 bad = [i for j, i in enumerate(self.st.edit_index) if not math.isfinite(ep[j])]
             self.st.edit_probe = None
         flags = readout.clips
-        for k, (_, idx) in enumerate(self.st.clips):
-            if k < len(flags) and flags[k] > 0:  # a non-finite clip factor: every gradient it scaled
+        for k, (_, idx, max_norm) in enumerate(self.st.clips):
+            # a non-finite clip factor (a flag, or worked out from the read total): every gradient it scaled
+            if k < len(flags) and (flags[k] > 0 if max_norm is None else _factor_bad(flags[k], max_norm)):
                 bad += [i for i in idx if i not in bad]
         self.st.clips = []
         if bad:
@@ -483,7 +500,7 @@ class Sentinel:
         """After the read: the verdict on the last update, from its parameter probe."""
         mon = self.mon
         if "param_norms" not in self.deferred:
-            return OK
+            return self.judge_unprobed()
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
         pn = _take(readout.param_probe, sizes["param_norms"])
         coord = mon.coordinator
@@ -523,8 +540,25 @@ class Sentinel:
         if (bad or ranks) and (clean or not (step == mon.global_step and self.grads_bad())):
             # blamed on the update only when the gradients it used were finite; else they are the cause
             # (an update judged clean before it ran: gradients after it, in the same step, are not)
-            return Verdict("anomaly", replay.optimizer_anomaly(mon, bad, step, ranks), late=True)
+            anomaly = replay.optimizer_anomaly(mon, bad, step, ranks, since=self.ledger.window)
+            return Verdict("anomaly", anomaly, late=True)
         return OK
+
+    def judge_unprobed(self) -> Verdict:
+        """After the read, when the last update was not probed and this step read a non-finite loss or
+        gradient: the parameters checked exactly (rare path); non-finite ones nothing wrote to since
+        that update are its doing."""
+        led, mon = self.ledger, self.mon
+        step, t = led.step, mon.transfer
+        # (an update earlier in this step counts too: several models or optimizers read before each)
+        if step is None or not (t.any_loss_bad() or t.micro_flagged()):
+            return OK  # the usual answer: the step's numbers are finite
+        led.step = None
+        bad = nonfinite_params(mon.param_names, mon.params)
+        if not bad or led.written_since(mon.params):
+            return OK
+        self.st.params_bad_now = True
+        return Verdict("anomaly", replay.optimizer_anomaly(mon, bad, step), late=True)
 
     # -- detection ------------------------------------------------------------------------------------
     def grad_finite(self, i: int, now: bool = False) -> bool:
@@ -614,6 +648,15 @@ class Sentinel:
 def _take(numbers: list[float], n: int) -> list[float]:
     """The ``n`` numbers an item gave (zeros when it was not read)."""
     return numbers if len(numbers) == n else [0.0] * n
+
+
+def _factor_bad(total: float, max_norm: float) -> bool:
+    """``clip_grad_norm_``'s factor ``min(max_norm / (total + 1e-6), 1)`` is non-finite (a NaN total or
+    max_norm; an Inf total gives 0), worked out on the host as torch works it out on the device."""
+    try:
+        return not math.isfinite(min(max_norm / (total + 1e-6), 1.0))  # min keeps a NaN in first place
+    except ZeroDivisionError:
+        return False  # a norm is >= 0: total + 1e-6 > 0
 
 
 def _lift_mode(mode: Any) -> None:

@@ -44,7 +44,7 @@ from .transfer import stack
 _MAX_PENDING = 2  # steps whose numbers are in flight; one more blocks on the oldest (bounded memory)
 _BAD = "_async_bad"  # this step's own items held a non-finite value
 _HALT = "_async_halt"  # the flag the optimizer saw (this step's or an earlier unread bad step's)
-_BAD_VALUES = frozenset({"_loss", "_gnorm", "_edit"})  # non-finite number = bad
+_BAD_VALUES = frozenset({"_loss", "_gnorm", "_mtot", "_edit"})  # non-finite number = bad
 _BAD_FLAGS = frozenset({"_mbad", "_clip"})  # a flag > 0 = bad
 
 
@@ -342,7 +342,7 @@ class DeferredReads:
             mon.verdicts.update_held = s.grads_gone = False
             t = mon.transfer
             mon.state, mon.global_step, d = live
-            mon.transfer.grad_norm, mon.transfer.grad_norms = t.grad_norm, t.grad_norms
+            mon.transfer.keep_norms(t)
             s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d
 
     # -- exit -----------------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ class Coordinator:
 
     def __init__(self, mon: Session, rank: int, world: int, pg: bool, ddp: Any) -> None:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
+        mon.transfer.lazy = False  # the step's vector carries per-parameter numbers and flags
         self.collective = pg and world > 1
         self.sharded = is_sharded(mon.model)  # FSDP2: gradient norms are reduced across ranks
         self._rows = 5 if self.sharded else 4

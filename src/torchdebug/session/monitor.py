@@ -70,6 +70,7 @@ from .verdicts import Verdicts
 from .wrappers import is_compiled, split_models
 
 _MAX_EVENTS = 10_000
+_SCALARS = ("loss", "grad_norm", "grad_nonfinite", "amp_scale")  # the record's scalars to the store
 
 
 class Monitor(Controls, Recording, SeveralModels, StepItems):
@@ -273,7 +274,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         if self.sentinel.replaying:
             return
         state = self.state
-        state.phase = StepPhase.UPDATE
+        state.phase, state.updating = StepPhase.UPDATE, opt
         self.sentinel.pop_tape()  # the update is not loss code
         # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
         for o in [opt] if any([opt is o for o in self.optimizers]) else self.optimizers:
@@ -458,7 +459,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
             anomaly=self.state.step_anomaly,
             events=self.state.events,
         )
-        scalars = {k: x for k, x in v.items() if k in ("loss", "grad_norm", "grad_nonfinite", "amp_scale")}
+        scalars = {k: x for k, x in v.items() if k in _SCALARS or k.startswith("grad_norm/")}  # optnorms.py
         scalars["skipped"] = 1.0 if self.state.skipped else 0.0
         for name, x in zip(self.lr_names(), lr):
             scalars[name] = x

@@ -36,6 +36,7 @@ import dataclasses
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -51,7 +52,8 @@ from .protocol import Session
 
 ON_SPIKE = ("warn", "rollback", "raise", "off")
 SNAPSHOT_SLOTS = 2
-HISTORY = 32  # steps of host numbers kept for the forensics (references to lists the read made)
+HISTORY = 32  # steps of host numbers kept for the forensics (references: the per-parameter norms
+# stay on the device, as the step reduced them, until a spike asks for them)
 MAX_REPLAYED = 4  # micro-steps replayed for per-row losses
 
 
@@ -212,8 +214,10 @@ class SpikeGuard:
     name = "spikes"
 
     def __init__(self) -> None:
-        self.history: deque[tuple[int, tuple[float, ...], float | None, list[float] | None]] = deque(
-            maxlen=HISTORY
+        # per step: (step, lrs, grad_norm, its per-parameter norms when asked: read from the device
+        # only if a spike's forensics run)
+        self.history: deque[tuple[int, tuple[float, ...], float | None, Callable[[], list[float] | None]]] = (
+            deque(maxlen=HISTORY)
         )
         self.ring = SnapshotRing()
         self.ratios: deque[tuple[int, Any, Any]] = deque(maxlen=8)
@@ -289,7 +293,7 @@ class SpikeGuard:
             self._judged = step
             self._judge(mon, step, before_update=False)
         lrs = tuple(float(x) for x in record.lr) if record.lr else ()
-        self.history.append((step, lrs, values.get("grad_norm"), mon.grad_norms_host))
+        self.history.append((step, lrs, values.get("grad_norm"), mon.transfer.norms_later()))
         vectors = mon.transfer.vectors
         ratio = vectors.get("health.ratio")
         if ratio is not None and not (self.ratios and self.ratios[-1][1] is ratio):
@@ -365,9 +369,10 @@ class SpikeGuard:
             ev.rows, ev.rows_note = None, f"per-row replay failed: {exc!r}"
         names = mon.param_names
         ev.lrs = [(s, lrs) for s, lrs, _, _ in self.history]
+        history = [(s, total, later()) for s, _, total, later in self.history]  # host reads: rare path
         ev.grads = [
             (s, float(total) if total is not None else math.nan, layer_norms(names, norms))
-            for s, _, total, norms in self.history
+            for s, total, norms in history
             if norms is not None and len(norms) == len(names)
         ]
         ev.ratios = [(s, _layer_ratios(names, r, w)) for s, r, w in self.ratios if w is not None]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._step import SLOTS, Readout
-from .._tensors import Items, Plan, entries, finite_probe, foreach_norms, grad_of, local
+from .._tensors import Items, Plan, Reduced, entries, finite_probe, flat_items, foreach_norms, grad_of, local
 
 # An instrument's items read as one list each (``Transfer.vectors``), not one ``values`` key per
 # element: the update ratios and weight norms of detail steps. One list slice per item, whatever the
@@ -52,7 +52,13 @@ class Transfer:
 
     def __init__(self) -> None:
         self.grad_norm: float | None = None
-        self.grad_norms: list[float] | None = None
+        self._grad_norms: list[float] | None = None
+        # the per-parameter numbers of the last decoded step, not read yet: (reduction, loss scale)
+        self._later: tuple[Reduced, float | None] | None = None
+        # ordinary steps read one number per micro-step for the gradients (``Plan.reduce``), the
+        # per-parameter numbers only when asked; False (the distributed coordinator, whose vector
+        # carries per-parameter numbers and flags): one number per parameter
+        self.lazy = True
         # the session's parameter list and how to reduce it (built once; rebuilt if the list changes)
         self._plan_of: tuple[list[torch.Tensor], int, Plan | None, list[int]] | None = None
         self.reset()
@@ -70,6 +76,10 @@ class Transfer:
         self.norms: torch.Tensor | None = None  # per gradient after the last backward: norms or probe sums
         self.norm_index: list[int] = []  # which parameters ``norms`` covers
         self.norms_probe = False  # ``norms`` holds probe sums (finiteness only), not norms
+        self.reduced: Reduced | None = None  # lazy: the last backward's gradients, reduced (instead of norms)
+        # per micro-step: ``micro_bad`` holds the gradients' total (read into ``Readout.micro_tot``:
+        # finite = ok), not a flag
+        self.micro_raw: list[bool] = []
         # under DDP: ``norms`` covers this rank's share only; every parameter with a gradient, and the
         # micro-step the share measured (the coordinator fills in the other ranks' shares after the read)
         self.shared: tuple[list[int], int] | None = None
@@ -105,13 +115,23 @@ class Transfer:
             plan, every = self.plan(params)
             if plan is not None:
                 try:
-                    norms = plan.sums(grads_all) if probe else plan.norms(grads_all)
+                    if self.lazy:  # one total (finite iff every gradient is), per-parameter numbers later
+                        red = plan.reduce(grads_all, square=not probe)
+                    else:
+                        norms = plan.sums(grads_all) if probe else plan.norms(grads_all)
                 except (RuntimeError, ValueError):  # a gradient unlike its parameter (sparse, resized)
                     pass
                 else:
                     self.shared = None
-                    self.norms, self.norm_index, self.norms_probe = norms, every, probe
-                    self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                    self.norm_index, self.norms_probe = every, probe
+                    if self.lazy:
+                        self.norms, self.reduced = None, red
+                        self.micro_bad.append(red.total)
+                        self.micro_raw.append(True)
+                    else:
+                        self.norms, self.reduced = norms, None
+                        self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+                        self.micro_raw.append(False)
                     return every, grads_all
         idx = [i for i, g in enumerate(grads_all) if g is not None]
         if not idx:
@@ -128,8 +148,9 @@ class Transfer:
             norms = finite_probe(own) if probe else foreach_norms(own)
         else:  # a share without gradients: nothing to measure here
             norms = torch.zeros(0, device=grads[0].device)
-        self.norms, self.norm_index, self.norms_probe = norms, mine, probe
+        self.norms, self.norm_index, self.norms_probe, self.reduced = norms, mine, probe, None
         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
+        self.micro_raw.append(False)
         return idx, grads
 
     def items(self, scaler: Any) -> Items:
@@ -139,7 +160,10 @@ class Transfer:
             items.append(("_loss", lv if lv.numel() == 1 else lv.float().mean()))  # non-scalar: its mean
         if self.norms is not None:
             items.append(("_gnorm", self.norms))
-        items += [("_mbad", b) for b in self.micro_bad[self.read_micro :]]
+        raw = self.micro_raw
+        items += [
+            ("_mtot" if raw[i] else "_mbad", self.micro_bad[i]) for i in range(self.read_micro, len(raw))
+        ]
         self.read_losses, self.read_micro = len(self.loss_vals), len(self.micro_bad)
         scale_t = self.scale_used
         if scale_t is None and scaler is not None:
@@ -147,6 +171,52 @@ class Transfer:
         if isinstance(scale_t, torch.Tensor):
             items.append(("_scale", scale_t))
         return items
+
+    def per_tensor_items(self) -> Items:
+        """The last backward's per-parameter numbers as an item for this step's read, when only their
+        total was kept for it (detail steps: the gradient rules want every parameter's norm)."""
+        red = self.reduced
+        if red is None or self.norms is not None or red.total.is_meta:  # meta: no values (sync says so)
+            return []
+        return [("_gnorm", red.per())]
+
+    @property
+    def grad_norms(self) -> list[float] | None:
+        """The last step's per-parameter gradient norms (probe sums under the sentinel alone), in the
+        order of the session's ``params``; read from the device when first asked (a host read) where
+        the step read only their total."""
+        later = self._later
+        if later is not None:
+            self._later = None
+            red, scale = later
+            per = red.per().tolist()  # a host read, only when per-parameter numbers are wanted
+            self._grad_norms = [x / scale for x in per] if scale else per
+        return self._grad_norms
+
+    @grad_norms.setter
+    def grad_norms(self, value: list[float] | None) -> None:
+        self._later = None
+        self._grad_norms = value
+
+    def keep_norms(self, other: Transfer) -> None:
+        """The last norms of ``other`` (read or not yet) as this transfer's own."""
+        self.grad_norm, self._grad_norms, self._later = other.grad_norm, other._grad_norms, other._later
+
+    def norms_later(self) -> Callable[[], list[float] | None]:
+        """``grad_norms`` as they are now, read only if the returned function is called."""
+        later, now = self._later, self._grad_norms
+        if later is None:
+            return lambda: now
+        box: list[list[float]] = []
+
+        def get() -> list[float] | None:
+            if not box:
+                red, scale = later
+                per: list[float] = red.per().tolist()  # a host read, when asked
+                box.append([x / scale for x in per] if scale else per)
+            return box[0]
+
+        return get
 
     # -- the read ------------------------------------------------------------------------------
     def read(self, items: Items) -> None:
@@ -157,12 +227,9 @@ class Transfer:
         (``tolist``): on a GPU, the step's one blocking read."""
         if not items:
             return
-        flat = stack(items)
-        dev = flat[0].device
-        host = (
-            torch.cat([t if t.device == dev else t.to(dev) for t in flat]) if len(flat) > 1 else flat[0]
-        ).tolist()
-        self.unpack([(name, t.numel()) for (name, _), t in zip(items, flat)], host)
+        sizes, flat = flat_items(items)
+        host = flat.tolist()  # the host sync
+        self.unpack([(name, n) for (name, _), n in zip(items, sizes)], host)
 
     def unpack(self, spec: list[tuple[str, int]], host: list[float]) -> None:
         """Numbers read on the host (``spec``: each item's name and size, in order) into the
@@ -175,7 +242,11 @@ class Transfer:
         off = 0
         for name, n in spec:
             slot = SLOTS.get(name)
-            if slot is not None:
+            if name == "_mtot":  # a micro-step's gradient total: finite iff none of its gradients is bad
+                x = host[off]
+                readout.micro_tot.append(x)
+                readout.micro_bad.append(0.0 if math.isfinite(x) else 1.0)
+            elif slot is not None:
                 getattr(readout, slot).extend(host[off : off + n])
             elif name == "_scale":
                 readout.scale = host[off]
@@ -254,7 +325,25 @@ class Transfer:
             v["loss"] = sum(losses) / len(losses)
             if scale and scaled:
                 v["loss"] = v["loss"] / scale  # the loss backward saw was scaled
-        if self.norms is not None:
+        red = self.reduced
+        if red is not None and self.norms is None and not r.gnorm:
+            self.micro_bad_cleared = False  # judged anew with each read's gradient numbers
+            last = r.micro_tot[-1] if r.micro_tot else math.nan  # the last backward's total
+            if math.isfinite(last):
+                # the usual answer: the last backward's gradients are all finite (one number said so);
+                # the per-parameter numbers stay on the device until someone asks (``grad_norms``)
+                self.micro_bad_cleared = True
+                v["grad_nonfinite"] = float(len(set(also_bad)))
+                div = scale if scale and scaled else None
+                self._later, self._grad_norms = (red, div), None
+                if not self.norms_probe:
+                    total = math.sqrt(last) / div if div else math.sqrt(last)
+                    v["grad_norm"] = total
+                    self.grad_norm = total
+                red = None
+            else:  # rare: a non-finite total; the per-parameter numbers say which (a second host read)
+                r.gnorm = red.per().tolist()
+        if self.norms is not None or red is not None:
             self.micro_bad_cleared = False  # judged anew with each read's gradient numbers
             n_params = len(params)
             gn = r.gnorm if len(r.gnorm) == len(self.norm_index) else [0.0] * len(self.norm_index)

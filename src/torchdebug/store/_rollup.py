@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 #: Bucket widths in steps, finest first: powers of 2, so for any chart of ``nb`` buckets one level
 #: has between nb/2 and nb buckets over the range and is read as it is, one rollup row per chart
@@ -122,6 +122,15 @@ def aggregate(
     ``value`` NaN or None (a NaN read back from SQLite) counts as NaN. Cost: about 1 µs per raw row
     (one dict update at the finest level; coarser levels are merged from the finest aggregates).
     """
+    return list(_aggregated(rows, levels))
+
+
+def _aggregated(
+    rows: Iterable[tuple[int | str, int, float | None, float]], levels: tuple[int, ...] = LEVELS
+) -> Iterator[tuple[object, ...]]:
+    """:func:`aggregate` one level at a time, each row made as it is consumed: a commit of many metrics
+    keeps two levels' aggregates alive, not every level and every output row (fewer live objects for
+    the garbage collector to walk, whichever thread it runs on)."""
     finest: dict[tuple[int | str, int], _Agg] = {}
     get = finest.get
     shifts = _SHIFTS if levels is LEVELS else tuple(level.bit_length() - 1 for level in levels)
@@ -178,7 +187,6 @@ def aggregate(
             a[2] = step
         elif step > a[3]:
             a[3] = step
-    out: list[tuple[object, ...]] = []
     level_aggs = finest
     prev_shift = shift
     for level, sh in zip(levels, shifts):
@@ -194,8 +202,8 @@ def aggregate(
                     _merge(c, a)
             level_aggs = coarser
             prev_shift = sh
-        out.extend((mid, level, b, *a) for (mid, b), a in level_aggs.items())
-    return out
+        for (mid, b), a in level_aggs.items():
+            yield (mid, level, b, *a)
 
 
 def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
@@ -205,9 +213,41 @@ def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None,
     and level per commit: a commit holding one step of 1000 metrics spends ~35 ms here (the raw
     rows take ~2 ms); a commit holding many steps of few metrics adds ~0.8 µs per raw row.
     """
-    params = aggregate(rows)
-    if params:
-        conn.executemany(UPSERT, params)
+    conn.executemany(UPSERT, _aggregated(rows))
+
+
+def write_points(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
+    """Fold raw rows into ``metric_rollup`` one upsert per row and level, with no aggregation first:
+    for rows that are one point per metric (a detail step's per-parameter numbers), the same upserts
+    :func:`write` makes, streamed as the rows come (no Python object kept per row). The ``UPSERT``
+    merges each into the stored bucket, so two points of a metric in one call are still right."""
+    conn.executemany(UPSERT, _point_rows(rows))
+
+
+def _point_rows(rows: Iterable[tuple[int, int, float | None, float]]) -> Iterator[tuple[object, ...]]:
+    for mid, step, v, wall in rows:
+        if v is None or v != v:  # NaN
+            agg: tuple[object, ...] = (
+                1,
+                1,
+                step,
+                step,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                step,
+                wall,
+                None,
+                wall,
+            )
+        else:
+            agg = (1, 0, step, step, v, v, step, wall, v, step, wall, None, None, v, wall)
+        for level, shift in zip(LEVELS, _SHIFTS):
+            yield (mid, level, step >> shift, *agg)
 
 
 def backfill(conn: sqlite3.Connection, chunk: int = 200_000) -> None:
