@@ -219,9 +219,9 @@ def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None,
 def write_points(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
     """Fold raw rows into ``metric_rollup`` one upsert per row and level, with no aggregation first:
     for rows that are one point per metric (a detail step's per-parameter numbers), the same upserts
-    :func:`write` makes, streamed as the rows come (no Python object kept per row). The ``UPSERT``
+    :func:`write` makes, built as one list per call. The ``UPSERT``
     merges each into the stored bucket, so two points of a metric in one call are still right."""
-    conn.executemany(UPSERT, _point_rows(rows))
+    conn.executemany(UPSERT, list(_point_rows(rows)))
 
 
 def _point_rows(rows: Iterable[tuple[int, int, float | None, float]]) -> Iterator[tuple[object, ...]]:

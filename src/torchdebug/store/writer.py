@@ -362,9 +362,12 @@ class _Core:
                     # Same transaction as the raw rows: a crash keeps both or neither, so rollups never
                     # disagree with the rows they summarize. Cost: ~1 µs per row here, off the training thread.
                     _rollup.write(conn, rows)
-                for rec in vectors:  # streamed row by row: no list of rows held (see _rollup.write_points)
-                    conn.executemany(insert, _vector_rows(ids, rec))
-                    _rollup.write_points(conn, _vector_rows(ids, rec))
+                # the vectors' rows as a list (one detail step's per-parameter numbers: a few thousand
+                # tuples at most, off the training thread): sqlite3's executemany is given no generator
+                vrows = [row for rec in vectors for row in _vector_rows(ids, rec)]
+                if vrows:
+                    conn.executemany(insert, vrows)
+                    _rollup.write_points(conn, vrows)
             if stats:
                 conn.executemany(
                     "INSERT INTO tensor_stats(step, wall_time, name, data) VALUES (?, ?, ?, ?)", stats
