@@ -140,23 +140,7 @@ def _aggregated(
         a = get(key)
         if v is None or v != v:  # NaN
             if a is None:
-                finest[key] = [
-                    1,
-                    1,
-                    step,
-                    step,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    step,
-                    wall,
-                    None,
-                    wall,
-                ]
+                finest[key] = _point(step, None, wall)
                 continue
             if step >= a[3]:
                 a[13] = None
@@ -168,7 +152,7 @@ def _aggregated(
                 a[12] = wall
         else:
             if a is None:
-                finest[key] = [1, 0, step, step, v, v, step, wall, v, step, wall, None, None, v, wall]
+                finest[key] = _point(step, v, wall)
                 continue
             if step >= a[3]:
                 a[13] = v
@@ -226,28 +210,16 @@ def write_points(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float 
 
 def _point_rows(rows: Iterable[tuple[int, int, float | None, float]]) -> Iterator[tuple[object, ...]]:
     for mid, step, v, wall in rows:
-        if v is None or v != v:  # NaN
-            agg: tuple[object, ...] = (
-                1,
-                1,
-                step,
-                step,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                step,
-                wall,
-                None,
-                wall,
-            )
-        else:
-            agg = (1, 0, step, step, v, v, step, wall, v, step, wall, None, None, v, wall)
+        agg = _point(step, None if v is None or v != v else v, wall)
         for level, shift in zip(LEVELS, _SHIFTS):
             yield (mid, level, step >> shift, *agg)
+
+
+def _point(step: int, v: float | None, wall: float) -> _Agg:
+    """The aggregate of one raw point (``v`` None: a NaN): the fields in the order of ``UPSERT``."""
+    if v is None:
+        return [1, 1, step, step, None, None, None, None, None, None, None, step, wall, None, wall]
+    return [1, 0, step, step, v, v, step, wall, v, step, wall, None, None, v, wall]
 
 
 def backfill(conn: sqlite3.Connection, chunk: int = 200_000) -> None:
