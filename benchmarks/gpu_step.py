@@ -18,6 +18,7 @@ async variant: the staged reads (one per step, no wait) and the waits (queue ful
 
     python benchmarks/gpu_step.py [--device cuda|cpu] [--repeats 7] [--chunk 20] [--warmup 5]
                                   [--variants sentinel/blocking,sentinel/async] [--count] [--boundaries]
+                                  [--batch B] [--seq T]
 
 ``--count``: per ordinary step, the aten ops run (about one kernel launch each on a GPU), the Python
 function calls and the host reads (``Tensor.item/tolist/cpu/numpy/__bool__/__float__``) of each
@@ -88,6 +89,14 @@ SHAPES = {
 }
 
 
+def shape_of(args: argparse.Namespace) -> dict[str, int]:
+    """The device's shapes, with ``--batch``/``--seq`` applied (``--batch 1 --seq 64`` on a GPU: the same
+    GPT-2 small, launch-bound, as small-batch fine-tuning is)."""
+    shape = dict(SHAPES[args.device])
+    shape.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
+    return shape
+
+
 def variants(device: str) -> dict[str, Callable[[nn.Module, Any], contextlib.AbstractContextManager]]:
     sentinel = td.DebugConfig(mode="anomaly_detection", store=False)
     default = td.DebugConfig(store=False)
@@ -102,7 +111,7 @@ def variants(device: str) -> dict[str, Callable[[nn.Module, Any], contextlib.Abs
 
 def run(args: argparse.Namespace) -> None:
     device = args.device
-    shape = SHAPES[device]
+    shape = shape_of(args)
     torch.manual_seed(0)
     model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["n_layer"], shape["n_head"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -199,7 +208,7 @@ def count(args: argparse.Namespace) -> None:
     import pstats
 
     device = args.device
-    shape = SHAPES[device]
+    shape = shape_of(args)
     torch.manual_seed(0)
     model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["n_layer"], shape["n_head"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -298,7 +307,7 @@ def boundaries(args: argparse.Namespace) -> None:
         return method
 
     device = args.device
-    shape = SHAPES[device]
+    shape = shape_of(args)
     torch.manual_seed(0)
     model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["n_layer"], shape["n_head"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -363,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--chunk", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=None, help="batch size (default: the device's shape)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the device's shape)")
     ap.add_argument("--count", action="store_true", help="ops, Python calls and reads per step (no clock)")
     ap.add_argument(
         "--boundaries", action="store_true", help="torchdebug's CPU time per step protocol boundary"

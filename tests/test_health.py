@@ -466,6 +466,8 @@ def test_amp_skip_names_the_parameters() -> None:
 
 
 def test_amp_scale_collapse_suggests_bf16() -> None:
+    # overflow at every scale from step 2 on, after two updates went through; a step sees the scale it
+    # started with: 512 at step 3 (the 1st shrink) ... 32 at step 7, the 5th shrink in a row
     torch.manual_seed(0)
     model = hm.OverflowNet()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -474,11 +476,40 @@ def test_amp_scale_collapse_suggests_bf16() -> None:
         pytest.warns(TorchDebugWarning, match="consider bf16"),
         watch(model, opt, config=CFG, run=False) as mon,
     ):
-        skipped = amp_loop(mon, model, opt, scaler, 8, lambda s: 4096.0)
-    assert [s for s, _ in skipped] == list(range(8))
-    # scale after each skipped step: 512, 256, ... -> shrinking at steps 1..5: the 5th shrink is step 5
-    assert events(mon, "amp_scale_collapse") == [("amp_scale_collapse", 5, ())]
-    assert len(events(mon, "amp_skip")) == 8
+        skipped = amp_loop(mon, model, opt, scaler, 9, lambda s: 4096.0 if s >= 2 else 1.0)
+    assert [s for s, _ in skipped] == list(range(2, 9))
+    assert events(mon, "amp_scale_collapse") == [("amp_scale_collapse", 7, ())]
+    assert len(events(mon, "amp_skip")) == 7
+
+
+def test_amp_calibration_from_a_high_initial_scale_is_not_a_collapse() -> None:
+    # init_scale 2**20 and a model whose gradients overflow fp16 at scales above 2**15: the scaler
+    # halves 5 times in a row before its first update (its calibration), then trains: info only. (A
+    # streak counted from step 0 would have warned at step 5.)
+    torch.manual_seed(0)
+    model = hm.OverflowNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    with watch(model, opt, config=CFG, run=False) as mon:
+        skipped = amp_loop(mon, model, opt, scaler, 16, lambda s: 1.0)
+    first_update = len(skipped)
+    assert [s for s, _ in skipped] == list(range(first_update)) and first_update == 5
+    assert events(mon, "amp_scale_collapse") == []
+    assert len(events(mon, "amp_skip")) == first_update
+
+
+def test_no_finite_scale_before_any_update_is_named_by_the_sentinel() -> None:
+    # every step overflows from step 0: no warning while the scale calibrates; when a step starts with
+    # the scale below the floor 1.0 (1024 halved 11 times: step 11) the overflow is an anomaly, located
+    torch.manual_seed(0)
+    model = hm.OverflowNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pytest.raises(NonFiniteError) as err, watch(model, opt, config=CFG, run=False) as mon:
+        amp_loop(mon, model, opt, scaler, 14, lambda s: 4096.0)
+    a = err.value.anomaly
+    assert (a.phase, a.module, a.op, a.kind, a.step) == ("backward", "big", "AddmmBackward0", "-inf", 11)
+    assert events(mon, "amp_scale_collapse") == [] and len(events(mon, "amp_skip")) == 11
 
 
 def test_amp_growing_scale_is_not_an_explosion() -> None:

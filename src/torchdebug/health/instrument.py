@@ -532,8 +532,10 @@ class AmpScaleRule:
     """GradScaler health: ``amp_skip`` (info, the parameters holding Inf/NaN) and ``amp_scale_collapse``.
 
     ``amp_scale_collapse`` (warning, once per episode) fires when the loss scale falls below
-    ``floor`` or shrinks ``shrink_steps`` steps in a row: no finite scale exists for this model in
-    fp16. ``skips`` counts skipped steps.
+    ``floor`` or, once an update has gone through, shrinks ``shrink_steps`` steps in a row: no finite
+    scale exists for this model in fp16. The skips before the first update are the scaler calibrating
+    its initial guess (``init_scale`` 2**16 by default, 2**32 in some DeepSpeed configs, halving once a
+    step): only the floor speaks then. ``skips`` counts skipped steps.
 
     Example:
         >>> rule = AmpScaleRule(floor=1.0, shrink_steps=2)
@@ -541,6 +543,9 @@ class AmpScaleRule:
         ([], 'amp_skip')
         >>> [e.kind for e in rule.update(2, 256.0, True)]
         ['amp_skip', 'amp_scale_collapse']
+        >>> calibrating = AmpScaleRule(floor=1.0, shrink_steps=2)
+        >>> [len(calibrating.update(i, 2.0 ** (40 - i), True)) for i in range(4)]  # skips, no warning
+        [1, 1, 1, 1]
     """
 
     def __init__(self, floor: float = 1.0, shrink_steps: int = 5) -> None:
@@ -549,6 +554,7 @@ class AmpScaleRule:
         self.prev: float | None = None
         self.active = False
         self.skips = 0
+        self.updated = False  # an update went through: the scaler has found a scale that works
 
     def update(
         self, step: int, scale: float, skipped: bool, bad_params: Sequence[str] = ()
@@ -568,7 +574,8 @@ class AmpScaleRule:
                     evidence={"scale": scale, "params": list(bad_params)},
                 )
             )
-        shrinking = self.prev is not None and scale < self.prev
+        self.updated = self.updated or not skipped
+        shrinking = self.prev is not None and scale < self.prev and self.updated
         streak = self.shrinks.update(shrinking)
         collapsed = scale < self.floor or self.shrinks.count >= self.shrinks.patience
         if collapsed and not self.active and (streak or scale < self.floor):
