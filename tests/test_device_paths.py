@@ -142,3 +142,27 @@ def test_fp16_scaler_overflow_steps_are_skips_not_warnings() -> None:
     assert dropped >= 1
     assert sum(r.skipped for r in mon.records) == dropped
     assert len(mon.records) == 40 and math.isfinite(mon.records[-1].loss or math.nan)
+
+
+@cuda_only
+def test_the_default_watch_never_waits_for_the_device_under_async() -> None:
+    # every default instrument, 12 steps (detail steps 5 and 10 among them: the weight-update ratios
+    # are worked out there); from step 1 on (step 0 has no optimizer state yet) any host sync raises
+    model, opt = gpt("cuda", fused=True)
+    with td.watch(model, opt, run=False, sync="async") as mon:
+        for step in range(12):
+            idx = synthetic_batch(step, batch=BATCH, block=BLOCK, vocab=VOCAB, bad_step=None).cuda()
+            if step == 1:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = F.cross_entropy(
+                    model(idx[:, :-1]).reshape(-1, VOCAB), idx[:, 1:].reshape(-1), ignore_index=PAD
+                )
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                mon.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    assert [r.step for r in mon.records] == list(range(12))
+    assert all(math.isfinite(r.loss or math.nan) for r in mon.records)

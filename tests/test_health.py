@@ -281,7 +281,7 @@ def test_layer_norms_and_top_params() -> None:
 import torch.nn.functional as F  # noqa: E402
 
 from tests.fixtures import health_models as hm  # noqa: E402
-from torchdebug import TorchDebugWarning  # noqa: E402
+from torchdebug import NonFiniteError, TorchDebugWarning  # noqa: E402
 from torchdebug.health.instrument import GradientHealth  # noqa: E402
 from torchdebug.session.monitor import watch  # noqa: E402
 from torchdebug.store import open_run  # noqa: E402

@@ -279,7 +279,14 @@ def test_cuda_tensor_matches_cpu_and_syncs_once():
         torch.cuda.set_sync_debug_mode(previous)
     assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
     assert on_gpu.device == "cuda:0"
-    assert on_gpu.to_dict() | {"device": "cpu"} == on_cpu.to_dict()
+    gpu, cpu = on_gpu.to_dict() | {"device": "cpu"}, on_cpu.to_dict()
+    # the same numbers, but the device's float32 reduction order may differ in the last bit (seen on
+    # an H100: std 1.5275254 on CPU, 1.5275252 on CUDA)
+    close = {k for k, v in cpu.items() if isinstance(v, float) and math.isfinite(v) and k in ("mean", "std")}
+    assert {k: v for k, v in gpu.items() if k not in close} == {
+        k: v for k, v in cpu.items() if k not in close
+    }
+    assert all(gpu[k] == pytest.approx(cpu[k], rel=1e-6) for k in close) and "std" in close
 
 
 # ---------------------------------------------------------------- fused norms

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +55,17 @@ class ProfilerInstrument:
             # per-module ranges: under torch.compile the hooks see nothing and their removal after the
             # window would make Dynamo recompile; the profiler itself still records the compiled ops
             self._stack.enter_context(_ModuleRanges(mon.model))
-        self._prof = self._stack.enter_context(
-            torch.profiler.profile(
-                activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-                schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
-                on_trace_ready=on_ready,
-                record_shapes=True,
-                profile_memory=True,  # seed 000's profiler: allocations and FLOPs in the trace
-                with_flops=True,
+        with _warnings_not_errors():
+            self._prof = self._stack.enter_context(
+                torch.profiler.profile(
+                    activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                    schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
+                    on_trace_ready=on_ready,
+                    record_shapes=True,
+                    profile_memory=True,  # seed 000's profiler: allocations and FLOPs in the trace
+                    with_flops=True,
+                )
             )
-        )
 
     def on_step_end(self, mon: Any, record: Any, values: dict[str, float]) -> None:
         if self._prof is None:
@@ -70,7 +73,8 @@ class ProfilerInstrument:
         if self._seen == self.wait + self.warmup - 1:
             self._t_active = time.perf_counter()
         self._seen += 1
-        self._prof.step()
+        with _warnings_not_errors():
+            self._prof.step()
         if self._seen < self.wait + self.warmup + self.active:
             return
         wall = time.perf_counter() - (self._t_active or time.perf_counter())
@@ -93,8 +97,20 @@ class ProfilerInstrument:
     def _finish(self) -> None:
         if self._stack is not None:
             stack, self._stack = self._stack, None
-            stack.close()
+            with _warnings_not_errors():
+                stack.close()
 
     def remove(self, mon: Any) -> None:
         self._finish()
         self._prof = None
+
+
+@contextlib.contextmanager
+def _warnings_not_errors() -> Iterator[None]:
+    """torch.profiler's state changes (start, step, stop) with warnings shown, never raised: a warning
+    that a ``-W error`` filter (pytest's ``filterwarnings = error``) turns into an exception halfway
+    through the profiler's C++ start leaves it half-started, and the stop at exit then crashes the
+    process (seen on an H100, torch 2.11, CUDA activity)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        yield
