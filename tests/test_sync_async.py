@@ -538,3 +538,70 @@ def test_a_failure_of_the_async_read_switches_it_off_not_the_training(
     ]
     assert ei.value.anomaly.step == 4 and ei.value.anomaly.location == origin_line("div")
     assert "found_inf" not in vars(opt)
+
+
+# ------------------------------------------------------------ the parameters, probed on the schedule
+
+
+def _gate_anomaly(sync: str, fault: str, k: int) -> td.Anomaly:
+    """A gate parameter that turns NaN at step k: by its first update (Adam, eps 0, a gradient of
+    exactly 0: 0/0), or by a hand edit before the step."""
+    from tests.test_locate_optimizer import Gated
+
+    torch.manual_seed(0)
+    model = Gated(gate_scale=0.0)
+    opt = torch.optim.Adam([p for n, p in model.named_parameters() if n != "gate"], lr=0.01, fused=True)
+    with pytest.raises(td.NonFiniteError) as ei, warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.TorchDebugWarning)
+        with td.watch(model, opt, run=False, sync=sync, config={"log_performance": False}) as mon:
+            for i in range(k + 3):
+                if i == k and fault == "update":
+                    opt.add_param_group({"params": [model.gate], "eps": 0.0})  # unfrozen at step k
+                if i == k and fault == "edit":
+                    with torch.no_grad():
+                        model.gate[1] = float("nan")
+                loss = model(torch.randn(2, 4)).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                mon.step()
+    return ei.value.anomaly
+
+
+@pytest.mark.parametrize("k", [3, 9, 10])  # off the detail schedule, its last step, on it (every 10)
+@pytest.mark.parametrize("fault", ["update", "edit"])
+def test_a_parameter_gone_bad_is_blamed_as_the_blocking_mode_blames_it(fault: str, k: int) -> None:
+    # async probes the parameters on the detail schedule only; a step judged a step late uses the
+    # ledger as its numbers were staged, before its own update (which on the device only skipped)
+    fields = ("phase", "parameter", "module", "op", "kind", "step", "symptom")
+    blocking, late = _gate_anomaly("blocking", fault, k), _gate_anomaly("async", fault, k)
+    assert [getattr(late, f) for f in fields] == [getattr(blocking, f) for f in fields]
+    if fault == "update":
+        assert (late.phase, late.parameter, late.step) == ("optimizer", "gate", k)
+        assert late.symptom == "nan in parameter gate after the optimizer step"
+    else:
+        assert (late.phase, late.parameter, late.step) == ("parameter", "gate", k)
+
+
+def test_async_probes_the_parameters_on_the_detail_schedule_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchdebug.nonfinite.sentinel import Sentinel
+
+    probed: list[int] = []
+    real = Sentinel._param_probe
+
+    def counted(self: Any, mon: Any, share: Any = None) -> Any:
+        probed.append(mon.global_step)
+        return real(self, mon, share)
+
+    monkeypatch.setattr(Sentinel, "_param_probe", counted)
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    with td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync="async") as mon:
+        for _ in range(12):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    # after updates 0 and 10 (detail_every 10), and at exit (12 steps done) the last update's, once
+    assert probed == [0, 10, 12]

@@ -22,15 +22,29 @@ from .._tensors import local, version_of
 
 class UpdateLedger:
     """The last update no probe covered (``step``) and the parameters' versions right after it;
-    ``since``: the first such update after the last probe (the window a later probe speaks for)."""
+    ``since``: the first such update after the last probe (the window a later probe speaks for).
 
-    __slots__ = ("since", "step", "versions", "window")
+    Under ``sync="async"`` a step is judged a step late, after its own update ran (or was skipped on
+    the device, which still counts as a write): :meth:`as_staged` keeps the ledger as the step saw it
+    when its numbers were staged, before its update, with whether anything had written to the
+    parameters by then, so the late judgement blames the same update the blocking one would."""
+
+    __slots__ = ("since", "step", "versions", "window", "written")
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.versions = 0
         self.since: int | None = None
         self.window: int | None = None  # the first unprobed update a probe now in flight also covers
+        self.written: bool | None = None  # a staged copy: the answer of written_since at staging
+
+    def as_staged(self, params: list[torch.Tensor]) -> UpdateLedger:
+        """A copy of the ledger now, before this step's update (one C-level pass over the versions when
+        an update is unprobed: the usual case under async, every step off the detail schedule)."""
+        copy = UpdateLedger()
+        copy.step, copy.versions, copy.since, copy.window = self.step, self.versions, self.since, self.window
+        copy.written = self.written_since(params) if self.step is not None else False
+        return copy
 
     def unprobed(self, step: int, params: list[torch.Tensor]) -> None:
         """An update ran without a probe: remember it (one C-level pass over the versions)."""
@@ -45,6 +59,8 @@ class UpdateLedger:
 
     def written_since(self, params: list[torch.Tensor]) -> bool:
         """True when something wrote to a parameter after the remembered update (versions only grow)."""
+        if self.written is not None:
+            return self.written  # a staged copy: as it was before the step's own update
         return sum(map(version_of, params)) != self.versions
 
 
@@ -66,5 +82,6 @@ def window_hint(since: int | None, step: int | None) -> str:
 
 def due(mon: SessionView) -> bool:
     """Probe after this update: on the detail schedule, and always where the probe travels in its own
-    way (several ranks: the all-reduced vector; sync="async": with the staged step)."""
-    return mon.coordinator is not None or mon.config.sync == "async" or mon.due(mon.config.detail_every)
+    way (several ranks: the all-reduced vector). Under sync="async" too only on the schedule: a step
+    judged a step late uses the ledger as its numbers were staged (:meth:`UpdateLedger.as_staged`)."""
+    return mon.coordinator is not None or mon.due(mon.config.detail_every)

@@ -38,6 +38,7 @@ from .._errors import LossSpikeError, NonFiniteError
 from .._step import StepState
 from .._tensors import Items, local
 from ..events import StepRecord
+from ..nonfinite.ledger import UpdateLedger
 from .protocol import Session
 from .transfer import stack
 
@@ -68,6 +69,7 @@ class _Pending:
     buffers: list[tuple[torch.Tensor, Any]]  # (host buffer, CUDA event or None); one per staging
     deferred: tuple[dict[str, torch.Tensor], int | None, list[int] | None, list[int]]
     state: StepState | None = None  # the step's whole state, kept at its end
+    ledger: UpdateLedger | None = None  # the unprobed updates as the step saw them when staged
     lr: tuple[float, ...] = ()
     time_s: float | None = None
 
@@ -193,7 +195,9 @@ class DeferredReads:
         self._hand_flag(opt)
         d = (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index)
         s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
-        self.staged = _Pending(mon.global_step, opt, spec, [self._copy(flat)], d)
+        self.staged = _Pending(
+            mon.global_step, opt, spec, [self._copy(flat)], d, ledger=s.ledger.as_staged(mon.params)
+        )
         mon.transfer.synced = True
         # this step's norms come one step later: an instrument's before_optimizer_step (gradient
         # health's explosion check, clip_on_spike) sees none rather than the last step's
@@ -312,6 +316,9 @@ class DeferredReads:
             mon.global_step,
             (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index),
         )
+        live_ledger = s.ledger
+        if p.ledger is not None:
+            s.ledger = p.ledger  # judged as the blocking read would have, before the step's own update
         mon.state, mon.global_step = p.state, p.step
         s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
         mon.verdicts.update_held = True  # the update ran (or was skipped on the device): nothing to drop
@@ -342,6 +349,7 @@ class DeferredReads:
             mon.verdicts.update_held = s.grads_gone = False
             t = mon.transfer
             mon.state, mon.global_step, d = live
+            s.ledger = live_ledger
             mon.transfer.keep_norms(t)
             s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d
 
