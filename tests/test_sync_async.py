@@ -605,3 +605,61 @@ def test_async_probes_the_parameters_on_the_detail_schedule_only(monkeypatch: py
             mon.step()
     # after updates 0 and 10 (detail_every 10), and at exit (12 steps done) the last update's, once
     assert probed == [0, 10, 12]
+
+
+# ----------------------------------------------------------------------- the record mon.step() returns
+
+
+def _late_records(
+    sync: str, read: bool, policy: str = "raise", bad: int | None = None
+) -> tuple[Any, list[Any]]:
+    """5 steps of the MLP (a NaN batch at step ``bad``); mon.step()'s records, read at once or not."""
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model)
+    out: list[Any] = []
+    with td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync=sync, policy=policy) as mon:
+        for i in range(5):
+            x = torch.randn(4, 8)
+            if i == bad:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            rec = mon.step()
+            out.append((rec, len(mon.records), rec.loss if read else None, len(mon.records)))
+    return mon, out
+
+
+def test_the_returned_record_gets_its_numbers_when_first_read() -> None:
+    _, blocking = _late_records("blocking", read=True)
+    mon, late = _late_records("async", read=True)
+    assert [(r.step, r.loss, r.grad_norm, r.skipped) for r, *_ in late] == [
+        (r.step, r.loss, r.grad_norm, r.skipped) for r, *_ in blocking
+    ]
+    # step 0 is read blocking (the optimizer has no state yet); from step 1 on mon.step() returns with
+    # the step not read yet (mon.records one behind) and reading rec.loss judges it there
+    assert [(before, after) for _, before, _, after in late] == [(1, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert all(rec == mon.records[rec.step] for rec, *_ in late)
+    assert mon._async is not None and mon._async.host_reads == 4  # each step's numbers read once
+
+
+def test_an_unread_record_waits_for_nothing_and_keeps_no_step_state() -> None:
+    mon, late = _late_records("async", read=False)
+    assert [(before, after) for _, before, _, after in late] == [(1, 1), (1, 1), (2, 2), (3, 3), (4, 4)]
+    kept = [rec._late[1] for rec, *_ in late[1:]]  # the pending steps behind the unread records
+    assert all(p.state is None and p.buffers == [] for p in kept)  # judged (at exit at the latest)
+    # read after the session ended: the numbers are there, equal to mon.records
+    assert [rec.loss for rec, *_ in late] == [r.loss for r in mon.records]
+
+
+def test_reading_the_record_of_a_nan_step_raises_there() -> None:
+    with pytest.raises(td.NonFiniteError) as ei:
+        _late_records("async", read=True, bad=3)
+    assert (ei.value.anomaly.step, ei.value.anomaly.phase) == (3, "input")
+    for policy in ("warn", "skip"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", td.TorchDebugWarning)
+            _, late = _late_records("async", read=True, policy=policy, bad=3)
+        rec = late[3][0]
+        assert rec.skipped and rec.anomaly is not None and rec.anomaly.step == 3

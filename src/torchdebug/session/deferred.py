@@ -19,6 +19,11 @@ ordinary step blocks:
   replayed to the same origin as in the blocking mode: its update never ran, so the weights are
   those the step saw. Its record, store rows and ``on_step_end`` calls happen then.
 
+``mon.step()`` returns a :class:`LateRecord`: the step, micro-steps, lr and time at once; its numbers
+(loss, gradient norm, values, skipped, anomaly, events) when first read, which waits for that step's
+copy and judges it there (the one blocking read a loop that prints ``rec.loss`` pays each step). A
+loop that never reads them waits for nothing.
+
 Where the optimizer cannot take the flag (not fused, a custom one, a GradScaler that owns
 ``found_inf``, a framework driver, several ranks, an update by hand, the optimizer's first update
 while its state does not exist yet) the session says so once and reads that step blocking.
@@ -72,6 +77,7 @@ class _Pending:
     ledger: UpdateLedger | None = None  # the unprobed updates as the step saw them when staged
     lr: tuple[float, ...] = ()
     time_s: float | None = None
+    record: StepRecord | None = None  # the full record, once read
 
     def ready(self) -> bool:
         return all(ev is None or ev.query() for _, ev in self.buffers)
@@ -256,13 +262,17 @@ class DeferredReads:
         self.pending.append(p)
         while len(self.pending) > _MAX_PENDING:
             self._resolve(self.pending.popleft(), block=True)
-        # the step's numbers come one step later (mon.records, the store, on_step_end)
-        return StepRecord(
-            step=p.step,
-            micro_steps=len(p.state.transfer.micro_bad) or len(p.state.captures),
-            lr=p.lr,
-            time_s=p.time_s,
+        # the step's numbers come one step later (mon.records, the store, on_step_end), or when read
+        return LateRecord(
+            p.step, len(p.state.transfer.micro_bad) or len(p.state.captures), p.lr, p.time_s, self, p
         )
+
+    def read_now(self, p: _Pending) -> StepRecord | None:
+        """A :class:`LateRecord` is read: judge every pending step up to it now (waits for the copies;
+        may raise under policy "raise"). None: its numbers were lost (the async read failed)."""
+        if p.record is None and any([q is p for q in self.pending]):
+            self.resolve(block=True)
+        return p.record
 
     # -- the read -----------------------------------------------------------------------------------
     def resolve(self, block: bool) -> None:
@@ -340,7 +350,7 @@ class DeferredReads:
                 mon.verdicts.mark_skipped(
                     why, severity="info"
                 )  # the anomaly (or the earlier one) was said already
-            record = mon._record(lr=p.lr, time_s=p.time_s)
+            record = p.record = mon._record(lr=p.lr, time_s=p.time_s)
             mon.verdicts.say_skips()
             s.after_step_end(mon, False)
             mon._each("on_step_end", record, record.values)
@@ -350,6 +360,7 @@ class DeferredReads:
             t = mon.transfer
             mon.state, mon.global_step, d = live
             s.ledger = live_ledger
+            p.state, p.buffers = None, []  # judged: a record kept by the user keeps no step state
             mon.transfer.keep_norms(t)
             s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = d
 
@@ -379,3 +390,72 @@ def _restore(opt: Any, had: bool, old: Any) -> None:
         opt.found_inf = old
     elif "found_inf" in vars(opt):
         del opt.found_inf
+
+
+_NOW = ("step", "micro_steps", "lr", "time_s")  # known as the step ends; the rest when read
+
+
+class _LateField:
+    """A field of :class:`LateRecord` that, read before the step was judged, judges it first (a data
+    descriptor: it wins over StepRecord's class-level defaults)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.name not in obj.__dict__:
+            obj._read()
+        return obj.__dict__[self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+
+class LateRecord(StepRecord):
+    """``mon.step()``'s record under ``sync="async"``: ``step``, ``micro_steps``, ``lr`` and ``time_s``
+    now; the other fields (``loss``, ``grad_norm``, ``values``, ``skipped``, ``anomaly``...) on first
+    read, which waits for the step's numbers and judges the step (under ``policy="raise"`` that read
+    raises :class:`NonFiniteError` for a bad step, or an earlier one still unread). Then it equals the
+    record in ``mon.records``. Without its numbers (the async read failed and was switched off) the
+    fields keep their defaults."""
+
+    def __init__(
+        self,
+        step: int,
+        micro_steps: int,
+        lr: tuple[float, ...],
+        time_s: float | None,
+        reads: DeferredReads,
+        pending: _Pending,
+    ) -> None:  # the other fields are not set here: the first read of one fills them all
+        self.step, self.micro_steps, self.lr, self.time_s = step, micro_steps, lr, time_s
+        self._late: tuple[DeferredReads, _Pending] | None = (reads, pending)
+
+    def _read(self) -> None:
+        late, self._late = self._late, None
+        full = None
+        try:
+            if late is not None:
+                full = late[0].read_now(late[1])
+        finally:
+            for f in dataclasses.fields(StepRecord):
+                if f.name not in _NOW and f.name not in self.__dict__:
+                    default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
+                    self.__dict__[f.name] = getattr(full, f.name) if full is not None else default
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepRecord):
+            return NotImplemented
+        names = [f.name for f in dataclasses.fields(StepRecord)]
+        return [getattr(self, n) for n in names] == [getattr(other, n) for n in names]
+
+    __hash__ = None  # type: ignore[assignment]  # as StepRecord's: mutable, compared by value
+
+
+for _f in dataclasses.fields(StepRecord):
+    if _f.name not in _NOW:
+        _field = _LateField()
+        _field.__set_name__(LateRecord, _f.name)
+        setattr(LateRecord, _f.name, _field)

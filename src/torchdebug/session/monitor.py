@@ -744,8 +744,9 @@ def watch(
             optimizer state stay as before it and the step replays to the same origin. ``raise``
             then raises at the next step's first forward (or at exit) naming the step of birth;
             ``skip``/``warn`` record the step as skipped (its update never ran). ``mon.step()``
-            returns a record without numbers; the full record (``mon.records``, the store,
-            instruments' ``on_step_end``) follows one step later. Other optimizers, a GradScaler,
+            returns a record whose numbers are read (and the step judged: it may raise) when one
+            is first read, so a loop that never reads them waits for nothing; else ``mon.records``,
+            the store and instruments' ``on_step_end`` get the step one step later. Other optimizers, a GradScaler,
             framework drivers, several ranks and updates by hand fall back to ``"blocking"`` with one
             ``TorchDebugWarning``; the optimizer's first update is always read blocking (its state
             does not exist yet). Cost: one small device-to-host copy per step, no wait.
