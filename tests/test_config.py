@@ -66,7 +66,7 @@ EXPECTED_DEFAULTS = {
     ),
     # engine
     "policy": "raise",
-    "sync": "blocking",
+    "sync": "auto",
     "replay": True,
     "frames": 16,
     "run_dir": "runs",

@@ -663,3 +663,54 @@ def test_reading_the_record_of_a_nan_step_raises_there() -> None:
             _, late = _late_records("async", read=True, policy=policy, bad=3)
         rec = late[3][0]
         assert rec.skipped and rec.anomaly is not None and rec.anomaly.step == 3
+
+
+# -------------------------------------------------------------------------------- sync="auto"
+
+
+def _auto_session(
+    monkeypatch: pytest.MonkeyPatch, opts: str = "fused", gpu: bool = True, **kw: Any
+) -> tuple[td.Monitor, list[str]]:
+    """6 steps under the default sync ("auto") with the device test answering ``gpu``: (the session,
+    torchdebug's warnings)."""
+    monkeypatch.setattr(deferred, "on_cuda", lambda params: gpu)
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = _fused(model) if opts == "fused" else torch.optim.AdamW(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mon = _loop(model, opt, lambda i: torch.randn(4, 8), 6, **kw)
+    return mon, [str(w.message) for w in said if issubclass(w.category, td.TorchDebugWarning)]
+
+
+def test_auto_reads_late_on_a_gpu_with_a_fused_optimizer_and_says_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mon, said = _auto_session(monkeypatch)
+    assert mon.config.sync == "auto" and said == []
+    assert mon._async is not None and mon._async.auto
+    assert (mon._async.host_reads, mon._async.blocking_reads) == (5, 0)  # steps 1-5 read late
+    assert [r.step for r in mon.records] == list(range(6))
+
+
+def test_auto_stays_blocking_where_reading_late_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    mon, said = _auto_session(monkeypatch, gpu=False)  # a CPU: nothing to wait for
+    assert mon._async is None and said == []
+    mon, said = _auto_session(monkeypatch, clip_on_spike=1.0)  # needs the norm before the update
+    assert mon._async is None and said == []
+    # an optimizer that cannot skip on the device: found at its first update, blocking from then on,
+    # said nowhere ("async" says it once)
+    mon, said = _auto_session(monkeypatch, opts="plain")
+    assert mon._async is None and said == []
+    assert [r.step for r in mon.records] == list(range(6)) and all(r.loss is not None for r in mon.records)
+    mon, said = _auto_session(monkeypatch, opts="plain", sync="async")
+    assert len(said) == 1 and "falls back to the blocking read" in said[0]
+
+
+def test_auto_names_the_same_origin_as_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deferred, "on_cuda", lambda params: True)
+    auto = _anomaly_of("auto", "div")
+    blocking = _anomaly_of("blocking", "div")
+    fields = ("phase", "module", "op", "location", "kind", "step", "micro_step")
+    assert [getattr(auto, f) for f in fields] == [getattr(blocking, f) for f in fields]
+    assert auto.step == 2

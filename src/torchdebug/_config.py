@@ -278,7 +278,7 @@ def _opt(
 Policy = Literal["raise", "warn", "skip"]
 AnomalyMode = Literal["warn", "raise"]
 OnOOM = Literal["raise", "retry_half"]
-Sync = Literal["blocking", "async"]
+Sync = Literal["blocking", "async", "auto"]
 OnSpike = Literal["warn", "rollback", "raise", "off"]
 
 
@@ -354,10 +354,13 @@ class DebugConfig:
       debug_validation, debug_early_stopping, debug_lr_scheduling.
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
       step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
-    - sync "blocking"|"async" ["blocking"]: when the step's numbers are read. "blocking" reads them
-      once per step as the update starts (one device-to-host sync); "async" copies them without
+    - sync "blocking"|"async"|"auto" ["auto"]: when the step's numbers are read. "blocking" reads
+      them once per step as the update starts (one device-to-host sync); "async" copies them without
       blocking and reads them one step later while a fused optimizer skips a bad update on the
       device (``watch(..., sync=)``; other optimizers fall back to "blocking" with one warning).
+      "auto": "async" where it is safe and pays (the parameters on a CUDA device, one fused
+      optimizer, no GradScaler, one process, a plain loop, no clip_on_spike), else "blocking",
+      silently: on a CPU the blocking read costs nothing to wait for.
     - run store: store [True] (write a run folder); run_dir ["runs"]; run_name [None: the model's
       class name]; announce [True: ``watch`` prints the run folder once on stderr as it starts, one
       line, rank 0 only; False: silent]; tensorboard [False; True or a log directory: the
@@ -434,7 +437,7 @@ class DebugConfig:
     debug_lr_scheduling: bool = False
     # engine: what happens on a non-finite value
     policy: Policy = "raise"
-    sync: Sync = "blocking"
+    sync: Sync = "auto"
     replay: bool = True
     frames: int = _opt(16, ge=0, le=10_000)
     # engine: run store and exports

@@ -404,7 +404,7 @@ class Sentinel:
             m = float(max_norm)
         except (TypeError, ValueError):
             return
-        if self.mon.transfer.lazy and self.mon.config.sync != "async":
+        if self.mon.transfer.lazy and not self.mon.reads_late:
             self.st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
         else:
             with torch.no_grad():

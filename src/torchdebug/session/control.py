@@ -73,6 +73,11 @@ class Controls:
     _pending_level: DebugLevel | None
     _pending_changes: dict[str, Any]
 
+    @property
+    def reads_late(self) -> bool:
+        """The step's numbers are read one step later (``sync="async"``, or "auto" where it fits)."""
+        return self._async is not None
+
     def emit(self, event: RuleEvent) -> None:
         raise NotImplementedError
 
@@ -283,10 +288,11 @@ class Controls:
         self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
         self.sentinel.active = "nonfinite" in self._enabled
-        if (self._async is not None) != (self.config.sync == "async"):  # sync switched live
+        live = self._async is not None and not self._async.auto  # "auto" is decided as the session starts
+        if self.config.sync != "auto" and live != (self.config.sync == "async"):  # sync switched live
             if self._async is not None:
                 self._async.finish()  # the steps in flight are judged now (may raise)
-            self._async = DeferredReads(cast(Session, self)) if self._async is None else None
+            self._async = DeferredReads(cast(Session, self)) if self.config.sync == "async" else None
         ours = {spec[1] for spec in INSTRUMENTS.values()}
         for inst in [i for i in self.instruments if type(i).__name__ in ours]:
             self.instruments.remove(inst)  # rebuilt below: their depth follows the level

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 from collections import deque
 from typing import Any
@@ -95,11 +96,47 @@ def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
     return spec, torch.cat([t.to(dev, non_blocking=True) for t in flat])
 
 
-class DeferredReads:
-    """The async read of one session (``config.sync == "async"``); see the module docstring."""
+def on_cuda(params: list[torch.Tensor]) -> bool:
+    """Every parameter on a CUDA device (one C-level pass)."""
+    return all(map(_IS_CUDA, params))
 
-    def __init__(self, mon: Session) -> None:
+
+_IS_CUDA = operator.attrgetter("is_cuda")
+
+
+def reads_for(mon: Session) -> DeferredReads | None:
+    """The session's async reads, or None (blocking): ``sync="async"``, or ``"auto"`` where it is safe
+    and pays: every parameter on a CUDA device (there a blocking read a step stops the host from
+    queueing ahead of the device; on a CPU there is nothing to wait for), at most one optimizer given
+    (several: their per-optimizer gradient norms are read blocking), no GradScaler given, one process,
+    no ``clip_on_spike`` (it needs the step's norm before the update). What only the first update shows
+    (a framework driver, an optimizer that is not fused, an adopted GradScaler) switches "auto" back
+    to blocking there, silently."""
+    sync = mon.config.sync
+    if sync == "async":
+        return DeferredReads(mon)
+    # (looked up in the module at the call: tests stand in for a GPU on a CPU machine)
+    params = mon.params
+    fits = (
+        sync == "auto"
+        and bool(params)
+        and on_cuda(params)
+        and len(mon.optimizers) <= 1
+        and mon.scaler is None
+        and mon.world_size == 1
+        and mon.config.clip_on_spike is None
+    )
+    return DeferredReads(mon, auto=True) if fits else None
+
+
+class DeferredReads:
+    """The async read of one session (``config.sync`` "async", or "auto" where it fits: ``auto``);
+    see the module docstring."""
+
+    def __init__(self, mon: Session, auto: bool = False) -> None:
         self.mon = mon
+        self.auto = auto  # chosen by sync="auto": a step that cannot be read late ends it, silently
+        self.leaving = False
         self.pending: deque[_Pending] = deque()
         self.staged: _Pending | None = None  # this step's numbers, staged at update_starting
         self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it
@@ -140,6 +177,9 @@ class DeferredReads:
                 # would keep it if skipped): that one step is read blocking, said nowhere
                 return "its state does not exist yet" if not opt.state else None
             reason = cached
+        if self.auto:
+            self.leaving = True  # blocking from this step's end on (session/deferred.py _leave)
+            return reason
         mon.warn_once(
             f"async:{reason}",
             f"torchdebug: sync='async' falls back to the blocking read (one host sync per step): {reason}",
@@ -240,6 +280,9 @@ class DeferredReads:
         except Exception as exc:
             self._fail(exc)
             return None
+        finally:
+            if self.leaving and self.mon._async is self:
+                self._leave()
 
     def _step_end(self) -> StepRecord | None:
         p, mon = self.staged, self.mon
@@ -283,6 +326,15 @@ class DeferredReads:
             raise
         except Exception as exc:
             self._fail(exc)
+
+    def _leave(self) -> None:
+        """sync="auto" met a step it cannot read late: blocking from now on (at the end of that step,
+        after every step in flight is judged; silently: "auto" promised nothing more)."""
+        self.resolve(block=True)
+        if self.halt is not None:
+            self.halt.zero_()
+        if self.mon._async is self:
+            self.mon._async = None
 
     def _fail(self, exc: BaseException) -> None:
         """A failure of this machinery never stops training: one warning, blocking reads from now on."""

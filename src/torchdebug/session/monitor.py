@@ -58,7 +58,7 @@ from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from .control import Controls
-from .deferred import DeferredReads
+from .deferred import reads_for
 from .driver import PlainLoopDriver
 from .items import StepItems
 from .models import SeveralModels
@@ -171,8 +171,9 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         self.verdicts = Verdicts(self)  # applies the sentinel's verdicts: records, the policy, skips
         self.sentinel.active = "nonfinite" in self._enabled
         self.hyperparams = HyperparameterCheck()  # lr, eps, betas ... checked before each update
-        # sync="async": the step's numbers read one step later (session/deferred.py); None: blocking
-        self._async = DeferredReads(self) if self.config.sync == "async" else None
+        # sync="async" (or "auto" where it fits): the step's numbers read one step later
+        # (session/deferred.py); None: blocking
+        self._async = reads_for(self)
         self._plain = PlainLoopDriver(self, self._called, self.model, list((self.roots or {}).values()))
         self._entered = False
         self._closed = False
@@ -735,8 +736,11 @@ def watch(
         announce: print the run folder once on stderr as the session starts
             (``torchdebug: recording to runs/gpt-20260101-120000``; rank 0 only, nothing without a
             run folder). Default ``config.announce`` (True; ``TORCHDEBUG_ANNOUNCE=0`` turns it off).
-        sync: ``"blocking"`` (default: the step's numbers are read as the update starts, one
-            device-to-host sync per step) or ``"async"``: ordinary steps make no blocking read. The
+        sync: ``"auto"`` (default: ``"async"`` where it is safe and pays, the parameters on a CUDA
+            device with one fused optimizer, no GradScaler, one process, no ``clip_on_spike``, a
+            plain loop; else ``"blocking"``, silently), ``"blocking"`` (the step's numbers are read
+            as the update starts, one device-to-host sync per step) or ``"async"``: ordinary steps
+            make no blocking read. The
             numbers go to the host with a non-blocking copy (pinned memory and a CUDA event) and
             are read at the next step's first forward; meanwhile a fused optimizer
             (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``) gets a device flag as

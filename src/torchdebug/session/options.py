@@ -14,7 +14,7 @@ from .._errors import ConfigError
 from .._tensors import unwrap_optimizer
 
 POLICIES = ("raise", "warn", "skip")
-SYNCS = ("blocking", "async")
+SYNCS = ("blocking", "async", "auto")
 
 
 def check_options(
