@@ -714,3 +714,25 @@ def test_auto_names_the_same_origin_as_blocking(monkeypatch: pytest.MonkeyPatch)
     fields = ("phase", "module", "op", "location", "kind", "step", "micro_step")
     assert [getattr(auto, f) for f in fields] == [getattr(blocking, f) for f in fields]
     assert auto.step == 2
+
+
+def test_auto_goes_blocking_when_a_second_optimizer_is_adopted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deferred, "on_cuda", lambda params: True)
+    torch.manual_seed(0)
+    model = fx.MLP()
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    opt_a = torch.optim.AdamW(first, lr=0.01, fused=True)
+    opt_b = torch.optim.AdamW(second, lr=0.01, fused=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with td.watch(model, run=False, config=SENTINEL_ONLY) as mon:  # both adopted as they step
+            for _ in range(4):
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt_a.step()
+                opt_b.step()
+                opt_a.zero_grad()
+                opt_b.zero_grad()
+                mon.step()
+    assert [w for w in said if issubclass(w.category, td.TorchDebugWarning)] == []
+    assert mon._async is None and len(mon.optimizers) == 2
+    assert [r.step for r in mon.records] == [0, 1, 2, 3] and all(r.loss is not None for r in mon.records)

@@ -155,6 +155,8 @@ class DeferredReads:
             reason = f"the {mon.driver} driver owns the update"
         elif mon.coordinator is not None:
             reason = "several ranks decide each step together (one all-reduced verdict)"
+        elif self.auto and len(mon.optimizers) > 1:
+            reason = "several optimizers (each one's gradient norm is read as its update starts)"
         elif mon.scaler is not None and getattr(mon.scaler, "is_enabled", lambda: True)():
             reason = "a GradScaler owns the optimizer's found_inf"
         elif opt is None:
