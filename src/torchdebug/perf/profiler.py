@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, schedule
 
 from ..events import RuleEvent
-from .profiling import DEFAULT_TRACE_BUDGET, _bound_trace, _ModuleRanges, _summarise
+from .profiling import DEFAULT_TRACE_BUDGET, _bound_trace, _ModuleRanges, _summarise, _warnings_not_errors
 
 
 class ProfilerInstrument:
@@ -103,14 +101,3 @@ class ProfilerInstrument:
     def remove(self, mon: Any) -> None:
         self._finish()
         self._prof = None
-
-
-@contextlib.contextmanager
-def _warnings_not_errors() -> Iterator[None]:
-    """torch.profiler's state changes (start, step, stop) with warnings shown, never raised: a warning
-    that a ``-W error`` filter (pytest's ``filterwarnings = error``) turns into an exception halfway
-    through the profiler's C++ start leaves it half-started, and the stop at exit then crashes the
-    process (seen on an H100, torch 2.11, CUDA activity)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        yield
