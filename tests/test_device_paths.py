@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +38,34 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def train(
-    model: Any, opt: torch.optim.Optimizer, device: str, steps: int, *, bad_step: int | None, **watch: Any
+    model: Any,
+    opt: torch.optim.Optimizer,
+    device: str,
+    steps: int,
+    *,
+    bad_step: int | None,
+    around: Callable[[int], AbstractContextManager[Any]] = lambda step: nullcontext(),
+    **watch: Any,
 ) -> tuple[Any, td.NonFiniteError | None, list[str]]:
-    """The demo's loop on ``device``: (the session, the error raised or None, torchdebug's warnings)."""
+    """The demo's loop on ``device`` (``around(step)``: entered around each step's work): (the session,
+    the error raised or None, torchdebug's warnings)."""
     err = None
+    watch.setdefault("config", QUIET)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
-            with td.watch(model, opt, run=False, config=QUIET, **watch) as mon:
+            with td.watch(model, opt, run=False, **watch) as mon:
                 for step in range(steps):
                     idx = synthetic_batch(step, batch=BATCH, block=BLOCK, vocab=VOCAB, bad_step=bad_step)
                     idx = idx.to(device)
-                    loss = F.cross_entropy(
-                        model(idx[:, :-1]).reshape(-1, VOCAB), idx[:, 1:].reshape(-1), ignore_index=PAD
-                    )
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    mon.step()
+                    with around(step):
+                        loss = F.cross_entropy(
+                            model(idx[:, :-1]).reshape(-1, VOCAB), idx[:, 1:].reshape(-1), ignore_index=PAD
+                        )
+                        opt.zero_grad(set_to_none=True)
+                        loss.backward()
+                        opt.step()
+                        mon.step()
         except td.NonFiniteError as e:
             err = e
     ours = [str(w.message) for w in said if issubclass(w.category, td.TorchDebugWarning)]
@@ -144,25 +156,24 @@ def test_fp16_scaler_overflow_steps_are_skips_not_warnings() -> None:
     assert len(mon.records) == 40 and math.isfinite(mon.records[-1].loss or math.nan)
 
 
+@contextmanager
+def _no_sync_after_step_0(step: int) -> Iterator[None]:
+    """From step 1 on (step 0 has no optimizer state yet) any host sync raises."""
+    if step >= 1:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @cuda_only
 def test_the_default_watch_never_waits_for_the_device_under_async() -> None:
-    # every default instrument, 12 steps (detail steps 5 and 10 among them: the weight-update ratios
-    # are worked out there); from step 1 on (step 0 has no optimizer state yet) any host sync raises
+    # every default instrument (the default config), 12 steps (detail step 10 among them: the
+    # weight-update ratios are worked out there); the default sync "auto" reads late on CUDA
     model, opt = gpt("cuda", fused=True)
-    with td.watch(model, opt, run=False, sync="async") as mon:
-        for step in range(12):
-            idx = synthetic_batch(step, batch=BATCH, block=BLOCK, vocab=VOCAB, bad_step=None).cuda()
-            if step == 1:
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                loss = F.cross_entropy(
-                    model(idx[:, :-1]).reshape(-1, VOCAB), idx[:, 1:].reshape(-1), ignore_index=PAD
-                )
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                mon.step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+    mon, err, said = train(model, opt, "cuda", 12, bad_step=None, around=_no_sync_after_step_0, config=None)
+    assert err is None and said == []
+    assert mon.reads_late and mon.config.sync == "auto"
     assert [r.step for r in mon.records] == list(range(12))
     assert all(math.isfinite(r.loss or math.nan) for r in mon.records)
