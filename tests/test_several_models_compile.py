@@ -42,12 +42,20 @@ def _counting_backend(graphs: list[int]) -> Any:
     return backend
 
 
-def _run(backend: Any, fault: str = "", steps: int = 4, **watch_kw: Any) -> tuple[Any, nn.Module, nn.Module]:
-    """The DCGAN loop of tests/test_several_models.py with G compiled; ``fault`` switched on at BAD_STEP."""
+def _run(
+    backend: Any, fault: str = "", steps: int = 4, in_place: bool = False, **watch_kw: Any
+) -> tuple[Any, nn.Module, nn.Module]:
+    """The DCGAN loop of tests/test_several_models.py with G compiled (``torch.compile(G)``, or
+    ``G.compile()`` in place); ``fault`` switched on at BAD_STEP."""
     torch.manual_seed(0)
-    G = torch.compile(Generator(), backend=backend)
+    if in_place:
+        G = g_net = Generator()
+        G.compile(backend=backend)
+        compiled_call = G._compiled_call_impl
+    else:
+        G = torch.compile(Generator(), backend=backend)
+        g_net = G._orig_mod
     D = Discriminator()
-    g_net: nn.Module = G._orig_mod
     opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
     opt_d = torch.optim.Adam(D.parameters(), lr=2e-3)
     gen = torch.Generator().manual_seed(1)
@@ -78,13 +86,16 @@ def _run(backend: Any, fault: str = "", steps: int = 4, **watch_kw: Any) -> tupl
         assert all(
             not m._forward_pre_hooks and not m._forward_hooks for m in [G, *g_net.modules(), *D.modules()]
         )
+        if in_place:
+            assert G._compiled_call_impl is compiled_call  # its compiled call as it was
     return mon, G, D
 
 
-def test_a_compiled_model_is_named_as_itself_and_stays_one_graph(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapper", "in-place"])
+def test_a_compiled_model_is_named_as_itself_and_stays_one_graph(tmp_path: Path, in_place: bool) -> None:
     graphs: list[int] = []
     cfg = td.DebugConfig(mode="gradient_checking", detail_every=2)
-    mon, G, _ = _run(_counting_backend(graphs), run=tmp_path, config=cfg)
+    mon, G, _ = _run(_counting_backend(graphs), in_place=in_place, run=tmp_path, config=cfg)
     assert mon.anomalies == [] and [e for e in mon.events if e.severity != "info"] == []
     assert mon.param_names == [
         "G.main.0.weight",
@@ -119,13 +130,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapper", "in-place"])
 @pytest.mark.parametrize(("fault", "phase", "module", "op", "tag"), CASES, ids=[c[0] for c in CASES])
 def test_a_fault_in_either_model_is_located_with_the_compiled_one_replayed_eagerly(
-    fault: str, phase: str, module: str, op: str, tag: str
+    fault: str, phase: str, module: str, op: str, tag: str, in_place: bool
 ) -> None:
-    # aot_eager: the forward and backward graphs traced by AOTAutograd, as inductor would get them
+    # aot_eager: the forward and backward graphs traced by AOTAutograd, as inductor would get them.
+    # In place (G.compile()): before, G's forward fault was named in D and its backward's replay failed
     with pytest.raises(td.NonFiniteError) as info:
-        _run("aot_eager", fault, run=False)
+        _run("aot_eager", fault, in_place=in_place, run=False)
     a = info.value.anomaly
     assert (a.phase, a.module, a.op, a.step) == (phase, module, op, BAD_STEP), str(a)
     assert a.location == origin_line(tag, gan_script.__file__)
