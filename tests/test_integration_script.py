@@ -104,12 +104,22 @@ def test_run_reports_a_nan_checkpoint_before_the_model_is_evaluated_or_saved(tmp
 GAN = os.path.join(os.path.dirname(__file__), "fixtures", "gan_script.py")
 
 
-def test_run_watches_every_optimizer_of_a_gan_and_names_the_model(tmp_path, capsys):
-    code = main(["run", "--run-dir", str(tmp_path), GAN, "--iters", "4", "--bad-iter", "2"])
+@pytest.mark.parametrize(
+    ("bad", "compiled", "where"),
+    [("D", False, "D.1"), ("G", True, "G.main.1")],
+    ids=["D", "G-compiled"],
+)
+def test_run_watches_every_optimizer_of_a_gan_and_names_the_model(tmp_path, capsys, bad, compiled, where):
+    args = [GAN, "--iters", "4", "--bad-iter", "2", "--bad-model", bad] + (
+        ["--compile-g"] if compiled else []
+    )
+    code = main(["run", "--run-dir", str(tmp_path), *args])
     err = capsys.readouterr().err
     assert code == 3
-    # D is watched too (its optimizer came second); one step per G-and-D iteration: iteration 2 is step 2
-    assert "nan born in forward of D.1 (Fault): aten.sqrt" in err
+    # D is watched too (its optimizer came second); one step per G-and-D iteration: iteration 2 is step 2.
+    # G = torch.compile(Generator()): watched first as the wrapper, then one of two models: still named
+    # G (not Generator, not _orig_mod) and its forward captured (before, its NaN was named in D)
+    assert f"nan born in forward of {where} (Fault): aten.sqrt" in err
     assert f"at {origin_line('fault_forward', GAN)} (step 2)" in err
     assert "watched G and D with Adam and Adam: 2 steps, 1 anomalies" in err
     assert_clean_exit()

@@ -21,6 +21,7 @@ from ..nonfinite.sentinel import Sentinel
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
 from .protocol import Session
+from .wrappers import _compiled_orig
 
 # instrument name -> (module, class); each class is constructed with no arguments
 INSTRUMENTS: dict[str, tuple[str, str]] = {
@@ -268,8 +269,10 @@ class Controls:
 
     def _regroup(self, roots: dict[str, nn.Module]) -> None:
         """The session watches these models now (as one ModuleDict, each by name): names, parameters,
-        root hooks and instruments again. Only before its first forward (``watch_also``)."""
-        container = nn.ModuleDict(roots)
+        root hooks and instruments again. Only before its first forward (``watch_also``). ``roots``:
+        the modules the loop calls; a ``torch.compile`` wrapper among them is named and watched as the
+        module it compiles (no ``_orig_mod.``), its root hooks stay on the wrapper that is called."""
+        container = nn.ModuleDict({n: _compiled_orig(m) or m for n, m in roots.items()})
         self.roots = roots
         self.model = self._called = container
         self.names = {m: n for n, m in container.named_modules()}

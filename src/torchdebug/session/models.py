@@ -17,6 +17,7 @@ from .._step import SessionView, StepState
 from .._tensors import unwrap_optimizer
 from ..nonfinite.sentinel import Sentinel
 from .options import _names
+from .wrappers import _compiled_orig
 
 
 class SeveralModels:
@@ -24,6 +25,7 @@ class SeveralModels:
 
     # the session's attributes these methods use (set in Monitor.__init__)
     model: nn.Module
+    _called: nn.Module
     roots: dict[str, nn.Module] | None
     optimizers: list[torch.optim.Optimizer]
     state: StepState
@@ -145,8 +147,9 @@ class SeveralModels:
         if self.global_step or self.micro_step or not state.new_micro_step or state.captures:
             return False  # a step began: its names and captures stay as they are
         current = dict(self.roots) if self.roots is not None else {}
-        if not current:
-            current = {_names([self.model], caller)[0]: self.model}
+        if not current:  # the one model so far, as the loop calls it (a torch.compile wrapper: that)
+            called = self._called if _compiled_orig(self._called) is self.model else self.model
+            current = {_names([called], caller)[0]: called}
         both = _names([*current.values(), model], caller)
         roots = {**current, both[-1] if both[-1] not in current else f"{both[-1]}_2": model}
         self._regroup(roots)
