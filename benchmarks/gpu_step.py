@@ -13,7 +13,8 @@ vocab 256, seq 16, batch 2: host work bounds the step as it does on a GPU), meas
 time with one thread (``time.process_time``), interleaved chunks, medians.
 
 Variants: ``plain``; ``sentinel`` (``mode="anomaly_detection"``) and ``default`` (the default
-instruments, no run folder), each with ``sync="blocking"`` and ``sync="async"``. Also printed per
+instruments, no run folder), each with ``sync="blocking"`` and ``sync="async"``; ``default/auto``:
+the default ``sync="auto"``, as a user gets it (async on CUDA here, blocking on a CPU). Also printed per
 async variant: the staged reads (one per step, no wait) and the waits (queue full or exit).
 
     python benchmarks/gpu_step.py [--device cuda|cpu] [--repeats 7] [--chunk 20] [--warmup 5]
@@ -106,6 +107,8 @@ def variants(device: str) -> dict[str, Callable[[nn.Module, Any], contextlib.Abs
     for name, cfg in (("sentinel", sentinel), ("default", default)):
         for sync in ("blocking", "async"):
             out[f"{name}/{sync}"] = lambda m, o, c=cfg, s=sync: td.watch(m, o, config=c, sync=s, run=False)
+    # the default as users get it: sync="auto" (async on CUDA with this fused AdamW, blocking on a CPU)
+    out["default/auto"] = lambda m, o: td.watch(m, o, config=default, run=False)
     return out
 
 
