@@ -736,3 +736,14 @@ def test_auto_goes_blocking_when_a_second_optimizer_is_adopted(monkeypatch: pyte
     assert [w for w in said if issubclass(w.category, td.TorchDebugWarning)] == []
     assert mon._async is None and len(mon.optimizers) == 2
     assert [r.step for r in mon.records] == [0, 1, 2, 3] and all(r.loss is not None for r in mon.records)
+
+
+def test_a_late_record_copies_and_pickles_as_a_plain_record() -> None:
+    import pickle
+
+    mon, late = _late_records("async", read=False)
+    rec = late[2][0]  # unread: copying it reads it, and the copy holds no session
+    for twin in (copy.copy(rec), copy.deepcopy(rec), pickle.loads(pickle.dumps(rec))):
+        assert type(twin) is td.StepRecord
+        assert (twin.step, twin.loss, twin.grad_norm) == (2, mon.records[2].loss, mon.records[2].grad_norm)
+        assert twin == rec == mon.records[2]

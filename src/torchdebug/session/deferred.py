@@ -31,6 +31,7 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import operator
@@ -446,6 +447,11 @@ def _restore(opt: Any, had: bool, old: Any) -> None:
         del opt.found_inf
 
 
+def _record_from(fields: dict[str, Any]) -> StepRecord:
+    """A pickled :class:`LateRecord` comes back as the plain record it was read as."""
+    return StepRecord(**fields)
+
+
 _NOW = ("step", "micro_steps", "lr", "time_s")  # known as the step ends; the rest when read
 
 
@@ -498,6 +504,20 @@ class LateRecord(StepRecord):
                 if f.name not in _NOW and f.name not in self.__dict__:
                     default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
                     self.__dict__[f.name] = getattr(full, f.name) if full is not None else default
+
+    def plain(self) -> StepRecord:
+        """This record as a plain :class:`StepRecord` (read first): what copies and pickles get, so a
+        copy never drags the session along."""
+        return StepRecord(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StepRecord)})
+
+    def __copy__(self) -> StepRecord:
+        return self.plain()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepRecord:
+        return copy.deepcopy(self.plain(), memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _record_from, (dict(self.plain().__dict__),)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepRecord):
