@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .._robust import MAD_TO_SIGMA, RunningMedian, Streak
+from .._tensors import foreach_norms  # the hot path (fused), the general one for odd tensors
 from ..events import RuleEvent, training_summary
-from ..stats import foreach_norms
 from .divergence import KIND as DIVERGENCE
 from .divergence import DivergenceRule, GrowthRule
 from .optnorms import OptimizerNorms
@@ -939,7 +939,7 @@ class GradientHealth:
                 weight = plan.segment_norms(now)  # type: ignore[union-attr]
             else:
                 params = list(mon.params)
-                delta = foreach_norms(torch._foreach_sub(params, before))
+                delta = foreach_norms(list(torch._foreach_sub(params, before)))
                 weight = foreach_norms(params)
             ratio = delta / weight.clamp_min(torch.finfo(torch.float32).tiny)
         self._pending = (mon.global_step, ratio, weight)
