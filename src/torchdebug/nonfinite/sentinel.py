@@ -406,6 +406,10 @@ class Sentinel:
             return
         if self.mon.transfer.lazy and not self.mon.reads_late:
             self.st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
+        elif math.isfinite(m) and abs(m) < 1e30:
+            # a norm is >= 0, so m / (total + 1e-6) is finite unless total is NaN (+inf gives 0): one
+            # device op (the gradients an infinite total comes from are flagged by their own probe)
+            self.st.clips.append((torch.isnan(total), idx, None))
         else:
             with torch.no_grad():
                 coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)

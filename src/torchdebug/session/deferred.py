@@ -43,7 +43,7 @@ import torch
 
 from .._errors import LossSpikeError, NonFiniteError
 from .._step import StepState
-from .._tensors import Items, local
+from .._tensors import Items
 from ..events import StepRecord
 from ..nonfinite.ledger import UpdateLedger
 from .protocol import Session
@@ -83,10 +83,6 @@ class _Pending:
 
     def ready(self) -> bool:
         return all(ev is None or ev.query() for _, ev in self.buffers)
-
-
-def _cat(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    return torch.cat([local(t).detach().reshape(-1).float().to(dev, non_blocking=True) for t in tensors])
 
 
 def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
@@ -143,6 +139,8 @@ class DeferredReads:
         self.halt: torch.Tensor | None = None  # device flag, sticky until the host read it
         self._why_not: dict[int, str | None] = {}  # id(optimizer) -> why it cannot skip on the device
         self._set: dict[int, tuple[Any, bool, Any]] = {}  # optimizer -> its found_inf before ours
+        # the stacked vector's layout -> where its value and flag items sit (_masks)
+        self._layouts: dict[tuple[Any, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.host_reads = 0  # staged steps read from host memory (no sync)
         self.blocking_reads = 0  # waits for a copy: the pending queue was full, or the session ended
 
@@ -227,14 +225,16 @@ class DeferredReads:
             return False  # nothing to read, or a meta model: the blocking path says so
         spec, flat = _stack(items)
         with torch.no_grad():
-            # one pass over the step's items (a handful: losses, the gradient vector, flags), not elements
-            vals = [t for n, t in items if n in _BAD_VALUES]
-            flags = [t for n, t in items if n in _BAD_FLAGS]
-            bad = torch.zeros((), device=flat.device, dtype=torch.bool)
-            if vals:
-                bad = bad | _cat(vals, flat.device).isfinite().logical_not().any()
-            if flags:
-                bad = bad | _cat(flags, flat.device).gt(0).any()
+            # judged on the stacked vector itself: a value item non-finite or a flag item up (where each
+            # sits in it: two masks, cached by the step's layout, which ordinary steps repeat)
+            values, flags = self._masks(spec, flat.device)
+            bad = (
+                flat.isfinite()
+                .logical_not_()
+                .logical_and_(values)
+                .logical_or_(flat.gt(0).logical_and_(flags))
+            )
+            bad = bad.any()
             dev = next((p.device for g in opt.param_groups for p in g["params"]), flat.device)
             if self.halt is None or self.halt.device != dev:
                 self.halt = torch.zeros((), dtype=torch.float32, device=dev)
@@ -252,6 +252,19 @@ class DeferredReads:
         # health's explosion check, clip_on_spike) sees none rather than the last step's
         mon.transfer.grad_norm = mon.transfer.grad_norms = None
         return True
+
+    def _masks(self, spec: list[tuple[str, int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the value items and the flag items sit in a step's stacked vector (bool, on ``dev``)."""
+        key = (tuple(spec), dev)
+        got = self._layouts.get(key)
+        if got is None:
+            sizes = torch.tensor([k for _, k in spec])
+            values = torch.tensor([n in _BAD_VALUES for n, _ in spec]).repeat_interleave(sizes)
+            flags = torch.tensor([n in _BAD_FLAGS for n, _ in spec]).repeat_interleave(sizes)
+            if len(self._layouts) >= 8:  # a few layouts (ordinary, detail steps) in a session
+                self._layouts.clear()
+            got = self._layouts[key] = (values.to(dev), flags.to(dev))
+        return got
 
     def _hand_flag(self, opt: Any) -> None:
         if id(opt) not in self._set:
