@@ -37,7 +37,10 @@ def stack(items: Items) -> list[torch.Tensor]:
     flat: list[torch.Tensor] = []
     for _, t in items:
         t = local(t)  # FSDP2: this rank's shard; anything else as it is
-        t = t.detach().reshape(-1)
+        if t.requires_grad:
+            t = t.detach()
+        if t.dim() != 1:
+            t = t.reshape(-1)  # (a 1-d item as it is: no dispatcher call; on a GPU each is host time)
         flat.append(t if t.dtype is torch.float32 else t.float())
     return flat
 
