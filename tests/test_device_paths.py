@@ -28,13 +28,14 @@ from torchdebug.demo import PAD, TinyGPT, synthetic_batch
 VOCAB, BLOCK, BATCH, BAD_STEP = 64, 32, 16, 6
 QUIET = {"log_performance": False}
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-    ),
-]
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def cuda_only(test: Any) -> Any:
+    for mark in CUDA:
+        test = mark(test)
+    return test
 
 
 def train(
@@ -108,9 +109,7 @@ def test_a_compiled_model_is_located_through_its_eager_replay(device: str) -> No
     assert mon.compiled  # named blocks.0.attn above, not _orig_mod.blocks.0.attn
 
 
-@pytest.mark.parametrize(
-    ("device", "backend"), [("cpu", "gloo"), pytest.param("cuda", "nccl", marks=cuda_only)]
-)
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), pytest.param("cuda", "nccl", marks=CUDA)])
 def test_one_rank_ddp_is_named_without_its_wrapper(device: str, backend: str, tmp_path: Path) -> None:
     if device == "cuda":
         torch.cuda.set_device(0)

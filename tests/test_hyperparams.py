@@ -260,6 +260,7 @@ def test_the_check_by_hand() -> None:
     assert fresh.describe_lrs(two) == "lrs 1, 0.1 in param groups 0-1 of SGD"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: a tensor lr on it joins the step's read"
 )

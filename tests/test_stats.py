@@ -14,7 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchdebug.stats import TensorStats, analyze_tensor, foreach_norms, nonfinite_count, total_norm
 
 NAN, INF = math.nan, math.inf
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda(test):  # type: ignore[no-untyped-def]
+    """A CUDA test: marked ``gpu`` (``pytest -m gpu``), skipped without a device."""
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test)
+    )
 
 
 class CountScalarReads(TorchDispatchMode):

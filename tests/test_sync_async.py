@@ -388,6 +388,7 @@ def test_found_inf_and_hooks_come_off_on_an_exception() -> None:
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.set_sync_debug_mode")
 def test_cuda_ordinary_steps_do_not_synchronize() -> None:
     torch.manual_seed(0)
