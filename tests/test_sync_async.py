@@ -748,3 +748,21 @@ def test_a_late_record_copies_and_pickles_as_a_plain_record() -> None:
         assert type(twin) is td.StepRecord
         assert (twin.step, twin.loss, twin.grad_norm) == (2, mon.records[2].loss, mon.records[2].grad_norm)
         assert twin == rec == mon.records[2]
+
+
+def test_auto_reading_late_can_be_switched_to_blocking_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deferred, "on_cuda", lambda params: True)
+    torch.manual_seed(0)
+    model = fx.MLP()
+    seen: list[tuple[bool, bool]] = []
+
+    def each(i: int, mon: Any) -> None:
+        seen.append((mon._async is not None, mon._async is not None and mon._async.auto))
+        if i == 1:
+            mon.reconfigure(sync="blocking")  # applied at the end of the next mon.step()
+        if i == 3:
+            mon.reconfigure(sync="async")  # asked for now: no longer "auto" (it says when it falls back)
+
+    mon = _loop(model, _fused(model), lambda i: torch.randn(4, 8), 6, each)
+    assert seen == [(True, True), (True, True), (False, False), (False, False), (True, False), (True, False)]
+    assert [r.step for r in mon.records] == list(range(6)) and all(r.loss is not None for r in mon.records)

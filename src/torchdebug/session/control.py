@@ -291,11 +291,12 @@ class Controls:
         self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
         self.sentinel.active = "nonfinite" in self._enabled
-        live = self._async is not None and not self._async.auto  # "auto" is decided as the session starts
-        if self.config.sync != "auto" and live != (self.config.sync == "async"):  # sync switched live
-            if self._async is not None:
-                self._async.finish()  # the steps in flight are judged now (may raise)
-            self._async = DeferredReads(cast(Session, self)) if self.config.sync == "async" else None
+        sync, reads = self.config.sync, self._async
+        # switched live ("auto" keeps what the session chose as it started; "async" replaces its choice)
+        if (sync == "blocking" and reads is not None) or (sync == "async" and (reads is None or reads.auto)):
+            if reads is not None:
+                reads.finish()  # the steps in flight are judged now (may raise)
+            self._async = DeferredReads(cast(Session, self)) if sync == "async" else None
         ours = {spec[1] for spec in INSTRUMENTS.values()}
         for inst in [i for i in self.instruments if type(i).__name__ in ours]:
             self.instruments.remove(inst)  # rebuilt below: their depth follows the level
