@@ -40,7 +40,7 @@ class OptimizerNorms:
         st = mon.state
         if len(opts) < 2 or st.phase is not StepPhase.UPDATE:
             return {}
-        if getattr(mon, "reads_late", False) or mon.coordinator is not None:
+        if mon.reads_late or mon.coordinator is not None:
             return {}
         label = getattr(mon, "optimizer_label", None)
         started = st.lr_used  # id -> lrs of every optimizer whose update started this step

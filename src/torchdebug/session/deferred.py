@@ -93,12 +93,13 @@ def _stack(items: Items) -> tuple[list[tuple[str, int]], torch.Tensor]:
     return spec, torch.cat([t.to(dev, non_blocking=True) for t in flat])
 
 
-def on_cuda(params: list[torch.Tensor]) -> bool:
-    """Every parameter on a CUDA device (one C-level pass)."""
-    return all(map(_IS_CUDA, params))
-
-
 _IS_CUDA = operator.attrgetter("is_cuda")
+
+
+def on_cuda(params: list[torch.Tensor]) -> bool:
+    """Every parameter on a CUDA device (one C-level pass). Looked up in this module when called:
+    tests stand a GPU in for it on a CPU machine."""
+    return all(map(_IS_CUDA, params))
 
 
 def reads_for(mon: Session) -> DeferredReads | None:
@@ -112,7 +113,6 @@ def reads_for(mon: Session) -> DeferredReads | None:
     sync = mon.config.sync
     if sync == "async":
         return DeferredReads(mon)
-    # (looked up in the module at the call: tests stand in for a GPU on a CPU machine)
     params = mon.params
     fits = (
         sync == "auto"
@@ -347,6 +347,10 @@ class DeferredReads:
         """sync="auto" met a step it cannot read late: blocking from now on (at the end of that step,
         after every step in flight is judged; silently: "auto" promised nothing more)."""
         self.resolve(block=True)
+        self._off()
+
+    def _off(self) -> None:
+        """Blocking from now on: the device flag down, the session without async reads."""
         if self.halt is not None:
             self.halt.zero_()
         if self.mon._async is self:
@@ -361,10 +365,7 @@ class DeferredReads:
             "step blocking from now on",
         )
         self.discard()
-        if self.halt is not None:
-            self.halt.zero_()
-        if mon._async is self:
-            mon._async = None
+        self._off()
 
     def _resolve_ready(self, block: bool) -> None:
         while self.pending and (block or self.pending[0].ready()):

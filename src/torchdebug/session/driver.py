@@ -311,17 +311,11 @@ class PlainLoopDriver:
                     if is_ours(h) and not getattr(h, "__torchdebug_guard__", False):
                         hooks[k] = _compile_guard(h)
 
-    def compiled_in_place(self) -> bool:
-        """A root compiled in place (``model.compile()``): its call goes through ``_compiled_call_impl``."""
-        return any([r.__dict__.get("_compiled_call_impl") is not None for r in self.roots]) or (
-            self.root.__dict__.get("_compiled_call_impl") is not None
-        )
-
-    def _in_place_roots(self) -> list[nn.Module]:
-        """The roots compiled in place (several models: any of them; one model: the module called)."""
-        out = {id(self.root): self.root}
-        out.update({id(r): r for r in self.roots})
-        return [r for r in out.values() if r.__dict__.get("_compiled_call_impl") is not None]
+    def in_place_roots(self) -> list[nn.Module]:
+        """The roots compiled in place (``model.compile()``: their call goes through
+        ``_compiled_call_impl``). One model: the module called is the one root; several: each model
+        (``root`` is then their container, which the loop never calls)."""
+        return [r for r in self.roots if r.__dict__.get("_compiled_call_impl") is not None]
 
     def wrap_compiled(self) -> None:
         """``model.compile()`` in place: run each root's capture around its compiled call, outside
@@ -330,7 +324,7 @@ class PlainLoopDriver:
         Called at enter and at each backward (a model compiled after ``watch`` began is picked up one
         micro-step later). Restored at exit.
         """
-        for root in self._in_place_roots():
+        for root in self.in_place_roots():
             self._wrap_one(root)
 
     def _wrap_one(self, root: nn.Module) -> None:
@@ -356,7 +350,7 @@ class PlainLoopDriver:
         root._compiled_call_impl = call  # type: ignore[assignment]
 
     def unwrap_compiled(self) -> None:
-        for root in self._in_place_roots():
+        for root in self.in_place_roots():
             orig = getattr(root.__dict__.get("_compiled_call_impl"), "__torchdebug_compiled__", None)
             if orig is not None:
                 root._compiled_call_impl = orig
@@ -364,7 +358,7 @@ class PlainLoopDriver:
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Run the models eagerly (the replay traces ops one by one): bypass in-place compiles."""
-        roots = [r for r in self._in_place_roots() if not (r is self.root and self.model is not self.root)]
+        roots = [r for r in self.in_place_roots() if not (r is self.root and self.model is not self.root)]
         impls = [r.__dict__["_compiled_call_impl"] for r in roots]
         for r in roots:
             r._compiled_call_impl = None

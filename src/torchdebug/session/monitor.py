@@ -231,7 +231,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
         self.sentinel.pop_tape()
         self.state.fwd_depth = 0
-        if self._plain.compiled_in_place():  # model.compile() in place (any of several models)
+        if self._plain.in_place_roots():  # model.compile() in place (any of several models)
             self._plain.wrap_compiled()
         self.sentinel.on_backward_start(self, loss, gradient)
         if (
