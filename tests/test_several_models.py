@@ -16,7 +16,7 @@ from torch import nn
 
 import torchdebug as td
 from tests.fixtures import gan_script
-from tests.fixtures.gan_script import Discriminator, Fault, Generator
+from tests.fixtures.gan_script import Discriminator, Fault, Generator, gan_step
 from tests.fixtures.models import origin_line
 from torchdebug.store import open_run
 
@@ -29,19 +29,6 @@ def _gan() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Opt
     torch.manual_seed(0)
     G, D = Generator(), Discriminator()
     return G, D, torch.optim.Adam(G.parameters(), lr=1e-3), torch.optim.Adam(D.parameters(), lr=1e-3)
-
-
-def gan_step(G: nn.Module, D: nn.Module, opt_g: Any, opt_d: Any, x: torch.Tensor, z: torch.Tensor) -> None:
-    """One DCGAN-style step: D on real and fake, then G through D, with the loss written by hand."""
-    opt_d.zero_grad()
-    fake = G(z)
-    loss_d = -(torch.log(D(x)) + torch.log(1 - D(fake.detach()))).mean()
-    loss_d.backward()
-    opt_d.step()
-    opt_g.zero_grad()
-    loss_g = -torch.log(D(fake)).mean()
-    loss_g.backward()
-    opt_g.step()
 
 
 def _gan_run(fault: str, bad_step: int = 2, steps: int = 4, adopt: bool = False) -> tuple[Any, Any]:

@@ -18,7 +18,7 @@ from torch import nn
 
 import torchdebug as td
 from tests.fixtures import gan_script
-from tests.fixtures.gan_script import Discriminator, Generator
+from tests.fixtures.gan_script import Discriminator, Generator, gan_step
 from tests.fixtures.models import origin_line
 from torchdebug.store import open_run
 
@@ -71,15 +71,7 @@ def _run(
                         g_net.main[1].mode = "forward"
                     elif fault == "G.backward":
                         g_net.main[1].mode = "backward"
-                fake = G(z)
-                loss_d = -(torch.log(D(x)) + torch.log(1 - D(fake.detach()))).mean()
-                opt_d.zero_grad()
-                loss_d.backward()
-                opt_d.step()
-                loss_g = -torch.log(D(fake)).mean()
-                opt_g.zero_grad()
-                loss_g.backward()
-                opt_g.step()
+                gan_step(G, D, opt_g, opt_d, x, z)
                 mon.step()
     finally:
         # everything comes off the compiled wrapper and both models, also when the fault raised

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
 from tests.fixtures import gan_script
-from tests.fixtures.gan_script import Discriminator, Generator
+from tests.fixtures.gan_script import Discriminator, Generator, gan_step
 from tests.fixtures.models import origin_line
 from tests.test_distributed import run_pairs
 from torchdebug.store import open_run
@@ -50,15 +50,7 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                     bad = rank == 1 and step == BAD_STEP
                     d_net[1].mode = "forward" if bad and sc.get("fault") == "D.forward" else ""
                     g_net.main[1].mode = "backward" if bad and sc.get("fault") == "G.backward" else ""
-                    fake = G(z)
-                    loss_d = -(torch.log(D(x)) + torch.log(1 - D(fake.detach()))).mean()
-                    opt_d.zero_grad()
-                    loss_d.backward()
-                    opt_d.step()
-                    loss_g = -torch.log(D(fake)).mean()
-                    opt_g.zero_grad()
-                    loss_g.backward()
-                    opt_g.step()
+                    gan_step(G, D, opt_g, opt_d, x, z)
                     mon.step()
         except td.NonFiniteError as e:
             result["error"] = "NonFiniteError"
