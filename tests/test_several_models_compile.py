@@ -7,8 +7,6 @@ with a backend that records each graph Dynamo hands it and runs it as is: the gr
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,28 +16,12 @@ from torch import nn
 
 import torchdebug as td
 from tests.fixtures import gan_script
+from tests.fixtures.dynamo import counting_backend, fresh_dynamo  # noqa: F401 (fresh_dynamo: autouse)
 from tests.fixtures.gan_script import Discriminator, Generator, gan_step
 from tests.fixtures.models import origin_line
 from torchdebug.store import open_run
 
 BAD_STEP = 2
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a Dynamo warning or a torchdebug warning fails the test
-        yield
-    torch._dynamo.reset()
-
-
-def _counting_backend(graphs: list[int]) -> Any:
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    return backend
 
 
 def _run(
@@ -87,7 +69,7 @@ def _run(
 def test_a_compiled_model_is_named_as_itself_and_stays_one_graph(tmp_path: Path, in_place: bool) -> None:
     graphs: list[int] = []
     cfg = td.DebugConfig(mode="gradient_checking", detail_every=2)
-    mon, G, _ = _run(_counting_backend(graphs), in_place=in_place, run=tmp_path, config=cfg)
+    mon, G, _ = _run(counting_backend(graphs), in_place=in_place, run=tmp_path, config=cfg)
     assert mon.anomalies == [] and [e for e in mon.events if e.severity != "info"] == []
     assert mon.param_names == [
         "G.main.0.weight",

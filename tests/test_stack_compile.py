@@ -7,8 +7,6 @@ The graphs are counted with a backend that records each graph Dynamo hands it an
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,24 +15,8 @@ from torch import nn
 
 import torchdebug as td
 from tests.fixtures import models as fx
+from tests.fixtures.dynamo import counting_backend, fresh_dynamo  # noqa: F401 (fresh_dynamo: autouse)
 from tests.fixtures.models import origin_line
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a Dynamo warning or a torchdebug warning fails the test
-        yield
-    torch._dynamo.reset()
-
-
-def _counting_backend(graphs: list[int]) -> object:
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    return backend
 
 
 def _train(model: nn.Module, watched: bool, steps: int = 3, **watch_kw: object) -> td.Monitor | None:
@@ -62,7 +44,7 @@ def test_model_compile_in_place_makes_the_same_graphs_under_watch(level: str) ->
         seen: list[int] = []
         torch.manual_seed(0)
         model = fx.MLP()
-        model.compile(backend=_counting_backend(seen))
+        model.compile(backend=counting_backend(seen))
         _train(model, watched, run=False, config=td.DebugConfig(level=level))
         return seen, sum(counters["graph_break"].values())
 
@@ -82,7 +64,7 @@ def test_deep_levels_leave_a_compiled_model_one_graph(level: str) -> None:
     seen: list[int] = []
     torch.manual_seed(0)
     model = fx.MLP()
-    model.compile(backend=_counting_backend(seen))
+    model.compile(backend=counting_backend(seen))
     mon = _train(model, True, steps=12, run=False, config=td.DebugConfig(level=level))
     assert (seen, sum(counters["graph_break"].values())) == ([9], 0)
     assert mon is not None
@@ -104,7 +86,7 @@ def test_flop_counting_leaves_a_compiled_model_compiled() -> None:
         seen: list[int] = []
         torch.manual_seed(0)
         model = fx.MLP()
-        model.compile(backend=_counting_backend(seen))
+        model.compile(backend=counting_backend(seen))
         mon = _train(model, watched, steps=4, run=False, config=td.DebugConfig(flops=True))
         return seen, sum(counters["graph_break"].values()), mon
 
