@@ -160,6 +160,9 @@ class StepState:
     edit_index: list[int] = dataclasses.field(default_factory=list)  # gradients changed since backward()
     edit_probe: Any = None  # their finiteness probe (a device tensor), read with the step's transfer
     edit_bad: list[int] = dataclasses.field(default_factory=list)  # ... non-finite as the update started
+    # the gradients were measured after code had changed them (a measure held for a clip that did not
+    # come first, session/gradcheck.py): a non-finite number may be that code's, not backward()'s
+    measured_late: bool = False
     # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled, None),
     # or (its total norm, the gradients, max_norm): the factor is worked out on the host after the read
     clips: list[tuple[Any, list[int], float | None]] = dataclasses.field(default_factory=list)

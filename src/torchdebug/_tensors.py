@@ -126,6 +126,7 @@ class Plan:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.n = len(tensors)
         self.device = tensors[0].device
+        self.one_dtype = len({t.dtype for t in tensors}) == 1  # (a gradient has its parameter's dtype)
         self.cpu = self.device.type == "cpu"
         numel = [t.numel() for t in tensors]
         small = [i for i, k in enumerate(numel) if 0 < k <= SMALL]
@@ -283,7 +284,7 @@ class Reduced:
     order (sums, or L2 norms), worked out on the device when first asked. Holds the flat copy of the
     small tensors until then (the tensors themselves may have changed since)."""
 
-    __slots__ = ("_per", "big", "flat", "plan", "square", "stacked", "total")
+    __slots__ = ("_per", "big", "flat", "plan", "root", "square", "stacked", "total")
 
     def __init__(
         self,
@@ -304,6 +305,7 @@ class Reduced:
             per,
         )
         self.stacked = stacked or []  # the stacked shapes' copies (Plan._stacked)
+        self.root = False  # ``total`` is the L2 norm itself, not the sum of squares (a clip's total)
 
     def per(self) -> torch.Tensor:
         """Per-tensor float32 sums (``square`` False) or L2 norms, in list order; no host sync."""

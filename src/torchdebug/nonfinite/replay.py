@@ -142,6 +142,10 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
                 )
                 if a is not None:
                     return dataclasses.replace(a, reproducible=True)
+            if mon.state.measured_late and mon.state.edit_bad and not losses_bad:
+                # measured after code changed the gradients, and backward() is clean when re-run: that
+                # code made them non-finite
+                return gradient_edit_anomaly(mon, micro)
             return symptom_anomaly(mon, micro, losses_bad, reproduced=False)
         except Exception as exc:
             mon.warn_once(

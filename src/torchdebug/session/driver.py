@@ -106,15 +106,34 @@ def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
             else:
                 kwargs["parameters"] = parameters
         clean = [m.clip_starting(params) for m in mons]
-        total = orig(*args, **kwargs)
-        max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-        norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
+        spec = clip_args(args, kwargs)
+        total = None
+        if len(mons) == 1 and not torch.compiler.is_dynamo_compiling():
+            # the clip may carry the session's gradient check (session/gradcheck.py)
+            total = mons[0].clip_with_check(params, clean[0], spec)
+        else:
+            for m in mons:
+                m.flush_measure()
+        if total is None:
+            total = orig(*args, **kwargs)
         for m, idx in zip(mons, clean):
-            m.clip_done(idx, total, max_norm, norm_type)
+            m.clip_done(idx, total, spec.get("max_norm"), spec["norm_type"])
         return total
 
     clip_grad_norm_.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return clip_grad_norm_
+
+
+_CLIP_SPEC = ("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach")
+
+
+def clip_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``clip_grad_norm_``'s arguments by name, with torch's defaults (``norm_type`` 2, no error, foreach
+    as torch picks it)."""
+    got: dict[str, Any] = {"norm_type": 2.0, "error_if_nonfinite": False, "foreach": None}
+    got.update(zip(_CLIP_SPEC, args))
+    got.update(kwargs)
+    return got
 
 
 def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -126,6 +145,9 @@ def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _ACTIVE or torch.compiler.is_dynamo_compiling():
             return orig(self, *args, **kwargs)
+        for m in _ACTIVE:
+            if m._held is not None:
+                m.flush_measure()  # a measure held for a clip: the gradients before they go
         n = torch._C._len_torch_function_stack()
         top = torch._C._get_function_stack_at(n - 1) if n else None
         if top is None or not any(m.sentinel.tape is top for m in _ACTIVE):

@@ -60,6 +60,7 @@ from . import distributed as _distributed
 from .control import Controls
 from .deferred import reads_for
 from .driver import PlainLoopDriver
+from .gradcheck import GradientCheck
 from .items import StepItems
 from .models import SeveralModels
 from .options import check_options, gather_models
@@ -73,7 +74,7 @@ _MAX_EVENTS = 10_000
 _SCALARS = ("loss", "grad_norm", "grad_nonfinite", "amp_scale")  # the record's scalars to the store
 
 
-class Monitor(Controls, Recording, SeveralModels, StepItems):
+class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(
@@ -229,6 +230,8 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
 
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
+        if self._held is not None:
+            self.flush_measure()  # the last backward's gradients, before this one adds to them
         self.sentinel.pop_tape()
         self.state.fwd_depth = 0
         if self._plain.in_place_roots():  # model.compile() in place (any of several models)
@@ -247,14 +250,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         self.micro_step += 1
         self.state.new_micro_step = True
         self.state.phase = StepPhase.BACKWARD
-        if self.sentinel.active or "gradients" in self._enabled:
-            # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
-            share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
-            idx, grads = self.transfer.measure(
-                self.params, probe="gradients" not in self._enabled, share=share
-            )
-            if idx:
-                self.sentinel.saw_gradients(idx, grads)
+        self._measure_gradients()  # now, or held for a clip that follows (session/gradcheck.py)
         self._each("on_backward_end")
         if self.roots is not None:
             self.sentinel.after_backward(self)  # the loss code that follows is recorded too
@@ -274,6 +270,8 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
         """
         if self.sentinel.replaying:
             return
+        if self._held is not None:
+            self.flush_measure()
         state = self.state
         state.phase, state.updating = StepPhase.UPDATE, opt
         self.sentinel.pop_tape()  # the update is not loss code
@@ -322,16 +320,6 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
                 self.sync()
             self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
 
-    def clip_starting(self, params: list[Any]) -> list[int]:
-        """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
-        driver's patch): the ones the sentinel can judge by the clip factor alone."""
-        return self.sentinel.before_clip(params)
-
-    def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
-        """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
-        self.sentinel.after_clip(idx, total, max_norm)
-        self._each("on_clip", total, max_norm, norm_type)
-
     def step(self) -> StepRecord:
         """Step protocol: the training step ended. Call once per step, after ``optimizer.step()``.
 
@@ -342,6 +330,8 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
         if self.roots is not None:
             self.sentinel.pop_tape()
+        if self._held is not None:
+            self.flush_measure()  # no update came (the clip was predicted)
         if self._async is not None:
             early = self._async.step_end()  # a staged step: judged one step later
             if early is not None:
@@ -388,6 +378,8 @@ class Monitor(Controls, Recording, SeveralModels, StepItems):
     # -- the one transfer --------------------------------------------------------------------------
     def sync(self) -> None:
         """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
+        if self._held is not None:
+            self.flush_measure()
         items = self._step_items()
         self.transfer.synced = True
         if any([t.is_meta for _, t in items]):

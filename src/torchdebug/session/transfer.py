@@ -156,6 +156,15 @@ class Transfer:
         self.micro_raw.append(False)
         return idx, grads
 
+    def take(self, red: Reduced, every: list[int], probe: bool) -> None:
+        """A micro-step's gradients as reduced elsewhere (a clip's per-tensor norms and total, every
+        parameter in order): what :meth:`measure` would have kept."""
+        self.shared = None
+        self.norm_index, self.norms_probe = every, probe
+        self.norms, self.reduced = None, red
+        self.micro_bad.append(red.total)
+        self.micro_raw.append(True)
+
     def items(self, scaler: Any) -> Items:
         """The step's own numbers, for the read."""
         items: Items = []
@@ -340,7 +349,8 @@ class Transfer:
                 div = scale if scale and scaled else None
                 self._later, self._grad_norms = (red, div), None
                 if not self.norms_probe:
-                    total = math.sqrt(last) / div if div else math.sqrt(last)
+                    total = last if red.root else math.sqrt(last)
+                    total = total / div if div else total
                     v["grad_norm"] = total
                     self.grad_norm = total
                 red = None

@@ -1,0 +1,207 @@
+"""When the session measures the gradients backward() left: right after it, or inside the user's clip.
+
+After each backward the session reduces the gradients on the device (``Transfer.measure``): their
+total says whether every one is finite and is the step's gradient norm. A loop that clips every step
+(``clip_grad_norm_(model.parameters(), max_norm)`` right after backward(): nanoGPT, the HF Trainer's
+``max_grad_norm``, Lightning's ``gradient_clip_val``) computes the same per-tensor norms a moment
+later, so the session lets the clip compute them once: the backward's measure is held back, and the
+clip's own per-tensor norms (``torch._foreach_norm``, the call torch's clip makes) become the
+micro-step's gradient numbers. The clip's result is torch's own: the same calls in the same order,
+checked against ``torch.nn.utils.get_total_norm`` once per session (bitwise; any difference turns the
+merge off). On the CPU proxy of a GPT-2 step this saves the measure's copy of every gradient
+(docs/benchmarks.md).
+
+The hold is a prediction: the last update's clip came right after its backward, over the session's
+parameters, with no edit between. When something else comes first (the next backward, the update,
+``zero_grad``, a read), the held measure runs there, on the gradients as they are then; the edit check
+still compares them with what backward() left (the references and versions taken at backward()), so
+an edit in between is still told apart. A base class of :class:`~torchdebug.session.monitor.Monitor`.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+
+from .._step import StepPhase, StepState
+from .._tensors import Reduced, grad_of
+from ..nonfinite.sentinel import Sentinel
+from .transfer import Transfer
+
+_IS_NONE = functools.partial(operator.is_, None)
+
+
+class GradientCheck:
+    """Measuring the gradients after backward(), or holding it for the clip (see above)."""
+
+    # the session's attributes these methods use (set in Monitor.__init__)
+    params: list[torch.Tensor]
+    sentinel: Sentinel
+    scaler: Any
+    roots: Any
+    state: StepState
+    _enabled: frozenset[str]
+    _coord: Any
+    _async: Any
+    # the held measure: None, or True/False (a finiteness probe / norms) until it runs
+    _held: bool | None = None
+    # the micro-step (counted from the update's first) the last update's clip followed, 0: none
+    _clip_after = 0
+    _clip_checked = False  # the merged clip was compared with torch's once (bitwise)
+    _clip_off = False  # ... and differed, or failed: no merge for the rest of the session
+
+    @property
+    def transfer(self) -> Transfer:
+        raise NotImplementedError
+
+    def _measure_gradients(self) -> None:
+        """After a backward: reduce the gradients now, or hold the measure for the clip that follows."""
+        if not (self.sentinel.active or "gradients" in self._enabled):
+            return
+        probe = "gradients" not in self._enabled  # the sentinel alone needs finiteness only
+        t = self.transfer
+        if (
+            self._clip_after
+            and len(t.micro_bad) - self.state.micro_base + 1 == self._clip_after
+            and self._may_hold()
+        ):
+            grads = list(map(grad_of, self.params))  # a C loop
+            if not any(map(_IS_NONE, grads)):
+                plan, every = t.plan(self.params)
+                if plan is not None:
+                    self._held = probe
+                    self.sentinel.saw_gradients(every, grads)  # what the edit check compares with
+                    return
+        self._measure_now(probe, saw=True)
+
+    def _may_hold(self) -> bool:
+        """The loop may hand its gradient check to the clip: one process, no loss scaler, one model,
+        read as the update starts (blocking), the sentinel not checking each backward on its own."""
+        s = self.sentinel
+        return (
+            not self._clip_off
+            and self._coord is None
+            and self._async is None
+            and self.scaler is None
+            and self.roots is None
+            and not (s.manual or s.check_each_backward or s.replaying)
+        )
+
+    def _measure_now(self, probe: bool, saw: bool) -> None:
+        # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
+        share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
+        idx, grads = self.transfer.measure(self.params, probe=probe, share=share)
+        if idx and saw:
+            self.sentinel.saw_gradients(idx, grads)
+
+    def flush_measure(self) -> None:
+        """The held measure runs now (something other than the clip came first): on the gradients as
+        they are; the edit check still compares them with what backward() left. No clip is predicted
+        until one follows a backward again."""
+        probe = self._held
+        if probe is None:
+            return
+        self._held = None
+        self._clip_after = 0
+        seen = self.state.seen
+        if not seen.unchanged(list(map(grad_of, self.params))):  # edited since backward() (a C pass)
+            self.state.measured_late = True
+        self._measure_now(probe, saw=False)
+
+    # -- the clip ----------------------------------------------------------------------------------------
+    def clip_starting(self, params: list[Any]) -> list[int]:
+        """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
+        driver's patch): the ones the sentinel can judge by the clip factor alone."""
+        return self.sentinel.before_clip(params)
+
+    def clip_with_check(self, params: list[Any], idx: list[int], args: dict[str, Any]) -> Any:
+        """The clip run by the session with the held measure merged into it: torch's total norm, or None
+        when this clip cannot carry the check (then the held measure ran first and torch's clip runs).
+
+        ``idx``: what :meth:`clip_starting` returned (every parameter when no gradient was edited)."""
+        held, self._held = self._held, None
+        n = len(self.params)
+        # every parameter of the session, in its order (the per-tensor norms are read by index), unedited
+        whole = len(idx) == n and len(params) == n and all(map(operator.is_, params, self.params))
+        fits = (
+            whole
+            and args.get("norm_type") in (2, 2.0)
+            and not args.get("error_if_nonfinite")
+            and args.get("foreach") in (None, True)
+            and "max_norm" in args
+            and self._may_hold()
+        )
+        # this clip followed the update's last backward directly: the next update's may carry its check
+        self._clip_after = (
+            len(self.transfer.micro_bad) - self.state.micro_base + (held is not None)
+            if fits and self.state.phase is StepPhase.BACKWARD
+            else 0
+        )
+        if held is None or not fits:
+            if held is not None:
+                self._held = held
+                self.flush_measure()
+            return None
+        plan, every = self.transfer.plan(self.params)
+        try:
+            # torch groups the gradients by device and dtype; one group (a plan is one device; a
+            # gradient has its parameter's dtype) is a norm of the same norms in the same order
+            total, per = (
+                _clip_norms(params, args, first=not self._clip_checked)
+                if plan is not None and plan.one_dtype
+                else (None, None)
+            )
+        except Exception:  # an odd gradient type, an older torch: torch's clip, the measure before it
+            total = None
+        if total is None:
+            self._clip_off = True
+            self._held = held
+            self.flush_measure()
+            return None
+        self._clip_checked = True
+        red = Reduced(plan, True, None, [], total, per)  # type: ignore[arg-type]
+        red.root = True  # ``total`` is the norm itself, not its square
+        self.transfer.take(red, every, held)
+        with torch.no_grad():  # torch's own scaling, with torch's total (what its clip would raise, raises)
+            torch.nn.utils.clip_grads_with_norm_(params, args["max_norm"], total, args.get("foreach"))
+        return total
+
+    def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
+        """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
+        self.sentinel.after_clip(idx, total, max_norm)
+        self._each("on_clip", total, max_norm, norm_type)
+
+    def _each(self, hook: str, *args: Any) -> None:
+        raise NotImplementedError
+
+
+def _clip_norms(params: list[Any], args: dict[str, Any], first: bool) -> tuple[Any, Any]:
+    """The total 2-norm ``clip_grad_norm_(params, max_norm)`` computes, computed as torch computes it,
+    and the per-tensor norms torch's clip makes and drops: ``(total, per-tensor norms)``. ``(None,
+    None)`` where torch's clip would take another path (no foreach kernel for these tensors, a torch
+    without ``clip_grads_with_norm_``); the caller checked that the gradients are one device and dtype.
+    ``first``: compared with ``torch.nn.utils.get_total_norm`` (one host read, once per session); a
+    difference gives ``(None, None)``. Nothing is scaled here."""
+    utils = torch.nn.utils
+    total_of = getattr(utils, "get_total_norm", None)
+    if getattr(utils, "clip_grads_with_norm_", None) is None or total_of is None:
+        return None, None
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+
+    grads = list(map(grad_of, params))
+    dev = grads[0].device
+    foreach = args.get("foreach")
+    if not (_has_foreach_support(grads, dev) if foreach is None else _device_has_foreach_support(dev)):
+        return None, None
+    with torch.no_grad():
+        per = torch.stack(torch._foreach_norm(grads, 2.0))
+        total = torch.linalg.vector_norm(per, 2.0)
+        if first:
+            # one host read per session: the merged clip must give torch's number bit for bit
+            ref = total_of(grads, 2.0, False, foreach)
+            if not (torch.equal(total, ref) or bool(torch.isnan(total) & torch.isnan(ref))):
+                return None, None
+    return total, per
