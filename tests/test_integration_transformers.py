@@ -7,6 +7,8 @@ are step 1.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import math
 import warnings
@@ -327,3 +329,32 @@ def test_bf16_autocast_on_cpu_clean_and_fault_named(tmp_path):
     assert (a.step, a.phase, a.module, a.op) == (BAD, "forward", "attn", "aten._softmax")
     assert a.location == origin_line("softmax", __file__)
     assert_clean_exit()
+
+
+def test_the_trainers_clip_carries_the_gradient_check_and_training_is_unchanged(tmp_path, monkeypatch):
+    # the Trainer clips every step (max_grad_norm=1.0, its default) right after backward(), through
+    # accelerate's clip_grad_norm_: from the second step on that clip measures the gradients (no copy of
+    # them), and the weights end bit for bit where they end without torchdebug
+    torch.manual_seed(0)
+    plain_model = TinyLM()
+    model = copy.deepcopy(plain_model)
+    train(tmp_path / "plain", transformers.TrainerCallback(), model=plain_model)
+    copies = [0]
+    orig = torch._utils._flatten_dense_tensors
+
+    def counted(tensors):
+        copies[0] += 1
+        return orig(tensors)
+
+    monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", counted)
+    per_step: list[int] = []
+
+    class Count(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            per_step.append(copies[0])
+
+    cb = TorchDebugCallback(run=False, config=td.DebugConfig(mode="anomaly_detection"))
+    train(tmp_path / "watched", cb, model=model, callbacks=[Count()])
+    assert [b - a for a, b in itertools.pairwise(per_step)][1:] == [0, 0, 0]  # steps 1-3 (step 0 measures)
+    assert cb.monitor.anomalies == [] and len(cb.monitor.records) == 5
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), model.parameters(), strict=True))
