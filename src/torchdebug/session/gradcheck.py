@@ -3,8 +3,8 @@
 After each backward the session reduces the gradients on the device (``Transfer.measure``): their
 total says whether every one is finite and is the step's gradient norm. A loop that clips every step
 (``clip_grad_norm_(model.parameters(), max_norm)`` right after backward(): nanoGPT, the HF Trainer's
-``max_grad_norm``, Lightning's ``gradient_clip_val``) computes the same per-tensor norms a moment
-later, so the session lets the clip compute them once: the backward's measure is held back, and the
+``max_grad_norm``; not Lightning, which clips after ``on_before_optimizer_step``, where the session
+has read the step) computes the same per-tensor norms a moment later, so the session lets the clip compute them once: the backward's measure is held back, and the
 clip's own per-tensor norms (``torch._foreach_norm``, the call torch's clip makes) become the
 micro-step's gradient numbers. The clip's result is torch's own: the same calls in the same order,
 checked against ``torch.nn.utils.get_total_norm`` once per session (bitwise; any difference turns the
