@@ -67,3 +67,20 @@ def browser() -> Iterator[Any]:
             pytest.skip(f"chromium at {CHROMIUM} cannot be launched: {str(e).splitlines()[0]}")
         yield b
         b.close()
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``[n]``: calls so far of the flatten with which the session's gradient measure copies every
+    small gradient (``torch._utils._flatten_dense_tensors``)."""
+    import torch
+
+    calls = [0]
+    orig = torch._utils._flatten_dense_tensors  # type: ignore[attr-defined]
+
+    def counted(tensors: list[Any]) -> Any:
+        calls[0] += 1
+        return orig(tensors)
+
+    monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", counted)
+    return calls

@@ -21,65 +21,42 @@ from tests.fixtures.stack_models import PATH, GatedSqrt
 SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")
 
 
-@pytest.fixture
-def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Calls of the flatten the session's gradient measure copies every small gradient with."""
-    calls: list[int] = [0]
-    orig = torch._utils._flatten_dense_tensors  # type: ignore[attr-defined]
-
-    def counted(tensors: list[torch.Tensor]) -> torch.Tensor:
-        calls[0] += 1
-        return orig(tensors)
-
-    monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", counted)
-    return calls
-
-
-@pytest.mark.parametrize("config", [td.DebugConfig(), SENTINEL_ONLY], ids=["default", "sentinel"])
-def test_a_clipping_loop_trains_bit_for_bit_as_without_the_session(
-    config: td.DebugConfig, copies: list[int]
-) -> None:
-    w = WORKLOADS["gpt2"]  # 148 parameter tensors, AdamW, clip_grad_norm_(params, 1.0) every step
-    g = torch.Generator().manual_seed(0)
-    batches = [w.batch(g) for _ in range(3)]
-    torch.manual_seed(0)
-    plain_model = w.build()
-    model = copy.deepcopy(plain_model)
-    totals: dict[str, list[torch.Tensor]] = {"plain": [], "watched": []}
-    orig_clip = torch.nn.utils.clip_grad_norm_
-
-    def recording(key: str) -> Callable[..., torch.Tensor]:
-        def clip(*args: object, **kwargs: object) -> torch.Tensor:
-            total = torch.nn.utils.clip_grad_norm_(*args, **kwargs)  # type: ignore[arg-type]
-            totals[key].append(total.clone())
-            return total
-
-        return clip
-
-    plain_opt = w.optimizer(plain_model)
-    for i in range(6):
-        x, y = batches[i % 3]
-        loss = w.loss(plain_model(x), y)
-        plain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        recording("plain")(plain_model.parameters(), 1.0)
-        plain_opt.step()
-    assert torch.nn.utils.clip_grad_norm_ is orig_clip
+def _gpt2_steps(
+    model: torch.nn.Module, batches: list, copies: list[int], config: td.DebugConfig | None = None
+) -> tuple[list[torch.Tensor], list[float | None], list[int]]:
+    """Six steps of the GPT-2-shaped workload (clip_grad_norm_(params, 1.0) right after backward()),
+    watched under ``config`` if given: the clip's totals, the recorded gradient norms and the gradient
+    copies of each step."""
+    w = WORKLOADS["gpt2"]
     opt = w.optimizer(model)
-    per_step, norms = [], []
-    with td.watch(model, opt, run=False, config=config) as mon:
+    totals, norms, per_step = [], [], []
+    with td.watch(model, opt, run=False, config=config) if config else contextlib.nullcontext() as mon:
         for i in range(6):
             before = copies[0]
             x, y = batches[i % 3]
             loss = w.loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            recording("watched")(model.parameters(), 1.0)
+            totals.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).clone())
             opt.step()
-            norms.append(mon.step().values.get("grad_norm"))
+            norms.append(mon.step().values.get("grad_norm") if mon is not None else None)
             per_step.append(copies[0] - before)
+    return totals, norms, per_step
+
+
+@pytest.mark.parametrize("config", [td.DebugConfig(), SENTINEL_ONLY], ids=["default", "sentinel"])
+def test_a_clipping_loop_trains_bit_for_bit_as_without_the_session(
+    config: td.DebugConfig, copies: list[int]
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = [WORKLOADS["gpt2"].batch(g) for _ in range(3)]  # 148 parameter tensors, AdamW
+    torch.manual_seed(0)
+    plain_model = WORKLOADS["gpt2"].build()
+    model = copy.deepcopy(plain_model)
+    plain_totals, _, _ = _gpt2_steps(plain_model, batches, copies)
+    totals, norms, per_step = _gpt2_steps(model, batches, copies, config)
     # the clip's totals and the weights: torch's own, bit for bit
-    assert all(torch.equal(a, b) for a, b in zip(totals["plain"], totals["watched"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain_totals, totals, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), model.parameters(), strict=True))
     # step 0 measures after backward (no clip seen yet); from step 1 on the clip's norms are the check:
     # no copy of the gradients on an ordinary step
@@ -87,7 +64,7 @@ def test_a_clipping_loop_trains_bit_for_bit_as_without_the_session(
     if config.mode == "anomaly_detection":
         assert norms == [None] * 6  # the sentinel alone records no gradient norm
     else:  # the gradient norm recorded is the clip's total (before clipping)
-        assert norms[1:] == [float(t) for t in totals["plain"][1:]]
+        assert norms[1:] == [float(t) for t in plain_totals[1:]]
 
 
 def _sqrt_loop(

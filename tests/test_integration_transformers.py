@@ -331,7 +331,7 @@ def test_bf16_autocast_on_cpu_clean_and_fault_named(tmp_path):
     assert_clean_exit()
 
 
-def test_the_trainers_clip_carries_the_gradient_check_and_training_is_unchanged(tmp_path, monkeypatch):
+def test_the_trainers_clip_carries_the_gradient_check_and_training_is_unchanged(tmp_path, copies):
     # the Trainer clips every step (max_grad_norm=1.0, its default) right after backward(), through
     # accelerate's clip_grad_norm_: from the second step on that clip measures the gradients (no copy of
     # them), and the weights end bit for bit where they end without torchdebug
@@ -339,14 +339,6 @@ def test_the_trainers_clip_carries_the_gradient_check_and_training_is_unchanged(
     plain_model = TinyLM()
     model = copy.deepcopy(plain_model)
     train(tmp_path / "plain", transformers.TrainerCallback(), model=plain_model)
-    copies = [0]
-    orig = torch._utils._flatten_dense_tensors
-
-    def counted(tensors):
-        copies[0] += 1
-        return orig(tensors)
-
-    monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", counted)
     per_step: list[int] = []
 
     class Count(transformers.TrainerCallback):

@@ -7,6 +7,7 @@ one host transfer (``session.transfer.Transfer.read``) reads a handful of number
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -94,6 +95,7 @@ def _probe_one(t: torch.Tensor) -> torch.Tensor:
 SMALL = 1 << 15  # elements: tensors up to this size are reduced together on the CPU (see Plan)
 STACKED = 16  # small tensors of one shape and dtype, at least this many: stacked, not flattened (Plan)
 grad_of: Callable[[Any], Any] = operator.attrgetter("grad")  # map(grad_of, params): a C loop, no Python frame
+is_none: Callable[[Any], bool] = functools.partial(operator.is_, None)  # any(map(is_none, xs)): a C loop
 version_of: Callable[[Any], int] = operator.attrgetter("_version")
 
 
@@ -295,6 +297,7 @@ class Reduced:
         total: torch.Tensor,
         per: torch.Tensor | None,
         stacked: list[torch.Tensor] | None = None,
+        root: bool = False,
     ) -> None:
         self.plan, self.square, self.flat, self.big, self.total, self._per = (
             plan,
@@ -305,7 +308,7 @@ class Reduced:
             per,
         )
         self.stacked = stacked or []  # the stacked shapes' copies (Plan._stacked)
-        self.root = False  # ``total`` is the L2 norm itself, not the sum of squares (a clip's total)
+        self.root = root  # ``total`` is the L2 norm itself, not the sum of squares (a clip's total)
 
     def per(self) -> torch.Tensor:
         """Per-tensor float32 sums (``square`` False) or L2 norms, in list order; no host sync."""

@@ -20,18 +20,15 @@ an edit in between is still told apart. A base class of :class:`~torchdebug.sess
 
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Any
 
 import torch
 
 from .._step import StepPhase, StepState
-from .._tensors import Reduced, grad_of
+from .._tensors import Reduced, grad_of, is_none
 from ..nonfinite.sentinel import Sentinel
 from .transfer import Transfer
-
-_IS_NONE = functools.partial(operator.is_, None)
 
 
 class GradientCheck:
@@ -69,7 +66,7 @@ class GradientCheck:
             and self._may_hold()
         ):
             grads = list(map(grad_of, self.params))  # a C loop
-            if not any(map(_IS_NONE, grads)):
+            if not any(map(is_none, grads)):
                 plan, every = t.plan(self.params)
                 if plan is not None:
                     self._held = probe
@@ -122,7 +119,7 @@ class GradientCheck:
         when this clip cannot carry the check (then the held measure ran first and torch's clip runs).
 
         ``idx``: what :meth:`clip_starting` returned (every parameter when no gradient was edited)."""
-        held, self._held = self._held, None
+        held = self._held
         n = len(self.params)
         # every parameter of the session, in its order (the per-tensor norms are read by index), unedited
         whole = len(idx) == n and len(params) == n and all(map(operator.is_, params, self.params))
@@ -140,31 +137,24 @@ class GradientCheck:
             if fits and self.state.phase is StepPhase.BACKWARD
             else 0
         )
-        if held is None or not fits:
-            if held is not None:
-                self._held = held
-                self.flush_measure()
+        if held is None:
             return None
         plan, every = self.transfer.plan(self.params)
-        try:
+        total = per = None
+        if fits:
             # torch groups the gradients by device and dtype; one group (a plan is one device; a
             # gradient has its parameter's dtype) is a norm of the same norms in the same order
-            total, per = (
-                _clip_norms(params, args, first=not self._clip_checked)
-                if plan is not None and plan.one_dtype
-                else (None, None)
-            )
-        except Exception:  # an odd gradient type, an older torch: torch's clip, the measure before it
-            total = None
+            try:
+                if plan is not None and plan.one_dtype:
+                    total, per = _clip_norms(params, args, first=not self._clip_checked)
+            except Exception:  # an odd gradient type: torch's clip, the measure before it
+                total = None
+            self._clip_off = total is None  # this session's clip cannot carry the check: not again
         if total is None:
-            self._clip_off = True
-            self._held = held
-            self.flush_measure()
+            self.flush_measure()  # the held measure runs before torch's clip
             return None
-        self._clip_checked = True
-        red = Reduced(plan, True, None, [], total, per)  # type: ignore[arg-type]
-        red.root = True  # ``total`` is the norm itself, not its square
-        self.transfer.take(red, every, held)
+        self._held, self._clip_checked = None, True
+        self.transfer.take(Reduced(plan, True, None, [], total, per, root=True), every, held)  # type: ignore[arg-type]
         with torch.no_grad():  # torch's own scaling, with torch's total (what its clip would raise, raises)
             torch.nn.utils.clip_grads_with_norm_(params, args["max_norm"], total, args.get("foreach"))
         return total

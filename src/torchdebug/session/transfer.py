@@ -12,24 +12,30 @@ by their names in ``values``. :meth:`Transfer.decode` turns the readout into ``l
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from .._step import SLOTS, Readout
-from .._tensors import Items, Plan, Reduced, entries, finite_probe, flat_items, foreach_norms, grad_of, local
+from .._tensors import (
+    Items,
+    Plan,
+    Reduced,
+    entries,
+    finite_probe,
+    flat_items,
+    foreach_norms,
+    grad_of,
+    is_none,
+    local,
+)
 
 # An instrument's items read as one list each (``Transfer.vectors``), not one ``values`` key per
 # element: the update ratios and weight norms of detail steps. One list slice per item, whatever the
 # parameter count.
 VECTORS = frozenset({"health.ratio", "health.weight"})
-
-
-_IS_NONE = functools.partial(operator.is_, None)
 
 
 def stack(items: Items) -> list[torch.Tensor]:
@@ -114,7 +120,7 @@ class Transfer:
         The common case (every parameter has a gradient, no share) costs a few torch calls and two
         C-level passes over the list, whatever its length (:class:`Plan`)."""
         grads_all = list(map(grad_of, params))  # a C loop
-        if share is None and not any(map(_IS_NONE, grads_all)):
+        if share is None and not any(map(is_none, grads_all)):
             plan, every = self.plan(params)
             if plan is not None:
                 try:
@@ -125,13 +131,11 @@ class Transfer:
                 except (RuntimeError, ValueError):  # a gradient unlike its parameter (sparse, resized)
                     pass
                 else:
-                    self.shared = None
-                    self.norm_index, self.norms_probe = every, probe
                     if self.lazy:
-                        self.norms, self.reduced = None, red
-                        self.micro_bad.append(red.total)
-                        self.micro_raw.append(True)
+                        self.take(red, every, probe)
                     else:
+                        self.shared = None
+                        self.norm_index, self.norms_probe = every, probe
                         self.norms, self.reduced = norms, None
                         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
                         self.micro_raw.append(False)
@@ -157,8 +161,8 @@ class Transfer:
         return idx, grads
 
     def take(self, red: Reduced, every: list[int], probe: bool) -> None:
-        """A micro-step's gradients as reduced elsewhere (a clip's per-tensor norms and total, every
-        parameter in order): what :meth:`measure` would have kept."""
+        """A micro-step's gradients reduced to one total (``red``, every parameter in order), by
+        :meth:`measure` or by a clip that carried the check (its per-tensor norms and total)."""
         self.shared = None
         self.norm_index, self.norms_probe = every, probe
         self.norms, self.reduced = None, red
