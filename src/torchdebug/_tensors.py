@@ -7,7 +7,6 @@ one host transfer (``session.transfer.Transfer.read``) reads a handful of number
 
 from __future__ import annotations
 
-import functools
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -95,8 +94,23 @@ def _probe_one(t: torch.Tensor) -> torch.Tensor:
 SMALL = 1 << 15  # elements: tensors up to this size are reduced together on the CPU (see Plan)
 STACKED = 16  # small tensors of one shape and dtype, at least this many: stacked, not flattened (Plan)
 grad_of: Callable[[Any], Any] = operator.attrgetter("grad")  # map(grad_of, params): a C loop, no Python frame
-is_none: Callable[[Any], bool] = functools.partial(operator.is_, None)  # any(map(is_none, xs)): a C loop
 version_of: Callable[[Any], int] = operator.attrgetter("_version")
+
+
+def versions_of(tensors: list[Any]) -> list[int] | None:
+    """Every tensor's ``_version`` (one C-level pass), or None when one of them is None (no gradient):
+    the test for a missing gradient and the versions the edit check keeps, in one pass."""
+    try:
+        return list(map(version_of, tensors))
+    except AttributeError:
+        return None
+
+
+# True inside a torch.func transform (grad, vmap): reads the thread's dispatch keys only. Not
+# ``torch._C._functorch.maybe_current_level()``: asking for the level creates functorch's thread-local
+# state, which every autograd node of every later backward then deep-copies (~1,000 instructions a
+# node: +0.2% on the GPT-2 proxy's plain step, docs/benchmarks.md).
+in_functorch_transform: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
 def _getter(idx: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
@@ -226,6 +240,11 @@ class Plan:
             parts += [s.sum(1) for s in self._stacked(tensors)]
             parts += [t.sum(dtype=torch.float32).reshape(1) for t in self.big_get(tensors)]
             return self._order(parts)
+
+    def total(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The sum of every element of the list, float32, shape ``(1,)``: finite iff every tensor is
+        (or, rarely, a sum of finite values overflows: callers confirm exactly); no host sync."""
+        return self.reduce(tensors, square=False).total.reshape(1)
 
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Every tensor copied into one flat buffer (one call): a snapshot :meth:`segment_norms` reads."""

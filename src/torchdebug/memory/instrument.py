@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from .._frames import user_location
+from .._tensors import in_functorch_transform
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
 from .analysis import (
@@ -883,7 +884,6 @@ def _memory_of(series: str) -> str:
     return "host" if series in ("heap_in_use", "rss") else series
 
 
-_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _saved_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 
 
@@ -928,7 +928,7 @@ class ModuleMemoryInstrument:
     def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
         if len(self.tables) >= self.steps or self._tracker is None:
             return
-        if _functorch_level() is not None or not _saved_hooks_enabled():
+        if in_functorch_transform() or not _saved_hooks_enabled():
             # torch.func.grad refuses saved-tensor hooks, and what vmap saves is batched: not measured
             if not self._said_transform:
                 self._said_transform = True

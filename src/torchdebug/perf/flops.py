@@ -17,6 +17,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from .._installs import Installs
+from .._tensors import in_functorch_transform
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
 from ..memory.analysis import called_by_torchdebug
@@ -105,9 +106,6 @@ class _OpRecorder(TorchDispatchMode):
         for t in tensor_leaves(out):
             self.elements[name] += t.numel()
         return out
-
-
-_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 
 
 def _qualify(tracker_name: str, root_type: str) -> str | None:
@@ -445,9 +443,9 @@ class FlopsInstrument:
             )
             return
         elsewhere = threading.current_thread() is not getattr(mon, "thread", threading.current_thread())
-        if (elsewhere or _functorch_level() is not None) and self._state == "counting":
+        if (elsewhere or in_functorch_transform()) and self._state == "counting":
             return  # a later micro-step of the counted step: left out of the count
-        if elsewhere or _functorch_level() is not None:
+        if elsewhere or in_functorch_transform():
             # A dispatch mode belongs to the thread that enters it, and under torch.func it would sit
             # below the transform's own layers: count only a plain forward on the session's thread.
             self._state = "done"

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._installs import Installs
+from .._tensors import in_functorch_transform
 from .protocol import Session
 
 _ACTIVE: list[Session] = []  # the sessions the global patches serve
@@ -229,19 +230,16 @@ def _remove_patches() -> None:
 def _compile_guard(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook`` that does nothing while Dynamo traces (``is_compiling()`` folds to a constant: no break)
     or inside a ``torch.func`` transform (``grad``, ``vmap``: a tensor kept from in there escapes its
-    transform and fails when read; ``maybe_current_level()`` is None outside any, ~0.1 µs)."""
+    transform and fails when read; a read of the dispatch keys, ~0.1 µs)."""
 
     @functools.wraps(hook)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling() or _functorch_level() is not None:
+        if torch.compiler.is_dynamo_compiling() or in_functorch_transform():
             return None
         return hook(*args, **kwargs)
 
     guarded.__torchdebug_guard__ = True  # type: ignore[attr-defined]
     return guarded
-
-
-_functorch_level = torch._C._functorch.maybe_current_level
 
 
 class PlainLoopDriver:
