@@ -15,7 +15,7 @@ from torch import nn
 import torchdebug as td
 from tests.fixtures.host_reads import HostReads
 from torchdebug._tensors import SMALL, Plan
-from torchdebug.nonfinite.sentinel import _factor_bad
+from torchdebug.nonfinite.edits import _factor_bad
 from torchdebug.store import create_run, open_run
 
 SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")

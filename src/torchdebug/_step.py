@@ -83,24 +83,33 @@ class StepPhase(str, enum.Enum):
 
 class SeenGrads:
     """The gradient tensors backward() left and their ``_version`` s, by parameter index: the edit check
-    compares them with the gradients as the update starts. Built with one C-level pass per backward."""
+    compares them with the gradients as the update starts. Built with one C-level pass per backward.
 
-    __slots__ = ("grads", "idx", "versions", "whole")
+    ``bump``: clips since backward() that scaled every gradient in place once each (the session's own,
+    session/gradcheck.py): each adds one to every version, so the check expects ``versions + bump``
+    without reading the gradients again."""
 
-    def __init__(self, idx: list[int] | None = None, grads: list[Any] | None = None, n: int = 0) -> None:
+    __slots__ = ("bump", "grads", "idx", "versions", "vsum", "whole")
+
+    def __init__(
+        self,
+        idx: list[int] | None = None,
+        grads: list[Any] | None = None,
+        n: int = 0,
+        versions: list[int] | None = None,
+    ) -> None:
         self.idx: list[int] = idx or []
         self.whole = idx is not None and grads is not None and len(idx) == n  # every parameter, in order
         if self.whole:
             self.grads: list[Any] = grads  # type: ignore[assignment]
+            self.versions: list[int] = versions if versions is not None else list(map(version_of, grads))  # type: ignore[arg-type]
         else:
             self.grads = [None] * n
             for i, g in zip(self.idx, grads or ()):
                 self.grads[i] = g
-        self.versions: list[int] = (
-            list(map(version_of, self.grads))
-            if self.whole
-            else [-1 if g is None else g._version for g in self.grads]
-        )
+            self.versions = [-1 if g is None else g._version for g in self.grads]
+        self.vsum = sum(self.versions)  # a C loop over ints
+        self.bump = 0
 
     def get(self, i: int) -> Any:
         """The gradient parameter i had after backward(), or None."""
@@ -108,32 +117,40 @@ class SeenGrads:
 
     def same(self, i: int, g: Any) -> bool:
         """Parameter i's gradient is the tensor backward() left, unchanged since."""
-        return 0 <= i < len(self.grads) and self.grads[i] is g and self.versions[i] == g._version
+        return 0 <= i < len(self.grads) and self.grads[i] is g and self.versions[i] + self.bump == g._version
 
     def unchanged(self, grads: list[Any]) -> bool:
-        """Every gradient (``grads``: all parameters, in order) is the one backward() left, unchanged."""
+        """Every gradient (``grads``: all parameters, in order) is the one backward() left, unchanged.
+
+        Two C-level passes: the same tensors, and the sum of their versions. A version only grows, and
+        each is at least ``versions[i] + bump`` (the clips scaled every one), so an equal sum means
+        each is exactly that."""
         return (
             self.whole
             and len(grads) == len(self.grads)
             and all(map(operator.is_, grads, self.grads))
-            and list(map(version_of, grads)) == self.versions
+            and sum(map(version_of, grads)) == self.vsum + self.bump * len(grads)
         )
 
     def rebase(self, idx: list[int], params: list[Any]) -> None:
         """Those gradients changed in a way judged elsewhere (a clip's factor): take them as seen now."""
         if self.whole and idx is self.idx:  # the clip's fast path: every gradient
             self.grads = list(map(grad_of, params))
+            self.bump = 0
             if not any(map(operator.is_, self.grads, itertools.repeat(None))):  # a C loop
                 self.versions = list(map(version_of, self.grads))
+                self.vsum = sum(self.versions)
                 return
             self.whole = False
             self.versions = [-1 if g is None else g._version for g in self.grads]
+            self.vsum = sum(self.versions)
             return
         for i in idx:
             g = params[i].grad
             if g is not None and 0 <= i < len(self.grads):
                 self.grads[i] = g
-                self.versions[i] = g._version
+                self.versions[i] = g._version - self.bump
+        self.vsum = sum(self.versions)
 
 
 @dataclasses.dataclass(eq=False)

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import operator
 import threading
 import weakref
 from typing import Any
@@ -37,10 +36,11 @@ import torch
 from torch import nn
 
 from .._step import OK, SCALER_SKIP, Readout, SeenGrads, SessionView, StepState, Verdict
-from .._tensors import dtensor_type, finite_probe, grad_of, local
+from .._tensors import dtensor_type, finite_probe, local
 from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
+from .edits import EditCheck, item_numbers
 from .ledger import UpdateLedger, due, nonfinite_params
 from .locate import LossTape, StepCapture
 from .replay import FORWARD, FORWARD_NO_GRAD
@@ -51,7 +51,7 @@ _MAX_TAPE = 64  # torch calls and model forwards recorded per micro-step (as the
 _MAX_OUT_HOOKS = 16
 
 
-class Sentinel:
+class Sentinel(EditCheck):
     """The NaN/Inf sentinel of one session (see the module docstring); ``active`` follows the level."""
 
     name = "nonfinite"
@@ -248,10 +248,13 @@ class Sentinel:
             cap.loss = loss
             cap.loss_grad = gradient if isinstance(gradient, torch.Tensor) else None
 
-    def saw_gradients(self, idx: list[int], grads: list[torch.Tensor]) -> None:
-        """The gradient tensors backward() left and their versions (one C-level pass over the list)."""
+    def saw_gradients(
+        self, idx: list[int], grads: list[torch.Tensor], versions: list[int] | None = None
+    ) -> None:
+        """The gradient tensors backward() left and their versions (one C-level pass over the list,
+        none when the caller read ``versions`` already)."""
         if self.active:
-            self.st.seen = SeenGrads(idx, grads, len(self.mon.params))
+            self.st.seen = SeenGrads(idx, grads, len(self.mon.params), versions)
 
     def judges_at_backward_end(self, mon: SessionView) -> bool:
         """True when the step must be read and judged now, as a backward ends: no optimizer hook will
@@ -311,14 +314,18 @@ class Sentinel:
         self.st.seen = SeenGrads()  # the references are not needed after the update
 
     def _param_probe(self, mon: SessionView, share: list[int] | None = None) -> torch.Tensor:
-        """A finiteness probe of the parameters (``share``: of those only), on the device: one float32
-        per tensor, a few torch calls for the whole list (the session's cached plan)."""
+        """A finiteness probe of the parameters (``share``: of those only), on the device, no host sync.
+
+        Every parameter: one float32, the sum of every element (the session's cached plan: a few torch
+        calls for the whole list; per-tensor sums would cost a ``segment_reduce``, a scalar loop, as
+        much again on the CPU); a non-finite total has the parameters checked exactly (rare path). A
+        share, or a list the plan does not cover: one float32 per tensor."""
         if share is None:
             plan, _ = mon.transfer.plan(mon.params)
             if plan is not None:
                 with contextlib.suppress(RuntimeError, ValueError):
-                    sums: torch.Tensor = plan.sums(mon.params)
-                    return sums
+                    total: torch.Tensor = plan.total(mon.params)
+                    return total
             return finite_probe(mon.params)
         return finite_probe([mon.params[i] for i in share])
 
@@ -350,71 +357,6 @@ class Sentinel:
             if st and int(getattr(st.get("stage"), "value", 0)) != 0:  # OptState.READY = 0
                 return True
         return False
-
-    def probe_edits(self, opt: Any = None) -> None:
-        """Gradients changed since backward() measured them (clipping, normalisation, unscaling, a hook):
-        a finiteness probe of those only, on the device, read with this step's transfer. The usual
-        answer, nothing edited (the same tensors at the same ``_version``), costs two C-level passes."""
-        params = self.mon.params
-        unscaled = self.scaler_unscaled(opt)  # unscaled: every gradient changed (no version bump)
-        grads = list(map(grad_of, params))
-        seen = self.st.seen
-        if not unscaled and seen.unchanged(grads):
-            return
-        edited = [i for i, g in enumerate(grads) if g is not None and (unscaled or not seen.same(i, g))]
-        if edited:
-            self.st.edit_index = edited
-            if len(edited) == len(params):
-                plan, _ = self.mon.transfer.plan(params)
-                if plan is not None:
-                    with contextlib.suppress(RuntimeError, ValueError):
-                        self.st.edit_probe = plan.sums(grads)
-                        return
-            self.st.edit_probe = finite_probe([grads[i] for i in edited])  # type: ignore[misc]
-
-    def before_clip(self, params: list[Any]) -> list[int]:
-        """``clip_grad_norm_`` is about to scale these parameters' gradients: the ones backward() left
-        unedited (their after-backward check stands), else []."""
-        if not self.active or self.replaying or self.st.synced_at_backward or self.mon.transfer.synced:
-            return []  # a manual-update loop, or after the step's transfer: the probe judges the clip
-        seen = self.st.seen
-        mine = self.mon.params
-        if (
-            not self._sharded
-            and len(params) == len(mine)
-            and all(map(operator.is_, params, mine))
-            and seen.unchanged(list(map(grad_of, mine)))
-        ):
-            return seen.idx  # the usual call, clip_grad_norm_(model.parameters(), ...): C-level checks
-        idx: list[int] = []
-        for p in params:
-            i = self._index.get(id(p), -1)
-            g = p.grad
-            if g is not None and seen.same(i, g) and local(g) is g:
-                idx.append(i)
-        return idx
-
-    def after_clip(self, idx: list[int], total: Any, max_norm: Any) -> None:
-        """The clip multiplied those gradients by ``min(max_norm / (total + 1e-6), 1)`` (torch's formula):
-        finite gradients stay finite iff that factor is finite, so a one-element flag on the device
-        replaces a probe of every gradient (read with the step's transfer; confirmed exactly if up)."""
-        if not idx or not isinstance(total, torch.Tensor) or local(total) is not total:
-            return
-        try:
-            m = float(max_norm)
-        except (TypeError, ValueError):
-            return
-        if self.mon.transfer.lazy and not self.mon.reads_late:
-            self.st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
-        elif math.isfinite(m) and abs(m) < 1e30:
-            # a norm is >= 0, so m / (total + 1e-6) is finite unless total is NaN (+inf gives 0): one
-            # device op (the gradients an infinite total comes from are flagged by their own probe)
-            self.st.clips.append((torch.isnan(total), idx, None))
-        else:
-            with torch.no_grad():
-                coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
-                self.st.clips.append((torch.isfinite(coef).logical_not(), idx, None))
-        self.st.seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
 
     # -- step end ------------------------------------------------------------------------------------
     def manual_update(self, mon: SessionView) -> bool:
@@ -483,37 +425,26 @@ class Sentinel:
         items += [("_clip", flag) for flag, _, _ in self.st.clips]
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
 
-    def read_edits(self, readout: Readout) -> None:
-        """After the read: which edited gradients are non-finite (confirmed exactly)."""
-        bad: list[int] = []
-        if self.st.edit_probe is not None:
-            ep = _take(readout.edit, len(self.st.edit_index))
-            if not all(map(math.isfinite, ep)):  # C loop: the usual answer
-                bad = [i for j, i in enumerate(self.st.edit_index) if not math.isfinite(ep[j])]
-            self.st.edit_probe = None
-        flags = readout.clips
-        for k, (_, idx, max_norm) in enumerate(self.st.clips):
-            # a non-finite clip factor (a flag, or worked out from the read total): every gradient it scaled
-            if k < len(flags) and (flags[k] > 0 if max_norm is None else _factor_bad(flags[k], max_norm)):
-                bad += [i for i in idx if i not in bad]
-        self.st.clips = []
-        if bad:
-            self.st.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
-
     def read_deferred(self, readout: Readout) -> Verdict:
         """After the read: the verdict on the last update, from its parameter probe."""
         mon = self.mon
         if "param_norms" not in self.deferred:
             return self.judge_unprobed()
         sizes = {k: t.numel() for k, t in self.deferred.items()}  # the keys the read gave: no scan of v
-        pn = _take(readout.param_probe, sizes["param_norms"])
+        pn = item_numbers(readout.param_probe, sizes["param_norms"])
         coord = mon.coordinator
         flagged = coord.params_flagged(mon) if coord is not None else None
         if flagged is None:  # this rank's own probe
             suspects = []
             if not all(map(math.isfinite, pn)):  # C loop: the usual answer
-                index = self.deferred_index if self.deferred_index is not None else list(range(len(pn)))
-                suspects = [index[j] for j, x in enumerate(pn) if not math.isfinite(x) and j < len(index)]
+                index = self.deferred_index
+                if index is None:
+                    index = list(range(len(mon.params)))
+                suspects = (
+                    [index[j] for j, x in enumerate(pn) if not math.isfinite(x) and j < len(index)]
+                    if len(pn) == len(index)
+                    else index  # the whole list's total: every parameter is checked exactly
+                )
         else:  # several ranks: any rank's probe (of its share under DDP) flags every parameter
             suspects = list(range(len(mon.params))) if flagged else []
         bad = [
@@ -526,7 +457,7 @@ class Sentinel:
             coord.params_agree(bool(bad)) if coord is not None and flagged else []
         )  # the same decision on every rank
         step, clean = self.deferred_step, self.deferred_clean
-        de = _take(readout.late_edit, sizes["edit"]) if "edit" in sizes else []
+        de = item_numbers(readout.late_edit, sizes["edit"]) if "edit" in sizes else []
         edited, self.deferred_edit_index = self.deferred_edit_index, []
         self.deferred.clear()
         self.deferred_index = None
@@ -647,20 +578,6 @@ class Sentinel:
     def build_anomaly(self, late: bool = False) -> Anomaly:
         """This step's anomaly, replayed to its origin (the rare path, :mod:`.replay`)."""
         return replay.step_anomaly(self.mon, self, late=late)
-
-
-def _take(numbers: list[float], n: int) -> list[float]:
-    """The ``n`` numbers an item gave (zeros when it was not read)."""
-    return numbers if len(numbers) == n else [0.0] * n
-
-
-def _factor_bad(total: float, max_norm: float) -> bool:
-    """``clip_grad_norm_``'s factor ``min(max_norm / (total + 1e-6), 1)`` is non-finite (a NaN total or
-    max_norm; an Inf total gives 0), worked out on the host as torch works it out on the device."""
-    try:
-        return not math.isfinite(min(max_norm / (total + 1e-6), 1.0))  # min keeps a NaN in first place
-    except ZeroDivisionError:
-        return False  # a norm is >= 0: total + 1e-6 > 0
 
 
 def _lift_mode(mode: Any) -> None:

@@ -20,13 +20,12 @@ an edit in between is still told apart. A base class of :class:`~torchdebug.sess
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
 from .._step import StepPhase, StepState
-from .._tensors import Reduced, grad_of, is_none
+from .._tensors import Reduced, grad_of, versions_of
 from ..nonfinite.sentinel import Sentinel
 from .transfer import Transfer
 
@@ -49,6 +48,7 @@ class GradientCheck:
     _clip_after = 0
     _clip_checked = False  # the merged clip was compared with torch's once (bitwise)
     _clip_off = False  # ... and differed, or failed: no merge for the rest of the session
+    _merged: Any = None  # the total of the clip running now, when the session ran it (merged)
 
     @property
     def transfer(self) -> Transfer:
@@ -66,11 +66,12 @@ class GradientCheck:
             and self._may_hold()
         ):
             grads = list(map(grad_of, self.params))  # a C loop
-            if not any(map(is_none, grads)):
+            versions = versions_of(grads)  # None: a parameter has no gradient
+            if versions is not None:
                 plan, every = t.plan(self.params)
                 if plan is not None:
                     self._held = probe
-                    self.sentinel.saw_gradients(every, grads)  # what the edit check compares with
+                    self.sentinel.saw_gradients(every, grads, versions)  # what the edit check compares with
                     return
         self._measure_now(probe, saw=True)
 
@@ -90,9 +91,9 @@ class GradientCheck:
     def _measure_now(self, probe: bool, saw: bool) -> None:
         # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
         share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
-        idx, grads = self.transfer.measure(self.params, probe=probe, share=share)
+        idx, grads, versions = self.transfer.measure(self.params, probe=probe, share=share)
         if idx and saw:
-            self.sentinel.saw_gradients(idx, grads)
+            self.sentinel.saw_gradients(idx, grads, versions)
 
     def flush_measure(self) -> None:
         """The held measure runs now (something other than the clip came first): on the gradients as
@@ -120,9 +121,10 @@ class GradientCheck:
 
         ``idx``: what :meth:`clip_starting` returned (every parameter when no gradient was edited)."""
         held = self._held
-        n = len(self.params)
-        # every parameter of the session, in its order (the per-tensor norms are read by index), unedited
-        whole = len(idx) == n and len(params) == n and all(map(operator.is_, params, self.params))
+        seen = self.state.seen
+        # every parameter of the session, in its order (the per-tensor norms are read by index), unedited:
+        # what the sentinel's check found before the clip (it returns the list of every index then)
+        whole = idx is seen.idx and seen.whole and len(params) == len(self.params)
         fits = (
             whole
             and args.get("norm_type") in (2, 2.0)
@@ -146,14 +148,15 @@ class GradientCheck:
             # gradient has its parameter's dtype) is a norm of the same norms in the same order
             try:
                 if plan is not None and plan.one_dtype:
-                    total, per = _clip_norms(params, args, first=not self._clip_checked)
+                    # the gradients are the ones backward() left (checked): no pass to read them again
+                    total, per = _clip_norms(seen.grads, args, first=not self._clip_checked)
             except Exception:  # an odd gradient type: torch's clip, the measure before it
                 total = None
             self._clip_off = total is None  # this session's clip cannot carry the check: not again
         if total is None:
             self.flush_measure()  # the held measure runs before torch's clip
             return None
-        self._held, self._clip_checked = None, True
+        self._held, self._clip_checked, self._merged = None, True, total
         self.transfer.take(Reduced(plan, True, None, [], total, per, root=True), every, held)  # type: ignore[arg-type]
         with torch.no_grad():  # torch's own scaling, with torch's total (what its clip would raise, raises)
             torch.nn.utils.clip_grads_with_norm_(params, args["max_norm"], total, args.get("foreach"))
@@ -161,14 +164,15 @@ class GradientCheck:
 
     def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
         """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
-        self.sentinel.after_clip(idx, total, max_norm)
+        merged, self._merged = self._merged is not None and total is self._merged, None
+        self.sentinel.after_clip(idx, total, max_norm, scaled_all=merged)
         self._each("on_clip", total, max_norm, norm_type)
 
     def _each(self, hook: str, *args: Any) -> None:
         raise NotImplementedError
 
 
-def _clip_norms(params: list[Any], args: dict[str, Any], first: bool) -> tuple[Any, Any]:
+def _clip_norms(grads: list[Any], args: dict[str, Any], first: bool) -> tuple[Any, Any]:
     """The total 2-norm ``clip_grad_norm_(params, max_norm)`` computes, computed as torch computes it,
     and the per-tensor norms torch's clip makes and drops: ``(total, per-tensor norms)``. ``(None,
     None)`` where torch's clip would take another path (no foreach kernel for these tensors, a torch
@@ -181,10 +185,11 @@ def _clip_norms(params: list[Any], args: dict[str, Any], first: bool) -> tuple[A
         return None, None
     from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
-    grads = list(map(grad_of, params))
     dev = grads[0].device
     foreach = args.get("foreach")
-    if not (_has_foreach_support(grads, dev) if foreach is None else _device_has_foreach_support(dev)):
+    # torch's test is by type, tensor by tensor (a Python loop): asked of one gradient of each type
+    one_each = list(dict(zip(map(type, grads), grads)).values())
+    if not (_has_foreach_support(one_each, dev) if foreach is None else _device_has_foreach_support(dev)):
         return None, None
     with torch.no_grad():
         per = torch.stack(torch._foreach_norm(grads, 2.0))

@@ -28,8 +28,8 @@ from .._tensors import (
     flat_items,
     foreach_norms,
     grad_of,
-    is_none,
     local,
+    versions_of,
 )
 
 # An instrument's items read as one list each (``Transfer.vectors``), not one ``values`` key per
@@ -110,17 +110,19 @@ class Transfer:
 
     def measure(
         self, params: list[torch.Tensor], probe: bool, share: list[int] | None = None
-    ) -> tuple[list[int], list[torch.Tensor]]:
+    ) -> tuple[list[int], list[torch.Tensor], list[int] | None]:
         """After a backward: one float32 per gradient (``probe``: finiteness only, else norms).
 
         ``share``: the parameters this rank measures when every rank holds the same gradients (DDP,
         after its all-reduce); the others' numbers arrive with the step's all-reduce. Returns every
-        parameter with a gradient and those gradients (the sentinel's edit check compares them).
+        parameter with a gradient, those gradients and, when that is every parameter, their versions
+        (the sentinel's edit check compares them), else None.
 
         The common case (every parameter has a gradient, no share) costs a few torch calls and two
         C-level passes over the list, whatever its length (:class:`Plan`)."""
         grads_all = list(map(grad_of, params))  # a C loop
-        if share is None and not any(map(is_none, grads_all)):
+        versions = versions_of(grads_all) if share is None else None  # None: a parameter has no gradient
+        if versions is not None:
             plan, every = self.plan(params)
             if plan is not None:
                 try:
@@ -139,10 +141,10 @@ class Transfer:
                         self.norms, self.reduced = norms, None
                         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
                         self.micro_raw.append(False)
-                    return every, grads_all
+                    return every, grads_all, versions
         idx = [i for i, g in enumerate(grads_all) if g is not None]
         if not idx:
-            return [], []
+            return [], [], None
         grads: list[torch.Tensor] = [grads_all[i] for i in idx]
         mine, own = idx, grads
         self.shared = None
@@ -158,7 +160,7 @@ class Transfer:
         self.norms, self.norm_index, self.norms_probe, self.reduced = norms, mine, probe, None
         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
         self.micro_raw.append(False)
-        return idx, grads
+        return idx, grads, versions if len(idx) == len(params) else None
 
     def take(self, red: Reduced, every: list[int], probe: bool) -> None:
         """A micro-step's gradients reduced to one total (``red``, every parameter in order), by
