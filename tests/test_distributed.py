@@ -379,11 +379,13 @@ def test_hang_watchdog_in_one_process_records_once_and_stops_on_exit(tmp_path, c
 
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    cfg = td.DebugConfig(mode="anomaly_detection", hang_timeout=0.3, run_dir=str(tmp_path))
+    # a timeout well above what an ordinary phase takes on a busy 2-core machine (0.3 s gave an extra
+    # record there), and a hang well above the timeout
+    cfg = td.DebugConfig(mode="anomaly_detection", hang_timeout=1.0, run_dir=str(tmp_path))
     with td.watch(net, opt, config=cfg) as mon:
         assert [t.name for t in threading.enumerate()].count("torchdebug-hang") == 1
         for step in range(3):
-            net.hang_s = 1.0 if step == 1 else 0.0  # one episode: a single record
+            net.hang_s = 2.5 if step == 1 else 0.0  # one episode: a single record
             x, y = _batch(0, step, None)
             loss = nn.functional.mse_loss(net(x), y)
             opt.zero_grad()
