@@ -154,6 +154,41 @@ def test_an_edit_before_the_clip_on_one_step_is_still_the_edits() -> None:
     )
 
 
+def test_an_edit_after_the_merged_clip_is_the_edits_and_the_clip_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the merged clip scales every gradient once: the edit check expects one more version each instead
+    # of reading the gradients again (no rebase on an ordinary step). At step 3 code after the clip
+    # makes fc1.weight's gradient NaN in place: one version more than that, so it is the edit's
+    from torchdebug._step import SeenGrads
+
+    rebases: list[int] = []
+    real = SeenGrads.rebase
+
+    def counted(self: SeenGrads, idx: list[int], params: list) -> None:
+        rebases.append(len(idx))
+        real(self, idx, params)
+
+    monkeypatch.setattr(SeenGrads, "rebase", counted)
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
+        for i in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if i == 3:
+                model.fc1.weight.grad.mul_(float("nan"))  # type: ignore[union-attr]
+            else:
+                assert mon.state.seen.bump == (1 if i > 0 else 0)  # step 0 measures after backward
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.parameter, a.kind) == (3, "gradient_edit", "fc1.weight", "nan")
+    assert rebases == [4]  # step 0's clip only (torch's clip, the measure ran after backward)
+
+
 def test_a_loop_that_stops_clipping_is_measured_after_backward_again(copies: list[int]) -> None:
     # the clip is predicted from the last update; when it does not come the held measure runs as the
     # update starts (nothing changed the gradients since backward()), and the next step measures at once
