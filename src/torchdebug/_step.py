@@ -13,7 +13,6 @@ import contextlib
 import copy
 import dataclasses
 import enum
-import itertools
 import math
 import operator
 import threading
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from ._config import DebugConfig
-from ._tensors import grad_of, version_of
+from ._tensors import grad_of, version_of, versions_of
 from .events import Anomaly, RuleEvent
 
 
@@ -107,7 +106,7 @@ class SeenGrads:
             self.grads = [None] * n
             for i, g in zip(self.idx, grads or ()):
                 self.grads[i] = g
-            self.versions = [-1 if g is None else g._version for g in self.grads]
+            self.versions = _versions_or_missing(self.grads)
         self.vsum = sum(self.versions)  # a C loop over ints
         self.bump = 0
 
@@ -137,20 +136,21 @@ class SeenGrads:
         if self.whole and idx is self.idx:  # the clip's fast path: every gradient
             self.grads = list(map(grad_of, params))
             self.bump = 0
-            if not any(map(operator.is_, self.grads, itertools.repeat(None))):  # a C loop
-                self.versions = list(map(version_of, self.grads))
-                self.vsum = sum(self.versions)
-                return
-            self.whole = False
-            self.versions = [-1 if g is None else g._version for g in self.grads]
-            self.vsum = sum(self.versions)
-            return
-        for i in idx:
-            g = params[i].grad
-            if g is not None and 0 <= i < len(self.grads):
-                self.grads[i] = g
-                self.versions[i] = g._version - self.bump
+            versions = versions_of(self.grads)  # None: a gradient went missing
+            self.whole = versions is not None
+            self.versions = versions if versions is not None else _versions_or_missing(self.grads)
+        else:
+            for i in idx:
+                g = params[i].grad
+                if g is not None and 0 <= i < len(self.grads):
+                    self.grads[i] = g
+                    self.versions[i] = g._version - self.bump
         self.vsum = sum(self.versions)
+
+
+def _versions_or_missing(grads: list[Any]) -> list[int]:
+    """Each gradient's ``_version``, -1 where there is none (the per-index path of :class:`SeenGrads`)."""
+    return [-1 if g is None else g._version for g in grads]
 
 
 @dataclasses.dataclass(eq=False)
