@@ -128,10 +128,12 @@ def test_with_accumulation_the_last_micro_step_is_measured_by_the_clip(copies: l
     assert (a.step, a.phase, a.micro_step, a.op) == (3, "backward", 1, "SqrtBackward0")
 
 
-def test_an_edit_before_the_clip_on_one_step_is_still_the_edits() -> None:
-    # three steps teach the session that the clip follows backward(); at step 3 code between them makes
-    # fc1.weight's gradient NaN: the measure held for the clip runs late, on the edited gradients, and
-    # the anomaly still names the edit, not backward()
+def _mlp_with_an_edit_at_step_3(
+    edit_before_clip: bool, each_step: Callable[[td.Monitor, int], None] = lambda mon, i: None
+) -> td.Anomaly:
+    """Five clipping steps of a small MLP; at step 3 code makes fc1.weight's gradient NaN in place,
+    before or after the clip. ``each_step(mon, i)`` runs after the clip of the other steps. The anomaly
+    raised."""
     torch.manual_seed(0)
     model = fx.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -139,12 +141,23 @@ def test_an_edit_before_the_clip_on_one_step_is_still_the_edits() -> None:
         for i in range(5):
             opt.zero_grad()
             model(torch.randn(4, 8)).pow(2).mean().backward()
-            if i == 3:
+            if i == 3 and edit_before_clip:
                 model.fc1.weight.grad.mul_(float("nan"))  # type: ignore[union-attr]
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if i == 3 and not edit_before_clip:
+                model.fc1.weight.grad.mul_(float("nan"))  # type: ignore[union-attr]
+            elif i != 3:
+                each_step(mon, i)
             opt.step()
             mon.step()
-    a = ei.value.anomaly
+    return ei.value.anomaly
+
+
+def test_an_edit_before_the_clip_on_one_step_is_still_the_edits() -> None:
+    # three steps teach the session that the clip follows backward(); at step 3 code between them makes
+    # fc1.weight's gradient NaN: the measure held for the clip runs late, on the edited gradients, and
+    # the anomaly still names the edit, not backward()
+    a = _mlp_with_an_edit_at_step_3(edit_before_clip=True)
     assert (a.step, a.phase, a.parameter, a.module, a.kind) == (
         3,
         "gradient_edit",
@@ -170,22 +183,12 @@ def test_an_edit_after_the_merged_clip_is_the_edits_and_the_clip_is_not(
         real(self, idx, params)
 
     monkeypatch.setattr(SeenGrads, "rebase", counted)
-    torch.manual_seed(0)
-    model = fx.MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(td.NonFiniteError) as ei, td.watch(model, opt, run=False, config=SENTINEL_ONLY) as mon:
-        for i in range(5):
-            opt.zero_grad()
-            model(torch.randn(4, 8)).pow(2).mean().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if i == 3:
-                model.fc1.weight.grad.mul_(float("nan"))  # type: ignore[union-attr]
-            else:
-                assert mon.state.seen.bump == (1 if i > 0 else 0)  # step 0 measures after backward
-            opt.step()
-            mon.step()
-    a = ei.value.anomaly
+    bumps: list[int] = []
+    a = _mlp_with_an_edit_at_step_3(
+        edit_before_clip=False, each_step=lambda mon, i: bumps.append(mon.state.seen.bump)
+    )
     assert (a.step, a.phase, a.parameter, a.kind) == (3, "gradient_edit", "fc1.weight", "nan")
+    assert bumps == [0, 1, 1]  # steps 0-2; step 0 measures after backward, torch's clip runs
     assert rebases == [4]  # step 0's clip only (torch's clip, the measure ran after backward)
 
 
