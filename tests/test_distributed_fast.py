@@ -86,9 +86,9 @@ def _scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
                 shares: list = []  # what each backward's gradient pass measured on this rank
                 measure = mon.transfer.measure
 
-                def spy(params: list, probe: bool, share: list | None = None) -> tuple:
+                def spy(params: list, probe: bool, share: list | None = None, **kw: bool) -> tuple:
                     shares.append(share)
-                    return measure(params, probe, share)
+                    return measure(params, probe, share, **kw)
 
                 mon.transfer.measure = spy
                 for step in range(STEPS):

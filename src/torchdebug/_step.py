@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._config import DebugConfig
-from ._tensors import grad_of, version_of, versions_of
+from ._tensors import alone, grad_of, version_of, versions_of
 from .events import Anomaly, RuleEvent
 
 
@@ -86,9 +86,27 @@ class SeenGrads:
 
     ``bump``: clips since backward() that scaled every gradient in place once each (the session's own,
     session/gradcheck.py): each adds one to every version, so the check expects ``versions + bump``
-    without reading the gradients again."""
+    without reading the gradients again.
 
-    __slots__ = ("bump", "grads", "idx", "versions", "vsum", "whole")
+    ``watched``: no versions were read; a watch on the torch calls between backward() and the update
+    (:class:`~torchdebug.nonfinite.edits.EditWatch`) keeps the tensors written there (``written``: an
+    in-place op's tensor, an ``out=``, the parameter whose ``.grad`` was set) and sets ``touched`` when
+    it cannot tell what a write reached (an alias such as ``p.grad.data``, a long list), or when
+    something went unwatched (the watch closed early). Neither: every gradient is the one backward()
+    left, unchanged, with no pass over the list."""
+
+    __slots__ = (
+        "bump",
+        "grads",
+        "idx",
+        "index",
+        "touched",
+        "versions",
+        "vsum",
+        "watched",
+        "whole",
+        "written",
+    )
 
     def __init__(
         self,
@@ -96,17 +114,26 @@ class SeenGrads:
         grads: list[Any] | None = None,
         n: int = 0,
         versions: list[int] | None = None,
+        watched: bool = False,
+        index: Mapping[int, int] | None = None,
     ) -> None:
         self.idx: list[int] = idx or []
         self.whole = idx is not None and grads is not None and len(idx) == n  # every parameter, in order
+        self.watched = watched
+        self.index: Mapping[int, int] = index or {}  # id(parameter) -> its index (for what was written)
+        self.touched = False
+        self.written: list[Any] = []
         if self.whole:
             self.grads: list[Any] = grads  # type: ignore[assignment]
-            self.versions: list[int] = versions if versions is not None else list(map(version_of, grads))  # type: ignore[arg-type]
+            if watched:
+                self.versions: list[int] = []
+            else:
+                self.versions = versions if versions is not None else list(map(version_of, grads))  # type: ignore[arg-type]
         else:
             self.grads = [None] * n
             for i, g in zip(self.idx, grads or ()):
                 self.grads[i] = g
-            self.versions = _versions_or_missing(self.grads)
+            self.versions = [] if watched else _versions_or_missing(self.grads)
         self.vsum = sum(self.versions)  # a C loop over ints
         self.bump = 0
 
@@ -115,24 +142,66 @@ class SeenGrads:
         return self.grads[i] if 0 <= i < len(self.grads) else None
 
     def same(self, i: int, g: Any) -> bool:
-        """Parameter i's gradient is the tensor backward() left, unchanged since."""
-        return 0 <= i < len(self.grads) and self.grads[i] is g and self.versions[i] + self.bump == g._version
+        """Parameter i's gradient is the tensor backward() left, unchanged since (watched: the same
+        tensor; what the watch saw written is the caller's to add, :meth:`edited_by_writes`)."""
+        if not (0 <= i < len(self.grads) and self.grads[i] is g):
+            return False
+        return self.watched or self.versions[i] + self.bump == g._version
+
+    def wrote(self, target: Any) -> None:
+        """The watch saw a write to ``target``: a tensor, a list of them (a ``_foreach_*_`` call), or
+        something it cannot follow (then every gradient counts as edited)."""
+        items = target if isinstance(target, (list, tuple)) else (target,)
+        if len(self.written) + len(items) > MAX_WRITTEN or not all(
+            isinstance(t, torch.Tensor) for t in items
+        ):
+            self.touched = True
+        else:
+            self.written.extend(items)
+
+    def edited_by_writes(self) -> set[int] | None:
+        """The parameter indices whose gradients the watched writes reached (a gradient itself, or a
+        parameter: its ``.grad`` set, or the parameter written), or None when the gradients were touched
+        or a write reached a tensor sharing its memory with another (an alias such as ``p.grad.data``:
+        every gradient counts as edited). A write to a tensor of its own (a running loss ``total +=
+        loss.detach()``) reaches no gradient. A pass over the list, only when something was written."""
+        if self.touched:
+            return None
+        if not self.written:
+            return set()
+        by_grad = {id(g): i for i, g in enumerate(self.grads) if g is not None}
+        out: set[int] = set()
+        for t in self.written:
+            i = by_grad.get(id(t), self.index.get(id(t)))
+            if i is not None:
+                out.add(i)
+            elif not alone(t):
+                return None
+        return out
 
     def unchanged(self, grads: list[Any]) -> bool:
         """Every gradient (``grads``: all parameters, in order) is the one backward() left, unchanged.
 
         Two C-level passes: the same tensors, and the sum of their versions. A version only grows, and
         each is at least ``versions[i] + bump`` (the clips scaled every one), so an equal sum means
-        each is exactly that."""
-        return (
-            self.whole
-            and len(grads) == len(self.grads)
-            and all(map(operator.is_, grads, self.grads))
-            and sum(map(version_of, grads)) == self.vsum + self.bump * len(grads)
-        )
+        each is exactly that (watched: the same tensors and nothing touched them)."""
+        if not (self.whole and len(grads) == len(self.grads) and all(map(operator.is_, grads, self.grads))):
+            return False
+        if self.watched:
+            return self.edited_by_writes() == set()
+        return sum(map(version_of, grads)) == self.vsum + self.bump * len(grads)
+
+    def unedited(self, params: list[Any]) -> bool:
+        """:meth:`unchanged` for the gradients ``params`` hold now; watched: no read of them (replacing a
+        ``.grad`` from Python goes through the watch too), nothing written that reaches one."""
+        if self.watched:
+            return self.whole and self.edited_by_writes() == set()
+        return self.unchanged(list(map(grad_of, params)))
 
     def rebase(self, idx: list[int], params: list[Any]) -> None:
         """Those gradients changed in a way judged elsewhere (a clip's factor): take them as seen now."""
+        if self.watched:
+            return  # the clip scaled them in place (judged by its factor); the watch goes on after it
         if self.whole and idx is self.idx:  # the clip's fast path: every gradient
             self.grads = list(map(grad_of, params))
             self.bump = 0
@@ -146,6 +215,9 @@ class SeenGrads:
                     self.grads[i] = g
                     self.versions[i] = g._version - self.bump
         self.vsum = sum(self.versions)
+
+
+MAX_WRITTEN = 64  # tensors a watch keeps as written; more: every gradient counts as edited
 
 
 def _versions_or_missing(grads: list[Any]) -> list[int]:

@@ -7,6 +7,7 @@ one host transfer (``session.transfer.Transfer.read``) reads a handful of number
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -104,6 +105,29 @@ def versions_of(tensors: list[Any]) -> list[int] | None:
         return list(map(version_of, tensors))
     except AttributeError:
         return None
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # not in every torch build: then never alone
+_ALONE: list[int] = []  # a fresh tensor's storage use count, as alone() reads it (measured once)
+
+
+def alone(t: Any) -> bool:
+    """No other tensor shares ``t``'s memory: its storage's use count is a fresh tensor's (a view, a
+    ``.detach()`` or ``.data`` alias, a tensor autograd saved, all raise it). False when unknown."""
+    if _USE_COUNT is None or not isinstance(t, torch.Tensor):
+        return False
+    try:
+        if not _ALONE:
+            fresh = torch.empty(1)  # alive while its count is read
+            _ALONE.append(_USE_COUNT(fresh.untyped_storage()._cdata))
+        return bool(_USE_COUNT(t.untyped_storage()._cdata) <= _ALONE[0])
+    except Exception:  # no storage (sparse, a subclass without one): unknown
+        return False
+
+
+def all_present(tensors: list[Any]) -> bool:
+    """No None in the list (one C-level pass of identity tests: ``None in`` would compare tensors)."""
+    return all(map(operator.is_not, tensors, itertools.repeat(None)))
 
 
 # True inside a torch.func transform (grad, vmap): reads the thread's dispatch keys only. Not

@@ -13,12 +13,63 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import threading
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
-from .._step import Readout, SessionView, StepState
-from .._tensors import finite_probe, grad_of, local
+from .._step import Readout, SeenGrads, SessionView, StepState
+from .._tensors import finite_probe, grad_of, in_functorch_transform, local
+
+# a watch that saw more torch calls than this between one backward() and its update (a loop that
+# reads every gradient there, ~2 us a call through the watch) is not opened again in the session:
+# the versions' passes cost less there
+WATCH_CALLS = 32
+WATCH_BLIND = 3  # ... or could not tell which gradients were written this many updates in a row
+# dunder methods that write to their tensor (``name_`` in-place methods and ``out=`` are told apart
+# by their names and arguments)
+_WRITING_DUNDERS = frozenset(
+    {"__set__", "__delete__", "__setitem__", "__delitem__", "__setstate__"}
+    | {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul")}
+    | {f"__i{op}__" for op in ("and", "or", "xor", "lshift", "rshift")}
+)
+
+
+def writes(func: Any, kwargs: dict[str, Any] | None) -> bool:
+    """True for a torch call that may write to a tensor: an in-place method or function (``mul_``,
+    ``_foreach_mul_``, ``copy_``), an ``out=`` argument, an item or property write (``p.grad = g``,
+    ``g[...] = 0``, ``g += 1``)."""
+    name = getattr(func, "__name__", "")
+    if kwargs and "out" in kwargs:
+        return True
+    if name.startswith("__"):
+        return name in _WRITING_DUNDERS
+    return name.endswith("_") or not name  # (a callable without a name: counted as a write)
+
+
+class EditWatch(TorchFunctionMode):
+    """Watches the torch calls between backward() and the update, for the edit check: a call that may
+    write to a tensor has its target kept (``seen.written``; the gradients it reaches are probed as the
+    update starts), or, when the watch cannot follow it, sets ``seen.touched`` (every gradient probed).
+    A Python edit of a gradient is such a call: an in-place op on it or an alias of it (``p.grad.mul_``,
+    ``p.grad.data.zero_``), an ``out=``, a write of ``p.grad``. What the watch cannot see (another
+    library's C++ code, another thread, memory written through NumPy) the gradients' versions did not
+    tell apart either, except a distributed all-reduce: it is not used with several processes. Costs
+    nothing when no torch call runs there (a plain loop's ``loss.backward(); opt.step()``)."""
+
+    def __init__(self, seen: SeenGrads) -> None:
+        super().__init__()
+        self.seen = seen
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls += 1
+        if not self.seen.touched and writes(func, kwargs):
+            # the tensor written: ``out=``, else the first argument (``self`` of a method, the list of a
+            # foreach call, the parameter of a ``.grad`` write)
+            self.seen.wrote(kwargs["out"] if kwargs and "out" in kwargs else args[0] if args else None)
+        return func(*args, **(kwargs or {}))
 
 
 class EditCheck:
@@ -28,8 +79,13 @@ class EditCheck:
     mon: SessionView
     active: bool
     replaying: bool
+    manual: bool
+    check_each_backward: bool
     _sharded: bool
     _index: dict[int, int]
+    watch: EditWatch | None = None  # open between a backward() and its update
+    watch_off = False  # a watch saw more than WATCH_CALLS calls once: the versions from then on
+    watch_blind = 0  # updates in a row whose watch could not tell which gradients were written
 
     @property
     def st(self) -> StepState:
@@ -41,18 +97,86 @@ class EditCheck:
     def grad_finite(self, i: int, now: bool = False) -> bool:
         raise NotImplementedError
 
+    # -- the watch between backward() and the update ------------------------------------------------
+    def watches_edits(self) -> bool:
+        """After this backward, watch the torch calls until the update (:class:`EditWatch`) instead of
+        reading every gradient's version now and again then: one process and thread, one model and
+        optimizer, an update through an optimizer the session sees (checked as it starts)."""
+        mon = self.mon
+        return (
+            self.active
+            and not (
+                self.watch_off or self.replaying or self.manual or self.check_each_backward or self._sharded
+            )
+            and mon.coordinator is None
+            and mon.roots is None
+            and len(mon.optimizers) <= 1
+            and threading.current_thread() is mon.thread
+            and not in_functorch_transform()
+            and not torch.compiler.is_compiling()
+        )
+
+    def watch_edits_begin(self) -> None:
+        """The backward's bookkeeping is done: open the watch (the gradients were seen unwatched: none)."""
+        seen = self.st.seen
+        if not seen.watched or seen.touched or self.watch is not None:
+            return
+        try:
+            watch = EditWatch(seen)
+            watch.__enter__()
+        except Exception:  # the watch cannot run here: the gradients count as edited
+            seen.touched = True
+            return
+        self.watch = watch
+
+    def watch_edits_end(self, judge: bool = True) -> None:
+        """Close the watch (the session's own torch work follows). ``judge``: the edit check reads it
+        now; otherwise what follows goes unwatched and the gradients count as edited."""
+        watch = self.watch
+        seen = self.st.seen
+        if watch is not None:
+            if threading.current_thread() is self.mon.thread:  # a mode lives on its thread's stack
+                self.watch = None
+                if _get_current_function_mode() is watch:
+                    watch.__exit__(None, None, None)
+                else:  # another mode sits on top (the user's): taken out from under it, not trusted
+                    lift_mode(watch)
+                    seen.touched = True
+                if watch.calls > WATCH_CALLS:
+                    self.watch_off = True
+            else:
+                seen.touched = True
+        if seen.watched and not judge:
+            seen.touched = True
+
     def probe_edits(self, opt: Any = None) -> None:
         """Gradients changed since backward() measured them (clipping, normalisation, unscaling, a hook):
         a finiteness probe of those only, on the device, read with this step's transfer. The usual
-        answer, nothing edited (the same tensors at the same ``_version``), costs three C-level passes
-        (the gradients, their identity, the sum of their versions)."""
+        answer, nothing edited, costs nothing when the calls since backward() were watched (no write
+        that reaches a gradient), else three C-level passes (the gradients, their identity, the sum of
+        their versions)."""
         params = self.mon.params
         unscaled = self.scaler_unscaled(opt)  # unscaled: every gradient changed (no version bump)
-        grads = list(map(grad_of, params))
         seen = self.st.seen
-        if not unscaled and seen.unchanged(grads):
+        wrote: set[int] | None = set()
+        if seen.watched:  # the gradients replaced, and those the watch saw written
+            wrote = None if unscaled else seen.edited_by_writes()
+            if wrote == set() and seen.whole:
+                self.watch_blind = 0
+                return  # the watch saw no write that reaches a gradient: nothing read
+        grads = list(map(grad_of, params))
+        if seen.watched:
+            # a watch blind to what was written, update after update (a loop that writes to an alias
+            # or an unrelated tensor there): every gradient probed each time, the versions cost less
+            self.watch_blind = self.watch_blind + 1 if wrote is None and not unscaled else 0
+            self.watch_off = self.watch_off or self.watch_blind >= WATCH_BLIND
+        elif not unscaled and seen.unchanged(grads):
             return
-        edited = [i for i, g in enumerate(grads) if g is not None and (unscaled or not seen.same(i, g))]
+        edited = [
+            i
+            for i, g in enumerate(grads)
+            if g is not None and (unscaled or wrote is None or i in wrote or not seen.same(i, g))
+        ]
         if edited:
             self.st.edit_index = edited
             if len(edited) == len(params):
@@ -74,14 +198,17 @@ class EditCheck:
             not self._sharded
             and len(params) == len(mine)
             and all(map(operator.is_, params, mine))
-            and seen.unchanged(list(map(grad_of, mine)))
+            and seen.unedited(mine)
         ):
             return seen.idx  # the usual call, clip_grad_norm_(model.parameters(), ...): C-level checks
+        wrote = seen.edited_by_writes() if seen.watched else set()
+        if wrote is None:
+            return []  # watched, and something was written it cannot follow: the probe judges the clip
         idx: list[int] = []
         for p in params:
             i = self._index.get(id(p), -1)
             g = p.grad
-            if g is not None and seen.same(i, g) and local(g) is g:
+            if g is not None and i not in wrote and seen.same(i, g) and local(g) is g:
                 idx.append(i)
         return idx
 
@@ -92,13 +219,30 @@ class EditCheck:
 
         ``scaled_all``: the session ran this clip itself over every gradient backward() left, each
         scaled in place once (session/gradcheck.py): the edit check expects one more version each,
-        with no pass over the gradients."""
-        if not idx or not isinstance(total, torch.Tensor) or local(total) is not total:
+        with no pass over the gradients. Watched gradients: the watch goes on after the clip, or, for a
+        clip not judged by its factor, the gradients count as edited."""
+        judged = self._clip_judged(idx, total, max_norm)
+        seen = self.st.seen
+        if seen.watched:
+            if judged:
+                self.watch_edits_begin()
+            else:
+                seen.touched = True
+        elif not judged:
             return
+        elif scaled_all and seen.whole and idx is seen.idx:
+            seen.bump += 1
+        else:
+            seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
+
+    def _clip_judged(self, idx: list[int], total: Any, max_norm: Any) -> bool:
+        """The clip's factor is kept for the read (True), or the clip cannot be judged by it."""
+        if not idx or not isinstance(total, torch.Tensor) or local(total) is not total:
+            return False
         try:
             m = float(max_norm)
         except (TypeError, ValueError):
-            return
+            return False
         if self.mon.transfer.lazy and not self.mon.reads_late:
             self.st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
         elif math.isfinite(m) and abs(m) < 1e30:
@@ -109,11 +253,7 @@ class EditCheck:
             with torch.no_grad():
                 coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
                 self.st.clips.append((torch.isfinite(coef).logical_not(), idx, None))
-        seen = self.st.seen
-        if scaled_all and seen.whole and idx is seen.idx:
-            seen.bump += 1
-        else:
-            seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
+        return True
 
     def read_edits(self, readout: Readout) -> None:
         """After the read: which edited gradients are non-finite (confirmed exactly)."""
@@ -145,3 +285,16 @@ def _factor_bad(total: float, max_norm: float) -> bool:
         return not math.isfinite(min(max_norm / (total + 1e-6), 1.0))  # min keeps a NaN in first place
     except ZeroDivisionError:
         return False  # a norm is >= 0: total + 1e-6 > 0
+
+
+def lift_mode(mode: Any) -> None:
+    """Remove ``mode`` from the torch-function mode stack even when others sit above it (kept in order)."""
+    stack = torch._C
+    above = []
+    while stack._len_torch_function_stack() > 0:
+        top = stack._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        stack._push_on_torch_function_stack(m)

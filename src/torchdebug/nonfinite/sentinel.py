@@ -40,7 +40,7 @@ from .._tensors import dtensor_type, finite_probe, local
 from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
-from .edits import EditCheck, item_numbers
+from .edits import EditCheck, item_numbers, lift_mode
 from .ledger import UpdateLedger, due, nonfinite_params
 from .locate import LossTape, StepCapture
 from .replay import FORWARD, FORWARD_NO_GRAD
@@ -113,6 +113,7 @@ class Sentinel(EditCheck):
 
     def remove(self, mon: SessionView | None = None) -> None:
         self.pop_tape(force=True)
+        self.watch_edits_end(judge=False)
 
     # -- forward -------------------------------------------------------------------------------------
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -237,7 +238,7 @@ class Sentinel(EditCheck):
             tape.__exit__(None, None, None)
             self.tape = None
         elif force:
-            _lift_mode(tape)  # the session ends: take it out from under the user's modes
+            lift_mode(tape)  # the session ends: take it out from under the user's modes
             self.tape = None
         # else: another mode sits on top; the tape stays as a pass-through until it can be popped
 
@@ -249,12 +250,17 @@ class Sentinel(EditCheck):
             cap.loss_grad = gradient if isinstance(gradient, torch.Tensor) else None
 
     def saw_gradients(
-        self, idx: list[int], grads: list[torch.Tensor], versions: list[int] | None = None
+        self,
+        idx: list[int],
+        grads: list[torch.Tensor],
+        versions: list[int] | None = None,
+        watched: bool = False,
     ) -> None:
         """The gradient tensors backward() left and their versions (one C-level pass over the list,
-        none when the caller read ``versions`` already)."""
+        none when the caller read ``versions`` already, or ``watched``: none, edits.EditWatch)."""
         if self.active:
-            self.st.seen = SeenGrads(idx, grads, len(self.mon.params), versions)
+            self.watch_edits_end(judge=False)  # a watch still open belongs to the last backward's gradients
+            self.st.seen = SeenGrads(idx, grads, len(self.mon.params), versions, watched, self._index)
 
     def judges_at_backward_end(self, mon: SessionView) -> bool:
         """True when the step must be read and judged now, as a backward ends: no optimizer hook will
@@ -578,19 +584,6 @@ class Sentinel(EditCheck):
     def build_anomaly(self, late: bool = False) -> Anomaly:
         """This step's anomaly, replayed to its origin (the rare path, :mod:`.replay`)."""
         return replay.step_anomaly(self.mon, self, late=late)
-
-
-def _lift_mode(mode: Any) -> None:
-    """Remove ``mode`` from the torch-function mode stack even when others sit above it (kept in order)."""
-    stack = torch._C
-    above = []
-    while stack._len_torch_function_stack() > 0:
-        top = stack._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for m in reversed(above):
-        stack._push_on_torch_function_stack(m)
 
 
 def _store_grad(cap_ref: Any, i: int, grad: torch.Tensor) -> None:

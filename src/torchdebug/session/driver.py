@@ -147,8 +147,10 @@ def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _ACTIVE or torch.compiler.is_dynamo_compiling():
             return orig(self, *args, **kwargs)
         for m in _ACTIVE:
+            m.sentinel.watch_edits_end()
             if m._held is not None:
                 m.flush_measure()  # a measure held for a clip: the gradients before they go
+            m.sentinel.watch_edits_end(judge=False)  # zeroed: edited
         n = torch._C._len_torch_function_stack()
         top = torch._C._get_function_stack_at(n - 1) if n else None
         if top is None or not any(m.sentinel.tape is top for m in _ACTIVE):

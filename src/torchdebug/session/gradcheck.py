@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._step import StepPhase, StepState
-from .._tensors import Reduced, grad_of, versions_of
+from .._tensors import Reduced, all_present, grad_of, versions_of
 from ..nonfinite.sentinel import Sentinel
 from .transfer import Transfer
 
@@ -66,12 +66,14 @@ class GradientCheck:
             and self._may_hold()
         ):
             grads = list(map(grad_of, self.params))  # a C loop
-            versions = versions_of(grads)  # None: a parameter has no gradient
-            if versions is not None:
+            watched = self.sentinel.watches_edits()
+            versions = None if watched else versions_of(grads)  # None: a parameter has no gradient
+            if all_present(grads) if watched else versions is not None:
                 plan, every = t.plan(self.params)
                 if plan is not None:
                     self._held = probe
-                    self.sentinel.saw_gradients(every, grads, versions)  # what the edit check compares with
+                    # what the edit check compares with (its versions, or the watch until the update)
+                    self.sentinel.saw_gradients(every, grads, versions, watched)
                     return
         self._measure_now(probe, saw=True)
 
@@ -91,9 +93,12 @@ class GradientCheck:
     def _measure_now(self, probe: bool, saw: bool) -> None:
         # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
         share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
-        idx, grads, versions = self.transfer.measure(self.params, probe=probe, share=share)
+        watched = saw and self.sentinel.watches_edits()  # no versions: the watch tells edits apart
+        idx, grads, versions = self.transfer.measure(
+            self.params, probe=probe, share=share, versions=not watched
+        )
         if idx and saw:
-            self.sentinel.saw_gradients(idx, grads, versions)
+            self.sentinel.saw_gradients(idx, grads, versions, watched)
 
     def flush_measure(self) -> None:
         """The held measure runs now (something other than the clip came first): on the gradients as
@@ -104,8 +109,7 @@ class GradientCheck:
             return
         self._held = None
         self._clip_after = 0
-        seen = self.state.seen
-        if not seen.unchanged(list(map(grad_of, self.params))):  # edited since backward() (a C pass)
+        if not self.state.seen.unedited(self.params):  # edited since backward() (a C pass, or the watch)
             self.state.measured_late = True
         self._measure_now(probe, saw=False)
 
@@ -113,6 +117,7 @@ class GradientCheck:
     def clip_starting(self, params: list[Any]) -> list[int]:
         """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
         driver's patch): the ones the sentinel can judge by the clip factor alone."""
+        self.sentinel.watch_edits_end()  # the clip is the session's to judge (the watch reopens after it)
         return self.sentinel.before_clip(params)
 
     def clip_with_check(self, params: list[Any], idx: list[int], args: dict[str, Any]) -> Any:

@@ -189,6 +189,8 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
     # -- the step protocol (see the module docstring) -------------------------------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         """Forward began (the root module's forward pre-hook; ``outside``: around a compiled call)."""
+        if self.sentinel.watch is not None:
+            self.sentinel.watch_edits_end(judge=False)  # a forward before the update: unwatched from here
         if self.roots is not None:
             self._root_started(module, args, kwargs)
             return
@@ -230,8 +232,10 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
 
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
+        self.sentinel.watch_edits_end()
         if self._held is not None:
             self.flush_measure()  # the last backward's gradients, before this one adds to them
+        self.sentinel.watch_edits_end(judge=False)  # this backward adds to them
         self.sentinel.pop_tape()
         self.state.fwd_depth = 0
         if self._plain.in_place_roots():  # model.compile() in place (any of several models)
@@ -259,6 +263,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
             self.sync()
             self.state.synced_at_backward = True
             self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
+        self.sentinel.watch_edits_begin()  # the torch calls until the update, for the edit check
 
     def update_starting(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update is about to start and the gradients are final.
@@ -270,6 +275,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         """
         if self.sentinel.replaying:
             return
+        self.sentinel.watch_edits_end()  # what ran since backward(), for the edit check
         if self._held is not None:
             self.flush_measure()
         state = self.state
@@ -328,6 +334,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         """
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
+        self.sentinel.watch_edits_end()  # an update by hand ran: the edit check reads the watch
         if self.roots is not None:
             self.sentinel.pop_tape()
         if self._held is not None:

@@ -23,6 +23,7 @@ from .._tensors import (
     Items,
     Plan,
     Reduced,
+    all_present,
     entries,
     finite_probe,
     flat_items,
@@ -109,20 +110,28 @@ class Transfer:
         self.loss_vals.append(loss.detach())  # reduced and cast in the step's read
 
     def measure(
-        self, params: list[torch.Tensor], probe: bool, share: list[int] | None = None
+        self, params: list[torch.Tensor], probe: bool, share: list[int] | None = None, versions: bool = True
     ) -> tuple[list[int], list[torch.Tensor], list[int] | None]:
         """After a backward: one float32 per gradient (``probe``: finiteness only, else norms).
 
         ``share``: the parameters this rank measures when every rank holds the same gradients (DDP,
         after its all-reduce); the others' numbers arrive with the step's all-reduce. Returns every
         parameter with a gradient, those gradients and, when that is every parameter, their versions
-        (the sentinel's edit check compares them), else None.
+        (the sentinel's edit check compares them), else None. ``versions=False``: not read (the edit
+        check watches instead); the list is then tested for a missing gradient alone.
 
         The common case (every parameter has a gradient, no share) costs a few torch calls and two
         C-level passes over the list, whatever its length (:class:`Plan`)."""
         grads_all = list(map(grad_of, params))  # a C loop
-        versions = versions_of(grads_all) if share is None else None  # None: a parameter has no gradient
-        if versions is not None:
+        vers: list[int] | None = None  # None: not read, or a parameter has no gradient
+        if share is not None:
+            every_grad = False
+        elif versions:
+            vers = versions_of(grads_all)
+            every_grad = vers is not None
+        else:
+            every_grad = all_present(grads_all)  # a C loop of identity tests
+        if every_grad:
             plan, every = self.plan(params)
             if plan is not None:
                 try:
@@ -141,7 +150,7 @@ class Transfer:
                         self.norms, self.reduced = norms, None
                         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
                         self.micro_raw.append(False)
-                    return every, grads_all, versions
+                    return every, grads_all, vers
         idx = [i for i, g in enumerate(grads_all) if g is not None]
         if not idx:
             return [], [], None
@@ -160,7 +169,7 @@ class Transfer:
         self.norms, self.norm_index, self.norms_probe, self.reduced = norms, mine, probe, None
         self.micro_bad.append(torch.isfinite(norms.sum()).logical_not())
         self.micro_raw.append(False)
-        return idx, grads, versions if len(idx) == len(params) else None
+        return idx, grads, vers if len(idx) == len(params) else None
 
     def take(self, red: Reduced, every: list[int], probe: bool) -> None:
         """A micro-step's gradients reduced to one total (``red``, every parameter in order), by
