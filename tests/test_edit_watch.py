@@ -249,3 +249,27 @@ def test_writes_the_watch_cannot_follow_update_after_update_go_back_to_the_versi
             mon.step()
     assert watched == [True, True, True, False, False]
     assert mon.anomalies == []
+
+
+def test_a_second_backward_between_the_first_and_the_update_trains_as_without_the_session() -> None:
+    # the second backward() closes the first one's watch (the gradients count as edited) and opens its
+    # own; nothing is left on the mode stack, and the weights end bit for bit where they end without
+    # the session
+    def run(watched: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = fx.MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with td.watch(model, opt, run=False, config=SENTINEL_ONLY) if watched else _null() as mon:
+            for _ in range(4):
+                opt.zero_grad()
+                out = model(torch.randn(4, 8))
+                out.pow(2).mean().backward(retain_graph=True)
+                out.abs().mean().backward()
+                opt.step()
+                assert torch._C._len_torch_function_stack() == 0
+                if mon is not None:
+                    mon.step()
+            assert mon is None or mon.anomalies == []
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
