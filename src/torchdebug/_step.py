@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import itertools
 import math
 import operator
 import threading
@@ -96,6 +97,7 @@ class SeenGrads:
     left, unchanged, with no pass over the list."""
 
     __slots__ = (
+        "_by_grad",
         "bump",
         "grads",
         "idx",
@@ -123,6 +125,7 @@ class SeenGrads:
         self.index: Mapping[int, int] = index or {}  # id(parameter) -> its index (for what was written)
         self.touched = False
         self.written: list[Any] = []
+        self._by_grad: dict[int, int] | None = None  # id(gradient) -> index, built when first needed
         if self.whole:
             self.grads: list[Any] = grads  # type: ignore[assignment]
             if watched:
@@ -169,9 +172,11 @@ class SeenGrads:
             return None
         if not self.written:
             return set()
-        by_grad = {id(g): i for i, g in enumerate(self.grads) if g is not None}
+        if self._by_grad is None:  # C-level (no Python loop over the parameters)
+            self._by_grad = dict(zip(map(id, self.grads), itertools.count()))
+        by_grad = self._by_grad
         out: set[int] = set()
-        for t in self.written:
+        for t in self.written:  # at most MAX_WRITTEN
             i = by_grad.get(id(t), self.index.get(id(t)))
             if i is not None:
                 out.add(i)
