@@ -5,6 +5,7 @@ edit is still named where it happened, also one the versions never saw (a write 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -161,34 +162,36 @@ def test_an_error_between_backward_and_the_update_leaves_no_mode_behind() -> Non
     assert torch._C._len_torch_function_stack() == 0
 
 
+def _weights_after(watched: bool, opt_cls: type, step: Callable[[nn.Module, torch.optim.Optimizer], None]):
+    """Four steps of an MLP, ``step(model, opt)`` each (its backward and update), under the sentinel or
+    not: the weights at the end. Nothing is left on the torch-function mode stack after each update."""
+    torch.manual_seed(0)
+    model = fx.MLP()
+    opt = opt_cls(model.parameters(), lr=0.01)
+    with (
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY) if watched else contextlib.nullcontext() as mon
+    ):
+        for _ in range(4):
+            opt.zero_grad()
+            step(model, opt)
+            assert torch._C._len_torch_function_stack() == 0
+            if mon is not None:
+                mon.step()
+        assert mon is None or mon.anomalies == []
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def test_a_users_mode_around_the_update_trains_as_without_the_session() -> None:
     # torch.device(...) as a context is a torch-function mode: entered after backward() it sits above the
     # watch as the update starts; the watch is taken out from under it, and training is bit for bit the
     # same as without the session
-    def run(watched: bool) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = fx.MLP()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        with td.watch(model, opt, run=False, config=SENTINEL_ONLY) if watched else _null() as mon:
-            for _ in range(4):
-                opt.zero_grad()
-                model(torch.randn(4, 8)).pow(2).mean().backward()
-                with torch.device("cpu"):
-                    opt.step()
-                if mon is not None:
-                    mon.step()
-        assert torch._C._len_torch_function_stack() == 0
-        return [p.detach().clone() for p in model.parameters()]
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        with torch.device("cpu"):
+            opt.step()
 
-    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    a, b = (_weights_after(w, torch.optim.AdamW, step) for w in (True, False))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_a_running_total_kept_between_backward_and_the_update_reaches_no_gradient(
@@ -255,21 +258,11 @@ def test_a_second_backward_between_the_first_and_the_update_trains_as_without_th
     # the second backward() closes the first one's watch (the gradients count as edited) and opens its
     # own; nothing is left on the mode stack, and the weights end bit for bit where they end without
     # the session
-    def run(watched: bool) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = fx.MLP()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with td.watch(model, opt, run=False, config=SENTINEL_ONLY) if watched else _null() as mon:
-            for _ in range(4):
-                opt.zero_grad()
-                out = model(torch.randn(4, 8))
-                out.pow(2).mean().backward(retain_graph=True)
-                out.abs().mean().backward()
-                opt.step()
-                assert torch._C._len_torch_function_stack() == 0
-                if mon is not None:
-                    mon.step()
-            assert mon is None or mon.anomalies == []
-        return [p.detach().clone() for p in model.parameters()]
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        out = model(torch.randn(4, 8))
+        out.pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+        opt.step()
 
-    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+    a, b = (_weights_after(w, torch.optim.SGD, step) for w in (True, False))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -189,12 +189,13 @@ class SeenGrads:
 
         Two C-level passes: the same tensors, and the sum of their versions. A version only grows, and
         each is at least ``versions[i] + bump`` (the clips scaled every one), so an equal sum means
-        each is exactly that (watched: the same tensors and nothing touched them)."""
-        if not (self.whole and len(grads) == len(self.grads) and all(map(operator.is_, grads, self.grads))):
-            return False
-        if self.watched:
-            return self.edited_by_writes() == set()
-        return sum(map(version_of, grads)) == self.vsum + self.bump * len(grads)
+        each is exactly that. Unwatched gradients only (watched: :meth:`unedited`)."""
+        return (
+            self.whole
+            and len(grads) == len(self.grads)
+            and all(map(operator.is_, grads, self.grads))
+            and sum(map(version_of, grads)) == self.vsum + self.bump * len(grads)
+        )
 
     def unedited(self, params: list[Any]) -> bool:
         """:meth:`unchanged` for the gradients ``params`` hold now; watched: no read of them (replacing a

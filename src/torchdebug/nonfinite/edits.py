@@ -161,17 +161,17 @@ class EditCheck:
         wrote: set[int] | None = set()
         if seen.watched:  # the gradients replaced, and those the watch saw written
             wrote = None if unscaled else seen.edited_by_writes()
-            if wrote == set() and seen.whole:
-                self.watch_blind = 0
-                return  # the watch saw no write that reaches a gradient: nothing read
-        grads = list(map(grad_of, params))
-        if seen.watched:
             # a watch blind to what was written, update after update (a loop that writes to an alias
             # or an unrelated tensor there): every gradient probed each time, the versions cost less
             self.watch_blind = self.watch_blind + 1 if wrote is None and not unscaled else 0
             self.watch_off = self.watch_off or self.watch_blind >= WATCH_BLIND
-        elif not unscaled and seen.unchanged(grads):
-            return
+            if wrote == set() and seen.whole:
+                return  # the watch saw no write that reaches a gradient: nothing read
+            grads = list(map(grad_of, params))
+        else:
+            grads = list(map(grad_of, params))
+            if not unscaled and seen.unchanged(grads):
+                return
         edited = [
             i
             for i, g in enumerate(grads)
