@@ -14,7 +14,9 @@ time with one thread (``time.process_time``), interleaved chunks, medians.
 
 Variants: ``plain``; ``sentinel`` (``mode="anomaly_detection"``) and ``default`` (the default
 instruments, no run folder), each with ``sync="blocking"`` and ``sync="async"``; ``default/auto``:
-the default ``sync="auto"``, as a user gets it (async on CUDA here, blocking on a CPU). Also printed per
+the default ``sync="auto"`` (async on CUDA here, blocking on a CPU) without the run store;
+``default/auto+store``: ``td.watch(model, opt)`` as a user gets it, the run store on (a run folder
+under a temporary root). Also printed per
 async variant: the staged reads (one per step, no wait) and the waits (queue full or exit).
 
     python benchmarks/gpu_step.py [--device cuda|cpu] [--repeats 7] [--chunk 20] [--warmup 5]
@@ -109,7 +111,22 @@ def variants(device: str) -> dict[str, Callable[[nn.Module, Any], contextlib.Abs
             out[f"{name}/{sync}"] = lambda m, o, c=cfg, s=sync: td.watch(m, o, config=c, sync=s, run=False)
     # the default as users get it: sync="auto" (async on CUDA with this fused AdamW, blocking on a CPU)
     out["default/auto"] = lambda m, o: td.watch(m, o, config=default, run=False)
+    # ... and with the run store every default watch opens (a new run folder under a temporary root):
+    # its writer thread shares the GIL with the training loop, so this is the figure users pay
+    out["default/auto+store"] = lambda m, o: td.watch(m, o, run=_store_root())
     return out
+
+
+_STORE_ROOT: list[str] = []
+
+
+def _store_root() -> str:
+    """One temporary runs root for the benchmark (a new run folder per session inside it)."""
+    if not _STORE_ROOT:
+        import tempfile
+
+        _STORE_ROOT.append(tempfile.mkdtemp(prefix="torchdebug-bench-runs-"))
+    return _STORE_ROOT[0]
 
 
 def run(args: argparse.Namespace) -> None:
