@@ -128,28 +128,29 @@ def _add_timing_rollups_v4(conn: sqlite3.Connection) -> None:
 #: unchanged); ``vector_members`` says which vector and position holds it. Such metrics have no
 #: ``metric_rollup`` rows: readers fold the blobs (see reader.py and _aggregate.py).
 VECTORS_CREATE = (
-    """CREATE TABLE vector_names (
+    """CREATE TABLE IF NOT EXISTS vector_names (
     id INTEGER PRIMARY KEY,
     names TEXT NOT NULL         -- JSON list of metric names, in the order of each row's values
 )""",
-    """CREATE TABLE vector_members (
+    """CREATE TABLE IF NOT EXISTS vector_members (
     metric_id INTEGER PRIMARY KEY REFERENCES metrics(id),
     names_id INTEGER NOT NULL REFERENCES vector_names(id),
     position INTEGER NOT NULL
 )""",
-    """CREATE TABLE vectors (
+    """CREATE TABLE IF NOT EXISTS vectors (
     names_id INTEGER NOT NULL REFERENCES vector_names(id),
     step INTEGER NOT NULL,
     wall_time REAL NOT NULL,
     data BLOB NOT NULL          -- little-endian float32 when every value is exact in it, else float64
 )""",
-    "CREATE INDEX vectors_by_names ON vectors(names_id, step)",
-    "CREATE INDEX vectors_by_step ON vectors(step)",
+    "CREATE INDEX IF NOT EXISTS vectors_by_names ON vectors(names_id, step)",
+    "CREATE INDEX IF NOT EXISTS vectors_by_step ON vectors(step)",
 )
 
 
 def _add_vectors_v5(conn: sqlite3.Connection) -> None:
-    # v5: new tables only; the per-parameter rows a v4 writer left stay in ``scalars`` and read as before.
+    # v5: new tables only (IF NOT EXISTS: a file whose version number was set back keeps them); the
+    # per-parameter rows a v4 writer left stay in ``scalars`` and read as before.
     for statement in VECTORS_CREATE:
         conn.execute(statement)
 
