@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._installs import Installs
+from .._step import Update
 from .._tensors import in_functorch_transform
 from .protocol import Session
 
@@ -44,20 +45,27 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Tensor.backward calls torch.autograd.backward: only the outermost call counts
-        mons = [m for m in _ACTIVE if m.accepts_backward()] if not getattr(_TLS, "in_backward", False) else []
+        # (a session not replaying and not closed: ``accepts_backward``, inlined)
+        mons = (
+            [m for m in _ACTIVE if not (m.sentinel.replaying or m.closed)]
+            if not getattr(_TLS, "in_backward", False)
+            else []
+        )
         if not mons:
             return orig(*args, **kwargs)
         _TLS.in_backward = True
         loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
         gradient = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
         for m in mons:
-            m.backward_started(loss, gradient)
+            if m._plain.in_place_roots():  # model.compile() in place (any of several models)
+                m._plain.wrap_compiled()
+            m.stepper.backward_started(loss, gradient)
         try:
             return orig(*args, **kwargs)
         finally:
             _TLS.in_backward = False
             for m in mons:
-                m.backward_done()
+                m.stepper.backward_done()
 
     wrapper.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -68,15 +76,15 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         mons = [m for m in _ACTIVE if m.owns_optimizer(optimizer)]
         for m in mons:
-            m.scaler_step_started(self)
+            m.stepper.scaler_step_started(self)
         try:
             out = orig(self, optimizer, *args, **kwargs)
         except BaseException:
             for m in mons:
-                m.scaler_step_done(self, failed=True)
+                m.stepper.scaler_step_done(self, failed=True)
             raise
         for m in mons:
-            m.scaler_step_done(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
+            m.stepper.scaler_step_done(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
         return out
 
     step.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
@@ -147,10 +155,13 @@ def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _ACTIVE or torch.compiler.is_dynamo_compiling():
             return orig(self, *args, **kwargs)
         for m in _ACTIVE:
-            m.sentinel.watch_edits_end()
+            s, st = m.sentinel, m.state
+            if s.edits.watch is not None:
+                s.edits.watch_edits_end(st)
             if m._held is not None:
                 m.flush_measure()  # a measure held for a clip: the gradients before they go
-            m.sentinel.watch_edits_end(judge=False)  # zeroed: edited
+            if s.edits.watch is not None or st.seen.watched:
+                s.edits.watch_edits_end(st, judge=False)  # zeroed: edited
         n = torch._C._len_torch_function_stack()
         top = torch._C._get_function_stack_at(n - 1) if n else None
         if top is None or not any(m.sentinel.tape is top for m in _ACTIVE):
@@ -284,9 +295,9 @@ class PlainLoopDriver:
         add, mon = self.mon.installs.hook, self.mon
         for root in self.roots:
             self._root_handles.append(
-                add(root.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
+                add(root.register_forward_pre_hook(mon.stepper.forward_started, with_kwargs=True))
             )
-            self._root_handles.append(add(root.register_forward_hook(mon.forward_done)))
+            self._root_handles.append(add(root.register_forward_hook(mon.stepper.forward_done)))
 
     def remove(self) -> None:
         self.unwrap_compiled()
@@ -308,15 +319,18 @@ class PlainLoopDriver:
         mon = self.mon
         if mon.sentinel.replaying or not mon.owns_optimizer(opt):
             return
-        mon.sentinel.update_not_skipped()  # inside GradScaler.step: the scaler let the update run
+        if mon.state.update is Update.IN_SCALER:
+            mon.sentinel.update_not_skipped(
+                mon.state
+            )  # inside GradScaler.step: the scaler let the update run
         if mon.driver is None:
-            mon.update_starting(opt)
+            mon.stepper.update_starting(opt)
 
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
         if mon.sentinel.replaying or mon.driver is not None or not mon.owns_optimizer(opt):
             return
-        mon.update_done(opt)
+        mon.stepper.update_done(opt)
 
     # -- torch.compile / model.compile() -------------------------------------------------------------
     def guard_module_hooks(self) -> None:
@@ -359,13 +373,13 @@ class PlainLoopDriver:
             drv = ref()
             if drv is None or drv.mon.closed:
                 return impl(*args, **kwargs)
-            drv.mon.forward_started(root, args, kwargs, outside=True)
+            drv.mon.stepper.forward_started(root, args, kwargs, outside=True)
             drv.in_compiled_call = True  # the hooks inside (eager fallback) must not run twice
             try:
                 out = impl(*args, **kwargs)
             finally:
                 drv.in_compiled_call = False
-            drv.mon.forward_done(root, args, out, outside=True)
+            drv.mon.stepper.forward_done(root, args, out, outside=True)
             return out
 
         call.__torchdebug_compiled__ = impl  # type: ignore[attr-defined]
