@@ -214,3 +214,31 @@ def test_the_config_docstring_maps_each_switch_as_the_registry_does() -> None:
         "advanced",
         "expert",
     ]
+
+
+@pytest.mark.parametrize("entry", REGISTRY, ids=NAMES)
+def test_each_instrument_receives_the_typed_session_view(entry) -> None:
+    """Every method of an instrument that takes the session takes it as ``SessionView`` (mypy checks
+    the rest: what it reads is a member of the view, and ``Monitor`` satisfies the view)."""
+    methods = {n: f for n, f in vars(entry.load()).items() if inspect.isfunction(f)}
+    typed = {
+        n: f.__annotations__["mon"] for n, f in methods.items() if "mon" in inspect.signature(f).parameters
+    }
+    assert typed or not entry.built
+    assert {n: a for n, a in typed.items() if a not in ("SessionView", "SessionView | None")} == {}
+
+
+def test_nothing_in_the_package_takes_the_session_as_any() -> None:
+    loose = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                named = [(a.arg, a.annotation) for a in node.args.args + node.args.kwonlyargs]
+            elif isinstance(node, ast.AnnAssign):
+                named = [(ast.unparse(node.target).removeprefix("self."), node.annotation)]
+            else:
+                continue
+            for arg, annotation in named:
+                if arg == "mon" and (annotation is None or ast.unparse(annotation) == "Any"):
+                    loose.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert loose == []

@@ -315,8 +315,8 @@ class SpikeGuard:
     # ----------------------------------------------------------------- the rare path
 
     def _loss(self, mon: Session) -> float | None:
-        coord = getattr(mon, "coordinator", None) or getattr(mon, "_coord", None)
-        if coord is not None:
+        coord = mon.coordinator
+        if isinstance(coord, _distributed.Coordinator):
             shared = _distributed.mean_loss(coord, mon)  # the same float on every rank: the same decision
             if shared is not None:
                 return float(shared)
