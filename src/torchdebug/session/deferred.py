@@ -31,6 +31,7 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -440,6 +441,25 @@ class DeferredReads:
         if self.staged is not None:  # an update began but mon.step() never came: judge it now
             self.step_end()
         self.resolve(block=True)
+
+    def settle(self, exc: BaseException) -> None:
+        """An exception (Ctrl-C included) left the session: judge and record what is in flight anyway,
+        so the run keeps the anomaly and the numbers of the steps before it. Never raises: the user's
+        exception goes on; under ``policy="raise"`` the anomaly rides on it as a note."""
+        self.restore()
+        try:
+            self.finish()
+        except (NonFiniteError, LossSpikeError) as err:
+            if hasattr(exc, "add_note") and err is not exc:
+                exc.add_note(str(err))  # the full diagnosis, under the user's traceback
+            with contextlib.suppress(Exception):
+                self.resolve(block=True)  # the steps after it (held on the device): recorded as skipped
+        except Exception as err:  # the machinery failed: the user's exception matters, ours is said
+            self.mon.warn_once(
+                "async:failed", f"torchdebug: sync='async' could not judge the last steps at exit ({err!r})"
+            )
+        finally:
+            self.discard()
 
     def restore(self) -> None:
         """Every optimizer's ``found_inf`` as it was before the session (also on exceptions)."""
