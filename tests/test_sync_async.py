@@ -813,3 +813,33 @@ def test_an_exception_after_the_step_still_judges_and_records_it(
         assert [a["step"] for a in run.anomalies()] == [k]
         steps = run.series("loss").steps
         assert steps == ([0, 1, 2, 3] if policy == "warn" else [0, 1, 2])
+
+
+def test_two_fused_optimizers_skip_only_the_bad_step() -> None:
+    # watch([G, D], [og, od]) under async: a NaN in D's forward at step k skips both updates of step k
+    # on the device; step k + 1 (healthy) trains both models again
+    from tests.fixtures.gan_script import Discriminator, Generator, gan_step
+
+    torch.manual_seed(0)
+    G, D = Generator(), Discriminator()
+    og = torch.optim.AdamW(G.parameters(), lr=1e-3, fused=True)
+    od = torch.optim.AdamW(D.parameters(), lr=1e-3, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 6, generator=gen), torch.randn(5, 4, generator=gen)) for _ in range(6)]
+    k = 3
+    counters: list[tuple[float, float]] = []
+    with (
+        pytest.warns(td.TorchDebugWarning) as said,
+        td.watch([G, D], [og, od], run=False, config=SENTINEL_ONLY, sync="async", policy="skip") as mon,
+    ):
+        for step, (x, z) in enumerate(data):
+            D[1].mode = "forward" if step == k else ""
+            gan_step(G, D, og, od, x, z)
+            mon.step()
+            counters.append((float(og.state[G.main[0].weight]["step"]), float(od.state[D[0].weight]["step"])))
+    # AdamW's step counters: +1 per update that ran; step k's two updates were skipped on the device
+    assert counters == [(1, 1), (2, 2), (3, 3), (3, 3), (4, 4), (5, 5)]
+    assert [r.skipped for r in mon.records] == [i == k for i in range(6)]
+    assert [a.step for a in mon.anomalies] == [k]
+    skips = [str(w.message) for w in said if "skipped" in str(w.message)]
+    assert skips[-1].startswith(f"torchdebug: 1 step skipped by policy='skip' (step {k})")
