@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import re
 import socket
@@ -129,13 +128,9 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise RunStoreError(f"{path} is not a torchdebug run (not a folder); {_NOT_A_RUN_HINT}")
     meta_file = path / "meta.json"
-    if not meta_file.is_file():
+    if not meta_file.exists():
         raise RunStoreError(f"{path} is not a torchdebug run (no meta.json); {_NOT_A_RUN_HINT}")
-    try:
-        raw = meta_file.read_bytes()
-    except OSError as e:
-        raise RunStoreError(f"cannot read {meta_file}: {e}") from e
-    meta = _validate.meta(raw, str(meta_file))
+    meta = _validate.meta(_validate.read_file(meta_file, _validate.META_CAP), str(meta_file))
     version = meta.get("schema_version")
     if isinstance(version, int) and version > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -223,7 +218,9 @@ class Run:
         meta = self.meta
         meta_file = self.path / "meta.json"
         try:
-            meta = self.meta = _validate.meta(meta_file.read_bytes(), str(meta_file))
+            meta = self.meta = _validate.meta(
+                _validate.read_file(meta_file, _validate.META_CAP), str(meta_file)
+            )
         except (OSError, RunStoreError):
             pass  # mid-replace or damaged since it was opened: the meta.json read at open stands
         if self.rank != meta.get("rank", 0):
@@ -891,8 +888,7 @@ def _quick_info(path: Path) -> RunInfo | None:
     folder = os.fspath(path)
     try:
         meta_file = os.path.join(folder, "meta.json")
-        with open(meta_file, "rb") as f:
-            meta = _validate.meta(f.read(), meta_file)
+        meta = _validate.meta(_validate.read_file(meta_file, _validate.META_CAP), meta_file)
         status = meta.get("status")
         version = meta.get("schema_version")
         if (
@@ -901,8 +897,8 @@ def _quick_info(path: Path) -> RunInfo | None:
             or (isinstance(version, int) and version > SCHEMA_VERSION)
         ):
             return None
-        with open(os.path.join(folder, SUMMARY_FILE), "rb") as f:
-            doc = json.loads(f.read())
+        summary = os.path.join(folder, SUMMARY_FILE)
+        doc = _validate.load(_validate.read_file(summary, _validate.SUMMARY_CAP), summary)
         db = os.path.join(folder, "rank0.sqlite")
         st = os.stat(db)
         if (
@@ -913,7 +909,7 @@ def _quick_info(path: Path) -> RunInfo | None:
             or not all(type(doc.get(k)) is int and doc[k] >= 0 for k in ("steps", "anomalies"))
         ):
             return None
-    except (OSError, ValueError, RunStoreError):
+    except Exception:  # a shortcut only: whatever is odd, the database says it
         return None
     lost = meta.get("lost")
     frm, err = meta.get("lost_from_step"), meta.get("write_error")
