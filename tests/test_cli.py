@@ -126,7 +126,7 @@ def test_console_script_runs() -> None:
 
 def test_command_discovery_imports_no_heavy_dependency() -> None:
     assert _COMMAND_MODULES == [
-        "torchdebug.store._cli",
+        "torchdebug.views.runs_cli",
         "torchdebug._demo_cli",
         "torchdebug.views.report._cli",
         "torchdebug.sinks._cli",

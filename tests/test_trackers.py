@@ -305,7 +305,7 @@ def test_logging_sink_routes_findings_through_the_torchdebug_logger(faulty: dict
 
 
 def test_every_tracker_says_the_verdict_of_show(faulty: dict[str, Any]) -> None:
-    from torchdebug.store._verdict import verdict
+    from torchdebug.views.verdict import verdict
 
     run = faulty["run"]
     shown = verdict(open_run(run.path))["text"]  # what `torchdebug show`, the reports and the dashboard say
@@ -326,7 +326,7 @@ def test_every_tracker_says_the_verdict_of_show(faulty: dict[str, Any]) -> None:
 
 def test_the_tally_keeps_the_verdict_exact_in_bounded_memory() -> None:
     from torchdebug.sinks._records import KEEP, Finding, Scalars, Tally
-    from torchdebug.store._verdict import judge
+    from torchdebug.views.verdict import judge
 
     def anomaly(step: int, module: str) -> dict[str, Any]:
         return {
@@ -581,7 +581,7 @@ def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.Mon
     (mrun,) = mlflow.MlflowClient().search_runs(["0"])
     assert mrun.info.status == "FAILED" and mrun.data.tags["torchdebug/verdict"] == verdict
     (end,) = [r for r in handler.records if r.torchdebug["record"] == "end"]
-    from torchdebug.store._verdict import verdict as judged
+    from torchdebug.views.verdict import verdict as judged
 
     assert judged(run)["text"] == verdict  # the sentence of `torchdebug show`
     assert (end.levelname, end.torchdebug["status"], end.torchdebug["verdict"]) == (

@@ -12,7 +12,7 @@ from tests.fixtures import watched_runs as W
 from tests.fixtures.runs import write_small_run
 from torchdebug.health.divergence import DivergenceRule
 from torchdebug.store import open_run
-from torchdebug.store._verdict import group_anomalies, judge, verdict
+from torchdebug.views.verdict import group_anomalies, judge, verdict
 
 A = {
     "summary": "nan born in forward of fc2 (Linear): aten.addmm at train.py:42 (step 6)",

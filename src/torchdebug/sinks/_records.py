@@ -237,7 +237,7 @@ KEEP = 2000
 
 
 class Tally:
-    """What went by, for the verdict: :func:`torchdebug.store._verdict.judge` over the same documents
+    """What went by, for the verdict: :func:`torchdebug.views.verdict.judge` over the same documents
     ``show`` reads back, so every tracker gets the sentence of ``show``, the reports and the dashboard.
 
     Kept, in bounded memory: the first ``KEEP`` anomaly documents (and the earliest-step one when it
@@ -308,7 +308,7 @@ class Tally:
             self._earliest = doc
 
     def _see_event(self, doc: dict[str, Any]) -> None:
-        from ..store._verdict import DIVERGENCE, DIVERGENCE_END
+        from ..views.verdict import DIVERGENCE, DIVERGENCE_END
 
         self.events += 1
         if doc.get("kind") in (DIVERGENCE, DIVERGENCE_END):
@@ -323,7 +323,7 @@ class Tally:
 
     def judge(self, status: str) -> dict[str, Any]:
         """``judge(status, ...)`` over what was kept (the same result as over the whole run)."""
-        from ..store._verdict import judge
+        from ..views.verdict import judge
 
         anomalies = self._anomaly_docs + ([self._earliest] if self._earliest is not None else [])
         loud = [d for d in (self._first_loud, self._first_error) if d is not None]

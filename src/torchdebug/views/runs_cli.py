@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError
 from .._term import printable
+from ..store.reader import resolve_run
 
 _MAX_METRICS = 20
 _MAX_ANOMALIES = 20
@@ -53,7 +53,7 @@ def _non_default(config: dict[str, Any]) -> dict[str, Any]:
 def _runs(args: argparse.Namespace) -> int:
     from .._term import style, use_colour
     from ..cli import default_runs_dir
-    from .reader import list_runs
+    from ..store.reader import list_runs
 
     root = Path(args.runs or args.dir or default_runs_dir())
     if not root.exists():
@@ -93,28 +93,6 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
-    """A run folder from a path, or from a name under ``root`` (the newest ``<name>-<timestamp>``).
-
-    Raises:
-        RunStoreError: nothing matches (the message says where it looked).
-    """
-    p = Path(run)
-    if p.exists():
-        return p
-    base = Path(root)
-    if base.is_dir() and os.sep not in run:
-        if (base / run).exists():
-            return base / run
-        # Folder names end in -yyyymmdd-hhmmss, so the lexically last match is the newest run.
-        matches = sorted(
-            c for c in base.iterdir() if c.name.startswith(run + "-") and (c / "meta.json").is_file()
-        )
-        if matches:
-            return matches[-1]
-    raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
-
-
 def lost_line(lost: int, from_step: int | None, error: str | None = None) -> str:
     """The one line that says a run is incomplete because records could not be written."""
     at = f" from step {from_step} on" if from_step is not None else ""
@@ -140,9 +118,9 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 def _show(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
-    from ._ranks import rank_overview
-    from ._verdict import verdict
-    from .reader import open_run
+    from ..store.ranks import rank_overview
+    from ..store.reader import open_run
+    from .verdict import verdict
 
     path = resolve_run(args.run, args.runs or default_runs_dir())
     with open_run(path, rank=args.rank) as run:
@@ -224,14 +202,14 @@ def _show(args: argparse.Namespace) -> int:
         if not events:
             out.append("  none")
         if any(k in events for k in ("spike_report", "rollback")):
-            from ._spikes import spike_lines
+            from .spikes import spike_lines
 
             out += ["", *spike_lines(run.events())]
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
         if overview is not None:  # several ranks: one view of all of them
-            from ._ranks import overview_lines
+            from .ranks import overview_lines
 
             out.append("")
             out += overview_lines(overview)

@@ -9,7 +9,7 @@ from importlib import resources
 from typing import Any
 
 from ...events import module_label
-from ...store._verdict import group_anomalies
+from ..verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, json_safe
 from ._rankview import render_ranks
 
@@ -122,7 +122,7 @@ def _rng(lo: Any, hi: Any) -> str:
 
 
 def render_verdict(verdict: Mapping[str, Any]) -> str:
-    """The run's one-sentence verdict (``torchdebug.store._verdict.judge``), coloured by its level."""
+    """The run's one-sentence verdict (``torchdebug.views.verdict.judge``), coloured by its level."""
     level = str(verdict.get("level", "warning"))
     return f'<p class="verdict {_e(level)}" role="status"><b>{_e(verdict.get("text", ""))}</b></p>'
 
@@ -201,7 +201,7 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
 
 def render_spikes(events: Sequence[Mapping[str, Any]]) -> str:
     """Loss spikes (``spike_report`` and ``rollback`` events) as a table: step, what, cause, named, message."""
-    from ...store._spikes import spike_rows
+    from ..spikes import spike_rows
 
     rows = [
         f'<tr class="sev-warning"><td class="num">{_e(fmt_num(r["step"]))}</td><td>{_e(r["kind"])}</td>'

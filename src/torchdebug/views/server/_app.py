@@ -598,7 +598,7 @@ def create_app(
     )
     def api_ranks(run_id: str) -> Response:
         """Per-rank step time, data wait, memory, grad norm; anomalies with their rank; hangs; stragglers."""
-        from ...store._ranks import rank_overview
+        from ...store.ranks import rank_overview
 
         with opened(run_id) as run:
             ov = views_cache.get(run.path, "ranks", lambda: json_safe(rank_overview(run)))
