@@ -54,6 +54,7 @@ def _runs(args: argparse.Namespace) -> int:
     from .._term import style, use_colour
     from ..cli import default_runs_dir
     from ..store.reader import list_runs
+    from .verdict import verdict_of
 
     root = Path(args.runs or args.dir or default_runs_dir())
     if not root.exists():
@@ -62,28 +63,40 @@ def _runs(args: argparse.Namespace) -> int:
             "torchdebug runs --runs DIR"
         )
     infos = list_runs(root)
+    # the verdict of each readable run: a finished run with 790 NaN steps is not green
+    judged = [
+        verdict_of(i.path)
+        if i.status != "unreadable"
+        else {"level": "error", "text": f"unreadable: {i.error}"}
+        for i in infos
+    ]
     if args.json:
-        print(json.dumps([i.to_dict() for i in infos], indent=2))
+        docs = [
+            {**i.to_dict(), "verdict": {"level": v["level"], "text": v["text"]}}
+            for i, v in zip(infos, judged, strict=True)
+        ]
+        print(json.dumps(docs, indent=2))
         return 0
     if not infos:
         print(f"no runs in {root}")
         return 0
-    rows: list[tuple[str, ...]] = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
-    for i in infos:
+    rows: list[tuple[str, ...]] = [("NAME", "STATUS", "VERDICT", "STEPS", "ANOMALIES", "CREATED", "PATH")]
+    for i, v in zip(infos, judged, strict=True):
         created = (i.created or "-").replace("T", " ")[:19]
         status = f"{i.status}, incomplete" if i.lost else i.status
-        cells = (i.name, status, str(i.steps), str(i.anomalies), created)
+        cells = (i.name, status, str(v["level"]), str(i.steps), str(i.anomalies), created)
         rows.append((*(printable(c, _MAX_NAME) for c in cells), printable(i.path)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    numeric = {2, 3}
+    numeric = {3, 4}
     colour = use_colour(sys.stdout)
     for n, r in enumerate(rows):
         padded = [r[c].rjust(widths[c]) if c in numeric else r[c].ljust(widths[c]) for c in range(len(r))]
-        if n:  # the status (red failed/crashed, yellow running, green finished) and a non-zero anomaly count
-            info = infos[n - 1]
-            padded[1] = style(padded[1], "warning" if info.lost else info.status, colour)
-            if info.anomalies:
-                padded[3] = style(padded[3], "error", colour)
+        if n:  # status and verdict in the verdict's colour (green only with nothing to act on)
+            level = judged[n - 1]["level"]
+            padded[1] = style(padded[1], level, colour)
+            padded[2] = style(padded[2], level, colour)
+            if infos[n - 1].anomalies:
+                padded[4] = style(padded[4], "error", colour)
         print("  ".join(padded).rstrip())
     for i in infos:
         if i.error:

@@ -1,13 +1,18 @@
 """A run's verdict: its status and the most important finding in one sentence, and repeated anomalies grouped.
 
-One pure function (:func:`judge`) over what the store reads back, so ``torchdebug show``, the text,
-JSON and HTML reports and the dashboard all say the same thing. :func:`verdict` reads a ``Run`` and
-calls it.
+One pure function (:func:`judge`) over what the store reads back, so ``torchdebug show`` and
+``runs``, the text, JSON and HTML reports, the dashboard, the trackers and the notebook reprs all
+say the same thing. :func:`verdict` reads a ``Run`` and calls it.
 
-Order of importance: a NaN/Inf (the first one's origin), then a loss divergence that did not
-recover, then other error or warning rule events; a run with none of them is ``ok``. The level is
-what a view colours: ``ok`` (green) only for a finished run with no anomaly, no divergence and no
-warning; ``running`` while the writer is open.
+Findings are ranked by severity and consequence, not by time (:data:`RANKS`): a NaN/Inf (the first
+one's origin), a loss divergence that did not recover, an error event (out of memory, a hang), a
+loss spike that was rolled back or explained, a divergence that recovered, a training-health warning
+(exploding gradients, ...), and last a throughput or resource hint (``input_bound``,
+``slowdown``...). The sentence names the most important finding of each of the first classes
+present, then counts the rest by kind (``also 6 input_bound, 1 update_ratio``). The level is what a
+view colours: ``ok`` (green) only for a finished run with no finding a user must act on (no anomaly,
+no divergence, no warning or error event; info events are not findings); ``running`` while the
+writer is open.
 """
 
 from __future__ import annotations
@@ -135,6 +140,115 @@ def _divergence_text(d: Mapping[str, Any]) -> str:
     return f"diverged at step {d['step']} ({change}), recovered by step {d['recovered_step']}"
 
 
+#: A finding's class, most important first: what ruined the run, then what it recovered from, then
+#: what slowed it. :data:`RANKS` maps an event kind to its class; a kind not named there ranks by
+#: its severity (``error``: ERROR_EVENT, ``warning``: HEALTH).
+NONFINITE, OPEN_DIVERGENCE, ERROR_EVENT, SPIKE, RECOVERED, HEALTH, HINT = range(7)
+RANKS: dict[str, int] = {
+    # the same incident as a NaN/Inf record, seen by another rule: counted with it, never ahead of it
+    "nonfinite_gradients": NONFINITE,
+    "clip_nonfinite": NONFINITE,
+    "lr_nonfinite": NONFINITE,
+    # a spike rolled back changed the run; a spike report (on_spike="warn") explains a spike and leads
+    # the health warnings (_FIRST_IN_CLASS): its cause, not the gradient rule's generic advice
+    "rollback": SPIKE,
+    "rollback_unavailable": SPIKE,
+    # throughput and resource hints: worth knowing, never ahead of what went wrong with the training
+    "input_bound": HINT,
+    "slowdown": HINT,
+    "straggler": HINT,
+    "snapshot_cost": HINT,
+    "device_mix": HINT,
+    "flops_not_counted": HINT,
+    "module_memory_not_measured": HINT,
+    "profile": HINT,
+}
+# within a class these kinds come first (then by step): the cause before its echoes
+_FIRST_IN_CLASS = ("spike_report", "rollback", "gradient_explosion", "loss_spike", "vanishing_gradient")
+# a sentence names at most this many findings (each of a different class above HEALTH) before "also"
+_SAID = 2
+
+Found = tuple[int, str, str, Any, int, str]  # (rank, kind, level, step, count, text)
+
+
+def event_rank(kind: Any, severity: Any) -> int:
+    """The class of a warning or error rule event (a lower number is more important).
+
+    Example: ``event_rank("input_bound", "warning") == HINT``, ``event_rank("hang", "error") == ERROR_EVENT``.
+    """
+    if isinstance(kind, str) and kind in RANKS:
+        return RANKS[kind]
+    return ERROR_EVENT if severity == "error" else HEALTH
+
+
+def _event_order(e: Mapping[str, Any]) -> tuple[int, int, float]:
+    kind = e.get("kind")
+    first = _FIRST_IN_CLASS.index(kind) if kind in _FIRST_IN_CLASS else len(_FIRST_IN_CLASS)
+    step = e.get("step")
+    return (event_rank(kind, e.get("severity")), first, step if isinstance(step, int) else math.inf)
+
+
+def _event_text(e: Mapping[str, Any]) -> str:
+    at = f" at step {e.get('step')}" if e.get("step") is not None else ""
+    return f"{e.get('kind')}{at}: {e.get('message')}"
+
+
+def _findings(
+    anomalies: Sequence[Mapping[str, Any]],
+    n_bad: int,
+    divs: list[dict[str, Any]],
+    loud: list[Mapping[str, Any]],
+    counts: Mapping[str, int],
+) -> list[Found]:
+    """Every finding, the most important first (stable within a class: the order given)."""
+    found: list[Found] = []
+    if anomalies:
+        # the earliest step's anomaly (the first logged among equals): where the trouble began
+        first = min(anomalies, key=lambda a: a["step"] if isinstance(a.get("step"), int) else math.inf)
+        origin = anomaly_text(first)
+        step = first.get("step")
+        if n_bad > 1:
+            text = f"{n_bad} steps with non-finite values, first at step {step}: {origin}"
+        else:
+            text = "non-finite values " + (origin if step is None else f"at step {step}: {origin}")
+        found.append((NONFINITE, str(first.get("kind", "nan")), "error", step, max(n_bad, 1), text))
+    for d in divs:
+        rank = OPEN_DIVERGENCE if d["recovered_step"] is None else RECOVERED
+        found.append((rank, DIVERGENCE, "warning", d["step"], 1, _divergence_text(d)))
+    for e in loud:
+        kind = str(e.get("kind"))
+        level = "error" if e.get("severity") == "error" else "warning"
+        found.append(
+            (
+                event_rank(kind, e.get("severity")),
+                kind,
+                level,
+                e.get("step"),
+                counts.get(kind, 1),
+                _event_text(e),
+            )
+        )
+    found.sort(key=lambda f: f[0])
+    return found
+
+
+def _clauses(found: list[Found], counts: Mapping[str, int]) -> list[str]:
+    """The sentence's clauses: the first finding of each class above the health warnings (at most
+    ``_SAID``), or the most important warning or hint alone; then the rest counted by kind."""
+    said: list[Found] = []
+    for f in found:
+        if not said or (f[0] < HEALTH and f[0] != said[-1][0] and len(said) < _SAID):
+            said.append(f)
+    rest = {k: n - sum(f[1] == k for f in said) for k, n in counts.items()}
+    rest = {k: n for k, n in rest.items() if n > 0}
+    out = [f[5] for f in said]
+    if rest:
+        order = {f[1]: i for i, f in reversed(list(enumerate(found)))}
+        kinds = sorted(rest, key=lambda k: (order.get(k, len(order)), k))
+        out.append("also " + ", ".join(f"{rest[k]} {k}" for k in kinds))
+    return out
+
+
 def judge(
     status: str,
     *,
@@ -144,7 +258,7 @@ def judge(
     events: Sequence[Mapping[str, Any]],
     lost: int = 0,
     anomaly_steps: int | None = None,
-    loud_events: int | None = None,
+    event_counts: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The verdict of a run from what the store holds (pure: same input, same sentence).
 
@@ -153,59 +267,52 @@ def judge(
         steps: distinct steps with metrics; ``last_step``: the last step recorded (None: none).
         anomalies, events: ``run.anomalies()`` / ``run.events()``.
         lost: records the writer could not store (the run is incomplete).
-        anomaly_steps, loud_events: when ``anomalies`` / ``events`` are a bounded sample (the
-            trackers' tally of a live run), the exact number of distinct steps with an anomaly and of
-            warning/error events other than divergences; None: counted from the lists.
+        anomaly_steps, event_counts: when ``anomalies`` / ``events`` are a bounded sample (the
+            trackers' tally of a live run keeps each kind's first events), the exact number of
+            distinct steps with an anomaly and of warning/error events by kind (divergences apart);
+            None: counted from the lists.
 
     Returns:
-        ``{"status", "level": ok|running|warning|error, "text": one sentence, "groups":
-        group_anomalies(anomalies), "anomaly_steps": distinct steps with an anomaly,
-        "divergences": divergences(events)}``.
+        ``{"status", "level": ok|running|warning|error, "text": one sentence, "findings": every
+        warning/error finding ranked (``rank``, ``kind``, ``level``, ``step``, ``count``, ``text``;
+        the sentence leads with the first), "groups": group_anomalies(anomalies), "anomaly_steps":
+        distinct steps with an anomaly, "divergences": divergences(events)}``.
 
     Example:
         >>> judge("finished", steps=2000, last_step=1999, anomalies=[], events=[])["text"]
         'finished: 2000 steps, no anomalies'
     """
     groups = group_anomalies(anomalies)
-    bad_steps = sorted({a["step"] for a in anomalies if isinstance(a.get("step"), int)})
+    bad_steps = {a["step"] for a in anomalies if isinstance(a.get("step"), int)}
     n_bad = len(bad_steps) if anomaly_steps is None else anomaly_steps
     divs = divergences(events)
-    open_divs = [d for d in divs if d["recovered_step"] is None]
-    loud = [
-        e
-        for e in events
-        if e.get("severity") in ("warning", "error") and e.get("kind") not in (DIVERGENCE, DIVERGENCE_END)
-    ]
-    errors = [e for e in loud if e.get("severity") == "error"]
-    n_loud = len(loud) if loud_events is None else loud_events
-
-    findings: list[str] = []  # the most important first
+    loud = sorted(
+        (
+            e
+            for e in events
+            if e.get("severity") in ("warning", "error") and e.get("kind") not in (DIVERGENCE, DIVERGENCE_END)
+        ),
+        key=_event_order,
+    )
+    counts: dict[str, int] = {}
+    if event_counts is None:
+        for e in loud:
+            counts[str(e.get("kind"))] = counts.get(str(e.get("kind")), 0) + 1
+    else:
+        counts = {str(k): int(n) for k, n in event_counts.items() if n}
+    found = _findings(anomalies, n_bad, divs, loud, counts)
+    findings = _clauses(found, counts)
     level = "ok"
-    nan_first: str | None = None  # "at step 6: nan born in ..." (the failure's own sentence)
-    if anomalies:
-        # the earliest step's anomaly (the first logged among equals): where the trouble began
-        first = min(anomalies, key=lambda a: a["step"] if isinstance(a.get("step"), int) else math.inf)
-        origin = anomaly_text(first)
-        first_step = first.get("step")
-        nan_first = origin if first_step is None else f"at step {first_step}: {origin}"
-        if n_bad > 1:
-            findings.append(f"{n_bad} steps with non-finite values, first at step {first_step}: {origin}")
-        else:
-            findings.append(f"non-finite values {nan_first}")
-        level = "error"
-    if divs:
-        findings.append(_divergence_text((open_divs or divs)[0]))
-        level = "error" if level == "error" else "warning"
-    if not findings and loud:
-        e = (errors or loud)[0]
-        more = f" (and {n_loud - 1} more)" if n_loud > 1 else ""
-        findings.append(f"{e.get('kind')} at step {e.get('step')}: {e.get('message')}{more}")
-        level = "error" if errors else "warning"
+    if found:
+        level = "error" if any(f[2] == "error" for f in found) else "warning"
 
     if status == "failed":
         level = "error"
-        if nan_first is not None and (n_bad <= 1 or not nan_first.startswith("at step")):
-            text = f"failed {nan_first}" if nan_first.startswith("at step") else f"failed: {nan_first}"
+        nan = found[0] if found and found[0][0] == NONFINITE else None
+        if nan is not None and nan[4] <= 1:  # the failure's own sentence: "failed at step 6: nan born in ..."
+            text = "failed " + nan[5].removeprefix("non-finite values ")
+            if not text.startswith("failed at step"):
+                text = text.replace("failed ", "failed: ", 1)
             rest = findings[1:]
         else:
             text = "failed" + (f" at step {last_step}" if last_step is not None else "")
@@ -222,8 +329,8 @@ def judge(
         text = f"{status}, {lead}" + "; ".join(findings)
     else:
         text = f"{status}: {steps} steps, no anomalies"
-        if status != "finished":  # unreadable or unknown: not a clean bill of health
-            level = "warning"
+        if status != "finished":  # crashed, unreadable or unknown: not a clean bill of health
+            level = "error" if status == "crashed" else "warning"
     if lost:
         text += f"; incomplete: {lost} records lost"
         level = "error" if level == "error" else "warning"
@@ -231,6 +338,10 @@ def judge(
         "status": status,
         "level": level,
         "text": text,
+        "findings": [
+            {"rank": f[0], "kind": f[1], "level": f[2], "step": f[3], "count": f[4], "text": f[5]}
+            for f in found
+        ],
         "groups": groups,
         "anomaly_steps": n_bad,
         "divergences": divs,
@@ -254,4 +365,31 @@ def verdict(run: Any) -> dict[str, Any]:
     )
 
 
-__all__ = ["LEVELS", "anomaly_text", "divergences", "group_anomalies", "group_key", "judge", "verdict"]
+def verdict_of(path: Any) -> dict[str, Any]:
+    """:func:`verdict` of the run folder ``path`` (opened read-only and closed again), or, when it
+    cannot be read, ``{"status": "unreadable", "level": "error", "text": "unreadable: <why>"}``.
+
+    What ``torchdebug runs`` colours each run by. Cost: one read of the run's anomaly and event
+    tables (a few ms for thousands of records).
+    """
+    from ..store import open_run
+
+    try:
+        with open_run(path) as run:
+            return verdict(run)
+    except Exception as e:  # a malformed run fails alone, whatever is wrong with it
+        return {"status": "unreadable", "level": "error", "text": f"unreadable: {e}"}
+
+
+__all__ = [
+    "LEVELS",
+    "RANKS",
+    "anomaly_text",
+    "divergences",
+    "event_rank",
+    "group_anomalies",
+    "group_key",
+    "judge",
+    "verdict",
+    "verdict_of",
+]

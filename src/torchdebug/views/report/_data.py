@@ -235,6 +235,8 @@ def build_report(
         "level": v["level"],
         "text": v["text"],
         "anomaly_steps": v["anomaly_steps"],
+        # every finding ranked (the sentence leads with the first): kind, level, step, count, text
+        "findings": v["findings"],
         "groups": [
             {
                 "summary": anomaly_text(g["anomaly"]),

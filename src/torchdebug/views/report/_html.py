@@ -36,6 +36,7 @@ h2 { font-size: 16px; margin: 18px 0 8px; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; background: #607d8b; color: #fff; }
 .badge.running { background: var(--run); } .badge.ok { background: #2e7d32; } .badge.warning { background: #b45309; }
 .badge.error { background: #c62828; }
+.verdict-cell.error { color: var(--bad); } .verdict-cell.warning { color: var(--warn); }
 .verdict { margin: 12px 0 4px; padding: 10px 14px; border-radius: 6px; background: var(--card);
            border: 1px solid var(--line); border-left: 6px solid #607d8b; font-size: 16px; overflow-wrap: anywhere; }
 .verdict.ok { border-left-color: var(--ok); } .verdict.running { border-left-color: var(--run); }
