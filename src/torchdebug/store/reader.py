@@ -998,3 +998,25 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, f"{type(e).__name__}: {e}"))
     infos.sort(key=lambda i: (i.created or "", str(i.path)))
     return infos
+
+
+def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
+    """A run folder from a path, or from a name under ``root`` (the newest ``<name>-<timestamp>``).
+
+    Raises:
+        RunStoreError: nothing matches (the message says where it looked).
+    """
+    p = Path(run)
+    if p.exists():
+        return p
+    base = Path(root)
+    if base.is_dir() and os.sep not in run:
+        if (base / run).exists():
+            return base / run
+        # Folder names end in -yyyymmdd-hhmmss, so the lexically last match is the newest run.
+        matches = sorted(
+            c for c in base.iterdir() if c.name.startswith(run + "-") and (c / "meta.json").is_file()
+        )
+        if matches:
+            return matches[-1]
+    raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
