@@ -17,7 +17,7 @@ import itertools
 import math
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -403,13 +403,21 @@ class TransferView(Protocol):
 
 
 class CoordinatorView(Protocol):
-    """What the sentinel asks of the distributed coordinator (``session/distributed.py``)."""
+    """What the step and the rare paths ask of the distributed coordinator (``session/distributed.py``):
+    after the read, ``agree`` (the decision every rank takes, into the readout) before the sentinel's
+    verdict; ``anomaly`` builds a new one on every rank (``build``: this rank's replay)."""
 
-    def param_share(self, mon: Any) -> list[int] | None: ...
-    def params_flagged(self, mon: Any) -> bool | None: ...
+    def param_share(self, mon: SessionView) -> list[int] | None: ...
+    def params_flagged(self, mon: SessionView) -> bool | None: ...
     def params_agree(self, mine: bool) -> list[int]: ...
-    def step_bad(self, mon: Any) -> bool: ...
-    def anomaly(self, mon: Any) -> Anomaly: ...
+    def agree(self, mon: SessionView, readout: Readout, mine: bool) -> Readout: ...
+    def anomaly(self, mon: SessionView, build: Callable[[], Anomaly]) -> Anomaly: ...
+
+
+class LearningRates(Protocol):
+    """What instruments read of the optimizer hyperparameter check (``nonfinite/hyperparams.py``)."""
+
+    def describe_lrs(self, fallback: Any = None, roots: dict[str, Any] | None = None) -> str: ...
 
 
 class SessionView(Protocol):
@@ -463,6 +471,14 @@ class SessionView(Protocol):
     def grad_norm_host(self) -> float | None: ...
     @property
     def grad_norms_host(self) -> list[float] | None: ...
+    @property
+    def hyperparams(self) -> LearningRates: ...  # ``describe_lrs()``: the lrs the last update used
+    @property
+    def lr_labels(
+        self,
+    ) -> list[str] | None: ...  # the LR events' name of each param group (several optimizers)
+
+    def optimizer_label(self, opt: Any, k: int = 0) -> str: ...  # the model an optimizer steps, else opt<k>
 
     def due(self, every: int | None) -> bool: ...
     def emit(self, event: RuleEvent) -> None: ...
