@@ -31,8 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
-    from ..store import open_run
-    from ..store._cli import resolve_run
+    from ..store import open_run, resolve_run
     from .compare import compare_runs, render_compare_html, render_compare_text
     from .report._format import json_safe
 

@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..store._verdict import verdict as run_verdict
 from .report._format import fmt_num, is_finite, json_safe, natural_key
+from .verdict import verdict as run_verdict
 
 #: the metrics whose parting ``compare_runs`` looks for, in order
 PART_METRICS = ("loss", "grad_norm")
