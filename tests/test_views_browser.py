@@ -328,6 +328,12 @@ def test_markers_sit_on_a_lane_below_the_plot(browser: Any, reports: dict[str, P
             "[...document.querySelectorAll('#chart-loss g.marks path')].map(p => p.getAttribute('transform').split(',')[1])"
         )
         assert len(set(rows)) == 2
+        # the lane answers the hover: a marker reads out what it marks
+        page.locator("#chart-loss").scroll_into_view_if_needed()
+        box = page.locator("#chart-loss g.marks path").last.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        tip = page.locator("#chart-loss .tip")
+        assert tip.is_visible() and "anomaly: nan in " in tip.inner_text()
     finally:
         page.close()
     assert errors == []

@@ -394,7 +394,8 @@
         mark(gm, Math.min(L + pw - 6, Math.max(L + 6, X(t.x[j]))), y, (t.marker && t.marker.symbol) || "x", colors[t.name]);
       }
     });
-    hover(svg, box, series, { L: L, T: T, pw: pw, ph: ph, X: X, xs0: xs0, xs1: xs1 }, st, fig, colors);
+    // the hover area covers the lane too: a marker reads out its text there
+    hover(svg, box, series, { L: L, T: T, pw: pw, ph: laneH ? laneT + laneHH - T : ph, X: X, xs0: xs0, xs1: xs1 }, st, fig, colors);
   }
 
   function pathOf(xs, ys, X, Y, ok, hv) {
