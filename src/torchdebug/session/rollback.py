@@ -113,7 +113,7 @@ class RollbackRefused(RuntimeError):
     """A snapshot that cannot be put back whole (the message says why); nothing was restored."""
 
 
-def _optimizers(mon: Any) -> list[Any]:
+def _optimizers(mon: Session) -> list[Any]:
     """Every optimizer of the session (several models: each one's), in order."""
     opts = list(getattr(mon, "optimizers", None) or [])
     return opts or ([mon.optimizer] if mon.optimizer is not None else [])
