@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .._errors import RunStoreError, SchemaVersionError
 from . import _rollup
+from ._validate import regular
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
@@ -316,7 +317,7 @@ def writer_is_open(run_dir: Path, rank: int) -> bool:
     except ImportError:
         return False
     try:
-        fd = os.open(lock_path(run_dir, rank), os.O_RDONLY)
+        fd = os.open(lock_path(run_dir, rank), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait
     except OSError:
         return False
     try:
@@ -346,9 +347,9 @@ def _check_file(path: Path) -> bytes:
 
     Returns the 100-byte header. Never advises deleting: a file that fails here cannot be opened at all.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        header = f.read(100)
+    with regular(path) as fd:  # a FIFO or a device is refused, never waited on
+        size = os.fstat(fd).st_size
+        header = os.read(fd, 100)
     if len(header) < 100 or header[:16] != _MAGIC:
         raise RunStoreError(
             f"{path} is not a SQLite database (corrupt or overwritten); the run cannot be read, "
@@ -463,7 +464,7 @@ def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
             message says what is missing and never advises deleting a file SQLite can open.
         SchemaVersionError: written by a newer torchdebug.
     """
-    if not path.is_file():
+    if not path.exists():
         raise RunStoreError(f"{path} does not exist; is the run folder complete?")
     header = _check_file(path)
     how, note = _read_mode(path, header), None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import re
 import socket
@@ -129,13 +128,9 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise RunStoreError(f"{path} is not a torchdebug run (not a folder); {_NOT_A_RUN_HINT}")
     meta_file = path / "meta.json"
-    if not meta_file.is_file():
+    if not meta_file.exists():
         raise RunStoreError(f"{path} is not a torchdebug run (no meta.json); {_NOT_A_RUN_HINT}")
-    try:
-        raw = meta_file.read_bytes()
-    except OSError as e:
-        raise RunStoreError(f"cannot read {meta_file}: {e}") from e
-    meta = _validate.meta(raw, str(meta_file))
+    meta = _validate.meta(_validate.read_file(meta_file, _validate.META_CAP), str(meta_file))
     version = meta.get("schema_version")
     if isinstance(version, int) and version > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -223,7 +218,9 @@ class Run:
         meta = self.meta
         meta_file = self.path / "meta.json"
         try:
-            meta = self.meta = _validate.meta(meta_file.read_bytes(), str(meta_file))
+            meta = self.meta = _validate.meta(
+                _validate.read_file(meta_file, _validate.META_CAP), str(meta_file)
+            )
         except (OSError, RunStoreError):
             pass  # mid-replace or damaged since it was opened: the meta.json read at open stands
         if self.rank != meta.get("rank", 0):
@@ -346,14 +343,27 @@ class Run:
 
     def anomalies_frame(self) -> Any:
         """Anomalies as a pandas DataFrame, in the order logged: ``step``, ``kind``, ``phase``,
-        ``module``, ``op``, ``location``, ``rank``, ``summary``.
+        ``module``, ``parameter``, ``op``, ``location``, ``rank``, ``symptom``, ``detected_by``,
+        ``summary``. An anomaly seen in a parameter (no replay) names the module that owns it;
+        ``op`` and ``location`` are missing (NaN) where no replay traced them.
 
         Raises:
             ImportError: pandas is not installed (the message names the fix).
         """
         pd = _pandas("anomalies_frame")
-        columns = ["step", "kind", "phase", "module", "op", "location", "rank", "summary"]
-        frame = pd.DataFrame([{c: a.get(c) for c in columns} for a in self.anomalies()], columns=columns)
+        columns = [
+            "step", "kind", "phase", "module", "parameter", "op", "location", "rank", "symptom",
+            "detected_by", "summary",
+        ]  # fmt: skip
+
+        def row(a: dict[str, Any]) -> dict[str, Any]:
+            r = {c: a.get(c) for c in columns}
+            parameter = a.get("parameter")
+            if not r["module"] and isinstance(parameter, str) and "." in parameter:
+                r["module"] = parameter.rsplit(".", 1)[0]  # the module that owns the parameter
+            return r
+
+        frame = pd.DataFrame([row(a) for a in self.anomalies()], columns=columns)
         frame["step"] = frame["step"].astype("Int64")
         return frame
 
@@ -934,8 +944,7 @@ def _quick_info(path: Path) -> RunInfo | None:
     folder = os.fspath(path)
     try:
         meta_file = os.path.join(folder, "meta.json")
-        with open(meta_file, "rb") as f:
-            meta = _validate.meta(f.read(), meta_file)
+        meta = _validate.meta(_validate.read_file(meta_file, _validate.META_CAP), meta_file)
         status = meta.get("status")
         version = meta.get("schema_version")
         if (
@@ -944,8 +953,8 @@ def _quick_info(path: Path) -> RunInfo | None:
             or (isinstance(version, int) and version > SCHEMA_VERSION)
         ):
             return None
-        with open(os.path.join(folder, SUMMARY_FILE), "rb") as f:
-            doc = json.loads(f.read())
+        summary = os.path.join(folder, SUMMARY_FILE)
+        doc = _validate.load(_validate.read_file(summary, _validate.SUMMARY_CAP), summary)
         db = os.path.join(folder, "rank0.sqlite")
         st = os.stat(db)
         if (
@@ -956,7 +965,7 @@ def _quick_info(path: Path) -> RunInfo | None:
             or not all(type(doc.get(k)) is int and doc[k] >= 0 for k in ("steps", "anomalies"))
         ):
             return None
-    except (OSError, ValueError, RunStoreError):
+    except Exception:  # a shortcut only: whatever is odd, the database says it
         return None
     lost = meta.get("lost")
     frm, err = meta.get("lost_from_step"), meta.get("write_error")
@@ -1045,3 +1054,25 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, f"{type(e).__name__}: {e}"))
     infos.sort(key=lambda i: (i.created or "", str(i.path)))
     return infos
+
+
+def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
+    """A run folder from a path, or from a name under ``root`` (the newest ``<name>-<timestamp>``).
+
+    Raises:
+        RunStoreError: nothing matches (the message says where it looked).
+    """
+    p = Path(run)
+    if p.exists():
+        return p
+    base = Path(root)
+    if base.is_dir() and os.sep not in run:
+        if (base / run).exists():
+            return base / run
+        # Folder names end in -yyyymmdd-hhmmss, so the lexically last match is the newest run.
+        matches = sorted(
+            c for c in base.iterdir() if c.name.startswith(run + "-") and (c / "meta.json").is_file()
+        )
+        if matches:
+            return matches[-1]
+    raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
