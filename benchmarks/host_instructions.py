@@ -88,7 +88,7 @@ def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
             train_step(w, model, opt, batches[i % 4])
         lib.td_window_stop()
         return
-    config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()
+    config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()  # type: ignore[arg-type]
     run = False if variant.endswith("_norun") else tempfile.mkdtemp(prefix="td-instr-")
     with td.watch(model, opt, run=run, config=config) as mon:
         writer = getattr(mon, "writer", None)
