@@ -1160,24 +1160,129 @@ def _autocast(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
         yield
 
 
+# torch-level calls that write into an argument: in-place methods (``add_``), in-place operators,
+# ``out=``, and the norms that update running statistics (the positions of those statistics)
+_INPLACE_OPERATORS = frozenset(
+    f"__i{op}__"
+    for op in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+    )
+) | {"__setitem__"}
+_RUNNING_STATS = {"batch_norm": (1, 2, 3, 4), "instance_norm": (1, 2)}
+_RUNNING_STAT_NAMES = ("running_mean", "running_var")
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a recorded torch-level call writes into (approximately, by its name; ``[]``: none).
+    ``torch.batch_norm`` takes its running statistics at 3 and 4, ``F.batch_norm`` at 1 and 2: both
+    are copied (a weight or bias copied too costs a copy and changes nothing)."""
+    name = getattr(func, "__name__", "")
+    out: list[torch.Tensor] = []
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS:
+        out += tensor_leaves(args[:1])
+    if kwargs.get("out") is not None:
+        out += tensor_leaves(kwargs["out"])
+    if name in _RUNNING_STATS:
+        out += [a for i, a in enumerate(args) if i in _RUNNING_STATS[name] and isinstance(a, torch.Tensor)]
+        out += [kwargs[k] for k in _RUNNING_STAT_NAMES if isinstance(kwargs.get(k), torch.Tensor)]
+    return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # no plain storage (wrapper subclasses, sparse): treated as the user's
+        return None
+
+
+def user_storages(caps: Iterable[StepCapture]) -> set[int | None]:
+    """The storages of the user's tensors a replay reads: what the recorded calls and forwards took
+    that no recorded call made (the batch, a label tensor, an unwatched module's buffers). A replayed
+    view of one shares its storage."""
+    made: set[int] = set()
+    taken: list[torch.Tensor] = []
+    for cap in caps:
+        taken += tensor_leaves((cap.args, cap.kwargs))
+        made |= {id(t) for t in tensor_leaves(cap.outputs)}
+        for entry in cap.tape:
+            taken += tensor_leaves((entry[2], entry[3]))
+            made |= {id(t) for t in tensor_leaves(entry[5])}
+    return {_storage_ptr(t) for t in taken if id(t) not in made}
+
+
+def apart_from_user(tensors: Any, params: set[int], made: dict[int, torch.Tensor]) -> None:
+    """Stand-ins, in ``made``, for the user's tensors in ``tensors`` that require grad and are not the
+    watched parameters (an input with ``requires_grad``, an unwatched model's output or parameter):
+    detached leaves of the replay's own. The replay's backward then stops there: it neither frees a
+    graph of the user's still waiting for its backward nor adds to a ``.grad`` of the user's."""
+    for t in tensor_leaves(tensors):
+        if t.requires_grad and id(t) not in params and id(t) not in made:
+            made[id(t)] = t.detach().requires_grad_()
+
+
+def writes_apart(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    made: dict[int, torch.Tensor],
+    sub: Callable[[torch.Tensor], Any],
+    user: set[int | None],
+) -> None:
+    """A recorded call that writes into a tensor of the user's (``label.fill_(0)``, an unwatched
+    BatchNorm's running statistics, a replayed view of the batch) runs, in a replay, on a copy
+    (entered in ``made``): the user's tensor keeps its values and its version. Known limitation: a
+    write into a replayed view is not seen by its replayed base."""
+    for t in _written_args(func, args, kwargs):
+        cur = sub(t)
+        if id(t) in made and _storage_ptr(cur) not in user:
+            continue  # the replay's own tensor
+        with torch.no_grad():
+            copy = cur.detach().clone()
+        made[id(t)] = copy.requires_grad_().clone() if cur.requires_grad else copy
+
+
 @contextlib.contextmanager
 def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
-    """Leave the user's grads, buffers and RNG exactly as they were after the replay."""
+    """Leave the user's grads, buffers and RNG exactly as they were after the replay.
+
+    The replay runs on copies of the buffers (a BatchNorm's running statistics, its
+    ``num_batches_tracked``): each module's buffer slot holds a clone while it runs and the user's
+    tensor after, never written. A copy back into the user's tensor would bump its version, and a
+    graph of the user's still waiting for its backward (a GAN's ``fake = G(z)``, used again after D's
+    update) saved those tensors: its ``backward()`` would raise. Cost: one copy of the buffers.
+    """
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    slots = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    copies: dict[int, torch.Tensor] = {}  # a buffer two modules share gets one copy
     rng = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if uses_cuda and torch.cuda.is_available() else None
     for p in params:
         p.grad = None
     try:
+        with torch.no_grad():
+            for m, k, b in slots:
+                if id(b) not in copies:
+                    copies[id(b)] = b.clone()
+                m._buffers[k] = copies[id(b)]
         yield
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        for m, k, b in slots:
+            m._buffers[k] = b
         torch.set_rng_state(rng)
         if rng_cuda is not None:
             torch.cuda.set_rng_state_all(rng_cuda)
@@ -1203,15 +1308,21 @@ def replay_capture(
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer
+    made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
+    params = {id(p) for p in model.parameters()}
+    apart_from_user((cap.args, cap.kwargs, [(e[2], e[3]) for e in cap.tape]), params, made)
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
     with _preserved_state(model, uses_cuda):
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
         with _eager(), tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
-            out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
+            out = (cap.module if cap.module is not None else model)(
+                *map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub)
+            )
             if tracer.symptom is not None:
                 return tracer
-            loss = _rerun_tape(cap, out, tracer) if cap.tape_complete else None
+            loss = _rerun_tape(cap, out, tracer, made) if cap.tape_complete else None
             if loss is not None:
                 loss.backward(gradient=cap.loss_grad)
                 return tracer
@@ -1227,18 +1338,21 @@ def replay_capture(
     return tracer
 
 
-def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | None:
+def _rerun_tape(
+    cap: StepCapture, out: Any, tracer: Tracer, mapping: dict[int, torch.Tensor]
+) -> torch.Tensor | None:
     if cap.loss is None:
         return None
-    mapping: dict[int, torch.Tensor] = {}
     for o, n in zip(tensor_leaves(cap.outputs), tensor_leaves(out)):
         mapping[id(o)] = n
     sub = lambda t: mapping.get(id(t), t)  # noqa: E731
+    user = user_storages([cap])
     try:
         for func, _types, args, kwargs, raw, res in cap.tape:
             _check_loss_inputs(cap, args, kwargs, mapping, raw, tracer)
             if tracer.symptom is not None:
                 break
+            writes_apart(func, args, kwargs, mapping, sub, user)
             tracer.location_override = format_frames(raw)
             try:
                 new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .._trees import map_tensors, tensor_leaves
-from .locate import StepCapture, _autocast, _preserved_state
+from .locate import StepCapture, _autocast, _preserved_state, user_storages, writes_apart
 
 MAX_PARTS = 512
 
@@ -55,8 +55,9 @@ def row_losses(
                 torch.cuda.set_rng_state_all(cap.rng_cuda)
             with _autocast(cap.autocast):
                 out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
-                full = _loss(cap, out, None, n, params)
-                parts = [_loss(cap, out, slice(a, min(a + step, n)), n, params) for a in starts]
+                user = user_storages([cap])
+                full = _loss(cap, out, None, n, params, user)
+                parts = [_loss(cap, out, slice(a, min(a + step, n)), n, params, user) for a in starts]
     except Exception as exc:  # the loss code does not run on a slice: no rows, and why
         return None, [], None, f"the loss code failed on one row: {type(exc).__name__}: {exc}"
     sizes = [min(a + step, n) - a for a in starts]
@@ -70,8 +71,11 @@ def row_losses(
     return parts, starts, reduction, ""
 
 
-def _loss(cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[int]) -> float:
-    """The recorded loss code on ``rows`` of the outputs and batch tensors (None: the whole batch)."""
+def _loss(
+    cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[int], user: set[int | None]
+) -> float:
+    """The recorded loss code on ``rows`` of the outputs and batch tensors (None: the whole batch); a
+    call that writes into a tensor of the user's (``user``: their storages) writes into a copy."""
     mapping: dict[int, torch.Tensor] = {}
     for o, t in zip(tensor_leaves(cap.outputs), tensor_leaves(out)):
         mapping[id(o)] = t[rows] if rows is not None and t.dim() >= 1 and t.shape[0] == n else t
@@ -85,6 +89,7 @@ def _loss(cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[in
         return t
 
     for func, _types, args, kwargs, _raw, res in cap.tape:
+        writes_apart(func, args, kwargs, mapping, sub, user)
         new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
         for o, t in zip(tensor_leaves(res), tensor_leaves(new)):
             mapping[id(o)] = t

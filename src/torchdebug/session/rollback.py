@@ -397,8 +397,15 @@ class SpikeGuard:
             ev.rows_note = "no captured micro-step (the sentinel is off, or replay=False)"
             return
         best: tuple[float, Any] | None = None
-        for i, cap in enumerate(caps):
-            got = row_losses(mon.model, cap, uses_cuda=_uses_cuda(mon))
+        # the session ignores the replay's forwards (a watched model's forward hooks would capture them
+        # and open a loss tape that outlives the session), as it does the sentinel's replay
+        sentinel, was = mon.sentinel, mon.sentinel.replaying
+        sentinel.replaying = True
+        try:
+            got_all = [row_losses(mon.model, cap, uses_cuda=_uses_cuda(mon)) for cap in caps]
+        finally:
+            sentinel.replaying = was
+        for i, got in enumerate(got_all):
             if got[0] is None:
                 ev.rows_note = got[3]
                 continue
