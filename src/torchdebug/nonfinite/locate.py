@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._frames import format_frames, raw_user_frames, user_location, user_stack
+from .._tensors import stored_values
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, ModuleFrame, Phase
 from ..memory.analysis import storage_key
@@ -106,20 +107,25 @@ class _Flags:
         return "inf" if self.posinf else "-inf"
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _checkable(t: Any) -> bool:
+    """A floating tensor with values to check: strided, or sparse (its stored values are checked)."""
     return (
         isinstance(t, torch.Tensor)
         and (t.is_floating_point() or t.is_complex())
-        and t.layout == torch.strided
+        and (t.layout == torch.strided or t.layout in _SPARSE)
         and t.device.type != "meta"
         and t.numel() > 0
     )
 
 
 def _flags(t: torch.Tensor) -> _Flags:
-    """Counts of NaN/+Inf/-Inf; a single reduction when the tensor is finite (the common case)."""
+    """Counts of NaN/+Inf/-Inf (a sparse tensor's: of its stored values); a single reduction when the
+    tensor is finite (the common case)."""
     with torch._C.DisableTorchFunction():
-        x = t.detach()
+        x = stored_values(t.detach())
         if x.is_complex():
             x = torch.view_as_real(x)
         # A finite sum proves every element finite (one pass, no mask); an overflowing sum of finite
@@ -508,7 +514,7 @@ class Tracer:
                 vals = []
                 bad = False
                 for t in ts:
-                    a = t.detach().abs().float()
+                    a = stored_values(t.detach()).abs().float()
                     fin = torch.isfinite(a)
                     bad = bad or not bool(fin.all())
                     vals.append(torch.where(fin, a, 0).max())
@@ -1411,8 +1417,8 @@ def bad_rows(t: torch.Tensor, nan_only: bool = False) -> str:
     """Which rows (indices along dim 0, the batch) of ``t`` hold NaN/Inf: ``"rows 2, 5 (2 of 8 rows)"``,
     the first few and the count; ``""`` for a scalar or a single row. The index is what finds the bad
     sample (file, line) in a dataset. Rare path: one reduction and a host read."""
-    if t.dim() == 0 or t.shape[0] < 2:
-        return ""
+    if t.dim() == 0 or t.shape[0] < 2 or t.layout != torch.strided:
+        return ""  # (a sparse tensor: its stored values hold no rows)
     with torch._C.DisableTorchFunction(), torch.no_grad():
         x = t.detach()
         x = torch.view_as_real(x) if x.is_complex() else x

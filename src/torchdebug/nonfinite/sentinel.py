@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .._step import OK, SCALER_SKIP, Readout, SeenGrads, SessionView, StepState, Verdict
-from .._tensors import dtensor_type, finite_probe, local
+from .._tensors import dtensor_type, finite_probe, local, stored_values
 from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
@@ -457,7 +457,9 @@ class Sentinel(EditCheck):
             mon.param_names[i]
             for i in suspects
             if i < len(mon.params)
-            and not bool(torch.isfinite(local(mon.params[i].detach())).all())  # exact: rare path
+            and not bool(
+                torch.isfinite(stored_values(local(mon.params[i].detach()))).all()
+            )  # exact: rare path
         ]
         ranks = (
             coord.params_agree(bool(bad)) if coord is not None and flagged else []
@@ -511,7 +513,7 @@ class Sentinel(EditCheck):
         if self.grads_gone:
             return False  # judged one step later (sync="async"): the probe's verdict stands
         seen = None if now else self.st.seen.get(i)
-        g = local(seen if seen is not None else self.mon.params[i].grad)
+        g = stored_values(local(seen if seen is not None else self.mon.params[i].grad))  # sparse: values
         return g is None or bool(torch.isfinite(g).all())
 
     def grads_bad(self) -> bool:

@@ -13,7 +13,7 @@ import math
 import torch
 
 from .._step import SessionView
-from .._tensors import finite_probe, local
+from .._tensors import finite_probe, local, stored_values
 from ..events import Anomaly, Phase
 from ..stats import analyze_tensor
 
@@ -37,7 +37,7 @@ def loaded_anomaly(mon: SessionView, when: str = "when the session started") -> 
     bad = [
         i
         for i, x in enumerate(probe)
-        if not math.isfinite(x) and not bool(torch.isfinite(local(params[i].detach())).all())
+        if not math.isfinite(x) and not bool(torch.isfinite(stored_values(local(params[i].detach()))).all())
     ]
     if not bad:
         return None
