@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -453,3 +454,55 @@ def test_under_sync_async_raise_reaches_the_loop() -> None:
             mon.step()
     assert err.value.report.step == SPIKE and reached == SPIKE + 1
     assert err.value.report.cause == "batch"
+
+
+@dataclasses.dataclass
+class RegressionOutput:
+    """What a Hugging Face model returns (its ``ModelOutput`` is a dataclass): the loss it computed."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class SelfLossNet(Net):
+    """``model(x, labels=y).loss``: the loss is computed inside the forward, as Hugging Face models do."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> RegressionOutput:  # type: ignore[override]
+        pred = super().forward(x)
+        return RegressionOutput(F.mse_loss(pred, labels) if labels is not None else None, pred)
+
+
+def test_rows_are_named_when_the_model_computes_the_loss_itself() -> None:
+    torch.manual_seed(0)
+    model = SelfLossNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    batches = data(SPIKE + 3, {SPIKE: {3: 100.0, 17: 60.0}})
+    with pytest.warns(TorchDebugWarning), watched(model, opt) as mon:
+        for x, y in batches:
+            loss = model(x, labels=y).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    assert spikes_of(mon) == [(SPIKE, "batch")]
+    report = mon.spikes[0]
+    # one forward per row on the row's inputs and labels: the two scaled rows, the largest first
+    assert [r.index for r in report.rows] == [3, 17]
+    assert report.evidence["rows"]["count"] == BATCH
+
+
+def test_a_loss_the_replay_cannot_split_says_why() -> None:
+    from torchdebug.nonfinite.locate import StepCapture
+    from torchdebug.nonfinite.rows import row_losses
+
+    model = Net()
+    x = torch.randn(4, D_IN)
+    cap = StepCapture.take((x,), {}, False)
+    cap.outputs = model(x)
+    cap.loss = cap.outputs.sum() * 2  # made after the forward, but no torch call was recorded
+    cap.tape_complete = True
+    assert row_losses(model, cap)[3] == (
+        "the loss is neither one of the model's outputs nor made by torch calls after its forward"
+    )
+    cap.tape_complete = False
+    assert row_losses(model, cap)[3].startswith("the loss code was not recorded (trace_loss off")

@@ -98,6 +98,35 @@ def test_warning_events_keep_finished_from_green() -> None:
     )
 
 
+def test_a_spike_reports_cause_leads_over_the_rules_it_explains() -> None:
+    # step 5: the gradient explosion and the loss jump are what the spike made; its report says why
+    ev = [
+        {
+            "kind": "gradient_explosion",
+            "step": 5,
+            "severity": "warning",
+            "message": "Lower the learning rate",
+        },
+        {"kind": "spike_report", "step": 5, "severity": "warning", "message": "cause batch: rows 3, 17"},
+        {"kind": "loss_spike", "step": 5, "severity": "warning", "message": "loss 9 is 40 sigmas"},
+    ]
+    v = judge("finished", steps=8, last_step=7, anomalies=[], events=ev)
+    assert v["text"] == "finished, but spike_report at step 5: cause batch: rows 3, 17 (and 2 more)"
+    # the trackers' bounded tally keeps that report and says the same sentence
+    from torchdebug.sinks._records import Finding, Scalars, Tally
+
+    tally = Tally()
+    for step in range(8):
+        tally.see(Scalars(step, {"torchdebug/loss": 1.0}, None, True))
+    for e in ev:
+        tally.see(Finding("event", e["step"], {k: v for k, v in e.items() if k != "step"}))
+    assert tally.end("finished", None).verdict == v["text"]
+    # a report of a later step does not jump ahead of an earlier finding
+    later = [ev[0], {**ev[1], "step": 9}]
+    v = judge("finished", steps=10, last_step=9, anomalies=[], events=later)
+    assert v["text"] == "finished, but gradient_explosion at step 5: Lower the learning rate (and 1 more)"
+
+
 def test_groups_fold_same_origin_and_same_symptom() -> None:
     sym = {"kind": "nan", "phase": "backward", "module": None, "symptom": "grad of fc1.weight"}
     other = dict(A, module="fc1", step=9)

@@ -266,6 +266,7 @@ class Tally:
         self._divergence_events: list[dict[str, Any]] = []
         self._first_loud: dict[str, Any] | None = None
         self._first_error: dict[str, Any] | None = None
+        self._lead_spike: dict[str, Any] | None = None  # a spike report at the first loud step
         self._loud = 0
 
     def see(self, rec: Any) -> None:
@@ -308,7 +309,7 @@ class Tally:
             self._earliest = doc
 
     def _see_event(self, doc: dict[str, Any]) -> None:
-        from ..store._verdict import DIVERGENCE, DIVERGENCE_END
+        from ..store._verdict import DIVERGENCE, DIVERGENCE_END, SPIKE_REPORT
 
         self.events += 1
         if doc.get("kind") in (DIVERGENCE, DIVERGENCE_END):
@@ -318,6 +319,12 @@ class Tally:
             self._loud += 1
             if self._first_loud is None:
                 self._first_loud = doc
+            elif (
+                self._lead_spike is None
+                and doc.get("kind") == SPIKE_REPORT
+                and doc.get("step") == self._first_loud.get("step")
+            ):
+                self._lead_spike = doc  # judge() leads with it (store/_verdict.py: lead_event)
             if self._first_error is None and doc.get("severity") == "error":
                 self._first_error = doc
 
@@ -326,9 +333,8 @@ class Tally:
         from ..store._verdict import judge
 
         anomalies = self._anomaly_docs + ([self._earliest] if self._earliest is not None else [])
-        loud = [d for d in (self._first_loud, self._first_error) if d is not None]
-        if len(loud) == 2 and loud[0] is loud[1]:
-            loud = loud[:1]
+        loud = [d for d in (self._first_loud, self._lead_spike, self._first_error) if d is not None]
+        loud = [d for i, d in enumerate(loud) if all(d is not e for e in loud[:i])]
         return judge(
             status,
             steps=self.steps,

@@ -20,6 +20,7 @@ from typing import Any
 LEVELS = ("ok", "running", "warning", "error")
 DIVERGENCE = "divergence"
 DIVERGENCE_END = "divergence_end"
+SPIKE_REPORT = "spike_report"  # the loss-spike forensics' report (session/rollback.py)
 # Anomaly.summary()'s trailing "(step 7)" or "(step 7, born on rank 1 of 2)": the step goes, the rank stays
 _WHEN = re.compile(r" \(step -?\d+(?:, ([^)]*))?\)$")
 
@@ -135,6 +136,16 @@ def _divergence_text(d: Mapping[str, Any]) -> str:
     return f"diverged at step {d['step']} ({change}), recovered by step {d['recovered_step']}"
 
 
+def lead_event(loud: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The warning or error event a verdict leads with: the first error, else the first warning; a
+    loss spike's report at that step comes first (its cause, ``batch: rows 3, 17``, explains the
+    gradient explosion or the loss jump the rules saw at that step, and their advice does not)."""
+    e = next((x for x in loud if x.get("severity") == "error"), loud[0])
+    if e.get("kind") == SPIKE_REPORT or e.get("severity") == "error":
+        return e
+    return next((x for x in loud if x.get("kind") == SPIKE_REPORT and x.get("step") == e.get("step")), e)
+
+
 def judge(
     status: str,
     *,
@@ -197,7 +208,7 @@ def judge(
         findings.append(_divergence_text((open_divs or divs)[0]))
         level = "error" if level == "error" else "warning"
     if not findings and loud:
-        e = (errors or loud)[0]
+        e = lead_event(loud)
         more = f" (and {n_loud - 1} more)" if n_loud > 1 else ""
         findings.append(f"{e.get('kind')} at step {e.get('step')}: {e.get('message')}{more}")
         level = "error" if errors else "warning"
@@ -254,4 +265,13 @@ def verdict(run: Any) -> dict[str, Any]:
     )
 
 
-__all__ = ["LEVELS", "anomaly_text", "divergences", "group_anomalies", "group_key", "judge", "verdict"]
+__all__ = [
+    "LEVELS",
+    "anomaly_text",
+    "divergences",
+    "group_anomalies",
+    "group_key",
+    "judge",
+    "lead_event",
+    "verdict",
+]
