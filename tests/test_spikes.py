@@ -362,6 +362,23 @@ def test_rows_that_are_many_are_not_a_few_rows() -> None:
     assert attribute(ev).cause == "batch" and [r.index for r in attribute(ev).rows] == list(range(24, 32))
 
 
+def test_a_spike_before_the_loss_recovered_from_the_last_is_the_same_incident() -> None:
+    # rows as a few bad rows would make them: 2 of 32 at 50, the rest at 1 (a batch, alone)
+    rows = [1.0] * 30 + [50.0] * 2
+    ev = Evidence(step=47, loss=4.06, median=1.0, sigma=0.1, mads=10.0, rows=rows, reduction="mean")
+    assert attribute(ev).cause == "batch"
+    # ... but the loss had not come back from an optimizer_state spike at step 40 (median 0.9 then):
+    # the rows measure the model that spike left, so no batch is blamed, and it is that incident
+    ev.notes["unrecovered"] = {"step": 40, "cause": "optimizer_state", "median": 0.9}
+    report = attribute(ev)
+    assert (report.cause, report.began, report.rows) == ("optimizer_state", 40, ())
+    assert report.message == (
+        "the same incident as the spike at step 40 (cause optimizer_state): the loss had not come back "
+        "to its median 0.9 since"
+    )
+    assert report.evidence["batch_why"].startswith("the loss had not come back to its median 0.9 since the")
+
+
 def test_under_sync_async_the_spike_is_judged_a_step_late_and_still_rolled_back() -> None:
     torch.manual_seed(0)
     model = Net()
