@@ -77,6 +77,16 @@ class _StepMarks:
     samples: int = 0
     tokens: int = 0
     step: int = 0
+    cpu: float = math.nan  # this process's CPU seconds over the step (host clock only)
+
+
+def machine_load() -> tuple[float, int]:
+    """(load average over the last minute, CPU count): how busy the machine is, for the slowdown rule.
+
+    Raises OSError where there is no load average (Windows)."""
+    import os
+
+    return os.getloadavg()[0], os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,8 @@ class StepTiming:
     total: float
     samples: int = 0
     tokens: int = 0
+    # this process's CPU seconds (all its threads) over the step; NaN where not measured (CUDA)
+    cpu: float = math.nan
 
     @property
     def samples_per_s(self) -> float | None:
@@ -148,8 +160,14 @@ class SlowdownRule:
     ignores jitter the run always had. A step joins the baseline once it leaves the recent window;
     inside an episode the baseline is frozen, so a slowdown that lasts does not become the norm and
     fire again. Sustained means in time too: the median must stay slow for ``min_duration_s`` of
-    steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` warning when an episode starts (naming the phase whose median grew
+    steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` event when an episode starts (naming the phase whose median grew
     most), one ``slowdown_end`` info event when it ends, with its length in steps.
+
+    This process's work or a busy machine: when the steps carry their CPU time (``StepTiming.cpu``)
+    and the process's CPU seconds per step grew by less than ``own_share`` of the wall-clock growth,
+    the process did the same work and waited for a CPU: other processes took the machine. That
+    ``slowdown`` is information (severity ``info``, the machine's load average said), not a warning
+    about the training; a slowdown the process's own CPU time explains is a ``warning``.
 
     Args:
         factor: how many times the baseline a slow median is (> 1).
@@ -158,6 +176,10 @@ class SlowdownRule:
         min_s: smallest rise in seconds that counts (sub-millisecond steps jitter by more than 1.5x).
         mads: robust sigmas of the baseline a rise must exceed.
         min_duration_s: seconds of slow steps (after the median turned) before it is an episode.
+        own_share: the share of the extra wall time this process's extra CPU time must explain for
+            the slowdown to be its own (below it: a contended machine).
+        load: the machine's (load average over 1 minute, CPU count), said with a contended slowdown;
+            None: not said.
 
     Example:
         >>> rule = SlowdownRule(recent=3, min_baseline=5, min_duration_s=0.1)
@@ -176,6 +198,8 @@ class SlowdownRule:
         min_s: float = 0.002,
         mads: float = 5.0,
         min_duration_s: float = 0.5,
+        own_share: float = 0.5,
+        load: Callable[[], tuple[float, int]] | None = None,
     ) -> None:
         if factor <= 1:
             raise ValueError(f"factor must be > 1, got {factor}")
@@ -184,6 +208,9 @@ class SlowdownRule:
         self.factor, self.min_s, self.mads = float(factor), float(min_s), float(mads)
         self.min_baseline = int(min_baseline)
         self.min_duration_s = float(min_duration_s)
+        self.own_share = float(own_share)
+        self.load = load
+        self._cpu = deque[float](maxlen=int(window))  # the baseline steps' CPU seconds
         self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
         self.recent: deque[StepTiming] = deque(maxlen=int(recent))
         self.baseline = RunningMedian(int(window))
@@ -191,6 +218,16 @@ class SlowdownRule:
         self._phases = {k: deque[float](maxlen=int(window)) for k in _RULE_PHASES}
         self.start: int | None = None  # first step of the current episode
         self.count = 0  # episodes
+
+    def _load_text(self, evidence: dict[str, Any]) -> str:
+        if self.load is None:
+            return ""
+        try:
+            avg, cpus = self.load()
+        except OSError:  # no load average on this platform
+            return ""
+        evidence.update(load_1min=avg, cpus=cpus)
+        return f" (load average {avg:.1f} on {cpus} CPUs)"
 
     def update(self, t: StepTiming) -> list[RuleEvent]:
         """Feed one step's timing; the episode's start or end event, or nothing."""
@@ -201,6 +238,8 @@ class SlowdownRule:
                 x = float(getattr(old, k))
                 if math.isfinite(x):  # as RunningMedian.push: NaN/Inf would poison the window
                     m.append(x)
+            if math.isfinite(old.cpu):
+                self._cpu.append(old.cpu)
         self.recent.append(t)
         if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
             return []
@@ -223,27 +262,37 @@ class SlowdownRule:
             }
             phase = max(grown, key=lambda k: grown[k])
             now = _median([getattr(r, phase) for r in self.recent])
-            return [
-                RuleEvent(
-                    kind="slowdown",
-                    step=t.step,
-                    message=(
-                        f"steps got slower since about step {self.start}: median step time "
-                        f"{med * 1e3:.1f} ms over the last {len(self.recent)} steps, {med / base:.1f}x the "
-                        f"median {base * 1e3:.1f} ms before; {phase} grew most "
-                        f"({(now - grown[phase]) * 1e3:.1f} -> {now * 1e3:.1f} ms)"
-                    ),
-                    evidence={
-                        "step_s": med,
-                        "median_s": base,
-                        "factor": self.factor,
-                        "phase": phase,
-                        "since": self.start,
-                        **{f"{k}_grown_s": v for k, v in grown.items()},
-                        **t.as_log(),
-                    },
-                )
-            ]
+            said = (
+                f"steps got slower since about step {self.start}: median step time "
+                f"{med * 1e3:.1f} ms over the last {len(self.recent)} steps, {med / base:.1f}x the "
+                f"median {base * 1e3:.1f} ms before; {phase} grew most "
+                f"({(now - grown[phase]) * 1e3:.1f} -> {now * 1e3:.1f} ms)"
+            )
+            evidence: dict[str, Any] = {
+                "step_s": med,
+                "median_s": base,
+                "factor": self.factor,
+                "phase": phase,
+                "since": self.start,
+                **{f"{k}_grown_s": v for k, v in grown.items()},
+                **t.as_log(),
+            }
+            severity = "warning"
+            cpu_now = [r.cpu for r in self.recent if math.isfinite(r.cpu)]
+            if len(cpu_now) == len(self.recent) and len(self._cpu) >= self.min_baseline:
+                cpu_med, cpu_base = _median(cpu_now), _median(list(self._cpu))
+                evidence.update(cpu_s=cpu_med, cpu_median_s=cpu_base)
+                if cpu_med - cpu_base < self.own_share * (med - base):
+                    # the same work a step, more wall time: the process waited for a CPU
+                    severity = "info"
+                    said = (
+                        f"steps took {med / base:.1f}x longer since about step {self.start} (median "
+                        f"{med * 1e3:.1f} ms, {base * 1e3:.1f} ms before), but this process used about "
+                        f"the same CPU time per step ({cpu_med * 1e3:.1f} ms, {cpu_base * 1e3:.1f} ms "
+                        f"before): other processes are taking the machine's CPUs{self._load_text(evidence)}; "
+                        "nothing in this training changed"
+                    )
+            return [RuleEvent(kind="slowdown", step=t.step, message=said, severity=severity, evidence=evidence)]
         if not slow:
             self._pending = None
         if not slow and self.start is not None:
@@ -279,7 +328,9 @@ class TimingInstrument:
     steps before and above their jitter (a few slow steps, such as a gc pause, are not a slowdown;
     nor is a rise under ``min_slowdown_s``, the jitter of sub-millisecond steps); it names the phase
     that grew, and "slowdown_end" (info) says how long it lasted. Each rule fires once per episode. The first ``warmup``
-    steps (lazy init, allocator warm-up) are not fed to the rules.
+    steps (lazy init, allocator warm-up) are not fed to the rules. A slowdown with no more CPU
+    time per step (``cpu_clock``, this process's CPU seconds) is a busy machine, said as
+    information with the machine's ``load``, not a warning.
 
     Attributes:
         history: the last ``window`` :class:`StepTiming`.
@@ -294,15 +345,27 @@ class TimingInstrument:
     name = "timing"
 
     def __init__(
-        self, *, window: int = 20, warmup: int = 2, patience: int = 5, min_slowdown_s: float = 0.002
+        self,
+        *,
+        window: int = 20,
+        warmup: int = 2,
+        patience: int = 5,
+        min_slowdown_s: float = 0.002,
+        cpu_clock: Callable[[], float] = time.process_time,
+        load: Callable[[], tuple[float, int]] | None = machine_load,
     ) -> None:
         self.window = window
+        # this process's CPU seconds (all threads): the slowdown rule tells its own work from a busy
+        # machine. One clock_gettime(CLOCK_PROCESS_CPUTIME_ID) per step, about 1 µs.
+        self.cpu_clock = cpu_clock
+        self.load = load
+        self._cpu_start = math.nan
         self.min_slowdown_s = min_slowdown_s
         self.warmup = warmup
         self.history: deque[StepTiming] = deque(maxlen=window)
         self._data_share = RunningMedian(window)
         self._patience = patience
-        self._slowdown = SlowdownRule(recent=2 * patience - 1, min_s=min_slowdown_s)
+        self._slowdown = SlowdownRule(recent=2 * patience - 1, min_s=min_slowdown_s, load=load)
         self._input_bound_on = False
         self._pending: deque[_StepMarks] = deque()
         self._cur = _StepMarks()
@@ -320,6 +383,7 @@ class TimingInstrument:
             factor=float(getattr(mon.config, "slowdown_factor", 1.5)),
             recent=2 * self._patience - 1,
             min_s=self.min_slowdown_s,
+            load=self.load,
         )
         tps = getattr(mon.config, "tokens_per_step", None)
         self._tokens_per_step = int(tps) if tps else None
@@ -329,6 +393,8 @@ class TimingInstrument:
         m = self._clock.mark()
         self._cur = _StepMarks(start=m, step=step)
         self._last_mark = m
+        if not self._clock.cuda:  # on CUDA the host's CPU time says little about the step's work
+            self._cpu_start = self.cpu_clock()
 
     def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
@@ -379,6 +445,8 @@ class TimingInstrument:
         self._uncommitted = (None, None)
         cur = self._cur
         cur.end = self._clock.mark()
+        if not self._clock.cuda:
+            cur.cpu = self.cpu_clock() - self._cpu_start
         cur.step = int(getattr(record, "step", cur.step))
         if self._tokens_per_step:
             cur.tokens = self._tokens_per_step
@@ -425,6 +493,7 @@ class TimingInstrument:
             total=total,
             samples=m.samples,
             tokens=m.tokens,
+            cpu=m.cpu,
         )
         self.history.append(t)
         writer = mon.writer
