@@ -390,14 +390,14 @@ def test_policy_skip_said_once_per_episode_with_the_count(tmp_path) -> None:
     assert said[1][2] == line and said[3][2] == line
 
 
-def _with_cpu(times: list[StepTiming], cpu_of: Any) -> list[StepTiming]:
-    """The same steps, each with this process's CPU seconds ``cpu_of(t)``."""
-    return [dataclasses.replace(t, cpu=cpu_of(t)) for t in times]
+def _timed(times: list[StepTiming], cpu_of: Any, wait_of: Any) -> list[StepTiming]:
+    """The same steps, each with its CPU seconds ``cpu_of(t)`` and its wait for a CPU ``wait_of(t)``."""
+    return [dataclasses.replace(t, cpu=cpu_of(t), wait=wait_of(t)) for t in times]
 
 
 def test_a_busy_machine_is_information_and_own_work_a_warning() -> None:
-    # 600 jittery 5 ms steps of which 2 ms are compute (CPU), the loader's 3 ms sleep is not. Steps
-    # 300-449 take 10 ms more wall time in the forward (a clock injected, no wall time)
+    # 600 jittery 5 ms steps of which 2 ms are compute (CPU); steps 300-449 take 10 ms more wall
+    # time in the forward. Clocks injected: the CPU and run-queue seconds of each step are given
     base = jittery_step_times(600, 1)
     slow = [
         StepTiming(t.step, t.data, t.forward + 0.010, t.backward, t.optimizer, t.other, t.total + 0.010)
@@ -406,34 +406,45 @@ def test_a_busy_machine_is_information_and_own_work_a_warning() -> None:
         for t in base
     ]
     compute = {t.step: t.forward + t.backward + t.optimizer for t in base}
-    # a contended machine: the process used the same CPU time a step, it waited for a CPU
+
+    def slow_by(extra: float) -> Any:
+        return lambda t: extra if 300 <= t.step < 450 else 0.0
+
+    def cpu(extra: float) -> Any:
+        return lambda t: compute[t.step] + slow_by(extra)(t)
+
+    # a busy machine: the training thread waited the 10 ms for a CPU, it used the same CPU time
     busy = SlowdownRule(load=lambda: (7.9, 2))
-    events = [e for t in _with_cpu(slow, lambda t: compute[t.step]) for e in busy.update(t)]
+    events = [e for t in _timed(slow, cpu(0.0), slow_by(0.010)) for e in busy.update(t)]
     assert [(e.kind, e.severity) for e in events] == [("slowdown", "info"), ("slowdown_end", "info")]
     said = events[0].message
-    assert "but this process used about the same CPU time per step (2.0 ms, 2.0 ms before)" in said
+    assert "because the training thread waited 10.0 ms a step for a CPU (0.0 ms before)" in said
+    assert "it used 2.0 ms of CPU a step (2.0 ms before)" in said
     assert said.endswith(
         "other processes are taking the machine's CPUs (load average 7.9 on 2 CPUs); nothing in this training changed"
     )
     assert (events[0].evidence["load_1min"], events[0].evidence["cpus"]) == (7.9, 2)
-    # its own work: the extra 10 ms are CPU time of this process (a slower kernel): a warning
+    # its own work: the 10 ms are CPU time of this process (a slower kernel), no wait: a warning
     own = SlowdownRule(load=lambda: (7.9, 2))
-    mine = _with_cpu(slow, lambda t: compute[t.step] + (0.010 if 300 <= t.step < 450 else 0.0))
-    events = [e for t in mine for e in own.update(t)]
+    events = [e for t in _timed(slow, cpu(0.010), slow_by(0.0)) for e in own.update(t)]
     assert [(e.kind, e.severity) for e in events] == [("slowdown", "warning"), ("slowdown_end", "info")]
     assert events[0].message.startswith("steps got slower since about step")
-    assert events[0].evidence["cpu_s"] > events[0].evidence["cpu_median_s"] + 0.009
-    # half and half: 10 ms more wall time, 4 ms more CPU (less than half of it): the machine's
-    half = SlowdownRule()
-    mixed = _with_cpu(slow, lambda t: compute[t.step] + (0.004 if 300 <= t.step < 450 else 0.0))
-    assert next(e.severity for t in mixed for e in half.update(t)) == "info"
-    # without CPU times (a CUDA run's host clock says little): a warning, as before
+    # neither CPU nor a wait for one (a sleep, I/O, a lock): the process's own waiting, a warning
+    asleep = SlowdownRule()
+    first = next(e for t in _timed(slow, cpu(0.0), slow_by(0.0)) for e in asleep.update(t))
+    assert first.severity == "warning"
+    # 4 of the 10 ms a wait for a CPU: the other 6 ms still make its own steps slow (11 ms vs 5 ms)
+    part = SlowdownRule()
+    first = next(e for t in _timed(slow, cpu(0.0), slow_by(0.004)) for e in part.update(t))
+    assert first.severity == "warning"
+    # the wait not measured (not Linux, a CUDA run): a warning, as before
     plain = SlowdownRule()
     assert next(e.severity for t in slow for e in plain.update(t)) == "warning"
 
 
 def test_a_watched_cpu_run_times_its_steps_cpu() -> None:
-    # a real loop: every step's timing carries this process's CPU seconds (finite, not negative)
+    # a real loop: every step's timing carries this process's CPU seconds and the training thread's
+    # wait for a CPU (Linux: the run-queue delay), finite and not negative
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -445,4 +456,8 @@ def test_a_watched_cpu_run_times_its_steps_cpu() -> None:
             mon.step()
         (timing,) = [i for i in mon.instruments if i.name == "timing"]
         cpus = [t.cpu for t in timing.history]
+        waits = [t.wait for t in timing.history]
     assert len(cpus) == 6 and all(math.isfinite(c) and c >= 0 for c in cpus)
+    if sys.platform == "linux":
+        assert all(math.isfinite(w) and w >= 0 for w in waits)
+    assert timing.wait_clock is None  # the proc file closed at exit
