@@ -448,7 +448,7 @@ def test_a_watched_cpu_run_times_its_steps_cpu() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with tdm.watch(model, opt, run=None) as mon:
+    with tdm.watch(model, opt, run=False) as mon:
         for _ in range(6):
             opt.zero_grad()
             F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1)).backward()

@@ -53,7 +53,7 @@ def _loop(sched: str) -> list[str]:
     x, y = torch.randn(256, 16), torch.randn(256, 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with watch(model, opt, config={"detail_every": 4}) as mon:
+        with watch(model, opt, run=False, config={"detail_every": 4}) as mon:
             for step in range(steps):
                 i = (step * 32) % 256
                 loss = F.mse_loss(model(x[i : i + 32]), y[i : i + 32])
@@ -63,7 +63,12 @@ def _loop(sched: str) -> list[str]:
                 if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
                     scheduler.step()
                 mon.step()
-    assert [str(w.message) for w in caught if "update_ratio" not in str(w.message)] == []
+    # a load burst from other processes on a shared machine may be said (slowdown); nothing else
+    assert [
+        str(w.message)
+        for w in caught
+        if "update_ratio" not in str(w.message) and "slowdown" not in str(w.message)
+    ] == []
     return [e.message for e in mon.events if e.kind == "update_ratio"]
 
 
