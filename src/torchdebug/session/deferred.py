@@ -31,6 +31,7 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from .._errors import LossSpikeError, NonFiniteError
-from .._step import StepState
+from .._step import StepState, Update
 from .._tensors import Items
 from ..events import StepRecord
 from ..nonfinite.ledger import UpdateLedger
@@ -80,6 +81,7 @@ class _Pending:
     lr: tuple[float, ...] = ()
     time_s: float | None = None
     record: StepRecord | None = None  # the full record, once read
+    opts: list[Any] = dataclasses.field(default_factory=list)  # every optimizer handed the flag
 
     def ready(self) -> bool:
         return all(ev is None or ev.query() for _, ev in self.buffers)
@@ -207,6 +209,7 @@ class DeferredReads:
             if opt is not None and opt is not self.staged.opt:
                 if self.why_not(opt) is None:
                     self._hand_flag(opt)
+                    self.staged.opts.append(opt)
                 elif self.halt is not None and float(self.halt) > 0:  # blocking: it cannot skip itself
                     for g in opt.param_groups:
                         for p in g["params"]:
@@ -217,9 +220,11 @@ class DeferredReads:
         if self.why_not(opt) is not None:
             self.resolve(block=True)  # the blocking verdict comes after every earlier step's
             return False
-        mon.state.opt_ran = mon.state.opt_ran_in_scaler = True
+        mon.state.update = Update.RAN
         s.manual = False
-        s.probe_edits(opt)  # device work: gradients changed since backward()
+        s.edits.probe_edits(
+            mon.state, opt, mon.scaler, mon.optimizer
+        )  # device work: gradients changed since backward()
         items = mon._step_items()
         if not items or any([t.is_meta for _, t in items]):
             return False  # nothing to read, or a meta model: the blocking path says so
@@ -245,7 +250,13 @@ class DeferredReads:
         d = (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index)
         s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
         self.staged = _Pending(
-            mon.global_step, opt, spec, [self._copy(flat)], d, ledger=s.ledger.as_staged(mon.params)
+            mon.global_step,
+            opt,
+            spec,
+            [self._copy(flat)],
+            d,
+            ledger=s.ledger.as_staged(mon.params),
+            opts=[opt],
         )
         mon.transfer.synced = True
         # this step's norms come one step later: an instrument's before_optimizer_step (gradient
@@ -258,12 +269,21 @@ class DeferredReads:
         key = (tuple(spec), dev)
         got = self._layouts.get(key)
         if got is None:
-            sizes = torch.tensor([k for _, k in spec])
-            values = torch.tensor([n in _BAD_VALUES for n, _ in spec]).repeat_interleave(sizes)
-            flags = torch.tensor([n in _BAD_FLAGS for n, _ in spec]).repeat_interleave(sizes)
+            # built on the device by fills (one small kernel per item, once per layout): a host tensor
+            # copied over would be a pageable copy, which synchronizes with the device
+            total = sum(k for _, k in spec)
+            values = torch.zeros(total, dtype=torch.bool, device=dev)
+            flags = torch.zeros(total, dtype=torch.bool, device=dev)
+            at = 0
+            for n, k in spec:
+                if n in _BAD_VALUES:
+                    values[at : at + k] = True
+                elif n in _BAD_FLAGS:
+                    flags[at : at + k] = True
+                at += k
             if len(self._layouts) >= 8:  # a few layouts (ordinary, detail steps) in a session
                 self._layouts.clear()
-            got = self._layouts[key] = (values.to(dev), flags.to(dev))
+            got = self._layouts[key] = (values, flags)
         return got
 
     def _hand_flag(self, opt: Any) -> None:
@@ -303,7 +323,7 @@ class DeferredReads:
     def _step_end(self) -> StepRecord | None:
         p, mon = self.staged, self.mon
         if p is None:
-            if mon.sentinel.manual_update(mon):
+            if mon.sentinel.manual_update(mon.state, mon.optimizer is not None or mon.adopted):
                 self.why_not(None)  # an update by hand: said once
             self.resolve(block=True)  # a blocking step after async ones: theirs come first
             return None
@@ -406,7 +426,7 @@ class DeferredReads:
             mon.transfer.unpack(p.spec[2:], host[2:])
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
             # the verdict (may replay), then recorded and the policy applied (may raise)
-            mon.verdicts.apply(s.judge(at_optimizer=True, opt=p.opt))
+            mon.stepper.judge(at_optimizer=True, opt=p.opt)
             if halt > 0 and not mon.state.skipped:
                 held = bad == 0 and mon.state.step_anomaly is None
                 why = (
@@ -419,9 +439,11 @@ class DeferredReads:
                 mon.verdicts.mark_skipped(
                     why, severity="info"
                 )  # the anomaly (or the earlier one) was said already
+            if bad > 0:
+                _drop_bad_grads(p.opts, live[0])
             record = p.record = mon._record(lr=p.lr, time_s=p.time_s)
             mon.verdicts.say_skips()
-            s.after_step_end(mon, False)
+            s.after_step_end(mon.state, False, mon.driver)
             mon._each("on_step_end", record, record.values)
             mon._keep(record)
         finally:
@@ -441,6 +463,25 @@ class DeferredReads:
             self.step_end()
         self.resolve(block=True)
 
+    def settle(self, exc: BaseException) -> None:
+        """An exception (Ctrl-C included) left the session: judge and record what is in flight anyway,
+        so the run keeps the anomaly and the numbers of the steps before it. Never raises: the user's
+        exception goes on; under ``policy="raise"`` the anomaly rides on it as a note."""
+        self.restore()
+        try:
+            self.finish()
+        except (NonFiniteError, LossSpikeError) as err:
+            if hasattr(exc, "add_note") and err is not exc:
+                exc.add_note(str(err))  # the full diagnosis, under the user's traceback
+            with contextlib.suppress(Exception):
+                self.resolve(block=True)  # the steps after it (held on the device): recorded as skipped
+        except Exception as err:  # the machinery failed: the user's exception matters, ours is said
+            self.mon.warn_once(
+                "async:failed", f"torchdebug: sync='async' could not judge the last steps at exit ({err!r})"
+            )
+        finally:
+            self.discard()
+
     def restore(self) -> None:
         """Every optimizer's ``found_inf`` as it was before the session (also on exceptions)."""
         for saved in self._set.values():
@@ -452,6 +493,20 @@ class DeferredReads:
         self.restore()
         self.pending.clear()
         self.staged = None
+
+
+def _drop_bad_grads(opts: list[Any], live: StepState) -> None:
+    """A bad step's updates were skipped on the device, its gradients left in place: dropped now, as
+    the blocking read's ``policy="skip"`` drops them before the update, so the next step does not add
+    to them (a GAN's G is zeroed only after D's backward: its NaN gradients would make the next
+    step's total NaN and skip it too). Only while the step now running has had no backward yet (its
+    first forward, where a CPU or a finished copy is read); later, its own gradients are in them."""
+    if live.transfer.micro_bad or live.transfer.loss_vals:
+        return
+    for opt in opts:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = None  # rare path: once per bad step
 
 
 def _restore(opt: Any, had: bool, old: Any) -> None:
