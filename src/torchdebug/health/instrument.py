@@ -671,6 +671,12 @@ class UpdateRatioRule:
     0.15 of a small Linear(2304, 32) weight, 0.05 ten steps later; Adam's first steps are
     ``lr * sign(g)``). Once per parameter per episode.
 
+    A learning rate lowered on purpose: fed the step's learning rates (:meth:`see_lr`), the rule
+    keeps their peak; once the largest group's rate is at most ``lowered`` x that peak (the tail of a
+    cosine or linear decay, a step schedule's drops, a plateau scheduler's cuts, or the user's own
+    code lowering it), small updates are what the schedule asks for: "may be too low" is not said
+    then. Too-large updates are said at any learning rate.
+
     Example:
         >>> rule = UpdateRatioRule(1e-5, 1e-1)
         >>> rule.update(0, {"fc.weight": 0.5}, {"fc.weight": 2}) is None
@@ -679,22 +685,38 @@ class UpdateRatioRule:
         'update_ratio'
     """
 
-    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2) -> None:
+    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2, lowered: float = 0.5) -> None:
         self.lo, self.hi = float(lo), float(hi)
         self.patience = int(patience)
+        self.lowered = float(lowered)
+        self.lr_now = 0.0  # the largest group's learning rate at the last step, and its peak so far
+        self.lr_peak = 0.0
         self.streaks: dict[str, Streak] = {}
         self.active: set[str] = set()
         self.count = 0
 
+    def see_lr(self, lrs: Sequence[float]) -> None:
+        """Feed one step's learning rates (one per parameter group; host floats, no sync)."""
+        finite = [x for x in lrs if math.isfinite(x) and x > 0]
+        if finite:
+            self.lr_now = max(finite)
+            self.lr_peak = max(self.lr_peak, self.lr_now)
+
+    @property
+    def scheduled_down(self) -> bool:
+        """Whether the learning rate now is at most ``lowered`` x its peak (lowered on purpose)."""
+        return self.lr_peak > 0 and self.lr_now <= self.lowered * self.lr_peak
+
     def update(self, step: int, ratios: Mapping[str, float], ndims: Mapping[str, int]) -> RuleEvent | None:
         """Feed per-parameter update/weight ratios of one detail check and the parameters' ``ndim``."""
         judged = {n: r for n, r in ratios.items() if ndims.get(n, 0) >= 2 and r != 0 and r == r}  # no NaN
+        low_ok = self.scheduled_down  # the schedule lowered the rate: small updates are its intent
 
         def sustained(name: str, r: float) -> bool:
             streak = self.streaks.get(name)
             if streak is None:  # not setdefault: no new Streak per parameter per check
                 streak = self.streaks[name] = Streak(self.patience)
-            streak.update(r < self.lo or r > self.hi)
+            streak.update((r < self.lo and not low_ok) or r > self.hi)
             return streak.count >= self.patience
 
         flags = {n: float(sustained(n, r)) for n, r in judged.items()}
@@ -1006,6 +1028,7 @@ class GradientHealth:
                 self._emit_episode(mon, "level", event, self.growth.active)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
+        self.ratio_rule.see_lr(record.lr or ())
         for event in self.lr_rule.update(step, record.lr or (), mon.lr_labels):
             if event.kind == "lr_nonfinite" and "nonfinite" in mon.config.instruments():
                 continue  # the sentinel named it before the update, as an `optimizer` anomaly
