@@ -94,6 +94,14 @@ class _Guard:
         return list(mon.anomalies)
 
 
+@functools.cache
+def warm_up() -> None:
+    """Import what a guard's session needs, once per process, before a facade starts its clock."""
+    import torch.optim.optimizer  # noqa: F401
+
+    from ..session import monitor  # noqa: F401
+
+
 @contextlib.contextmanager
 def step_guard(
     model: nn.Module | None, config: DebugConfig, stop: str, sink: list[Anomaly]

@@ -530,21 +530,30 @@ def monitor_resources(
         out["warnings"].append(f"CPU use {cpu:.0f}% is above {cpu_threshold:g}%")
     if vm.percent > memory_threshold:
         out["warnings"].append(f"system memory use {vm.percent:.0f}% is above {memory_threshold:g}%")
-    if torch.cuda.is_available():
-        for dev in range(torch.cuda.device_count()):
-            alloc = int(torch.cuda.memory_allocated(dev))
-            g = {
-                "device": dev,
-                "allocated": alloc,
-                "reserved": int(torch.cuda.memory_reserved(dev)),
-                "total": int(torch.cuda.get_device_properties(dev).total_memory),
-            }
-            out["gpus"].append(g)
-            if gpu_memory_threshold_bytes is not None and alloc > gpu_memory_threshold_bytes:
-                out["warnings"].append(
-                    f"GPU {dev} allocated {alloc} bytes, above {gpu_memory_threshold_bytes}"
-                )
+    for g in _gpu_readings():
+        out["gpus"].append(g)
+        alloc = g["allocated"]
+        if gpu_memory_threshold_bytes is not None and alloc > gpu_memory_threshold_bytes:
+            out["warnings"].append(
+                f"GPU {g['device']} allocated {alloc} bytes ({alloc / 2**20:.1f} MiB), "
+                f"above {gpu_memory_threshold_bytes} bytes"
+            )
     return out
+
+
+def _gpu_readings() -> list[dict[str, int]]:
+    """Per CUDA device: allocated, reserved and total bytes (allocator counters: no device sync)."""
+    if not torch.cuda.is_available():
+        return []
+    return [
+        {
+            "device": dev,
+            "allocated": int(torch.cuda.memory_allocated(dev)),
+            "reserved": int(torch.cuda.memory_reserved(dev)),
+            "total": int(torch.cuda.get_device_properties(dev).total_memory),
+        }
+        for dev in range(torch.cuda.device_count())
+    ]
 
 
 __all__ = [
