@@ -1,8 +1,10 @@
-"""Walk and rebuild nested outputs (tuples, lists, dicts, dataclasses, namedtuples) to reach their tensors."""
+"""Walk and rebuild nested outputs (tuples, lists, dicts, dataclasses, namedtuples, plain objects) to reach their tensors."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +29,22 @@ def tensor_leaves(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             out.extend(tensor_leaves(getattr(obj, f.name, None), _depth + 1))
+    elif _plain_object(obj):
+        for v in list(vars(obj).values()):
+            out.extend(tensor_leaves(v, _depth + 1))
     return out
+
+
+def _plain_object(obj: Any) -> bool:
+    """A user's own result object (``outputs.loss``): instance attributes in ``__dict__``, and not a
+    module, class, function or module object (whose attributes are not the call's outputs)."""
+    return (
+        hasattr(obj, "__dict__")
+        and not isinstance(
+            obj, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module)
+        )
+        and type(obj).__module__ != "builtins"
+    )
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], _depth: int = 0) -> Any:
@@ -55,4 +72,15 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], _depth: int = 0) ->
             if f.init
         }
         return dataclasses.replace(obj, **changes)
+    if _plain_object(obj):
+        fields = vars(obj)
+        if not any(tensor_leaves(v, _depth + 1) for v in fields.values()):
+            return obj
+        try:
+            new = copy.copy(obj)  # a shallow copy with its tensor attributes replaced
+            for k, v in list(fields.items()):
+                setattr(new, k, map_tensors(v, fn, _depth + 1))
+        except Exception:
+            return obj  # an object that refuses copying or attributes: left as it was
+        return new
     return obj

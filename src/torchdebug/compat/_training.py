@@ -31,6 +31,8 @@ from ..stats import foreach_norms, total_norm
 from ._common import (
     HISTORY_SIZE,
     grad_norms,
+    nonfinite_optimizer_state,
+    optimizer_state_anomaly,
     replay_origin,
     resolve_config,
     rng_state,
@@ -260,9 +262,25 @@ class TrainingDebugger(PyTorchDebugger):
         out = self._observe(model, loss, step, locate=locate)
         bad = bool(out["nonfinite_gradients"]) or out["loss_anomaly"]
         if not bad:
+            bad = self._state_refused(model, optimizer, step, out)
+        if not bad:
             optimizer.step()
         out["skipped"] = bad
         return out
+
+    def _state_refused(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, out: dict[str, Any]
+    ) -> bool:
+        """Judge the update before it lands: a NaN/Inf in the optimizer state skips it (recorded, warned
+        or raised per the mode, naming ``<Optimizer>.step``). True when the update must not run."""
+        state_bad = nonfinite_optimizer_state(model, optimizer)
+        if not state_bad:
+            return False
+        anomaly = optimizer_state_anomaly(model, optimizer, state_bad, step)
+        out["anomaly"] = anomaly
+        self.anomaly_steps += 1
+        self._report(self.debug_history[-1], anomaly)  # the step's record (from _observe)
+        return True
 
     def __torchdebug_session__(self) -> Any:
         """The live-session view ``td.serve()`` talks to: this debugger's summaries, level and history."""
@@ -532,7 +550,15 @@ class PyTorchDebugManager:
             if anomaly is not None:
                 self._log_anomaly(anomaly)
                 self.debugger._report(info, anomaly)
-            if not n.nonfinite:
+            skipped = n.nonfinite
+            if not skipped:
+                state_bad = nonfinite_optimizer_state(model, optimizer)  # judged before the update lands
+                if state_bad:
+                    skipped = True
+                    anomaly = optimizer_state_anomaly(model, optimizer, state_bad, self._steps)
+                    self._log_anomaly(anomaly)
+                    self.debugger._report(info, anomaly)
+            if not skipped:
                 optimizer.step()
             t_update = time.perf_counter()
             if self.config.log_weights:
@@ -550,7 +576,7 @@ class PyTorchDebugManager:
             "cpu_memory": sample["rss"],
             "gpu_memory": sample.get("cuda_allocated", 0),
             "execution_time": elapsed,
-            "skipped": n.nonfinite,
+            "skipped": skipped,
             "anomaly": anomaly,
         }
         if self.training_logger is not None:
@@ -559,7 +585,7 @@ class PyTorchDebugManager:
             # the names the reports, the dashboard and TensorBoard read (grad_norm, skipped, a timing
             # breakdown), beside the seed's own (gradient_norm, execution_time)
             values["grad_norm"] = values["gradient_norm"]
-            values["skipped"] = 1.0 if n.nonfinite else 0.0
+            values["skipped"] = 1.0 if skipped else 0.0
             w.log_scalars(step, values)
             w.log_timing(
                 step,
