@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -673,6 +674,19 @@ class PyTorchDebugManager:
             operations_by_part=ops,
             anomalies_by_part=bad,
         )
+        rep["gradient_analysis"] = self._gradient_analysis(rep["gradient_analysis"])
+        rep["memory_analysis"] = self._memory_analysis()
+        breakdown = dict(rep["operation_breakdown"])
+        for i in td_.debug_history:
+            breakdown[i.operation] = breakdown.get(i.operation, 0) + 1
+        for name, count in (
+            ("detect_anomaly", self.anomaly_detector.blocks),
+            ("check_gradients", self.gradient_debugger.checks),
+            ("take_memory_snapshot", len(self.memory_debugger.snapshots)),
+        ):
+            if count:
+                breakdown[name] = breakdown.get(name, 0) + count
+        rep["operation_breakdown"] = breakdown
         rep["model_info"] = _model_info(self._last_model())
         rep["cuda"] = _cuda_info()
         rep["profiling"] = {
@@ -687,6 +701,48 @@ class PyTorchDebugManager:
         return plain(rep)  # type: ignore[no-any-return]
 
     generate_comprehensive_report = create_comprehensive_report
+
+    def _gradient_analysis(self, own: dict[str, Any]) -> dict[str, Any]:
+        """Gradient norms over every part: the debugger's and the training debugger's steps and the
+        gradient debugger's checks (finite values; ``gradient_checks`` counts them all)."""
+        norms = [i.gradient_norm for i in self.debugger.debug_history if i.gradient_norm is not None]
+        norms += [
+            i.gradient_norm for i in self.training_debugger.debug_history if i.gradient_norm is not None
+        ]
+        norms += [float(e["total_norm"]) for e in self.gradient_debugger.history]
+        finite = [n for n in norms if math.isfinite(n)]
+        trained = self.training_debugger.create_debug_report()["gradient_analysis"]["gradient_anomalies"]
+        return {
+            "average_gradient_norm": sum(finite) / len(finite) if finite else None,
+            "max_gradient_norm": max(finite, default=0.0),
+            "gradient_anomalies": own["gradient_anomalies"]
+            + trained
+            + self.gradient_debugger.anomalous_checks,
+            "gradient_checks": len(norms),
+        }
+
+    def _memory_analysis(self) -> dict[str, Any]:
+        """Memory over every part, in bytes: the change of RSS (and CUDA allocated) over each operation
+        of the debuggers and between consecutive memory snapshots; the snapshots' RSS; leaks found."""
+        ops = list(self.debugger.debug_history) + list(self.training_debugger.debug_history)
+        mem = [float(i.memory_usage) for i in ops]
+        gpu = [float(i.gpu_memory) for i in ops]
+        snaps = list(self.memory_debugger.snapshots)
+        for a, b in itertools.pairwise(snaps):
+            mem.append(float(b["rss"] - a["rss"]))
+            gpu.append(float(b.get("cuda_allocated", 0) - a.get("cuda_allocated", 0)))
+        rss = [int(s["rss"]) for s in snaps]
+        return {
+            "average_memory_usage": sum(mem) / len(mem) if mem else None,
+            "max_memory_usage": max(mem, default=0.0),
+            "average_gpu_memory": sum(gpu) / len(gpu) if gpu else None,
+            "max_gpu_memory": max(gpu, default=0.0),
+            "snapshots": len(snaps),
+            "first_rss": rss[0] if rss else None,
+            "last_rss": rss[-1] if rss else None,
+            "peak_rss": max(rss, default=None),
+            "memory_leaks": list(self.memory_debugger.memory_leaks),
+        }
 
     def _last_model(self) -> nn.Module | None:
         ref = self.gradient_debugger.last_model
