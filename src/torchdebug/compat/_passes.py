@@ -220,10 +220,10 @@ class DebuggingCalls:
                     else f"none of the {len(params)} trainable parameters received a gradient (.grad is None: "
                     "is the loss detached from the model?)"
                 )
-                event = RuleEvent("vanishing_gradient", len(self.debug_history), f"zero gradient norm: {why}")
-                info.events.append(event)
+                zero = RuleEvent("vanishing_gradient", len(self.debug_history), f"zero gradient norm: {why}")
+                info.events.append(zero)
                 info.anomaly_detected = True
-                log.warning("%s", event)
+                log.warning("%s", zero)
             elif math.isfinite(norm):
                 event = self._explosion.update(
                     len(self.debug_history), norm, top_params([names[i] for i in idx], per)
