@@ -26,6 +26,31 @@ HISTORY_SIZE = 1000
 MAX_ANOMALIES = 1000
 
 
+def call_accepting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Call a user's collaborator with the keyword arguments its signature accepts; False when it raised.
+
+    A failing collaborator is warned about (``TorchDebugWarning``): the caller stops calling it.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            names = {p.name for p in params}
+            kwargs = {k: v for k, v in kwargs.items() if k in names}
+    except (TypeError, ValueError):  # no signature (a builtin): pass everything
+        pass
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        warnings.warn(
+            TorchDebugWarning(f"torchdebug: {name} raised {exc!r}; it is not called again"), stacklevel=4
+        )
+        return False
+    return True
+
+
 def check_mode(mode: str) -> str:
     """``mode`` lower-cased if it is one of ``ANOMALY_MODES``; ValueError naming them otherwise."""
     if not isinstance(mode, str) or mode.strip().lower() not in ANOMALY_MODES:

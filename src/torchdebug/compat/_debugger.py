@@ -31,6 +31,7 @@ from ._common import (
     MAX_ANOMALIES,
     DebugInfo,
     anomaly_operations,
+    call_accepting,
     handle_anomaly,
     resolve_config,
 )
@@ -69,7 +70,12 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
     Args:
         config: any of the seeds' shapes: a ``DebugConfig`` (001), a ``DebugLevel`` or level name
             (002), a ``PyTorchDebugConfig`` (003), a mapping, a config file path, or None.
-        error_system, training_logger: seed 004's collaborators, kept as attributes (unused here).
+        error_system, training_logger: seed 004's collaborators. When a ``debug_context`` block
+            raises, ``error_system.error_tracker.track_error(error=exc, context={...})`` is called
+            (the seed's recovery did it by hand); when any block ends,
+            ``training_logger.log_training_event("debug_operation", message, debug_info={...})``.
+            Only the keyword arguments their methods accept are passed; one that fails is warned
+            about once and not called again (debugging never breaks training).
         debug_mode: seed 004's keyword; ``ANOMALY_DETECTION`` and ``FULL_DEBUG`` also switch on
             op-level tracing of ``debug_context`` blocks (what the seed did with detect_anomaly).
         history_size: how many ``DebugInfo`` records ``debug_history`` keeps (oldest dropped).
@@ -129,6 +135,7 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
         self._leaks: Any = None
         self._profiles = 0
         self.optimization_metrics: list[Any] = []  # OptimizationMetrics, one per optimize_model call
+        self._last_error: BaseException | None = None  # the block's exception, for the error system
 
     # -- configuration -------------------------------------------------------------------------------
     @property
@@ -287,6 +294,7 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
         except BaseException as exc:
             info.anomaly_detected = True
             info.error = repr(exc)
+            self._last_error = exc
             if isinstance(exc, NonFiniteError) and info.anomaly is None:
                 info.anomaly = exc.anomaly
                 if len(self.anomalies) < MAX_ANOMALIES and not any(exc.anomaly is a for a in self.anomalies):
@@ -305,8 +313,31 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
                 info.anomaly_detected = True
             self._note_time(info)
             self.debug_history.append(info)
+            self._tell_collaborators(info)
             if self.config.save_debug_info:
                 self._save_debug_info(info)
+
+    def _tell_collaborators(self, info: DebugInfo) -> None:
+        """Seed 004's error system and training logger hear of each block (see the class)."""
+        error, self._last_error = self._last_error, None  # its traceback holds frames: not kept
+        if error is not None and self.error_system is not None:
+            tracker = getattr(self.error_system, "error_tracker", None)
+            fn = getattr(tracker, "track_error", None)
+            if fn is not None and not call_accepting(
+                fn,
+                error=error,
+                severity="error",
+                category="model",
+                context={"operation": info.operation, "epoch": info.epoch, "batch": info.batch},
+            ):
+                self.error_system = None
+        fn = getattr(self.training_logger, "log_training_event", None)
+        if fn is not None:
+            text = (
+                f"{info.operation} {'failed' if info.error else 'completed'} in {info.execution_time:.4g} s"
+            )
+            if not call_accepting(fn, "debug_operation", text, debug_info=info.to_dict()):
+                self.training_logger = None
 
     def _save_debug_info(self, info: DebugInfo) -> None:
         """Append ``info`` as one JSON line to ``<debug_output_dir>/debug_info.jsonl`` (seed 001's save).
