@@ -57,6 +57,7 @@ def test_the_collaborators_hear_of_each_block_and_each_error() -> None:
     )
 
     def robust_training_step(model, data, target, optimizer, criterion, debugger):  # type: ignore[no-untyped-def]
+        """Seed 004's, as written (its ErrorSeverity/ErrorCategory enums as strings)."""
         try:
             with debugger.debug_context("training_step"):
                 optimizer.zero_grad()
@@ -65,7 +66,10 @@ def test_the_collaborators_hear_of_each_block_and_each_error() -> None:
                 loss.backward()
                 optimizer.step()
                 return loss.item()
-        except Exception:
+        except Exception as e:
+            debugger.error_system.error_tracker.track_error(
+                error=e, severity="ERROR", category="MODEL", context={"operation": "training_step"}
+            )
             optimizer.zero_grad()
             return None
 
@@ -73,20 +77,29 @@ def test_the_collaborators_hear_of_each_block_and_each_error() -> None:
     bad = data.clone()
     bad[0, 0] = math.nan
     assert robust_training_step(model, bad, target, optimizer, criterion, debugger) is None
-
+    # a NaN raised out of the block: tracked once, by the seed's own except branch
     (tracked,) = error_system.error_tracker.errors
     assert isinstance(tracked["error"], td.NonFiniteError) and tracked["error"].anomaly.phase == "input"
-    assert (tracked["severity"], tracked["category"]) == ("error", "model")
-    assert tracked["context"] == {"operation": "training_step", "epoch": 0, "batch": 0}
+    assert tracked["severity"] == "ERROR"
+
+    # a NaN recorded without raising (warn mode, a forward pass): the facade tracks it
+    with pytest.warns(td.TorchDebugWarning):
+        debugger.debug_forward_pass(model, bad)
+    assert len(error_system.error_tracker.errors) == 2
+    ours = error_system.error_tracker.errors[1]
+    assert isinstance(ours["error"], td.NonFiniteError) and ours["error"].anomaly.phase == "input"
+    assert (ours["severity"], ours["category"]) == ("warning", "model")
+    assert ours["context"] == {"operation": "forward_pass", "epoch": 0, "batch": 0}
+
     kinds = [(e, m.split(" in ")[0]) for e, m, _ in training_logger.events]
     assert kinds == [
         ("debug_operation", "training_step completed"),
         ("debug_operation", "training_step failed"),
+        ("debug_operation", "forward_pass completed"),
     ]
     infos = [d["debug_info"] for _, _, d in training_logger.events]
-    assert [i["operation"] for i in infos] == ["training_step", "training_step"]
-    assert infos[0]["anomaly_detected"] is False and infos[1]["anomaly_detected"] is True
-    assert debugger._last_error is None  # the exception (and its frames) is not kept
+    assert [i["operation"] for i in infos] == ["training_step", "training_step", "forward_pass"]
+    assert [i["anomaly_detected"] for i in infos] == [False, True, True]
 
 
 def test_a_failing_collaborator_is_warned_about_once_and_dropped() -> None:

@@ -70,9 +70,11 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
     Args:
         config: any of the seeds' shapes: a ``DebugConfig`` (001), a ``DebugLevel`` or level name
             (002), a ``PyTorchDebugConfig`` (003), a mapping, a config file path, or None.
-        error_system, training_logger: seed 004's collaborators. When a ``debug_context`` block
-            raises, ``error_system.error_tracker.track_error(error=exc, context={...})`` is called
-            (the seed's recovery did it by hand); when any block ends,
+        error_system, training_logger: seed 004's collaborators. A NaN/Inf that an operation
+            records without raising (modes warn/detect) goes to
+            ``error_system.error_tracker.track_error(error=NonFiniteError, context={...})`` (what is
+            raised, the seed's own ``except`` branch tracks, as its ``robust_training_step`` does);
+            when any operation ends,
             ``training_logger.log_training_event("debug_operation", message, debug_info={...})``.
             Only the keyword arguments their methods accept are passed; one that fails is warned
             about once and not called again (debugging never breaks training).
@@ -135,7 +137,6 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
         self._leaks: Any = None
         self._profiles = 0
         self.optimization_metrics: list[Any] = []  # OptimizationMetrics, one per optimize_model call
-        self._last_error: BaseException | None = None  # the block's exception, for the error system
 
     # -- configuration -------------------------------------------------------------------------------
     @property
@@ -294,7 +295,6 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
         except BaseException as exc:
             info.anomaly_detected = True
             info.error = repr(exc)
-            self._last_error = exc
             if isinstance(exc, NonFiniteError) and info.anomaly is None:
                 info.anomaly = exc.anomaly
                 if len(self.anomalies) < MAX_ANOMALIES and not any(exc.anomaly is a for a in self.anomalies):
@@ -319,14 +319,15 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
 
     def _tell_collaborators(self, info: DebugInfo) -> None:
         """Seed 004's error system and training logger hear of each block (see the class)."""
-        error, self._last_error = self._last_error, None  # its traceback holds frames: not kept
-        if error is not None and self.error_system is not None:
+        if info.anomaly is not None and info.error is None and self.error_system is not None:
+            # a NaN/Inf recorded and not raised (warn/detect modes): the caller's except branch, which
+            # tracks what is raised (seed 004's robust_training_step), never sees it
             tracker = getattr(self.error_system, "error_tracker", None)
             fn = getattr(tracker, "track_error", None)
             if fn is not None and not call_accepting(
                 fn,
-                error=error,
-                severity="error",
+                error=NonFiniteError(info.anomaly),
+                severity="warning",
                 category="model",
                 context={"operation": info.operation, "epoch": info.epoch, "batch": info.batch},
             ):
