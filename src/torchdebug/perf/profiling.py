@@ -458,12 +458,17 @@ def profile_model_performance(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     run_dir: str | os.PathLike[str] | None = None,
+    with_stack: bool = True,
+    record_shapes: bool = True,
 ) -> ProfileSummary:
     """Seed-era entry point: profile ``num_batches`` steps of ``model`` over ``dataloader``.
 
     Each batch is a tensor (``model(batch)``) or ``(inputs, targets, ...)`` (``model(inputs)``).
     With ``loss_fn`` the step is ``loss_fn(output, targets)`` + backward (+ ``optimizer`` step);
     without, forward only under ``torch.no_grad()``. One wait and one warm-up batch precede them.
+    ``with_stack`` and ``record_shapes`` are on, as seed 000 configured its profiler: the trace
+    carries Python stacks (``python_function`` events) and input shapes (the trace budget trims
+    them first when the trace grows too large).
 
     Example:
         >>> m = torch.nn.Linear(4, 1)
@@ -486,7 +491,15 @@ def profile_model_performance(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    return profile(model, step_fn, dataloader, steps=num_batches, run_dir=run_dir)
+    return profile(
+        model,
+        step_fn,
+        dataloader,
+        steps=num_batches,
+        run_dir=run_dir,
+        with_stack=with_stack,
+        record_shapes=record_shapes,
+    )
 
 
 def monitor_resources(
