@@ -98,3 +98,37 @@ def test_memory_debugger_is_quiet_without_growth() -> None:
         del scratch
     assert list(memory_debugger.memory_leaks) == []
     assert len(memory_debugger.snapshots) == 120
+
+
+def test_memory_snapshot_frequency_takes_snapshots_in_the_managers_steps() -> None:
+    from torchdebug.compat import PyTorchDebugConfig
+
+    # seed 003, "Debug memory issues"
+    config = PyTorchDebugConfig(
+        enable_memory_debugging=True, track_tensor_memory=True, memory_snapshot_frequency=10
+    )
+    debug_manager = PyTorchDebugManager(config)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        x, y = torch.randn(8, 10, generator=g), torch.randn(8, 1, generator=g)
+        debug_manager.debug_training_step(model, optimizer, F.mse_loss, x, y)
+    assert [s["label"] for s in debug_manager.memory_debugger.snapshots] == ["step_0", "step_10", "step_20"]
+    report = debug_manager.generate_comprehensive_report()
+    assert report["memory_analysis"]["snapshots"] == 3
+    assert report["operation_breakdown"] == {"training_step": 30, "take_memory_snapshot": 3}
+
+
+def test_no_snapshots_without_memory_debugging() -> None:
+    from torchdebug.compat import PyTorchDebugConfig
+
+    debug_manager = PyTorchDebugManager(
+        PyTorchDebugConfig(enable_memory_debugging=False, memory_snapshot_frequency=1)
+    )
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(3):
+        debug_manager.debug_training_step(model, optimizer, F.mse_loss, torch.randn(2, 4), torch.randn(2, 1))
+    assert len(debug_manager.memory_debugger.snapshots) == 0

@@ -48,6 +48,7 @@ from ._debugger import (
     tracing_active,
 )
 from ._inputs import prediction_problems
+from ._seedconfig import PyTorchDebugConfig
 from ._tracing import take_traced_anomaly
 
 
@@ -456,6 +457,10 @@ class PyTorchDebugManager:
         self.model_debugger = ModelDebugger(self.config)
         self.training_debugger = TrainingDebugger(config)
         self._steps = 0
+        # seed 003's memory_snapshot_frequency: the debugged steps take a memory snapshot every that
+        # many steps (0, f, 2f, ...) when its enable_memory_debugging is on
+        seed = isinstance(config, PyTorchDebugConfig) and config.enable_memory_debugging
+        self.snapshot_every: int | None = config.memory_snapshot_frequency if seed else None
 
     def setup_training_logging(self, experiment_name: str | None = None, root: str | None = None) -> Any:
         """Send every debugged step's numbers and anomalies to a new run folder (the run store).
@@ -599,6 +604,8 @@ class PyTorchDebugManager:
                 },
             )
             w.log_memory(step, {"rss": metrics["cpu_memory"], "cuda_allocated": metrics["gpu_memory"]})
+        if self.snapshot_every and self._steps % self.snapshot_every == 0:
+            self.memory_debugger.take_memory_snapshot(f"step_{self._steps}")
         self._steps += 1
         return metrics
 
