@@ -91,6 +91,21 @@ def configuration_page() -> str:
         "| `advanced` | activation statistics, per-module memory, FLOPs |",
         "| `expert` (alias `extreme`) | per-module time, profiler |",
         "",
+        "## Instruments",
+        "",
+        "Each instrument as the registry declares it (`torchdebug._instruments.REGISTRY`, the table the "
+        "config and the session both read): the level from which its modes run it, and the switches "
+        "that start it whatever the mode and level.",
+        "",
+        "| instrument | records | from level | modes | switches | cost |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| `{s.name}` | {_cell(s.records)} | {s.level or 'switches only'} | "
+            f"{', '.join(f'`{m}`' for m in dict.fromkeys((*s.modes, *s.always_in))) or '-'} | "
+            f"{', '.join(f'`{w}`' for w in s.switches)} | {_cell(s.cost)} |"
+            for s in c.REGISTRY
+        ),
+        "",
         f"## Every option ({len(dataclasses.fields(cfg))})",
         "",
         "| option | default | accepts | environment |",

@@ -1,98 +1,128 @@
-"""Seed 004's summary prints and resource check, run as the seed wrote them."""
+"""Seed-era summaries: counted from the kinds the real rules emit; one source per response."""
 
 from __future__ import annotations
 
-import logging
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-import torchdebug.perf.profiling as profiling
-from torchdebug import PyTorchDebugger
-from torchdebug.compat._seed004 import SEED_GPU_MEMORY_WARN_BYTES
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
 
+import torchdebug as td  # noqa: E402
+from tests.fixtures import health_models as hm  # noqa: E402
+from torchdebug._errors import TorchDebugWarning  # noqa: E402
+from torchdebug.events import rule_counts  # noqa: E402
+from torchdebug.health.instrument import LossPlateauRule, LossSpikeRule, VanishingRule  # noqa: E402
+from torchdebug.views.server import serve  # noqa: E402
 
-def test_summary_before_any_operation_prints_nan() -> None:
-    debugger = PyTorchDebugger()
-    # seed 004, "Debug Summary", verbatim
-    summary = debugger.get_debug_summary()
-
-    lines = [
-        "Debug Summary:",
-        f"  Total operations: {summary['total_operations']}",
-        f"  Average execution time: {summary['avg_execution_time']:.4f}s",
-        f"  Maximum execution time: {summary['max_execution_time']:.4f}s",
-        f"  Average memory usage: {summary['avg_memory_usage']:.2f}MB",
-        f"  Total optimizations: {summary['total_optimizations']}",
-    ]
-    assert lines[1:] == [
-        "  Total operations: 0",
-        "  Average execution time: nans",
-        "  Maximum execution time: 0.0000s",
-        "  Average memory usage: nanMB",
-        "  Total optimizations: 0",
-    ]
-    assert math.isnan(summary["avg_execution_time"]) and math.isnan(summary["avg_memory_usage"])
+CFG = {"mode": "gradient_checking", "detail_every": 5, "policy": "warn"}
+FAULT_STEP, STEPS = 40, 43
 
 
-def test_summary_after_one_operation_is_its_numbers() -> None:
-    debugger = PyTorchDebugger({"enable_anomaly_detection": False})
-    with debugger.debug_context("op"):
-        pass
-    info = debugger.debug_history[-1]
-    summary = debugger.get_debug_summary()
-    assert summary["avg_execution_time"] == info.execution_time == summary["max_execution_time"]
-    assert summary["avg_memory_usage"] == float(info.memory_usage)
+def _exploding_run(mon: Any, model: hm.ExplodingNet, opt: torch.optim.Optimizer) -> None:
+    def fault(step: int) -> None:
+        model.fault = step == FAULT_STEP
+
+    hm.train(mon, model, opt, STEPS, before_step=fault)
 
 
-def _gpu(allocated: int) -> list[dict[str, int]]:
-    return [{"device": 0, "allocated": allocated, "reserved": allocated, "total": 80 * 2**30}]
+def test_rule_counts_counts_the_kinds_the_rules_emit() -> None:
+    vanish = VanishingRule(threshold=1e-8, patience=1).update(0, {"fc": 0.0})
+    spike = None
+    rule = LossSpikeRule(mads=3.0, warmup=5)
+    for step, loss in enumerate([1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 500.0]):
+        spike = rule.update(step, loss) or spike
+    plateau = None
+    flat = LossPlateauRule(window=4, rel=1e-3)
+    for step in range(12):
+        plateau = flat.update(step, 1.0) or plateau
+    assert vanish is not None and spike is not None and plateau is not None
+    assert rule_counts([vanish.kind, spike.kind, plateau.kind, "memory_leak"]) == (0, 1, 2)
+    assert rule_counts(["exploding_gradients", "explode"]) == (0, 0, 0)  # not kinds the engine emits
 
 
-@pytest.mark.parametrize(
-    ("allocated", "warned"),
-    [
-        pytest.param(8000 * 2**20, False, id="at-8000-MiB"),  # the seed's "> 8000" MB: not above
-        pytest.param(8000 * 2**20 + 1, True, id="one-byte-above"),
-        pytest.param(9 * 2**30, True, id="9-GiB"),
-    ],
-)
-def test_monitor_resources_warns_above_the_seeds_gpu_threshold(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, allocated: int, warned: bool
-) -> None:
-    # the allocator's reading injected: the logic runs on CPU; the CUDA path is _gpu_readings
-    monkeypatch.setattr(profiling, "_gpu_readings", lambda: _gpu(allocated))
-    debugger = PyTorchDebugger()
-    with caplog.at_level(logging.WARNING, logger="torchdebug.compat"):
-        out: dict[str, Any] = debugger.monitor_resources(
-            cpu_threshold=101, memory_threshold=101, interval=0.0
-        )
-    assert SEED_GPU_MEMORY_WARN_BYTES == 8000 * 1024 * 1024
-    assert out["gpus"] == _gpu(allocated)
-    expected = (
-        [f"GPU 0 allocated {allocated} bytes ({allocated / 2**20:.1f} MiB), above {8000 * 2**20} bytes"]
-        if warned
-        else []
-    )
-    assert out["warnings"] == expected
-    assert [r.getMessage() for r in caplog.records] == expected
+def test_stored_run_of_a_real_exploding_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = hm.ExplodingNet(blowup=1e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(TorchDebugWarning), td.watch(model, opt, config=CFG, run=tmp_path) as mon:
+        _exploding_run(mon, model, opt)
+    kinds = [e.kind for e in mon.events]
+    assert kinds.count("gradient_explosion") == 1
+    live = mon.training_summary()
+    assert live["gradient_explosions"] == 1
+    assert live["gradient_explosion_rate"] == 1 / STEPS
+    with serve(tmp_path, port=0) as h, httpx.Client(base_url=h.url, timeout=30) as c:
+        ts = c.get("/training-logs/debug/training/summary").json()
+        s = c.get("/training-logs/debug/summary").json()
+    assert ts == live  # the stored run and the finished live session agree exactly
+    assert ts["total_steps"] == STEPS and ts["gradient_explosions"] == 1
+    assert s["training_debugger"]["gradient_explosion_rate"] == 1 / STEPS
 
 
-def test_monitor_resources_threshold_can_be_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(profiling, "_gpu_readings", lambda: _gpu(2**30))
-    out = PyTorchDebugger().monitor_resources(
-        cpu_threshold=101, memory_threshold=101, gpu_memory_threshold_bytes=2**29, interval=0.0
-    )
-    assert out["warnings"] == [f"GPU 0 allocated {2**30} bytes (1024.0 MiB), above {2**29} bytes"]
-    out = PyTorchDebugger().monitor_resources(
-        cpu_threshold=101, memory_threshold=101, gpu_memory_threshold_bytes=None, interval=0.0
-    )
-    assert out["warnings"] == []
+def test_live_summary_is_one_source_per_response(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = hm.ExplodingNet(blowup=1e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def poison(step: int) -> None:
+        if step == 11:  # a NaN weight before the last step: one anomaly (policy warn)
+            with torch.no_grad():
+                model.out.bias[0] = math.nan
+
+    with pytest.warns(TorchDebugWarning), td.watch(model, opt, config=CFG, run=tmp_path) as mon:
+        hm.train(mon, model, opt, 12, before_step=poison)
+        with serve(mon, port=0) as h, httpx.Client(base_url=h.url, timeout=30) as c:
+            s = c.get("/training-logs/debug/summary").json()
+            ts = c.get("/training-logs/debug/training/summary").json()
+        live_anomalies, live_events = len(mon.anomalies), len(mon.events)
+    assert live_anomalies == 1
+    assert s["general_debugger"] == {"total_anomalies": live_anomalies, "debug_history_length": live_events}
+    assert s["training_debugger"]["total_anomalies"] == ts["anomaly_steps"]
+    assert ts["total_steps"] == 12
 
 
-def test_monitor_resources_reads_no_gpu_without_cuda() -> None:
-    out = PyTorchDebugger().monitor_resources(cpu_threshold=101, memory_threshold=101, interval=0.0)
-    import torch
+def test_serving_the_seeds_training_debugger(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = hm.ExplodingNet(blowup=1e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dbg = td.TrainingDebugger(td.DebugLevel.ADVANCED)
+    with serve(dbg, port=0) as h, httpx.Client(base_url=h.url, timeout=30) as c:
+        for step, (x, y) in enumerate(hm.batches(STEPS)):  # the seed's loop (explosions are logged)
+            model.fault = step == FAULT_STEP
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            info = dbg.monitor_training_step(model, loss, step)
+            if not info["gradient_explosion"]:
+                opt.step()
+        ts = c.get("/training-logs/debug/training/summary")
+        s = c.get("/training-logs/debug/summary")
+        assert ts.status_code == 200 and s.status_code == 200
+        assert ts.json() == dbg.get_training_summary()
+        assert ts.json()["total_steps"] == STEPS and ts.json()["gradient_explosions"] == 1
+        assert s.json()["training_debugger"]["gradient_explosion_rate"] == 1 / STEPS
+        assert s.json()["general_debugger"] == {"total_anomalies": 0, "debug_history_length": 1}
+        assert c.post("/training-logs/debug/level/expert").json()["level"] == "expert"
+        assert dbg.level is td.DebugLevel.EXPERT
+        assert c.post("/training-logs/debug/clear").json()["step"] == 0
+        assert c.get("/training-logs/debug/training/summary").json()["total_steps"] == 0
+        assert c.get("/api/runs").json() == {"runs": []}
 
-    assert len(out["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+@pytest.mark.parametrize("obj", [td.PyTorchDebugger(), object()], ids=["PyTorchDebugger", "object"])
+def test_serve_refuses_what_it_cannot_summarize(obj: Any) -> None:
+    with pytest.raises(TypeError, match=re.escape("pass a td.watch() Monitor, a TrainingDebugger")):
+        serve(obj, port=0)
+
+
+def test_serve_refuses_a_manager_naming_its_run_folder() -> None:
+    with pytest.raises(TypeError, match=re.escape("manager.training_logger.path")):
+        serve(td.PyTorchDebugManager(), port=0)

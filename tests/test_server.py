@@ -63,6 +63,23 @@ def test_serves_on_loopback_and_lists_runs(client: Any, small_id: str) -> None:
     golden = runs[0]
     assert golden["id"] == small_id and "path" not in golden  # no absolute paths leave the server
     assert (golden["status"], golden["steps"], golden["anomalies"]) == ("finished", 8, 1)
+    # the verdict with it: finished with a NaN is an error, never green
+    assert golden["level"] == "error" and golden["verdict"].startswith(
+        "finished, but non-finite values at step 6"
+    )
+
+
+def test_the_index_colours_each_run_by_its_verdict(client: Any, small_id: str) -> None:
+    index = client.get("/").text
+    row = index[index.index(f'<tr data-id="{small_id}">') :]
+    row = row[: row.index("</tr>")]
+    # the badge's class is the verdict's level (styled), its text the status; the sentence beside it
+    assert '<span class="badge error">finished</span>' in row
+    assert '<td data-k="verdict" class="verdict-cell error">finished, but non-finite values at step 6' in row
+    from torchdebug.views.report._html import _CSS
+
+    for level in ("ok", "running", "warning", "error"):
+        assert f".badge.{level} {{" in _CSS
 
 
 def test_run_detail(client: Any, small_id: str) -> None:

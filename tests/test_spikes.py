@@ -453,3 +453,116 @@ def test_under_sync_async_raise_reaches_the_loop() -> None:
             mon.step()
     assert err.value.report.step == SPIKE and reached == SPIKE + 1
     assert err.value.report.cause == "batch"
+
+
+class _Ring:
+    """What the snapshot ring reads of a session: its model, every optimizer, the scaler."""
+
+    def __init__(self, model: nn.Module, optimizers: list[Any], scaler: Any = None) -> None:
+        self.model, self.optimizers, self.scaler, self._uses_cuda = model, optimizers, scaler, False
+        self.optimizer = optimizers[0]
+
+
+def _two_models() -> tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None]]:
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    og = torch.optim.Adam(g.parameters(), lr=1e-2)
+    od = torch.optim.AdamW(d.parameters(), lr=1e-2)
+
+    def step() -> None:
+        loss = d(g(torch.randn(8, 4))).pow(2).mean()
+        og.zero_grad()
+        od.zero_grad()
+        loss.backward()
+        og.step()
+        od.step()
+
+    return nn.ModuleDict({"G": g, "D": d}), [og, od], step
+
+
+def _opt_state(opts: list[torch.optim.Optimizer]) -> list[dict[str, torch.Tensor]]:
+    return [
+        {k: v.clone() for k, v in o.state[p].items()}
+        for o in opts
+        for g in o.param_groups
+        for p in g["params"]
+    ]
+
+
+def test_a_rollback_restores_every_optimizer_of_the_session() -> None:
+    from torchdebug.session.rollback import SnapshotRing
+
+    model, opts, step = _two_models()
+    for _ in range(3):
+        step()
+    ring, mon = SnapshotRing(), _Ring(model, opts)
+    ring.take(mon, 3)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = _opt_state(opts)
+    for _ in range(4):
+        step()
+    ring.restore(mon, ring.before(4))
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    now = _opt_state(opts)
+    # both optimizers: exp_avg, exp_avg_sq and step of each of their 4 parameters, as at the snapshot
+    assert [sorted(s) for s in now] == [["exp_avg", "exp_avg_sq", "step"]] * 4
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(now, moments) for k in a)
+
+
+def test_a_param_group_added_after_the_snapshot_refuses_the_rollback_and_changes_nothing() -> None:
+    from torchdebug.session.rollback import RollbackRefused, SnapshotRing
+
+    model, opts, step = _two_models()
+    step()
+    ring, mon = SnapshotRing(), _Ring(model, opts)
+    ring.take(mon, 1)
+    extra = nn.Parameter(torch.ones(3))
+    opts[1].add_param_group({"params": [extra], "lr": 1e-3})
+    for _ in range(2):
+        step()
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = _opt_state(opts[:1])
+    with pytest.raises(RollbackRefused) as ei:
+        ring.restore(mon, ring.before(2))
+    assert str(ei.value) == (
+        "optimizer 2 of 2 (AdamW) has 2 param groups where the snapshot before step 1 had 1: a param "
+        "group added since cannot be rolled back with the rest"
+    )
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())  # nothing restored
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(_opt_state(opts[:1]), moments) for k in a)
+
+
+def test_a_scaler_unknown_at_the_snapshot_refuses_the_rollback() -> None:
+    from torchdebug.session.rollback import RollbackRefused, SnapshotRing
+
+    model, opts, step = _two_models()
+    step()
+    ring = SnapshotRing()
+    ring.take(_Ring(model, opts), 1)  # no GradScaler then (adopted later, at its first step)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(RollbackRefused, match=r"the GradScaler was not known .* pass scaler= to watch\(\)"):
+        ring.restore(_Ring(model, opts, scaler), ring.before(2))
+
+
+def test_a_refused_rollback_is_said_and_training_goes_on() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = data(SPIKE + 5, {SPIKE: {3: 300.0, 5: 300.0}})
+
+    def before(step: int) -> None:
+        if step == SPIKE - 2:  # a group added after the last snapshot (step 30)
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 1e-3})
+
+    with (
+        pytest.warns(TorchDebugWarning) as said,
+        watched(model, opt, on_spike="rollback", snapshot_every=10) as mon,
+    ):
+        train(mon, model, opt, batches, before)
+    assert spikes_of(mon) == [(SPIKE, "batch")] and mon.rollbacks == []
+    [ev] = [e for e in mon.events if e.kind == "rollback_unavailable"]
+    assert ev.step == SPIKE and ev.message.startswith(
+        "rollback refused: optimizer 1 of 1 (Adam) has 2 param groups where the snapshot before step 30 had 1"
+    )
+    assert any("rollback refused" in str(w.message) for w in said)
+    assert len(mon.records) == SPIKE + 5

@@ -766,3 +766,80 @@ def test_auto_reading_late_can_be_switched_to_blocking_live(monkeypatch: pytest.
     mon = _loop(model, _fused(model), lambda i: torch.randn(4, 8), 6, each)
     assert seen == [(True, True), (True, True), (False, False), (False, False), (True, False), (True, False)]
     assert [r.step for r in mon.records] == list(range(6)) and all(r.loss is not None for r in mon.records)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_exception_after_the_step_still_judges_and_records_it(
+    tmp_path: Any, policy: str, error: type[BaseException]
+) -> None:
+    # Ctrl-C (or a crash) right after mon.step() of a NaN step: that step is staged, unread; the exit
+    # judges it, so the run folder holds its anomaly and its numbers
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    k = 3
+    said = (
+        pytest.warns(td.TorchDebugWarning, match="nan born") if policy == "warn" else contextlib.nullcontext()
+    )
+    with (
+        said,
+        pytest.raises(error) as ei,
+        td.watch(model, opt, config=SENTINEL_ONLY, sync="async", run=tmp_path, policy=policy) as mon,
+    ):
+        for i in range(6):
+            x = torch.zeros(3, 4) if i == k else torch.randn(3, 4)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            mon.step()
+            if i == k:
+                raise error("stopped by the user")
+    assert [a.step for a in mon.anomalies] == [k]
+    assert mon.anomalies[0].location == origin_line("div")
+    assert [r.step for r in mon.records] == ([0, 1, 2, 3] if policy == "warn" else [0, 1, 2])
+    # the user's exception is the one that propagates; under "raise" it carries the diagnosis as a note
+    assert str(ei.value) == "stopped by the user"
+    notes = getattr(ei.value, "__notes__", [])
+    if policy == "raise":
+        assert len(notes) == 1
+        assert notes[0].startswith("torchdebug: nan born in forward of ZeroDivNet: aten.div at ")
+        assert f"(step {k})" in notes[0].splitlines()[0]
+    else:
+        assert notes == []
+    assert "found_inf" not in vars(opt) and mon.closed and not mon._async.pending
+    with td.open_run(mon.run_dir) as run:
+        assert run.status == "failed"
+        assert [a["step"] for a in run.anomalies()] == [k]
+        steps = run.series("loss").steps
+        assert steps == ([0, 1, 2, 3] if policy == "warn" else [0, 1, 2])
+
+
+def test_two_fused_optimizers_skip_only_the_bad_step() -> None:
+    # watch([G, D], [og, od]) under async: a NaN in D's forward at step k skips both updates of step k
+    # on the device; step k + 1 (healthy) trains both models again
+    from tests.fixtures.gan_script import Discriminator, Generator, gan_step
+
+    torch.manual_seed(0)
+    G, D = Generator(), Discriminator()
+    og = torch.optim.AdamW(G.parameters(), lr=1e-3, fused=True)
+    od = torch.optim.AdamW(D.parameters(), lr=1e-3, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 6, generator=gen), torch.randn(5, 4, generator=gen)) for _ in range(6)]
+    k = 3
+    counters: list[tuple[float, float]] = []
+    with (
+        pytest.warns(td.TorchDebugWarning) as said,
+        td.watch([G, D], [og, od], run=False, config=SENTINEL_ONLY, sync="async", policy="skip") as mon,
+    ):
+        for step, (x, z) in enumerate(data):
+            D[1].mode = "forward" if step == k else ""
+            gan_step(G, D, og, od, x, z)
+            mon.step()
+            counters.append((float(og.state[G.main[0].weight]["step"]), float(od.state[D[0].weight]["step"])))
+    # AdamW's step counters: +1 per update that ran; step k's two updates were skipped on the device
+    assert counters == [(1, 1), (2, 2), (3, 3), (3, 3), (4, 4), (5, 5)]
+    assert [r.skipped for r in mon.records] == [i == k for i in range(6)]
+    assert [a.step for a in mon.anomalies] == [k]
+    skips = [str(w.message) for w in said if "skipped" in str(w.message)]
+    assert skips[-1].startswith(f"torchdebug: 1 step skipped by policy='skip' (step {k})")

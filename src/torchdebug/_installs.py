@@ -132,3 +132,54 @@ class Installs:
 
 
 __all__ = ["Installs"]
+
+
+# -- torch's global optimizer hooks, shared -------------------------------------------------------------
+# torch iterates its table of global optimizer hooks while calling them (torch/optim/optimizer.py,
+# ``for pre_hook in chain(_global_optimizer_pre_hooks.values(), ...)``): a hook that registers or
+# removes another there (a replay's tracer, inside a session's pre-hook) makes the user's opt.step()
+# raise "OrderedDict mutated during iteration" whenever a hook follows ours. So torchdebug registers
+# one pre-hook and one post-hook there, which call every torchdebug hook from a copy of their list.
+_OPT_HOOKS: dict[str, dict[int, Any]] = {"pre": {}, "post": {}}
+_OPT_RELAY: list[Any] = []  # torch's handles of the two relays, while any hook is registered
+_OPT_IDS = iter(range(1 << 62))
+
+
+def _relay(kind: str) -> Any:
+    def relay(opt: Any, args: Any, kwargs: Any) -> None:
+        for fn in list(_OPT_HOOKS[kind].values()):  # a hook added while they run waits for the next
+            fn(opt, args, kwargs)
+
+    relay.__module__ = __name__  # torchdebug's own (``is_ours``)
+    return relay
+
+
+class _OptimizerHooks:
+    """The handle of :func:`optimizer_hooks`: ``remove()`` takes both hooks off (idempotent)."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def remove(self) -> None:
+        for hooks in _OPT_HOOKS.values():
+            hooks.pop(self.key, None)
+        if _OPT_RELAY and not any(_OPT_HOOKS.values()):  # the last one: torch's table as it was
+            for h in _OPT_RELAY:
+                h.remove()
+            _OPT_RELAY.clear()
+
+
+def optimizer_hooks(pre: Any, post: Any) -> _OptimizerHooks:
+    """Register a global optimizer step pre-hook and post-hook (``fn(opt, args, kwargs)``, returning
+    None) through torchdebug's one pair in torch's table; returns a handle with ``remove()``.
+
+    Registering or removing while torch calls the hooks (a replay inside a session's pre-hook) leaves
+    torch's table untouched as long as another torchdebug hook stays registered."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    key = next(_OPT_IDS)
+    _OPT_HOOKS["pre"][key], _OPT_HOOKS["post"][key] = pre, post
+    if not _OPT_RELAY:
+        _OPT_RELAY.append(register_optimizer_step_pre_hook(_relay("pre")))
+        _OPT_RELAY.append(register_optimizer_step_post_hook(_relay("post")))
+    return _OptimizerHooks(key)

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._frames import format_frames, raw_user_frames, user_location, user_stack
+from .._installs import optimizer_hooks
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, ModuleFrame, Phase
 from ..memory.analysis import storage_key
@@ -455,13 +456,9 @@ class Tracer:
                 for mod in self.names:
                     self._handles.append(mod.register_forward_pre_hook(self._pre_hook))
                     self._handles.append(mod.register_forward_hook(self._post_hook))
-            from torch.optim.optimizer import (
-                register_optimizer_step_post_hook,
-                register_optimizer_step_pre_hook,
-            )
-
-            self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-            self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+            # through torchdebug's one pair of global hooks: a replay starts inside a session's
+            # pre-hook, while torch iterates its table (_installs.py)
+            self._handles.append(optimizer_hooks(self._opt_pre, self._opt_post))
             self._stack.enter_context(_traced_function_apply(self))
             self._stack.enter_context(_FunctionLayer(self))
             self._stack.enter_context(_DispatchLayer(self))

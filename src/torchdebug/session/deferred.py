@@ -31,6 +31,7 @@ while its state does not exist yet) the session says so once and reads that step
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -80,6 +81,7 @@ class _Pending:
     lr: tuple[float, ...] = ()
     time_s: float | None = None
     record: StepRecord | None = None  # the full record, once read
+    opts: list[Any] = dataclasses.field(default_factory=list)  # every optimizer handed the flag
 
     def ready(self) -> bool:
         return all(ev is None or ev.query() for _, ev in self.buffers)
@@ -207,6 +209,7 @@ class DeferredReads:
             if opt is not None and opt is not self.staged.opt:
                 if self.why_not(opt) is None:
                     self._hand_flag(opt)
+                    self.staged.opts.append(opt)
                 elif self.halt is not None and float(self.halt) > 0:  # blocking: it cannot skip itself
                     for g in opt.param_groups:
                         for p in g["params"]:
@@ -245,7 +248,13 @@ class DeferredReads:
         d = (s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index)
         s.deferred, s.deferred_index, s.deferred_edit_index = {}, None, []  # staged: travels with the step
         self.staged = _Pending(
-            mon.global_step, opt, spec, [self._copy(flat)], d, ledger=s.ledger.as_staged(mon.params)
+            mon.global_step,
+            opt,
+            spec,
+            [self._copy(flat)],
+            d,
+            ledger=s.ledger.as_staged(mon.params),
+            opts=[opt],
         )
         mon.transfer.synced = True
         # this step's norms come one step later: an instrument's before_optimizer_step (gradient
@@ -419,6 +428,8 @@ class DeferredReads:
                 mon.verdicts.mark_skipped(
                     why, severity="info"
                 )  # the anomaly (or the earlier one) was said already
+            if bad > 0:
+                _drop_bad_grads(p.opts, live[0])
             record = p.record = mon._record(lr=p.lr, time_s=p.time_s)
             mon.verdicts.say_skips()
             s.after_step_end(mon, False)
@@ -441,6 +452,25 @@ class DeferredReads:
             self.step_end()
         self.resolve(block=True)
 
+    def settle(self, exc: BaseException) -> None:
+        """An exception (Ctrl-C included) left the session: judge and record what is in flight anyway,
+        so the run keeps the anomaly and the numbers of the steps before it. Never raises: the user's
+        exception goes on; under ``policy="raise"`` the anomaly rides on it as a note."""
+        self.restore()
+        try:
+            self.finish()
+        except (NonFiniteError, LossSpikeError) as err:
+            if hasattr(exc, "add_note") and err is not exc:
+                exc.add_note(str(err))  # the full diagnosis, under the user's traceback
+            with contextlib.suppress(Exception):
+                self.resolve(block=True)  # the steps after it (held on the device): recorded as skipped
+        except Exception as err:  # the machinery failed: the user's exception matters, ours is said
+            self.mon.warn_once(
+                "async:failed", f"torchdebug: sync='async' could not judge the last steps at exit ({err!r})"
+            )
+        finally:
+            self.discard()
+
     def restore(self) -> None:
         """Every optimizer's ``found_inf`` as it was before the session (also on exceptions)."""
         for saved in self._set.values():
@@ -452,6 +482,20 @@ class DeferredReads:
         self.restore()
         self.pending.clear()
         self.staged = None
+
+
+def _drop_bad_grads(opts: list[Any], live: StepState) -> None:
+    """A bad step's updates were skipped on the device, its gradients left in place: dropped now, as
+    the blocking read's ``policy="skip"`` drops them before the update, so the next step does not add
+    to them (a GAN's G is zeroed only after D's backward: its NaN gradients would make the next
+    step's total NaN and skip it too). Only while the step now running has had no backward yet (its
+    first forward, where a CPU or a finished copy is read); later, its own gradients are in them."""
+    if live.transfer.micro_bad or live.transfer.loss_vals:
+        return
+    for opt in opts:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = None  # rare path: once per bad step
 
 
 def _restore(opt: Any, had: bool, old: Any) -> None:

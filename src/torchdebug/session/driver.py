@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._installs import Installs
+from .._installs import Installs, optimizer_hooks
 from .._tensors import in_functorch_transform
 from .protocol import Session
 
@@ -44,7 +44,7 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Tensor.backward calls torch.autograd.backward: only the outermost call counts
-        mons = [m for m in _ACTIVE if m.accepts_backward()] if not getattr(_TLS, "in_backward", False) else []
+        mons = [] if getattr(_TLS, "in_backward", False) else _sessions_of(args[0] if args else None)
         if not mons:
             return orig(*args, **kwargs)
         _TLS.in_backward = True
@@ -61,6 +61,42 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
 
     wrapper.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _sessions_of(loss: Any) -> list[Session]:
+    """The sessions a backward belongs to. One session: it, as ever. Several (two ``watch`` blocks in
+    one process): none while one of them replays (its replay's own backward); else those whose model
+    ran a forward since their last backward, and when that leaves none or several, those whose
+    parameters the loss's graph reaches (a walk of the graph: only in that case)."""
+    mons = [m for m in _ACTIVE if m.accepts_backward()]
+    if len(_ACTIVE) < 2:
+        return mons
+    if any([m.replaying for m in _ACTIVE]):
+        return []
+    live = [m for m in mons if not m.state.new_micro_step]
+    if len(live) == 1:
+        return live
+    fn = getattr(loss, "grad_fn", None)
+    if fn is None:
+        return live or mons
+    reached = _leaves(fn)
+    return [m for m in mons if any([id(p) in reached for p in m.params])] or live or mons
+
+
+def _leaves(fn: Any) -> set[int]:
+    """The ids of the leaf tensors a backward from ``fn`` accumulates into (rare path: several
+    sessions, a graph walk)."""
+    seen, stack, out = set(), [fn], set()
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        var = getattr(f, "variable", None)
+        if var is not None:
+            out.add(id(var))
+        stack.extend([n for n, _ in f.next_functions])
+    return out
 
 
 def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -268,10 +304,7 @@ class PlainLoopDriver:
         _install_patches()
         add = mon.installs.hook
         self.hook_roots()
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self._handles.append(add(register_optimizer_step_pre_hook(self._opt_pre)))
-        self._handles.append(add(register_optimizer_step_post_hook(self._opt_post)))
+        self._handles.append(add(optimizer_hooks(self._opt_pre, self._opt_post)))
 
     def hook_roots(self, roots: list[nn.Module] | None = None) -> None:
         """Forward hooks on the modules the loop calls (``roots``: a new set, the old hooks removed)."""

@@ -557,7 +557,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
                     except NonFiniteError as err:
                         late = err  # raised below, after the instruments' on_exit
                 else:
-                    self._async.discard()
+                    self._async.settle(exc)  # what is staged is judged and recorded, never raised
             if exc is not None and not isinstance(exc, NonFiniteError):
                 for inst in list(self.instruments):
                     self._call(inst, "on_exception", exc)

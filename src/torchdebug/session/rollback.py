@@ -101,10 +101,26 @@ class _Snapshot:
     rng_cpu: torch.Tensor
     rng_cuda: list[torch.Tensor] | None
     event: Any = None  # CUDA event of the non-blocking copy
+    # per optimizer of the session: it, and its param groups (each group's parameters, by identity)
+    optimizers: list[tuple[Any, tuple[tuple[int, ...], ...]]] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class RollbackRefused(RuntimeError):
+    """A snapshot that cannot be put back whole (the message says why); nothing was restored."""
+
+
+def _optimizers(mon: Session) -> list[Any]:
+    """Every optimizer of the session (several models: each one's), in order."""
+    opts = list(getattr(mon, "optimizers", None) or [])
+    return opts or ([mon.optimizer] if mon.optimizer is not None else [])
+
+
+def _groups(opt: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups)
 
 
 class SnapshotRing:
@@ -116,11 +132,11 @@ class SnapshotRing:
 
     def take(self, mon: Session, label: int) -> _Snapshot:
         """Copy the state before step ``label`` (a Python pass over the tensors: on the schedule only)."""
-        model, opt = mon.model, cast(Any, mon.optimizer)
+        model, opts = mon.model, _optimizers(mon)
         srcs = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
         n_model = len(srcs)
         layout: list[dict[str, tuple[str, Any, Any]] | None] = []
-        for p in _opt_params(opt):
+        for opt, p in [(o, p) for o in opts for p in _opt_params(o)]:
             st = opt.state.get(p)
             if not st:
                 layout.append(None)
@@ -160,6 +176,7 @@ class SnapshotRing:
             if _uses_cuda(mon) and torch.cuda.is_available()
             else None,
             event=event,
+            optimizers=[(o, _groups(o)) for o in opts],
         )
         self.slots.append(snap)
         self.taken += 1
@@ -173,18 +190,48 @@ class SnapshotRing:
         same = [s for s in self.slots if s.label == step]
         return same[0] if same else None
 
+    @staticmethod
+    def check(mon: Session, snap: _Snapshot, live: list[torch.Tensor]) -> None:
+        """RollbackRefused when the snapshot cannot be put back whole: the model's tensors, every
+        optimizer of the session with the same param groups, and the GradScaler it uses."""
+        at = f"the snapshot before step {snap.label}"
+        if len(live) != snap.n_model or not _fits(snap.tensors[: snap.n_model], live):
+            raise RollbackRefused(f"the model's parameters or buffers changed shape since {at}")
+        opts = _optimizers(mon)
+        saved = [o for o, _ in snap.optimizers]
+        for k, o in enumerate(opts):
+            label = f"optimizer {k + 1} of {len(opts)} ({type(o).__name__})"
+            if not any(o is x for x in saved):
+                raise RollbackRefused(f"{label} was not watched when {at} was taken")
+            groups = next(g for x, g in snap.optimizers if x is o)
+            now = _groups(o)
+            if len(now) != len(groups):
+                raise RollbackRefused(
+                    f"{label} has {len(now)} param groups where {at} had {len(groups)}: a param "
+                    f"group {'added' if len(now) > len(groups) else 'removed'} since cannot be rolled "
+                    "back with the rest"
+                )
+            if now != groups:
+                raise RollbackRefused(f"{label}'s param groups hold other parameters than at {at}")
+        scaler = getattr(mon, "scaler", None)
+        if snap.scaler is None and scaler is not None and _enabled(scaler):
+            raise RollbackRefused(
+                f"the GradScaler was not known when {at} was taken (it is adopted at its first step): "
+                "pass scaler= to watch() so every snapshot holds its state"
+            )
+
     def restore(self, mon: Session, snap: _Snapshot) -> None:
         """Put the snapshot back, bitwise: copies into the live tensors (the optimizer keeps its objects)."""
         if snap.event is not None:
             snap.event.synchronize()
-        model, opt = mon.model, cast(Any, mon.optimizer)
+        model = mon.model
         live = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
-        if len(live) != snap.n_model or not _fits(snap.tensors[: snap.n_model], live):
-            raise RuntimeError("the model's parameters changed shape since the snapshot")
+        self.check(mon, snap, live)  # everything, or nothing: never a partial restore
         with torch.no_grad():
             for t, h in zip(live, snap.tensors):
                 t.copy_(h)
-            for p, entry in zip(_opt_params(opt), snap.layout):
+            pairs = [(o, p) for o, _ in snap.optimizers for p in _opt_params(o)]
+            for (opt, p), entry in zip(pairs, snap.layout):
                 if entry is None:
                     opt.state.pop(p, None)
                     continue
@@ -315,8 +362,8 @@ class SpikeGuard:
     # ----------------------------------------------------------------- the rare path
 
     def _loss(self, mon: Session) -> float | None:
-        coord = getattr(mon, "coordinator", None) or getattr(mon, "_coord", None)
-        if coord is not None:
+        coord = mon.coordinator
+        if isinstance(coord, _distributed.Coordinator):
             shared = _distributed.mean_loss(coord, mon)  # the same float on every rank: the same decision
             if shared is not None:
                 return float(shared)
@@ -433,7 +480,11 @@ class SpikeGuard:
         if snap is None:
             mon.emit(RuleEvent("rollback_unavailable", step, "no snapshot before the spike", "warning"))
             return
-        self.ring.restore(mon, snap)
+        try:
+            self.ring.restore(mon, snap)
+        except RollbackRefused as why:
+            mon.emit(RuleEvent("rollback_unavailable", step, f"rollback refused: {why}", "warning"))
+            return
         self.count += 1
         cfg = mon.config
         if cfg.rollback_lr_steps and cfg.rollback_lr_scale != 1.0:

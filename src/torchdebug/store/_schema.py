@@ -15,10 +15,11 @@ from pathlib import Path
 
 from .._errors import RunStoreError, SchemaVersionError
 from . import _rollup
+from ._validate import regular
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -122,6 +123,39 @@ def _add_timing_rollups_v4(conn: sqlite3.Connection) -> None:
     _rollup.backfill_timings(conn)
 
 
+#: v5: a detail step's per-parameter numbers (``RunWriter.log_vector``) as one row per names list
+#: and step, its values packed in a blob, instead of one ``scalars`` row and nine rollup upserts per
+#: value. Each name is still a row of ``metrics`` (so ``metric_names()`` and the readers' lookups are
+#: unchanged); ``vector_members`` says which vector and position holds it. Such metrics have no
+#: ``metric_rollup`` rows: readers fold the blobs (see reader.py and _aggregate.py).
+VECTORS_CREATE = (
+    """CREATE TABLE IF NOT EXISTS vector_names (
+    id INTEGER PRIMARY KEY,
+    names TEXT NOT NULL         -- JSON list of metric names, in the order of each row's values
+)""",
+    """CREATE TABLE IF NOT EXISTS vector_members (
+    metric_id INTEGER PRIMARY KEY REFERENCES metrics(id),
+    names_id INTEGER NOT NULL REFERENCES vector_names(id),
+    position INTEGER NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS vectors (
+    names_id INTEGER NOT NULL REFERENCES vector_names(id),
+    step INTEGER NOT NULL,
+    wall_time REAL NOT NULL,
+    data BLOB NOT NULL          -- little-endian float32 when every value is exact in it, else float64
+)""",
+    "CREATE INDEX IF NOT EXISTS vectors_by_names ON vectors(names_id, step)",
+    "CREATE INDEX IF NOT EXISTS vectors_by_step ON vectors(step)",
+)
+
+
+def _add_vectors_v5(conn: sqlite3.Connection) -> None:
+    # v5: new tables only (IF NOT EXISTS: a file whose version number was set back keeps them); the
+    # per-parameter rows a v4 writer left stay in ``scalars`` and read as before.
+    for statement in VECTORS_CREATE:
+        conn.execute(statement)
+
+
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
@@ -129,6 +163,7 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _add_rollups_v2,
     2: _add_last_v3,
     3: _add_timing_rollups_v4,
+    4: _add_vectors_v5,
 }
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
@@ -282,7 +317,7 @@ def writer_is_open(run_dir: Path, rank: int) -> bool:
     except ImportError:
         return False
     try:
-        fd = os.open(lock_path(run_dir, rank), os.O_RDONLY)
+        fd = os.open(lock_path(run_dir, rank), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait
     except OSError:
         return False
     try:
@@ -312,9 +347,9 @@ def _check_file(path: Path) -> bytes:
 
     Returns the 100-byte header. Never advises deleting: a file that fails here cannot be opened at all.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        header = f.read(100)
+    with regular(path) as fd:  # a FIFO or a device is refused, never waited on
+        size = os.fstat(fd).st_size
+        header = os.read(fd, 100)
     if len(header) < 100 or header[:16] != _MAGIC:
         raise RunStoreError(
             f"{path} is not a SQLite database (corrupt or overwritten); the run cannot be read, "
@@ -429,7 +464,7 @@ def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
             message says what is missing and never advises deleting a file SQLite can open.
         SchemaVersionError: written by a newer torchdebug.
     """
-    if not path.is_file():
+    if not path.exists():
         raise RunStoreError(f"{path} does not exist; is the run folder complete?")
     header = _check_file(path)
     how, note = _read_mode(path, header), None

@@ -8,7 +8,11 @@ malformed run is listed as unreadable and never takes the others down.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
+from collections.abc import Iterator
 from typing import Any
 
 from .._errors import RunStoreError
@@ -17,6 +21,56 @@ from .._errors import RunStoreError
 #: consumers (reports, JSON encoders) must never meet 200k levels.
 MAX_DEPTH = 64
 _INT64 = 2**63
+#: The most bytes a reader takes from meta.json (a few KiB in practice) and summary.json (~200 B).
+META_CAP = 16 * 2**20
+SUMMARY_CAP = 2**20
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a folder",
+}
+
+
+@contextlib.contextmanager
+def regular(path: str | os.PathLike[str]) -> Iterator[int]:
+    """An open descriptor of ``path`` (links followed) when it is a regular file, else RunStoreError.
+
+    Opened without blocking, so a FIFO is refused at once instead of waiting for a writer (and a
+    device such as /dev/zero is never read). Closed on leaving."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise RunStoreError(f"cannot read {os.fspath(path)}: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
+            raise RunStoreError(f"{os.fspath(path)} is not a regular file ({kind}); refused")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str | os.PathLike[str], cap: int) -> bytes:
+    """The bytes of a run's small file: a regular file only (see :func:`regular`), at most ``cap``
+    bytes (more: RunStoreError, nothing past the cap read)."""
+    with regular(path) as fd:
+        chunks, left = [], cap + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 2**20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    data = b"".join(chunks)
+    if len(data) > cap:
+        raise RunStoreError(
+            f"{os.fspath(path)} holds more than {cap} bytes, more than such a file ever holds; refused"
+        )
+    return data
+
 
 _STR = (str,)
 _INT = (int,)

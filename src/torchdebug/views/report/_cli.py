@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _resolve(args: argparse.Namespace) -> Path:
     from ...cli import default_runs_dir
-    from ...store._cli import resolve_run
+    from ...store import resolve_run
 
     return resolve_run(args.run, args.runs or default_runs_dir())
 

@@ -9,7 +9,7 @@ from importlib import resources
 from typing import Any
 
 from ...events import module_label
-from ...store._verdict import group_anomalies
+from ..verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, json_safe
 from ._rankview import render_ranks
 
@@ -36,6 +36,7 @@ h2 { font-size: 16px; margin: 18px 0 8px; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; background: #607d8b; color: #fff; }
 .badge.running { background: var(--run); } .badge.ok { background: #2e7d32; } .badge.warning { background: #b45309; }
 .badge.error { background: #c62828; }
+.verdict-cell.error { color: var(--bad); } .verdict-cell.warning { color: var(--warn); }
 .verdict { margin: 12px 0 4px; padding: 10px 14px; border-radius: 6px; background: var(--card);
            border: 1px solid var(--line); border-left: 6px solid #607d8b; font-size: 16px; overflow-wrap: anywhere; }
 .verdict.ok { border-left-color: var(--ok); } .verdict.running { border-left-color: var(--run); }
@@ -122,7 +123,7 @@ def _rng(lo: Any, hi: Any) -> str:
 
 
 def render_verdict(verdict: Mapping[str, Any]) -> str:
-    """The run's one-sentence verdict (``torchdebug.store._verdict.judge``), coloured by its level."""
+    """The run's one-sentence verdict (``torchdebug.views.verdict.judge``), coloured by its level."""
     level = str(verdict.get("level", "warning"))
     return f'<p class="verdict {_e(level)}" role="status"><b>{_e(verdict.get("text", ""))}</b></p>'
 
@@ -201,7 +202,7 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
 
 def render_spikes(events: Sequence[Mapping[str, Any]]) -> str:
     """Loss spikes (``spike_report`` and ``rollback`` events) as a table: step, what, cause, named, message."""
-    from ...store._spikes import spike_rows
+    from ..spikes import spike_rows
 
     rows = [
         f'<tr class="sev-warning"><td class="num">{_e(fmt_num(r["step"]))}</td><td>{_e(r["kind"])}</td>'

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..._term import printable
 from ...events import module_label
-from ...store._verdict import group_anomalies
+from ..verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, natural_key
 
 _RULE = "-" * 78
@@ -93,7 +93,7 @@ def render_text(report: Mapping[str, Any]) -> str:
                 f"first {g['first_step']}, last {g['last_step']}",
             )
         out += ["  " + line for line in card]
-    from ...store._spikes import spike_lines
+    from ..spikes import spike_lines
 
     spikes = spike_lines(report["events"])
     if spikes:
@@ -109,7 +109,7 @@ def render_text(report: Mapping[str, Any]) -> str:
             f"  step {fmt_num(e.get('step')):>6}  {e.get('severity', ''):<7} {e.get('kind')}{where}: {e.get('message')}"
         )
     if report.get("ranks"):
-        from ...store._ranks import overview_lines
+        from ..ranks import overview_lines
 
         out += [_RULE, *overview_lines(report["ranks"])]
     if report.get("segments"):
