@@ -39,6 +39,9 @@ FREEZE = 50
 # Floor of the loss sigma relative to |median loss| (a flat loss is not a license to flag 0.1 % bumps).
 LOSS_REL_FLOOR = 1e-2
 TOP_K = 3
+# the expert level's tensor history: the first this many trainable parameters (weight and gradient
+# statistics each) on each detail step; each is one analyze_tensor (about 20 passes, one host read)
+HISTORY_TENSORS = 32
 
 
 def fire_once(
@@ -848,6 +851,8 @@ class GradientHealth:
             else ("activations" in enabled or bool(cfg.activation_stats))
         )
         self.every = int(cfg.detail_every)
+        # seed 002's "full tensor history" at the expert level: tensor_stats rows on detail steps
+        self.history = self.details and cfg.level.value == "expert"
         self.explosion = ExplosionRule(cfg.explode_mads, cfg.explode_abs, cfg.explode_warmup)
         self.vanishing = VanishingRule(cfg.vanish_threshold, cfg.vanish_patience)
         self.spike = LossSpikeRule(cfg.loss_spike_mads, cfg.explode_warmup)
@@ -1053,6 +1058,8 @@ class GradientHealth:
                     self._emit(mon, event)
         if scalars:
             mon.log_scalars(scalars, step=step)
+        if self.history and norms_host is not None and getattr(mon, "writer", None) is not None:
+            self._tensor_history(mon, step)
         if "update" in handed:
             step_u = handed["update"][0]
             vectors = mon.transfer.vectors
@@ -1135,6 +1142,19 @@ class GradientHealth:
                         evidence={"total_norm": total, "max_norm": max_norm, "dtype": dtype},
                     ),
                 )
+
+    def _tensor_history(self, mon: Any, step: int) -> None:
+        """The expert level's tensor history: statistics of the first ``HISTORY_TENSORS`` trainable
+        weights and their gradients as ``tensor_stats`` rows (``<param>`` and ``<param>.grad``).
+
+        Cost (detail steps, expert level only): one ``analyze_tensor`` per tensor, a host read each.
+        """
+        from ..stats import analyze_tensor
+
+        for name, p in itertools.islice(zip(mon.param_names, mon.params), HISTORY_TENSORS):
+            mon.writer.log_tensor_stats(step, name, analyze_tensor(p.detach(), name))
+            if p.grad is not None:
+                mon.writer.log_tensor_stats(step, f"{name}.grad", analyze_tensor(p.grad, f"{name}.grad"))
 
     @property
     def last_clip(self) -> dict[str, Any] | None:

@@ -834,9 +834,35 @@ class Tracer:
                 root = self.taint.get(_storage_key(t))
                 if root is None or root.explicit:
                     loc, stack = user_stack(sys._getframe(2))
-                    root = self._event(Phase.FORWARD.value, "", "", "loss", loc, stack, f.kind, t, [])
+                    cause = self._graph_origin(t)  # the loss was made before the trace: read its graph
+                    root = self._event(
+                        Phase.FORWARD.value, "", "", "loss", loc, stack, f.kind, t, [], cause=cause
+                    )
                 self._set_symptom(root, f"{f.kind} in the loss")
                 return
+
+    def _graph_origin(self, loss: torch.Tensor) -> _Event | None:
+        """The op that made ``loss``'s NaN/Inf, from its autograd graph (module and line unknown)."""
+        try:
+            from .graph_origin import graph_origin
+
+            found = graph_origin(loss)
+            if found is None:
+                return None
+            kind = _flags(found.result).kind
+            ev = self._event(
+                Phase.FORWARD.value, "", "", found.op, None, (), kind, found.result, found.inputs
+            )
+            ev.module = None  # type: ignore[assignment]  # unknown (the forward was untraced), not the root
+            ev.hint = (
+                f"{found.op} made {kind} from finite inputs (read from the loss's autograd graph, "
+                f"{found.node}); the forward ran before the traced block, so its module and line are "
+                "unknown: put the forward inside the block to name them. " + ev.hint
+            ).strip()
+            return ev
+        except Exception as exc:  # the tracer must never break the traced step
+            self.internal_errors.append(repr(exc))
+            return None
 
     def _grad_arrives(self, node: Any, grads: tuple) -> None:
         """AccumulateGrad pre-hook: a gradient about to land in a leaf's ``.grad`` (a symptom sink)."""
