@@ -129,6 +129,7 @@ def test_command_discovery_imports_no_heavy_dependency() -> None:
         "torchdebug.views.runs_cli",
         "torchdebug._demo_cli",
         "torchdebug.views.report._cli",
+        "torchdebug.views._compare_cli",
         "torchdebug.sinks._cli",
         "torchdebug.views.server._cli",
         "torchdebug.integrations._run_cli",

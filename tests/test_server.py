@@ -400,6 +400,28 @@ def test_cli_serve_runs_in_the_foreground_and_refuses_open_binds(runs_dir: Path)
     assert f"torchdebug dashboard: http://127.0.0.1:{port}" in err
 
 
+def test_cli_serve_on_a_busy_port_fails_with_one_line(runs_dir: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "torchdebug", "serve", "--runs", str(runs_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    # exit 1 (failed), not uvicorn's 3 (which torchdebug documents as "a NaN was found")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"torchdebug: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "choose another with --port" in done.stderr
+
+
 def test_live_monitor_without_a_store(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TinyMLP()

@@ -77,6 +77,7 @@ _COMMAND_MODULES = [
     "torchdebug.views.runs_cli",
     "torchdebug._demo_cli",
     "torchdebug.views.report._cli",
+    "torchdebug.views._compare_cli",
     "torchdebug.sinks._cli",
     "torchdebug.views.server._cli",
     "torchdebug.integrations._run_cli",

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._config import DebugConfig, DebugLevel
 from .._instruments import REGISTRY, spec
-from .._step import Instrument, StepState
+from .._step import Instrument, StepPhase, StepState
 from ..events import Anomaly, RuleEvent, StepRecord, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
 from .deferred import DeferredReads
@@ -87,7 +87,7 @@ class Controls:
         from ..memory.recovery import run_step_with_oom_retry
 
         def new_micro_step(_piece: Any) -> None:
-            self.state.new_micro_step = True  # the failed attempt never reached its backward
+            self.state.phase = StepPhase.START  # the failed attempt never reached its backward
 
         def record(retry: Any) -> None:
             evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
@@ -264,7 +264,7 @@ class Controls:
         self.params = [p for _, p in named]
         self._param_ids = {id(p) for p in container.parameters()}
         self.uses_cuda = any(p.is_cuda for p in self.params)
-        self.sentinel.reindex(cast(Session, self))
+        self.sentinel.reindex(self.params, self.param_names)
         self._plain.model = self._plain.root = container
         self._plain.hook_roots(list(roots.values()))
         self._apply_level(self.config.level)  # the instruments again, over every model
@@ -273,6 +273,7 @@ class Controls:
         """Switch the instruments to a new level and options (on the training thread, between steps)."""
         self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
+        self.sentinel.config = self.config
         self.sentinel.active = "nonfinite" in self._enabled
         sync, reads = self.config.sync, self._async
         # switched live ("auto" keeps what the session chose as it started; "async" replaces its choice)

@@ -343,14 +343,27 @@ class Run:
 
     def anomalies_frame(self) -> Any:
         """Anomalies as a pandas DataFrame, in the order logged: ``step``, ``kind``, ``phase``,
-        ``module``, ``op``, ``location``, ``rank``, ``summary``.
+        ``module``, ``parameter``, ``op``, ``location``, ``rank``, ``symptom``, ``detected_by``,
+        ``summary``. An anomaly seen in a parameter (no replay) names the module that owns it;
+        ``op`` and ``location`` are missing (NaN) where no replay traced them.
 
         Raises:
             ImportError: pandas is not installed (the message names the fix).
         """
         pd = _pandas("anomalies_frame")
-        columns = ["step", "kind", "phase", "module", "op", "location", "rank", "summary"]
-        frame = pd.DataFrame([{c: a.get(c) for c in columns} for a in self.anomalies()], columns=columns)
+        columns = [
+            "step", "kind", "phase", "module", "parameter", "op", "location", "rank", "symptom",
+            "detected_by", "summary",
+        ]  # fmt: skip
+
+        def row(a: dict[str, Any]) -> dict[str, Any]:
+            r = {c: a.get(c) for c in columns}
+            parameter = a.get("parameter")
+            if not r["module"] and isinstance(parameter, str) and "." in parameter:
+                r["module"] = parameter.rsplit(".", 1)[0]  # the module that owns the parameter
+            return r
+
+        frame = pd.DataFrame([row(a) for a in self.anomalies()], columns=columns)
         frame["step"] = frame["step"].astype("Int64")
         return frame
 
