@@ -24,6 +24,8 @@ from ..events import RuleEvent, training_summary
 from .divergence import KIND as DIVERGENCE
 from .divergence import DivergenceRule, GrowthRule
 from .optnorms import OptimizerNorms
+from .optstate import ITEM as STATE_ITEM
+from .optstate import OptimizerState
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
 WINDOW = 200
@@ -832,6 +834,8 @@ class GradientHealth:
         self._last_clip: dict[str, Any] | None = None
         self._clip_norms: tuple[Sequence[str], Callable[[], Sequence[float] | None]] = ((), lambda: None)
         self._optnorms = OptimizerNorms()
+        self._optstate = OptimizerState()  # the optimizers' state, finite or not (detail steps)
+        self._state_probe: tuple[int, torch.Tensor] | None = None  # (step, its device number), to read
         self._per_handed: Any = None  # the gradient reduction whose per-parameter numbers a read carried
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
@@ -958,6 +962,11 @@ class GradientHealth:
                 self._before = plan.flatten(mon.params) if cpu else torch._foreach_mul(list(mon.params), 1.0)
 
     def after_optimizer_step(self, mon: SessionView) -> None:
+        if mon.due(self.every) and mon.optimizers:
+            # detail steps: the state after the update, one fused reduction, read with the step's numbers
+            # (several updates in a step: the last one's probe covers every optimizer's state)
+            probe = self._optstate.probe(mon)
+            self._state_probe = None if probe is None else (mon.global_step, probe)
         before = self._before
         if before is None or self._before_step != mon.global_step:
             return
@@ -999,6 +1008,10 @@ class GradientHealth:
             out["health.ratio"] = ratio  # read as one list each (the transfer's VECTORS)
             out["health.weight"] = weight
             self._handed["update"] = (step, len(ratio))
+        if self._state_probe is not None and mon.state.phase != StepPhase.UPDATE:
+            out[STATE_ITEM] = self._state_probe[1].reshape(())
+            self._handed["state"] = self._state_probe[0]
+            self._state_probe = None
         if self._act:
             for mod, stats in self._act.items():
                 for key, t in stats.items():
@@ -1068,6 +1081,10 @@ class GradientHealth:
             )
         if "act" in handed:
             self._act_insight(mon, step, handed["act"], values)
+        if "state" in handed and STATE_ITEM in values:
+            event = self._optstate.judge(mon, handed["state"], float(values[STATE_ITEM]))
+            if event is not None:
+                self._emit(mon, event)
         if mon.early_stopping is not None:
             self._early_stopping(mon, step)
         if self._step_had_anomaly:  # also set before the update (an explosion judged pre-update)
