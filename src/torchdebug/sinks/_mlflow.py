@@ -40,7 +40,7 @@ class MlflowSink(Sink):
     ``torchdebug/anomaly-step<N>.json``; one entry per episode (its first record, ``count``,
     ``last_step``) in ``torchdebug/findings.json`` at the end.
 
-    Cost: one ``log_batch`` call per batch of records (about every 0.5 s) on the sink's thread.
+    Cost: one ``log_batch`` call per batch of records (every 32 steps, at the latest every 2 s) on the sink's thread.
     """
 
     name = "mlflow"
