@@ -30,8 +30,8 @@ CLOSE_TIMEOUT = 15.0
 class Sink:
     """One tracker that receives a run's records. Subclass and override what the tracker shows.
 
-    Call order: ``open`` (the owner thread, at session start: find or open the tracker's run), then
-    on the sink's thread ``scalars`` / ``histogram`` / ``finding`` for each record in order and
+    Call order: ``open`` (the owner thread, at session start: find the tracker's run), then
+    on the sink's thread ``start`` (connect), ``scalars`` / ``histogram`` / ``finding`` for each record in order and
     ``flush`` after each batch, ``finish`` once with how the run ended; then ``release`` on the
     owner thread (end what ``open`` opened). A method that raises switches the sink off with one
     ``TorchDebugWarning``; the run folder keeps everything.
@@ -40,7 +40,12 @@ class Sink:
     name = "sink"
 
     def open(self, run: RunInfo) -> None:
-        """Find or open the tracker's run (the owner thread)."""
+        """Find or open the tracker's run (the owner thread). Must not wait on the network: a tracker
+        that needs a server connects in ``start``."""
+
+    def start(self) -> None:
+        """Connect (the sink's thread, before its first record): a server that cannot be reached
+        switches the sink off here, while training goes on."""
 
     def scalars(self, rec: Scalars) -> None:
         """One step's values under their ``torchdebug/...`` names."""
@@ -108,6 +113,14 @@ class _Worker:
 
     def _run(self) -> None:
         sink = self.sink
+        try:
+            sink.start()
+        except Exception as exc:
+            with self.cond:
+                self.off = True
+                self.queue.clear()
+            self.hub.note(sink, f"could not start: {exc!r}")
+            return
         while True:
             with self.cond:
                 while not self.queue and self.end is None and not self.off:
@@ -252,6 +265,7 @@ def deliver(
         for s in sinks:
             s.open(run)
             opened.append(s)
+            s.start()
         batch: list[Record] = []
         for rec in records:
             tally.see(rec)
