@@ -118,8 +118,11 @@ def _loop(
 
 def test_sync_option_is_validated() -> None:
     model = fx.MLP()
-    with pytest.raises(ValueError, match="sync must be one of blocking, async"):
+    with pytest.raises(td.ConfigError, match="sync must be one of blocking, async") as ei:
         td.watch(model, sync="eventually")
+    assert isinstance(ei.value, ValueError)  # ``except ValueError`` still catches it
+    with pytest.raises(td.ConfigError, match="policy must be one of"):
+        td.watch(model, policy="ignore")
     with pytest.raises(td.ConfigError, match="expected one of 'blocking', 'async'"):
         td.DebugConfig(sync="later")  # type: ignore[arg-type]
     assert td.watch(model, sync="ASYNC", run=False).config.sync == "async"

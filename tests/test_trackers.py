@@ -627,3 +627,36 @@ def test_an_unreachable_mlflow_server_never_holds_up_training(
     )
     assert "check MLFLOW_TRACKING_URI" in message
     assert open_run(box["mon"].run_dir).series("loss").steps == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("to", "fix"),
+    [
+        ("wandb", "log in with `wandb login` (or set WANDB_API_KEY; WANDB_MODE=offline writes locally)"),
+        ("mlflow", "set MLFLOW_TRACKING_URI to your tracking server"),
+    ],
+)
+def test_export_without_the_trackers_setup_is_a_configuration_error(
+    tmp_path: Path, to: str, fix: str
+) -> None:
+    import os
+    import subprocess
+
+    pytest.importorskip(to)
+    run = _tiny_run(tmp_path / "runs", steps=2).run_dir
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    env.update(HOME=str(home), PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+    done = subprocess.run(
+        [sys.executable, "-m", "torchdebug", "export", str(run), "--to", to],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=home,
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr  # the documented exit code of a setup problem, not 4
+    assert done.stderr.count("\n") == 1 and "internal error" not in done.stderr
+    assert done.stderr.startswith(f"torchdebug: error: the {to!r} tracker could not start: ")
+    assert fix in done.stderr

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import TorchDebugWarning
+from .._errors import ConfigError, TorchDebugWarning
 from ._records import Finding, Histogram, Record, RunEnd, RunInfo, Scalars, Tally, decode_high, decode_low
 
 #: records a sink may fall behind before it is switched off (about the store's own queue)
@@ -38,6 +38,7 @@ class Sink:
     """
 
     name = "sink"
+    setup_hint = ""  # what a user sets up for the tracker, said when it cannot start
 
     def open(self, run: RunInfo) -> None:
         """Find or open the tracker's run (the owner thread). Must not wait on the network: a tracker
@@ -256,16 +257,23 @@ class SinkHub:
 def deliver(
     sinks: Sequence[Sink], run: RunInfo, records: Iterable[Record], status: str, lost: int = 0
 ) -> RunEnd:
-    """Send records to sinks here and now (``torchdebug export``): errors propagate. ``lost``: the
+    """Send records to sinks here and now (``torchdebug export``): errors propagate; a sink that
+    cannot start (no login, no tracking server) raises ConfigError naming the fix. ``lost``: the
     records the run's writer could not store (``Run.summary()["lost"]``)."""
     tally = Tally()
     tally.lost = lost
     opened: list[Sink] = []
     try:
         for s in sinks:
-            s.open(run)
-            opened.append(s)
-            s.start()
+            try:
+                s.open(run)
+                opened.append(s)
+                s.start()
+            except ImportError:
+                raise
+            except Exception as exc:  # a login, a server, a URI: the user's setup, not our bug
+                hint = f"; {s.setup_hint}" if s.setup_hint and s.setup_hint not in str(exc) else ""
+                raise ConfigError(f"the {s.name!r} tracker could not start: {exc}{hint}") from exc
         batch: list[Record] = []
         for rec in records:
             tally.see(rec)

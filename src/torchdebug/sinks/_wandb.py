@@ -54,6 +54,8 @@ class WandbSink(Sink):
         self._rows: list[list[Any]] = []
         self._first: str | None = None
 
+    setup_hint = "log in with `wandb login` (or set WANDB_API_KEY; WANDB_MODE=offline writes locally)"
+
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = import_wandb()
         if self.run is None:
