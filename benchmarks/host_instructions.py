@@ -1,129 +1,191 @@
-"""torchdebug's host cost counted in CPU instructions: the launch-bound proxy without the noise.
+"""torchdebug's host cost counted in CPU instructions, the run store included: the launch-bound
+proxy without the noise.
 
-``benchmarks/host_cost.py`` times the launch-bound workloads in process CPU time; on a shared machine
-those times move by 5-10% between identical blocks, more than the overhead targets (1.02x, 1.05x) it
-is meant to check. Instructions executed do not move: this script runs each workload and variant in a
-fresh process under valgrind (``cachegrind``, no cache simulation), once for ``N1`` and once for
-``N2`` steps, and reports ``(I(N2) - I(N1)) / (N2 - N1)`` instructions per step, so the import, the
-model's construction and the session's start drop out. The steps counted include detail steps as
-often as they occur when ``N2 - N1`` is a multiple of ``detail_every`` (10). The first steps still
-warm up (the plain gpt2 loop: 74.1 M instructions a step over steps 6-15, 65.4 M over 16-25), and a
-session's start warms some of it up early, so the window starts at step 16 by default.
+``benchmarks/host_cost.py`` times the launch-bound workloads in CPU time; on a shared machine those
+times move by 5-10% between identical blocks, more than the overhead targets (1.05x) they check.
+Instructions executed do not move: this script runs each workload and variant in a fresh process
+under valgrind's ``callgrind`` with instrumentation off, and counts only a window of steps
+``[N1, N2)`` (default ``[16, 26)``: warm, and one detail step, step 20, inside). At both ends of the
+window the run store's writer is flushed (its queue written and committed), so everything the store
+does for the window's steps is counted, on every thread: the training thread and the writer
+thread, each shown apart. The window is switched on and off by valgrind client requests from a
+tiny C shim compiled on first use (``gcc`` and valgrind's headers, ``apt-get install valgrind``).
+
+Variants: ``plain`` (no torchdebug), ``watch`` (the default ``torchdebug.watch``, run store on, as
+users get it), ``sentinel`` (mode="anomaly_detection", store on), ``watch_norun`` (the default with
+``run=False``: the store left out, a labelled extra). Workloads: ``tests/fixtures/launch_models.py``
+plus ``many2000`` (2,000 parameter tensors; ``--steps 20,21`` counts its detail step alone).
 
 Instructions are not time (a memory-bound copy costs more per instruction than Python does), but
 torchdebug's host work on these proxies is mostly Python and small kernels, where they track each
-other; the ratio to plain is the figure to compare between trees. One thread; ``run=False`` (the run
-store's writer thread is left out: see docs/benchmarks.md for its cost). Needs ``valgrind``
-(``apt-get install valgrind``); a gpt2 step takes about a second under it, so a run of three
-variants is several minutes.
+other; the ratio to plain is the figure to compare between trees.
 
-    python benchmarks/host_instructions.py [--only gpt2] [--variants plain,sentinel,watch,none]
-                                           [--steps 16,36] [--jobs 2]
+    python benchmarks/host_instructions.py [--only gpt2,deep_mlp,mlp4] [--variants plain,watch,watch_norun]
+                                           [--steps 16,26] [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("plain", "sentinel", "watch", "none")
+VARIANTS = ("plain", "watch", "sentinel", "watch_norun")
+_SHIM = r"""
+#include <valgrind/callgrind.h>
+void td_window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void td_window_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
 
 
-def child(workload: str, variant: str, steps: int) -> None:
-    """Run ``steps`` training steps of one workload and variant (under valgrind, from the parent)."""
+def _shim() -> Path:
+    """The client-request shim (built once into the system temp folder)."""
+    so = Path(tempfile.gettempdir()) / f"torchdebug-callgrind-window-{os.getuid()}.so"
+    if not so.exists():
+        src = so.with_suffix(".c")
+        src.write_text(_SHIM)
+        tmp = so.with_name(f"{so.name}.{os.getpid()}")
+        subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(tmp), str(src)], check=True)
+        os.replace(tmp, so)
+    return so
+
+
+def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
+    """Run ``n2`` steps of one workload and variant, instrumenting steps ``[n1, n2)`` only."""
     sys.path.insert(0, str(ROOT))
     import torch
 
     torch.set_num_threads(1)
-    from tests.fixtures.launch_models import WORKLOADS, train_step
+    from tests.fixtures.launch_models import WORKLOADS, many_tensors, train_step
 
     import torchdebug as td
 
     warnings.simplefilter("ignore")
-    w = WORKLOADS[workload]
+    lib = ctypes.CDLL(shim)
+    if workload == "many2000":
+        w = dataclasses.replace(WORKLOADS["many5000"], build=lambda: many_tensors(2000))
+    else:
+        w = WORKLOADS[workload]
     g = torch.Generator().manual_seed(0)
     batches = [w.batch(g) for _ in range(4)]
     torch.manual_seed(0)
     model = w.build()
     opt = w.optimizer(model)
-    configs = {
-        "sentinel": td.DebugConfig(mode="anomaly_detection"),
-        "watch": td.DebugConfig(),
-        "none": td.DebugConfig(mode="none"),
-    }
     if variant == "plain":
-        for i in range(steps):
+        for i in range(n2):
+            if i == n1:
+                lib.td_window_start()
             train_step(w, model, opt, batches[i % 4])
+        lib.td_window_stop()
         return
-    with td.watch(model, opt, run=False, config=configs[variant]) as mon:
-        for i in range(steps):
+    config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()
+    run = False if variant.endswith("_norun") else tempfile.mkdtemp(prefix="td-instr-")
+    with td.watch(model, opt, run=run, config=config) as mon:
+        writer = getattr(mon, "writer", None)
+        for i in range(n2):
+            if i == n1:
+                if writer is not None:
+                    writer.flush()  # the steps before the window are written before it opens
+                lib.td_window_start()
             train_step(w, model, opt, batches[i % 4])
             mon.step()
+        if writer is not None:
+            writer.flush()  # the window's records written and committed inside it
+        lib.td_window_stop()
+    if isinstance(run, str):
+        shutil.rmtree(run, ignore_errors=True)
 
 
-def count(workload: str, variant: str, steps: int) -> int:
-    """Instructions executed by a fresh process running ``steps`` steps (valgrind's ``I refs``)."""
-    cmd = [
-        "valgrind",
-        "--tool=cachegrind",
-        "--cache-sim=no",
-        "--cachegrind-out-file=/dev/null",
-        sys.executable,
-        __file__,
-        "--child",
-        workload,
-        variant,
-        str(steps),
-    ]
-    # a fixed hash seed: string hashing decides how often dict lookups collide, which moves a
-    # process's count by ~0.5 M instructions per step between seeds
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    m = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
-    if m is None:
-        raise RuntimeError(f"no instruction count in valgrind's output:\n{out.stderr[-2000:]}")
-    return int(m.group(1).replace(",", ""))
+def count(workload: str, variant: str, n1: int, n2: int, shim: Path) -> dict[str, int]:
+    """Instructions executed in the window, per thread (``total``, ``main``, ``others``)."""
+    with tempfile.TemporaryDirectory(prefix="td-cg-") as tmp:
+        out_file = Path(tmp) / "cg.out"
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--separate-threads=yes",
+            f"--callgrind-out-file={out_file}",
+            sys.executable,
+            __file__,
+            "--child",
+            workload,
+            variant,
+            str(n1),
+            str(n2),
+            str(shim),
+        ]
+        # a fixed hash seed: string hashing decides how often dict lookups collide, which moves a
+        # process's count by ~0.5 M instructions per step between seeds
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(ROOT / "src"))
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+        if out.returncode != 0:
+            raise RuntimeError(f"{workload}/{variant} failed under valgrind:\n{out.stderr[-3000:]}")
+        per_thread = []
+        for f in sorted(Path(tmp).glob("cg.out*")):
+            text = f.read_text(errors="replace")
+            m = re.search(r"^totals:\s+(\d+)", text, re.M)
+            thread = re.search(r"^thread:\s+(\d+)", text, re.M)
+            per_thread.append((int(thread.group(1)) if thread else 1, int(m.group(1)) if m else 0))
+    main = sum(n for t, n in per_thread if t == 1)
+    total = sum(n for _, n in per_thread)
+    return {"total": total, "main": main, "others": total - main}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--only", default="gpt2", help="workloads, comma-separated (tests/fixtures/launch_models.py)"
-    )
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--steps", default="16,36", help="N1,N2: steps of the two runs per variant")
+    ap.add_argument("--only", default="gpt2", help="workloads, comma-separated (launch_models.py, many2000)")
+    ap.add_argument("--variants", default="plain,watch,watch_norun")
+    ap.add_argument("--steps", default="16,26", help="N1,N2: the window [N1, N2) of steps counted")
     ap.add_argument("--jobs", type=int, default=2, help="valgrind processes at once")
-    ap.add_argument("--child", nargs=3, metavar=("WORKLOAD", "VARIANT", "STEPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
+        c = args.child
+        child(c[0], c[1], int(c[2]), int(c[3]), c[4])
         return
-    if shutil.which("valgrind") is None:
+    if shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
         sys.exit("valgrind is not installed: apt-get install valgrind")
+    shim = _shim()
     n1, n2 = (int(x) for x in args.steps.split(","))
     workloads = [w for w in args.only.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; choose from {VARIANTS}")
     if "plain" not in variants:
         variants.insert(0, "plain")
-    jobs = [(w, v, n) for w in workloads for v in variants for n in (n1, n2)]
+    jobs = [(w, v) for w in workloads for v in variants]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        got = dict(zip(jobs, pool.map(lambda j: count(*j), jobs)))
-    print(f"instructions per step: (I({n2}) - I({n1})) / {n2 - n1}, fresh processes under valgrind, 1 thread")
+        got = dict(zip(jobs, pool.map(lambda j: count(*j, n1, n2, shim), jobs)))
+    n = n2 - n1
+    print(
+        f"instructions per step over steps [{n1}, {n2}), writer flushed at both ends; callgrind, 1 torch thread"
+    )
     for w in workloads:
-        per = {v: (got[(w, v, n2)] - got[(w, v, n1)]) / (n2 - n1) for v in variants}
-        plain = per["plain"]
-        print(f"\n{w}\n| variant | instructions/step | ratio | added/step |\n|---|---|---|---|")
+        plain = got[(w, "plain")]["total"] / n
+        print(
+            f"\n{w}\n| variant | instructions/step | ratio | added/step | training thread | other threads |"
+            "\n|---|---|---|---|---|---|"
+        )
         for v in variants:
-            added = "-" if v == "plain" else f"{per[v] - plain:+,.0f}"
-            print(f"| {v} | {per[v]:,.0f} | {per[v] / plain:.3f}x | {added} |")
+            c = got[(w, v)]
+            per = c["total"] / n
+            added = "-" if v == "plain" else f"{per - plain:+,.0f}"
+            print(
+                f"| {v} | {per:,.0f} | {per / plain:.3f}x | {added} | {c['main'] / n:,.0f} | "
+                f"{c['others'] / n:,.0f} ({c['others'] / n / plain:.1%}) |"
+            )
 
 
 if __name__ == "__main__":

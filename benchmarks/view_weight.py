@@ -37,8 +37,8 @@ def build_demo(root: Path, steps: int, policy: str) -> Path:
 
 def report_row(run: Path) -> tuple[int, int, int, int]:
     from torchdebug.store import open_run
-    from torchdebug.store._verdict import group_anomalies
     from torchdebug.views.report import render_report
+    from torchdebug.views.verdict import group_anomalies
 
     html = render_report(run, "html")
     assert isinstance(html, str)

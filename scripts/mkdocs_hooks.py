@@ -26,6 +26,23 @@ OPTIONAL_PAGES = [
 ]
 
 
+# the options a new user sets first, in this order (the configuration reference's first table)
+FIRST_OPTIONS = [
+    "policy",
+    "run_dir",
+    "run_name",
+    "mode",
+    "level",
+    "sync",
+    "on_spike",
+    "report_to",
+    "detail_every",
+    "store",
+    "replay",
+    "trace_loss",
+]
+
+
 def _config_module() -> Any:
     src = str(ROOT / "src")
     if src not in sys.path:
@@ -91,18 +108,53 @@ def configuration_page() -> str:
         "| `advanced` | activation statistics, per-module memory, FLOPs |",
         "| `expert` (alias `extreme`) | per-module time, profiler |",
         "",
+        "## Instruments",
+        "",
+        "Each instrument as the registry declares it (`torchdebug._instruments.REGISTRY`, the table the "
+        "config and the session both read): the level from which its modes run it, and the switches "
+        "that start it whatever the mode and level.",
+        "",
+        "| instrument | records | from level | modes | switches | cost |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| `{s.name}` | {_cell(s.records)} | {s.level or 'switches only'} | "
+            f"{', '.join(f'`{m}`' for m in dict.fromkeys((*s.modes, *s.always_in))) or '-'} | "
+            f"{', '.join(f'`{w}`' for w in s.switches)} | {_cell(s.cost)} |"
+            for s in c.REGISTRY
+        ),
+        "",
         f"## Every option ({len(dataclasses.fields(cfg))})",
         "",
-        "| option | default | accepts | environment |",
-        "| --- | --- | --- | --- |",
+        "In the order a new user needs them: the options most runs set, then the rest of the engine's, "
+        "then the seed-era switches kept for the older facades.",
+        "",
     ]
-    for f in dataclasses.fields(cfg):
-        default = getattr(cfg, f.name)
-        shown = getattr(default, "value", default)
-        spec = c._SPECS[f.name]
-        lines.append(
-            f"| `{f.name}` | `{shown!r}` | {_cell(spec.allowed())} | `{c.ENV_PREFIX}{f.name.upper()}` |"
-        )
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    first = [n for n in FIRST_OPTIONS if n in fields]
+    # the seed-era switches: every field declared between `level` and `policy` (the seed 000/001
+    # DebugConfig's options, kept for the facades; see DebugConfig's docstring)
+    names = list(fields)
+    seed = [n for n in names[names.index("level") + 1 : names.index("policy")] if n not in first]
+    rest = [n for n in names if n not in first and n not in seed]
+    for title, group in (
+        ("Start here", first),
+        ("Everything else", rest),
+        ("Seed-era switches (kept for the older facades)", seed),
+    ):
+        lines += [
+            f"### {title}",
+            "",
+            "| option | default | accepts | environment |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name in group:
+            default = getattr(cfg, name)
+            shown = getattr(default, "value", default)
+            spec = c._SPECS[name]
+            lines.append(
+                f"| `{name}` | `{shown!r}` | {_cell(spec.allowed())} | `{c.ENV_PREFIX}{name.upper()}` |"
+            )
+        lines.append("")
     doc = inspect.getdoc(c.DebugConfig) or ""
     notes = doc.split("Options (defaults in brackets):", 1)
     lines += ["", "## What each option does", ""]
@@ -124,6 +176,23 @@ def on_config(config: Any, **kwargs: Any) -> Any:
         at = names.index(after) + 1 if after in names else len(nav)
         nav.insert(at, {title: path})
     return config
+
+
+# a Sphinx role left in a docstring (":func:`judge`", ":class:`~torch.Tensor`") as the API pages
+# render it: the role's name, then the code; a reader sees the code alone (with "~": the last name)
+_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|const):<code>(~?)([^<]*)</code>")
+
+
+def strip_roles(html: str) -> str:
+    """``:func:<code>judge</code>`` -> ``<code>judge</code>``; ``~a.b.C`` keeps ``C``."""
+    return _ROLE.sub(
+        lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>", html
+    )
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    """The rendered page without raw Sphinx roles (the API reference renders docstrings that use them)."""
+    return strip_roles(html)
 
 
 def on_files(files: Any, config: Any, **kwargs: Any) -> Any:

@@ -126,9 +126,10 @@ def test_console_script_runs() -> None:
 
 def test_command_discovery_imports_no_heavy_dependency() -> None:
     assert _COMMAND_MODULES == [
-        "torchdebug.store._cli",
+        "torchdebug.views.runs_cli",
         "torchdebug._demo_cli",
         "torchdebug.views.report._cli",
+        "torchdebug.views._compare_cli",
         "torchdebug.sinks._cli",
         "torchdebug.views.server._cli",
         "torchdebug.integrations._run_cli",
@@ -141,6 +142,14 @@ def test_command_discovery_imports_no_heavy_dependency() -> None:
     assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
 
 
+# the golden run's verdict: two NaN/Inf steps (3 and 2, logged in that order: the earliest step's is
+# named), then its rule events counted by kind (the nonfinite_gradients error is the same incident)
+GOLDEN_VERDICT = (
+    "finished, 2 steps with non-finite values, first at step 2: inf in backward of fc1; "
+    "also 1 nonfinite_gradients, 2 loss_spike"
+)
+
+
 # -- runs --------------------------------------------------------------------------------------------
 
 
@@ -150,13 +159,25 @@ def test_runs_table(
     monkeypatch.chdir(runs_dir.parent)
     assert main(["runs"]) == 0  # DIR defaults to ./runs
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH"]
+    assert out[0].split() == ["NAME", "STATUS", "VERDICT", "STEPS", "ANOMALIES", "CREATED", "PATH"]
     rows = [line.split() for line in out[1:]]
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
-        ("golden", "finished", "4", "2"),
-        ("live", "running", "1", "0"),
+    # golden finished with 2 NaN/Inf steps: its verdict is an error, never a green "finished"
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("golden", "finished", "error", "4", "2"),
+        ("live", "running", "running", "1", "0"),
     ]
     assert rows[0][-1].startswith("runs/golden-")
+
+
+def test_runs_colours_by_the_verdict(
+    runs_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert main(["runs", str(runs_dir)]) == 0
+    golden = capsys.readouterr().out.splitlines()[1]
+    # status and verdict red (SGR 31), not the green (32) a finished status alone would get
+    assert "\x1b[31mfinished" in golden and "\x1b[31merror" in golden and "\x1b[32m" not in golden
 
 
 def test_runs_json_and_empty_and_missing(
@@ -164,10 +185,11 @@ def test_runs_json_and_empty_and_missing(
 ) -> None:
     assert main(["runs", str(runs_dir), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [(d["name"], d["status"], d["steps"], d["anomalies"]) for d in data] == [
-        ("golden", "finished", 4, 2),
-        ("live", "running", 1, 0),
+    assert [(d["name"], d["status"], d["steps"], d["anomalies"], d["verdict"]["level"]) for d in data] == [
+        ("golden", "finished", 4, 2, "error"),
+        ("live", "running", 1, 0, "running"),
     ]
+    assert data[0]["verdict"]["text"] == GOLDEN_VERDICT
     (tmp_path / "empty").mkdir()
     assert main(["runs", str(tmp_path / "empty")]) == 0
     assert capsys.readouterr().out == f"no runs in {tmp_path / 'empty'}\n"
@@ -196,7 +218,7 @@ def test_show_text(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     lines = out.splitlines()
     # the verdict first: two anomalies (steps 3 and 2, logged in that order): the earliest step's is named
-    assert lines[0] == "finished, 2 steps with non-finite values, first at step 2: inf in backward of fc1"
+    assert lines[0] == GOLDEN_VERDICT
     assert lines[1].startswith("run        golden  (id ")
     assert "status     finished" in lines
     assert "steps      4 (last step 3)" in lines

@@ -36,7 +36,7 @@ from torchdebug.health.divergence import GrowthRule, repeated_median
 from torchdebug.health.instrument import ExplosionRule
 from torchdebug.nonfinite.hyperparams import HyperparameterCheck, update_size
 from torchdebug.store import open_run
-from torchdebug.store._verdict import verdict
+from torchdebug.views.verdict import verdict
 
 QUIET = {"log_performance": False}  # no step timing: a busy machine's slowdowns are not the subject
 

@@ -68,6 +68,9 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     assert "TORCHDEBUG_ANNOUNCE" in config and "slowdown_factor" in config  # generated from DebugConfig
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
     assert "locate_nonfinite" in api and "NonFiniteError" in api
+    assert not re.search(r":(?:class|func|meth|attr|mod|exc):<code>", api)  # no raw Sphinx role
+    for page in site.rglob("*.html"):  # no font (or anything) fetched from Google when a page opens
+        assert "fonts.googleapis" not in page.read_text(encoding="utf-8"), page
 
 
 def _hooks():
@@ -115,3 +118,22 @@ def test_configuration_reference_lists_every_option() -> None:
         assert f"| `{f.name}` |" in page
     assert "| `announce` | `True` | True or False | `TORCHDEBUG_ANNOUNCE` |" in page
     assert "| `policy` | `'raise'` | one of 'raise', 'warn', 'skip' | `TORCHDEBUG_POLICY` |" in page
+    # what a new user sets first leads; the seed-era switches come last
+    table = page[page.index("## Every option") :]
+    rows = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+    rows = [r for r in rows if r in {f.name for f in fields}]
+    assert rows[:3] == ["policy", "run_dir", "run_name"]
+    assert (
+        page.index("### Start here") < page.index("### Everything else") < page.index("### Seed-era switches")
+    )
+    assert rows.index("debug_lr_scheduling") > rows.index("hang_timeout")
+
+
+def test_sphinx_roles_are_stripped_from_the_rendered_pages() -> None:
+    strip = _hooks().strip_roles
+    assert strip("One pure function (:func:<code>judge</code>)") == "One pure function (<code>judge</code>)"
+    assert strip("a :class:<code>~torch.Tensor</code>") == "a <code>Tensor</code>"
+    assert (
+        strip(":meth:<code>Run.series</code> and <code>x</code>")
+        == "<code>Run.series</code> and <code>x</code>"
+    )

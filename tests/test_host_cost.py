@@ -5,7 +5,6 @@ a step goes bad, and the detail steps' per-parameter numbers queued as one store
 from __future__ import annotations
 
 import math
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ import torchdebug as td
 from tests.fixtures.host_reads import HostReads
 from torchdebug._tensors import SMALL, Plan
 from torchdebug.nonfinite.edits import _factor_bad
-from torchdebug.store import create_run, open_run
+from torchdebug.store import Run, create_run, open_run
+from torchdebug.store._aggregate import metric_stats
 
 SENTINEL_ONLY = td.DebugConfig(mode="anomaly_detection")
 
@@ -170,16 +170,13 @@ def test_the_clip_factor_worked_out_on_the_host_matches_torch(
     assert _factor_bad(total, max_norm) == bad == (not bool(torch.isfinite(coef)))
 
 
-def _rollups(path: Path) -> list[tuple]:
-    con = sqlite3.connect(path / "rank0.sqlite")
-    try:
-        return con.execute(
-            "SELECT m.name, level, bucket, count, nan_count, first_step, last_step, sum, min_value, "
-            "min_step, max_value, max_step, nan_step, last_value FROM metric_rollup r "
-            "JOIN metrics m ON m.id = r.metric_id ORDER BY m.name, level, bucket"
-        ).fetchall()
-    finally:
-        con.close()
+def _whole_run(run: Run) -> list[tuple]:
+    """What the reports read of every metric: its whole-run aggregates, last point and step view."""
+    stats = metric_stats(run)
+    return [
+        (n, sorted((k, str(v)) for k, v in stats[n].items()), str(run.at_step(10)["scalars"].get(n)))
+        for n in sorted(stats)
+    ]
 
 
 def test_log_vector_stores_what_log_scalars_stores(tmp_path: Path) -> None:
@@ -200,13 +197,13 @@ def test_log_vector_stores_what_log_scalars_stores(tmp_path: Path) -> None:
         run = open_run(w.path)
         got[how] = (
             {n: (run.series(n).steps, [str(x) for x in run.series(n).values]) for n in names},
-            [tuple(str(x) for x in r) for r in _rollups(w.path)],  # wall times aside
+            _whole_run(run),
             sorted((r[1], r[2], str(r[3])) for r in heard),
         )
         run.close()
     assert got["vector"][0] == got["scalars"][0]
     assert got["vector"][0]["grad_norm/b"] == ([0, 10, 20], ["nan", "2.0", "0.25"])
-    assert got["vector"][1] == got["scalars"][1]  # the rollups, wall times aside
+    assert got["vector"][1] == got["scalars"][1]  # the whole-run aggregates and the step view
     assert got["vector"][2] == got["scalars"][2]  # the sinks hear one scalar record per value
 
 

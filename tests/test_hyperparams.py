@@ -21,7 +21,7 @@ from torch import nn
 import torchdebug as td
 from torchdebug.nonfinite.hyperparams import HyperparameterCheck
 from torchdebug.store import open_run
-from torchdebug.store._verdict import verdict
+from torchdebug.views.verdict import verdict
 
 THIS = __file__
 

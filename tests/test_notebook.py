@@ -147,6 +147,58 @@ def test_events_and_anomalies_frames(run_path: Path) -> None:
     assert anomalies[["step", "phase", "module", "op"]].values.tolist() == [
         [1, "forward", "blocks.0.attn", "aten._softmax"]
     ]
+    assert list(anomalies.columns) == [
+        "step", "kind", "phase", "module", "parameter", "op", "location", "rank", "symptom",
+        "detected_by", "summary",
+    ]  # fmt: skip
+
+
+def test_anomalies_frame_names_the_module_of_a_parameter(watched_runs: dict[str, Path]) -> None:
+    pytest.importorskip("pandas")
+    # policy="skip": step 10 traced to blocks.1.act; steps 11..39 seen in the weights (no replay)
+    with open_run(watched_runs["warned"]) as run:
+        frame = run.anomalies_frame()
+    assert len(frame) == 30
+    assert frame.loc[0, ["module", "op", "location"]].tolist() == [
+        "blocks.1.act",
+        "aten.log",
+        "tests/fixtures/models.py:49",
+    ]
+    later = frame.iloc[1:]
+    assert set(later["parameter"]) == {"blocks.0.fc.weight"}
+    assert set(later["module"]) == {"blocks.0.fc"}  # the parameter's owner, not ""
+    assert set(later["detected_by"]) == {"sentinel (no replay)"}
+
+
+def test_a_step_record_shows_in_a_notebook() -> None:
+    from torchdebug.events import StepRecord
+
+    ok = StepRecord(step=7, loss=0.25, grad_norm=1.5, lr=(0.001,))._repr_html_()
+    assert '<div class="torchdebug-step"><div style="color:#5d6d7e;font-weight:bold">step 7</div>' in ok
+    assert (
+        "<th" in ok and "<code>0.25</code>" in ok and "<code>1.5</code>" in ok and "<code>0.001</code>" in ok
+    )
+    bad = StepRecord(
+        step=20,
+        skipped=True,
+        skip_reason="nan",
+        anomaly=Anomaly(
+            phase="forward",
+            module="fc",
+            op="aten.log",
+            location="t.py:3",
+            kind="nan",
+            step=20,
+            hint="log of negative input",
+        ),
+        events=[
+            RuleEvent(step=20, kind="loss_spike", severity="warning", message="loss 9 is 12 sigmas above")
+        ],
+    )._repr_html_()
+    assert "color:#c0392b" in bad  # red: an anomaly
+    assert "<code>nan born in forward of fc: aten.log at t.py:3 (step 20)</code>" in bad
+    assert "<code>log of negative input</code>" in bad
+    assert "<code>loss_spike: loss 9 is 12 sigmas above</code>" in bad and "<code>nan</code>" in bad
 
 
 def test_frames_without_pandas_name_the_fix(run_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -298,6 +298,10 @@ def test_cli_report_formats_and_errors(
     assert cli_main(["report", str(small_run), "--format", "png"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs an output file" in err
+    pdf = tmp_path / "x.pdf"
+    assert cli_main(["report", str(small_run), "-o", str(pdf)]) == 2  # refused, not text named .pdf
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no report format writes .pdf files" in err and not pdf.exists()
     assert cli_main(["report", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
     assert cli_main(["report", str(small_run), "--format", "pdf"]) == 2

@@ -63,6 +63,23 @@ def test_serves_on_loopback_and_lists_runs(client: Any, small_id: str) -> None:
     golden = runs[0]
     assert golden["id"] == small_id and "path" not in golden  # no absolute paths leave the server
     assert (golden["status"], golden["steps"], golden["anomalies"]) == ("finished", 8, 1)
+    # the verdict with it: finished with a NaN is an error, never green
+    assert golden["level"] == "error" and golden["verdict"].startswith(
+        "finished, but non-finite values at step 6"
+    )
+
+
+def test_the_index_colours_each_run_by_its_verdict(client: Any, small_id: str) -> None:
+    index = client.get("/").text
+    row = index[index.index(f'<tr data-id="{small_id}">') :]
+    row = row[: row.index("</tr>")]
+    # the badge's class is the verdict's level (styled), its text the status; the sentence beside it
+    assert '<span class="badge error">finished</span>' in row
+    assert '<td data-k="verdict" class="verdict-cell error">finished, but non-finite values at step 6' in row
+    from torchdebug.views.report._html import _CSS
+
+    for level in ("ok", "running", "warning", "error"):
+        assert f".badge.{level} {{" in _CSS
 
 
 def test_run_detail(client: Any, small_id: str) -> None:
@@ -381,6 +398,28 @@ def test_cli_serve_runs_in_the_foreground_and_refuses_open_binds(runs_dir: Path)
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"torchdebug dashboard: http://127.0.0.1:{port}" in err
+
+
+def test_cli_serve_on_a_busy_port_fails_with_one_line(runs_dir: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "torchdebug", "serve", "--runs", str(runs_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    # exit 1 (failed), not uvicorn's 3 (which torchdebug documents as "a NaN was found")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"torchdebug: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "choose another with --port" in done.stderr
 
 
 def test_live_monitor_without_a_store(tmp_path: Path) -> None:

@@ -46,8 +46,9 @@ def test_export_counts(exported: tuple[dict[str, int], EventAccumulator]) -> Non
     counts, _ = exported
     # scalars: 9 metrics x 8 steps + 4 memory keys x 8 + 7 timing keys x 8 (data, forward, backward,
     # optimizer, other, total, samples_per_s) + 6 stats rows (steps 0, 4, 6 x 2 tensors) x 2 (nan, inf);
-    # texts: 1 anomaly + 5 events + the verdict
-    assert counts == {"scalars": 72 + 32 + 56 + 12, "histograms": 6, "texts": 1 + 5 + 1}
+    # texts: 1 anomaly + 5 events (each the only record of its episode: no episode summary) + the
+    # first anomaly alone under its own tag + the verdict
+    assert counts == {"scalars": 72 + 32 + 56 + 12, "histograms": 6, "texts": 1 + 5 + 1 + 1}
 
 
 def test_export_scalars_keep_nan_and_inf(exported: tuple[dict[str, int], EventAccumulator]) -> None:
@@ -96,7 +97,7 @@ def test_cli_export(
 ) -> None:
     run = write_small_run(tmp_path / "runs")
     assert cli_main(["export", str(run), "--tensorboard", str(tmp_path / "tb")]) == 0
-    assert "wrote 172 scalars, 6 histograms and 7 texts" in capsys.readouterr().err
+    assert "wrote 172 scalars, 6 histograms and 8 texts" in capsys.readouterr().err
     assert _scalars(_load(tmp_path / "tb"), "torchdebug/loss")[0] == 2.5
     assert cli_main(["export", str(tmp_path / "nope"), "--tensorboard", str(tmp_path / "tb2")]) == 1
     # --to tensorboard without --logdir: tensorboard/<run folder name>, never inside the run folder

@@ -50,9 +50,9 @@ def origin(module: str = "act") -> str:
 
 def finished_verdict(module: str = "act") -> str:
     """judge() for the faulty run that finished: one step with an anomaly (10), so "non-finite values
-    at step 10: <origin>"; the NaN outranks the gradient_explosion warning, which is not named; the
-    finding starts with a letter, so "finished, but ..."."""
-    return f"finished, but non-finite values at step {NAN_AT}: {origin(module)}"
+    at step 10: <origin>"; the NaN outranks the gradient_explosion warning at step 8, which is counted
+    after it; the finding starts with a letter, so "finished, but ..."."""
+    return f"finished, but non-finite values at step {NAN_AT}: {origin(module)}; also 1 gradient_explosion"
 
 
 class FaultyNet(nn.Module):
@@ -216,7 +216,7 @@ def test_wandb_holds_the_run(faulty: dict[str, Any]) -> None:
     headline = run.anomalies()[0]["summary"]
     (alert,) = wb.alerts
     title, text, level = alert
-    assert (title, level) == (f"torchdebug: nan at step {NAN_AT}", "ERROR")
+    assert (title, level) == ("torchdebug: nan in act (LogAct)", "ERROR")  # the incident, not its step
     assert text.startswith(f"torchdebug: {headline}\n")
     assert f"\n  line      {origin_line('log')}\n" in text
     assert wb.summary["torchdebug/status"] == "finished"
@@ -240,12 +240,22 @@ def test_wandb_holds_the_run(faulty: dict[str, Any]) -> None:
         "module",
         "op",
         "line",
+        "count",
+        "last_step",
     ]
     assert [r[:4] for r in table["data"]] == [
         [EXPLODE_AT, "event", "gradient_explosion", "warning"],
         [NAN_AT, "anomaly", "nan", "error"],
     ]
-    assert table["data"][1][4:] == [headline, "forward", "act (LogAct)", "aten.log", origin_line("log")]
+    assert table["data"][1][4:] == [
+        headline,
+        "forward",
+        "act (LogAct)",
+        "aten.log",
+        origin_line("log"),
+        1,
+        NAN_AT,
+    ]
     assert wb.exit_code == 0
 
 
@@ -306,7 +316,7 @@ def test_logging_sink_routes_findings_through_the_torchdebug_logger(faulty: dict
 
 
 def test_every_tracker_says_the_verdict_of_show(faulty: dict[str, Any]) -> None:
-    from torchdebug.store._verdict import verdict
+    from torchdebug.views.verdict import verdict
 
     run = faulty["run"]
     shown = verdict(open_run(run.path))["text"]  # what `torchdebug show`, the reports and the dashboard say
@@ -327,7 +337,7 @@ def test_every_tracker_says_the_verdict_of_show(faulty: dict[str, Any]) -> None:
 
 def test_the_tally_keeps_the_verdict_exact_in_bounded_memory() -> None:
     from torchdebug.sinks._records import KEEP, Finding, Scalars, Tally
-    from torchdebug.store._verdict import judge
+    from torchdebug.views.verdict import judge
 
     def anomaly(step: int, module: str) -> dict[str, Any]:
         return {
@@ -360,9 +370,11 @@ def test_the_tally_keeps_the_verdict_exact_in_bounded_memory() -> None:
     for status in ("finished", "failed"):
         want = judge(status, steps=n, last_step=4 + n, anomalies=anomalies, events=events)["text"]
         assert tally.end(status, None).verdict == want
-    # n + 1 distinct anomaly steps (5 .. 3004 and 3), the first at step 3 in fc3
-    assert (
-        want == f"failed at step {4 + n}: {n + 1} steps with non-finite values, first at step 3: nan in fc3"
+    # n + 1 distinct anomaly steps (5 .. 3004 and 3), the first at step 3 in fc3; then the error
+    # event (it outranks the warnings of its kind), the other two loss_spike events counted
+    assert want == (
+        f"failed at step {4 + n}: {n + 1} steps with non-finite values, first at step 3: nan in fc3; "
+        "loss_spike at step 11: spike 11; also 2 loss_spike"
     )
     assert len(tally._anomaly_docs) == KEEP and tally.steps == n and tally.anomalies == n + 2
 
@@ -570,19 +582,19 @@ def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.Mon
     run = open_run(mon.run_dir)
     assert run.status == "failed"
     headline = run.anomalies()[0]["summary"]
-    # judge(): failed with one anomaly step -> "failed at step 10: <origin>", nothing after it (the
-    # gradient_explosion warning is outranked)
-    verdict = f"failed at step {NAN_AT}: {origin()}"
+    # judge(): failed with one anomaly step -> "failed at step 10: <origin>", then the rest by kind (the
+    # gradient_explosion warning at step 8 is outranked)
+    verdict = f"failed at step {NAN_AT}: {origin()}; also 1 gradient_explosion"
     assert headline == f"{origin()} (step {NAN_AT})"
     wb = wandb_run(tmp_path)
     assert wb.summary["torchdebug/status"] == "failed" and wb.summary["torchdebug/verdict"] == verdict
-    assert [a[0] for a in wb.alerts] == [f"torchdebug: nan at step {NAN_AT}", "torchdebug: the run failed"]
+    assert [a[0] for a in wb.alerts] == ["torchdebug: nan in act (LogAct)", "torchdebug: the run failed"]
     assert wb.alerts[1][1] == f"{verdict}\nrun folder: {run.path}"
     assert wb.exit_code == 1  # the W&B run torchdebug opened ends as failed
     (mrun,) = mlflow.MlflowClient().search_runs(["0"])
     assert mrun.info.status == "FAILED" and mrun.data.tags["torchdebug/verdict"] == verdict
     (end,) = [r for r in handler.records if r.torchdebug["record"] == "end"]
-    from torchdebug.store._verdict import verdict as judged
+    from torchdebug.views.verdict import verdict as judged
 
     assert judged(run)["text"] == verdict  # the sentence of `torchdebug show`
     assert (end.levelname, end.torchdebug["status"], end.torchdebug["verdict"]) == (

@@ -215,6 +215,9 @@ def test_hugging_face_report_to_ships_the_findings(tmp_path: Path, monkeypatch: 
         f"torchdebug error: step {NAN_AT}: clip_nonfinite [net.inp, net.out]: "
     )
     assert _texts(ea, "train/torchdebug/status") == {STEPS: "finished"}
-    # the NaN outranks both rule events (the clip_nonfinite error too): the verdict names only it
-    assert _texts(ea, "train/torchdebug/verdict") == {STEPS: finished_verdict("net.act")}
+    # the NaN outranks both rule events (the clip_nonfinite error is the same incident): it leads,
+    # they are counted
+    assert _texts(ea, "train/torchdebug/verdict") == {
+        STEPS: finished_verdict("net.act").replace("also ", "also 1 clip_nonfinite, ")
+    }
     assert _texts(ea, "train/torchdebug/run_folder") == {STEPS: str(run.path)}

@@ -12,7 +12,7 @@ from tests.fixtures import watched_runs as W
 from tests.fixtures.runs import write_small_run
 from torchdebug.health.divergence import DivergenceRule
 from torchdebug.store import open_run
-from torchdebug.store._verdict import group_anomalies, judge, verdict
+from torchdebug.views.verdict import group_anomalies, judge, verdict
 
 A = {
     "summary": "nan born in forward of fc2 (Linear): aten.addmm at train.py:42 (step 6)",
@@ -94,7 +94,97 @@ def test_warning_events_keep_finished_from_green() -> None:
     v = judge("finished", steps=8, last_step=7, anomalies=[], events=ev)
     assert (v["level"], v["text"]) == (
         "warning",
-        "finished, but gradient_explosion at step 5: grad norm 64 is 32x (and 1 more)",
+        "finished, but gradient_explosion at step 5: grad norm 64 is 32x; also 1 memory_leak",
+    )
+
+
+def _ev(kind: str, step: int, message: str = "m", severity: str = "warning") -> dict[str, Any]:
+    return {"kind": kind, "step": step, "severity": severity, "message": message}
+
+
+def test_the_verdict_ranks_by_consequence_not_by_time() -> None:
+    # a live run: 6 input_bound hints from step 6, the gradient explosion that ruined it at step 1201,
+    # 3 update_ratio warnings after it: the explosion leads, the rest are counted by kind
+    ev = [_ev("input_bound", s, "data wait 60% of the step") for s in range(6, 12)]
+    ev.append(_ev("gradient_explosion", 1201, "grad norm 4.1e+03 is 310x its median"))
+    ev += [_ev("update_ratio", s, "updates 1e-1 of the weights") for s in (1300, 1400, 1500)]
+    v = judge("running", steps=1600, last_step=1599, anomalies=[], events=ev)
+    assert (v["level"], v["text"]) == (
+        "warning",
+        "running: step 1599, gradient_explosion at step 1201: grad norm 4.1e+03 is 310x its median; "
+        "also 3 update_ratio, 6 input_bound",
+    )
+    assert [(f["kind"], f["step"], f["count"]) for f in v["findings"]] == (
+        [("gradient_explosion", 1201, 1)]
+        + [("update_ratio", s, 3) for s in (1300, 1400, 1500)]
+        + [("input_bound", s, 6) for s in range(6, 12)]
+    )
+
+
+def test_nan_then_open_divergence_then_a_rollback_then_warnings() -> None:
+    ev = [
+        _ev("slowdown", 2, "step 2.1x its median"),
+        _ev("rollback", 40, "rolled back to step 30, 10 batches skipped"),
+        _ev("gradient_explosion", 39, "grad norm 90 is 40x"),
+        DIVERGED,
+    ]
+    nan = dict(
+        A, step=1300, summary="nan born in forward of fc2 (Linear): aten.addmm at train.py:42 (step 1300)"
+    )
+    v = judge("finished", steps=2000, last_step=1999, anomalies=[nan], events=ev)
+    # two clauses (the NaN, then the divergence that did not recover), the rest counted
+    assert (v["level"], v["text"]) == (
+        "error",
+        "finished, but non-finite values at step 1300: nan born in forward of fc2 (Linear): aten.addmm "
+        "at train.py:42; diverged at step 1210: loss 0.018 -> 17.6 and did not recover; "
+        "also 1 rollback, 1 gradient_explosion, 1 slowdown",
+    )
+    assert [f["kind"] for f in v["findings"]] == [
+        "nan",
+        "divergence",
+        "rollback",
+        "gradient_explosion",
+        "slowdown",
+    ]
+    # without the NaN and the divergence, the rollback leads; an error event outranks it
+    v = judge("finished", steps=50, last_step=49, anomalies=[], events=ev[:3])
+    assert v["text"] == (
+        "finished, but rollback at step 40: rolled back to step 30, 10 batches skipped; "
+        "also 1 gradient_explosion, 1 slowdown"
+    )
+    hang = _ev("hang", 45, "rank 1 waited 300 s in all_reduce", "error")
+    v = judge("finished", steps=50, last_step=49, anomalies=[], events=[*ev[:3], hang])
+    assert (v["level"], v["text"].split(";")[0]) == (
+        "error",
+        "finished, but hang at step 45: rank 1 waited 300 s in all_reduce",
+    )
+    assert v["text"].split("; ")[1] == "rollback at step 40: rolled back to step 30, 10 batches skipped"
+
+
+def test_a_hint_alone_is_amber_and_info_events_are_green() -> None:
+    v = judge("finished", steps=9, last_step=8, anomalies=[], events=[_ev("input_bound", 3, "add workers")])
+    assert (v["level"], v["text"]) == ("warning", "finished, but input_bound at step 3: add workers")
+    infos = [_ev("slowdown", 3, "the machine is busy", "info"), _ev("lr_change", 4, "lr 0.1 -> 0.01", "info")]
+    v = judge("finished", steps=9, last_step=8, anomalies=[], events=infos)
+    assert (v["level"], v["text"], v["findings"]) == ("ok", "finished: 9 steps, no anomalies", [])
+
+
+def test_a_bounded_sample_with_counts_by_kind_says_the_same() -> None:
+    # the trackers keep each kind's first event and the counts: the same sentence as the whole list
+    ev = [_ev("input_bound", s) for s in range(5)] + [_ev("loss_spike", s) for s in (7, 9)]
+    whole = judge("finished", steps=10, last_step=9, anomalies=[], events=ev)
+    sample = judge(
+        "finished",
+        steps=10,
+        last_step=9,
+        anomalies=[],
+        events=[ev[0], ev[5]],
+        event_counts={"input_bound": 5, "loss_spike": 2},
+    )
+    assert (
+        sample["text"]
+        == whole["text"]
+        == "finished, but loss_spike at step 7: m; also 1 loss_spike, 5 input_bound"
     )
 
 
@@ -120,7 +210,8 @@ def test_the_small_run_verdict_from_the_store(tmp_path: Path) -> None:
     # one NaN at step 6 (the loss NaN is the same step), finished
     assert v["level"] == "error"
     assert v["text"] == (
-        "finished, but non-finite values at step 6: nan born in forward of fc2 (Linear): aten.addmm at train.py:42"
+        "finished, but non-finite values at step 6: nan born in forward of fc2 (Linear): aten.addmm at train.py:42; "
+        "also 1 nonfinite_gradients, 1 gradient_explosion, 1 loss_spike, 1 memory_leak"
     )
 
 
@@ -218,7 +309,9 @@ def test_real_runs_verdicts(runs: dict[str, Path]) -> None:
     )
     div = texts["diverged"]
     assert div["level"] == "warning" and div["text"].startswith("finished, but diverged at step 10")
-    assert div["text"].endswith("and did not recover")
+    # the spike's forensics and the loss rule's warnings are the same incident: counted, not said
+    assert "and did not recover; also " in div["text"]
+    assert div["findings"][0]["kind"] == "divergence" and div["findings"][1]["kind"] == "spike_report"
     assert texts["failed"]["text"] == (
         "failed at step 3: nan born in forward of blocks.1.act (LogAct): aten.log at tests/fixtures/models.py:49"
     )

@@ -82,7 +82,7 @@ def test_the_verdict_comes_first_in_report_and_dashboard(
     assert errors == [] and errors2 == []
 
 
-def test_repeated_anomalies_are_grouped_below_the_charts(browser: Any, reports: dict[str, Path]) -> None:
+def test_repeated_anomalies_are_grouped_above_the_charts(browser: Any, reports: dict[str, Path]) -> None:
     page, errors = _open(browser, reports["warned"].as_uri())
     try:
         # 30 anomalies (steps 10..39): the first traced at blocks.1.act, 29 then seen in the weights
@@ -92,7 +92,58 @@ def test_repeated_anomalies_are_grouped_below_the_charts(browser: Any, reports: 
         assert "29× on 29 steps, first at step 11, last at step 39" in second
         charts_y = page.locator("h2", has_text="Charts").bounding_box()["y"]
         cards_y = page.locator("h2", has_text="Anomalies").bounding_box()["y"]
-        assert charts_y < cards_y
+        assert cards_y < charts_y
+    finally:
+        page.close()
+    assert errors == []
+
+
+_ORDER_JS = """() => ['#verdict', '#cards', '#summary', '.chart'].map(s => document.querySelector(s).getBoundingClientRect().top + window.scrollY)"""
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "card_text"),
+    [
+        # DeepLogNet's blocks.1.act logs x + shift; shift -1e6 at step 3 makes every input negative
+        ("failed", "card-1", ("hint: log of negative input", "input[0]", "last module calls before it")),
+        ("warned", "card-1", ("hint: log of negative input", "input[0]", "last module calls before it")),
+        # no anomaly: the card is the divergence event the verdict names (lr 0.01 -> 10 at step 100)
+        ("diverged", "answer-event", ("divergence at step 102", "lr 10 in param group 0 of Adam")),
+    ],
+)
+def test_the_answer_comes_before_the_tiles_and_the_charts(
+    browser: Any,
+    reports: dict[str, Path],
+    watched_runs: dict[str, Path],
+    name: str,
+    target: str,
+    card_text: tuple[str, ...],
+) -> None:
+    with serve(watched_runs[name].parent, port=0) as h:
+        for url in (reports[name].as_uri(), f"{h.url}/runs/{watched_runs[name].name}"):
+            page, errors = _open(browser, url)
+            try:
+                verdict, card, tiles, chart = page.evaluate(_ORDER_JS)
+                assert verdict < card < tiles < chart, url
+                link = page.locator("#verdict a.to-card")
+                assert link.get_attribute("href") == f"#{target}"
+                text = page.inner_text(f"#{target}")
+                assert all(t in text for t in card_text), text
+                link.click()
+                page.wait_for_function(f"location.hash === '#{target}'")
+                top = page.evaluate(f"document.getElementById('{target}').getBoundingClientRect().top")
+                assert abs(top) < 2  # scrolled to the card
+                assert page.evaluate(f"document.querySelector('#{target}:target') !== null")
+            finally:
+                page.close()
+            assert errors == []
+
+
+def test_a_healthy_verdict_links_nowhere(browser: Any, reports: dict[str, Path]) -> None:
+    page, errors = _open(browser, reports["healthy"].as_uri())
+    try:
+        assert page.locator("#verdict a").count() == 0
+        assert page.locator("#cards .card").count() == 0
     finally:
         page.close()
     assert errors == []
@@ -120,14 +171,15 @@ _OVERFLOW_JS = """() => {
       if (w > 1 && hgt > 1) bad.push(svg.closest('.chart').id + ': "' + ticks[i][0] + '" overprints "' + ticks[j][0] + '"');
     }
   }
-  for (const svg of document.querySelectorAll('.chart svg')) {  // event / NaN markers inside the plot area
-    const frame = svg.querySelector('rect.frame');
-    if (!frame) continue;
-    const f = frame.getBoundingClientRect();
-    for (const m of svg.querySelectorAll('g.marks path')) {
+  for (const svg of document.querySelectorAll('.chart svg')) {  // event / NaN markers inside their lane
+    const lane = svg.querySelector('rect.lane');
+    const marks = svg.querySelectorAll('g.marks path');
+    if (!lane) { if (marks.length) bad.push(svg.closest('.chart').id + ': markers without a lane'); continue; }
+    const f = lane.getBoundingClientRect();
+    for (const m of marks) {
       const r = m.getBoundingClientRect();
       if (r.left < f.left - 0.5 || r.right > f.right + 0.5 || r.top < f.top - 0.5 || r.bottom > f.bottom + 0.5)
-        bad.push(svg.closest('.chart').id + ': a marker outside the plot area');
+        bad.push(svg.closest('.chart').id + ': a marker outside its lane');
     }
   }
   if (document.documentElement.scrollWidth > window.innerWidth) bad.push('page scrolls sideways');
@@ -213,6 +265,175 @@ def test_dark_mode_follows_the_system(browser: Any, reports: dict[str, Path]) ->
     page, _ = _open(browser, reports["diverged"].as_uri(), scheme="light")
     try:
         assert page.evaluate(f"{lum}(getComputedStyle(document.body).backgroundColor)") > 0.9
+    finally:
+        page.close()
+    assert errors == []
+
+
+# --------------------------------------------------------------------------------- charts tell the truth
+
+
+def test_nan_chart_names_the_anomaly_of_a_run_that_raised(browser: Any, reports: dict[str, Path]) -> None:
+    # the failed run raised at step 3 before its numbers were written: no metric holds the NaN
+    page, errors = _open(browser, reports["failed"].as_uri())
+    try:
+        assert "none in this run" not in page.inner_text("main")
+        assert page.inner_text("#chart-nonfinite .chart-summary") == (
+            "1 NaN/Inf anomaly on 1 step, first at step 3; no recorded metric holds a NaN/Inf"
+        )
+        assert page.locator("#chart-nonfinite g.marks path").count() == 1
+        assert page.evaluate(_OVERFLOW_JS) == []
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_a_series_of_one_point_is_drawn(browser: Any, reports: dict[str, Path]) -> None:
+    # 3 steps: one memory sample (step 0) and one detail step (step 0) for the update ratios
+    page, errors = _open(browser, reports["failed"].as_uri())
+    try:
+        for chart in ("memory", "update_ratio"):
+            traces = page.evaluate(f"document.getElementById('chart-{chart}').data.map(t => t.x.length)")
+            assert traces and set(traces) == {1}, (chart, traces)
+            assert page.locator(f"#chart-{chart} circle.lone").count() == len(traces)
+        # a series of several points is a line, not dots
+        assert page.locator("#chart-loss circle.lone").count() == 0
+    finally:
+        page.close()
+    assert errors == []
+
+
+@pytest.mark.parametrize("name", ["healthy", "diverged", "failed", "warned"])
+def test_no_step_tick_is_negative(browser: Any, reports: dict[str, Path], name: str) -> None:
+    page, errors = _open(browser, reports[name].as_uri())
+    try:
+        ticks = page.locator("text.tick.x").all_text_contents()
+        assert ticks and all(float(t) >= 0 for t in ticks), ticks
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_markers_sit_on_a_lane_below_the_plot(browser: Any, reports: dict[str, Path]) -> None:
+    page, errors = _open(browser, reports["warned"].as_uri())
+    try:
+        for chart in ("loss", "grad_norm"):
+            frame = page.locator(f"#chart-{chart} rect.frame").bounding_box()
+            lane = page.locator(f"#chart-{chart} rect.lane").bounding_box()
+            assert lane["y"] >= frame["y"] + frame["height"]  # its own strip, under the data
+            assert page.locator(f"#chart-{chart} g.marks path").count() >= 2
+        assert page.evaluate(_OVERFLOW_JS) == []  # every marker inside its lane
+        # each marker trace has a row: the loss chart's "loss NAN" and "anomaly" rows differ
+        rows = page.evaluate(
+            "[...document.querySelectorAll('#chart-loss g.marks path')].map(p => p.getAttribute('transform').split(',')[1])"
+        )
+        assert len(set(rows)) == 2
+        # the lane answers the hover: a marker reads out what it marks
+        page.locator("#chart-loss").scroll_into_view_if_needed()
+        box = page.locator("#chart-loss g.marks path").last.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        tip = page.locator("#chart-loss .tip")
+        assert tip.is_visible() and "anomaly: nan in " in tip.inner_text()
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_the_learning_rate_is_not_drawn_in_a_marker_colour(browser: Any, reports: dict[str, Path]) -> None:
+    page, errors = _open(browser, reports["warned"].as_uri())
+    try:
+        lr = page.evaluate(
+            "[...document.querySelectorAll('#chart-loss svg path[stroke-dasharray]')].map(p => p.getAttribute('stroke'))"
+        )
+        marks = set(
+            page.evaluate(
+                "[...document.querySelectorAll('#chart-loss g.marks path')].map(p => p.getAttribute('stroke'))"
+            )
+        )
+        assert len(lr) == 1 and "#d62728" in marks  # the NaN markers are red
+        assert lr[0] not in marks and lr[0].lower() != "#d62728"
+        lines = page.evaluate(
+            "[...document.querySelectorAll('#chart-loss svg g[clip-path] path')].map(p => p.getAttribute('stroke'))"
+        )
+        assert len(set(lines)) == len(lines) == 2  # loss and lr, two colours
+    finally:
+        page.close()
+    assert errors == []
+
+
+def _spike_run(root: Path) -> tuple[Path, list[float]]:
+    """100 real SGD steps of a linear model with clipped gradients; step 60's batch has its targets
+    scaled by 1000 (a bad batch): one loss spike, the model barely moved by it (clip at 1.0)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    writer = create_run(root=root, name="spike")
+    losses = []
+    for step in range(100):
+        target = y * 1000 if step == 60 else y
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        writer.log_scalar("loss", step, losses[-1])
+    writer.close()
+    return writer.path, losses
+
+
+def test_one_spike_does_not_flatten_the_loss_axis(browser: Any, tmp_path: Path) -> None:
+    run, losses = _spike_run(tmp_path)
+    spike = losses[60]
+    rest = losses[:60] + losses[61:]
+    assert spike > 1000 * max(rest)  # the data: ~1e6 against ~1
+    path = tmp_path / "spike.html"
+    render_report(run, "html", path=path)
+    page, errors = _open(browser, path.as_uri())
+    try:
+        ticks = page.evaluate(_TICK_VALUES_JS, "#chart-loss")
+        assert max(ticks) < 10 * max(rest) and max(ticks) >= max(rest) * 0.5  # the curve fills the axis
+        assert page.inner_text("#chart-loss label:has(input[data-tool=outliers])").strip() == (
+            "ignore outliers (1 off the axis)"
+        )
+        page.uncheck("#chart-loss input[data-tool=outliers]")
+        assert max(page.evaluate(_TICK_VALUES_JS, "#chart-loss")) >= spike * 0.9
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_a_divergence_that_lasts_stays_on_the_axis(browser: Any, reports: dict[str, Path]) -> None:
+    # 40 steps of 140 above the old level are a regime, not outliers: the axis keeps them
+    page, errors = _open(browser, reports["diverged"].as_uri())
+    try:
+        assert page.is_checked("#chart-loss input[data-tool=outliers]")
+        assert max(page.evaluate(_TICK_VALUES_JS, "#chart-loss")) >= 4000  # max loss 5927 at step 102
+        assert "off the axis" not in page.inner_text("#chart-loss .chart-tools")
+    finally:
+        page.close()
+    assert errors == []
+
+
+def test_a_gan_heatmap_has_no_blank_column(browser: Any, tmp_path: Path) -> None:
+    from tests.fixtures.watched_runs import gan_run
+
+    run = gan_run(tmp_path)
+    path = tmp_path / "gan.html"
+    render_report(run, "html", path=path)
+    page, errors = _open(browser, path.as_uri())
+    try:
+        heat = page.evaluate("document.getElementById('chart-layers').data[0]")
+        # parameters only, recorded at steps 0, 10 and 20: one column each, every cell filled
+        assert heat["y"] == [f"{m}.{i}.{p}" for m in "DG" for i in (0, 2) for p in ("bias", "weight")]
+        assert heat["x"] == [0, 10, 20]
+        assert all(v is not None for row in heat["z"] for v in row)
+        # each model's total norm is a line beside the sum
+        names = page.evaluate("document.getElementById('chart-grad_norm').data.map(t => t.name)")
+        assert names == ["grad_norm", "‖g‖ of D", "‖g‖ of G"]
     finally:
         page.close()
     assert errors == []

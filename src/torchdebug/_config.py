@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ._errors import ConfigError
+from ._instruments import LEVELS, REGISTRY
 
 __all__ = [
     "ENV_PREFIX",
@@ -131,113 +132,58 @@ class DebugLevel(str, enum.Enum):
         return NotImplemented if c is None else c >= 0
 
 
-_LEVEL_ORDER = (DebugLevel.BASIC, DebugLevel.INTERMEDIATE, DebugLevel.ADVANCED, DebugLevel.EXPERT)
+_LEVEL_ORDER = tuple(DebugLevel(v) for v in LEVELS)  # the registry's order: basic .. expert
 
-# Instrument names, in the order reports list them.
-INSTRUMENTS: tuple[str, ...] = (
-    "nonfinite",
-    "gradients",
-    "gradient_details",
-    "memory",
-    "module_memory",
-    "timing",
-    "flops",
-    "module_time",
-    "activations",
-    "profiler",
-)
+# The config's view of the instrument registry (``_instruments.REGISTRY``, the one declaration of
+# each instrument): nothing here names an instrument that the registry does not.
+
+# Instrument names a mode runs, in the order reports list them.
+INSTRUMENTS: tuple[str, ...] = tuple(s.name for s in REGISTRY if s.modes)
 
 # Areas each mode switches on (at EXPERT depth; the level then trims them).
 INSTRUMENTS_BY_MODE: dict[DebugMode, frozenset[str]] = {
-    DebugMode.NONE: frozenset(),
-    DebugMode.ANOMALY_DETECTION: frozenset({"nonfinite"}),
-    DebugMode.GRADIENT_CHECKING: frozenset({"nonfinite", "gradients", "gradient_details"}),
-    DebugMode.MEMORY_PROFILING: frozenset({"nonfinite", "memory", "module_memory"}),
-    DebugMode.PERFORMANCE_PROFILING: frozenset({"nonfinite", "timing", "flops", "module_time"}),
-    DebugMode.PROFILING: frozenset({"nonfinite", "timing", "module_time", "profiler"}),
-    DebugMode.FULL_DEBUG: frozenset(INSTRUMENTS),
+    mode: frozenset(s.name for s in REGISTRY if mode.value in s.modes) for mode in DebugMode
 }
 
 # Instruments each level allows (cumulative: each level holds the ones before it).
 INSTRUMENTS_BY_LEVEL: dict[DebugLevel, frozenset[str]] = {
-    DebugLevel.BASIC: frozenset({"nonfinite", "gradients", "memory", "timing"}),
-    DebugLevel.INTERMEDIATE: frozenset({"nonfinite", "gradients", "memory", "timing", "gradient_details"}),
-    DebugLevel.ADVANCED: frozenset(
-        {"nonfinite", "gradients", "memory", "timing", "gradient_details"}
-        | {"activations", "module_memory", "flops"}
-    ),
-    DebugLevel.EXPERT: frozenset(INSTRUMENTS),
+    level: frozenset(
+        s.name for s in REGISTRY if s.level is not None and LEVELS.index(s.level) <= LEVELS.index(level.value)
+    )
+    for level in _LEVEL_ORDER
 }
 
 # Instruments a mode keeps at every level: PROFILING exists to run the profiler.
-_MODE_CORE: dict[DebugMode, frozenset[str]] = {DebugMode.PROFILING: frozenset({"profiler"})}
-
-# Instruments that look at gradients: any of them brings the NaN/Inf sentinel along.
-GRADIENT_INSTRUMENTS = frozenset({"gradients", "gradient_details"})
+_MODE_CORE: dict[DebugMode, frozenset[str]] = {
+    mode: frozenset(s.name for s in REGISTRY if mode.value in s.always_in) for mode in DebugMode
+}
 
 # Seed-era schedule names and the engine schedule each one is (setting either sets both).
 SEED_SCHEDULES: dict[str, str] = {
     "gradient_checking_frequency": "detail_every",
     "memory_profiling_frequency": "memory_every",
 }
-# What log_memory=False / log_performance=False keep from running, and the switches they contradict.
+
+
+def _silenced(area: str) -> tuple[frozenset[str], tuple[str, ...]]:
+    names = [s for s in REGISTRY if s.area == area]
+    return frozenset(s.name for s in names), tuple(sw for s in names for sw in s.switches)
+
+
+# What log_memory=False / log_performance=False keep from running (an area's instruments), and the
+# switches they contradict (those instruments' switches).
 _SILENCED: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    "log_memory": (
-        frozenset({"memory", "module_memory"}),
-        ("enable_memory_profiling", "debug_memory_usage", "per_module_memory"),
-    ),
-    "log_performance": (
-        frozenset({"timing", "flops", "module_time", "profiler"}),
-        (
-            "enable_performance_profiling",
-            "debug_data_loading",
-            "enable_autograd_profiler",
-            "enable_tensorboard_profiler",
-            "flops",
-            "per_module_time",
-        ),
-    ),
+    "log_memory": _silenced("memory"),
+    "log_performance": _silenced("perf"),
 }
 
-# Explicit switches that add an instrument whatever the mode and level. Seed flags that default to
-# True (log_memory, log_performance) are deliberately absent: they would switch areas on in every
-# config; False switches areas off instead (_SILENCED).
-# seed 000's flags that also record their own details (torchdebug.health.details.StepDetails)
-STEP_DETAIL_FLAGS = (
-    "debug_forward_pass",
-    "debug_mixed_precision",
-    "debug_data_loading",
-    "debug_validation",
-    "debug_lr_scheduling",
-)
-
-INSTRUMENTS_BY_SWITCH: dict[str, str] = {
-    "enable_anomaly_detection": "nonfinite",
-    "enable_autograd_anomaly": "nonfinite",
-    "enable_gradient_checking": "gradients",
-    "debug_gradient_norms": "gradients",
-    "debug_backward_pass": "gradients",
-    "debug_mixed_precision": "gradients",
-    "log_gradients": "gradients",
-    "log_weights": "gradient_details",
-    "enable_memory_profiling": "memory",
-    "debug_memory_usage": "memory",
-    "enable_performance_profiling": "timing",
-    "debug_data_loading": "timing",
-    "enable_autograd_profiler": "profiler",
-    "enable_tensorboard_profiler": "profiler",
-    "flops": "flops",
-    "activation_stats": "activations",
-    "log_activations": "activations",
-    "debug_forward_pass": "activations",
-    "per_module_memory": "module_memory",
-    "per_module_time": "module_time",
-    "debug_device_placement": "device_placement",
-    # the training-health instrument records the LR timeline and its rules (lr_change, lr_zero),
-    # the early-stopping state of watch(early_stopping=...) and mon.observe() values (validation)
-    "debug_lr_scheduling": "gradients",
-    "debug_early_stopping": "gradients",
-    "debug_validation": "gradients",
+# Explicit switches and the instruments each starts whatever the mode and level. Seed flags that
+# default to True (log_memory, log_performance) are deliberately absent: they would switch areas on
+# in every config; False switches areas off instead (_SILENCED).
+INSTRUMENTS_BY_SWITCH: dict[str, tuple[str, ...]] = {
+    switch: tuple(s.name for s in REGISTRY if switch in s.switches)
+    for one in REGISTRY
+    for switch in one.switches
 }
 
 
@@ -312,7 +258,8 @@ class DebugConfig:
     breakdown, throughput), ``flops``, ``activations``, ``module_memory``, ``module_time``,
     ``profiler`` (torch.profiler). ``profiling`` always runs the profiler: it is the mode's point.
 
-    Switches that add an instrument whatever the mode (``INSTRUMENTS_BY_SWITCH``):
+    Switches that add an instrument whatever the mode (``INSTRUMENTS_BY_SWITCH``, read from the
+    instrument registry ``torchdebug._instruments.REGISTRY``):
     enable_anomaly_detection / enable_autograd_anomaly -> nonfinite; enable_gradient_checking /
     debug_gradient_norms / debug_backward_pass / debug_mixed_precision / log_gradients ->
     gradients; log_weights -> gradient_details; enable_memory_profiling / debug_memory_usage ->
@@ -573,14 +520,14 @@ class DebugConfig:
             ['gradients', 'nonfinite']
         """
         names = set(_instruments(self.mode, self.level))
-        names.update(name for switch, name in INSTRUMENTS_BY_SWITCH.items() if getattr(self, switch))
+        for switch, started in INSTRUMENTS_BY_SWITCH.items():
+            if getattr(self, switch):
+                names.update(started)
         for flag, (silenced, _) in _SILENCED.items():
             if not getattr(self, flag):
                 names -= silenced
-        if names & GRADIENT_INSTRUMENTS:
-            names.add("nonfinite")  # a NaN/Inf gradient never passes silently while gradients are watched
-        if any(getattr(self, flag) for flag in STEP_DETAIL_FLAGS):
-            names.add("step_details")  # what seed 000's flags named: shapes, autocast, loaders, ...
+        # a gradient instrument brings the sentinel: a NaN/Inf gradient never passes silently
+        names.update(other for s in REGISTRY if s.name in names for other in s.brings)
         return frozenset(names)
 
     def to_dict(self) -> dict[str, Any]:

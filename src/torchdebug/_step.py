@@ -17,7 +17,7 @@ import itertools
 import math
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -53,6 +53,9 @@ class Readout:
     late_edit: list[float] = dataclasses.field(default_factory=list)  # an edit after a manual-update check
     dist: list[float] = dataclasses.field(default_factory=list)  # the coordinator's all-reduced vector
     other_rank_loss_bad: bool = False  # another rank's loss was non-finite (the coordinator's exact round)
+    # several ranks: the step's decision every rank takes (the coordinator's ``agree``, between the read
+    # and the verdict); None: this rank's own numbers decide
+    agreed: bool | None = None
 
     def any_loss_bad(self) -> bool:
         return self.other_rank_loss_bad or not all(map(math.isfinite, self.losses))
@@ -73,12 +76,46 @@ SLOTS: dict[str, str] = {
 
 
 class StepPhase(str, enum.Enum):
-    """Where the step now running is in the step protocol (docs/architecture.md)."""
+    """Where the step now running is in the step protocol (docs/architecture.md). A forward in any
+    phase but ``FORWARD`` is the first of a micro-step."""
 
-    FORWARD = "forward"  # the step began (its first forward, or nothing yet)
+    START = "start"  # the step began: nothing of it ran yet
+    FORWARD = "forward"  # a micro-step's first forward ran
     BACKWARD = "backward"  # a backward ended; more micro-steps may follow
     UPDATE = "update"  # the update started: the step's numbers were read and judged
     UPDATED = "updated"  # the update finished (its parameter probe is queued)
+
+
+class Update(str, enum.Enum):
+    """What became of the step's optimizer update, each set where the step protocol learns it (a
+    skip by the session's policy is the step's ``skip_reason``)."""
+
+    NONE = "none"  # no update of the session's started
+    IN_SCALER = "in_scaler"  # GradScaler.step began; it has not called the optimizer (yet)
+    RAN = "ran"  # an update started (the optimizer's pre-hook, or a driver)
+    RAN_IN_SCALER = "ran_in_scaler"  # ... inside GradScaler.step: the scaler let it run
+    SCALER_SKIPPED = "scaler_skipped"  # GradScaler.step returned without calling the optimizer
+
+
+SCALER_RAN = frozenset({Update.IN_SCALER, Update.RAN_IN_SCALER, Update.SCALER_SKIPPED})  # scaler.step ran
+
+
+class Found(str, enum.Enum):
+    """Where a NaN/Inf of the step was found (``StepState.found``: its anomaly's; ``StepState.params``:
+    the parameter probe read with its numbers)."""
+
+    NONE = "none"
+    GRADIENTS = "gradients"  # the step's loss or gradients (the gradient check)
+    PARAMETERS = "parameters"  # the parameter probe read with this step's numbers
+
+
+class Measure(str, enum.Enum):
+    """When the step's gradients were measured."""
+
+    AT_BACKWARD = "at_backward"  # as backward() left them
+    # after code had changed them (a measure held for a clip that did not come first,
+    # session/gradcheck.py): a non-finite number may be that code's, not backward()'s
+    AFTER_EDIT = "after_edit"
 
 
 class SeenGrads:
@@ -231,33 +268,36 @@ def _versions_or_missing(grads: list[Any]) -> list[int]:
     return [-1 if g is None else g._version for g in grads]
 
 
+# no gradients seen (a new step, or after an update): no list and nothing watched, so what the edit check
+# reads of it never changes (``written`` and ``bump`` change only a watched or whole one); shared
+NO_GRADS = SeenGrads()
+
+
 @dataclasses.dataclass(eq=False)
 class StepState:
     """Everything one training step accumulates, in one place, with its phase.
 
-    Owned by the session (``mon.state``) and reset at each step end; the sentinel reads and writes it
-    through the session, the transfer holds its device numbers and their :class:`Readout`. Under
-    ``sync="async"`` a step's state is kept whole until its numbers are read one step later
-    (:meth:`detach`), then put back to judge it.
+    Owned by the session's :class:`~torchdebug.session.step.Step`, a new one for each step
+    (:meth:`next`); handed to the sentinel with each call, the transfer holds its device numbers and
+    their :class:`Readout`. Under ``sync="async"`` a step's state is kept whole until its numbers are
+    read one step later, then put back to judge it. The facts are enums set in one place each (no
+    flags): ``phase``, ``update`` (what became of the update), ``read_at``, ``found``, ``measure``.
     """
 
     transfer: Any  # the step's device numbers and their read (session/transfer.py ``Transfer``)
-    phase: StepPhase = StepPhase.FORWARD
-    new_micro_step: bool = True  # the next forward is the first of a micro-step
+    phase: StepPhase = StepPhase.START
     # id(optimizer) -> the lr of each of its param groups as its update started
     lr_used: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     events: list[RuleEvent] = dataclasses.field(default_factory=list)  # the rule events of this step
     # the sentinel's: what a replay needs, per micro-step (references to the batch, RNG, outputs)
     captures: list[Any] = dataclasses.field(default_factory=list)
     cap: Any = None  # the capture of the micro-step now running
-    # what backward() left, for the edit check as the update starts
-    seen: SeenGrads = dataclasses.field(default_factory=lambda: SeenGrads())
+    # what backward() left, for the edit check as the update starts (NO_GRADS: nothing yet)
+    seen: SeenGrads = NO_GRADS
     edit_index: list[int] = dataclasses.field(default_factory=list)  # gradients changed since backward()
     edit_probe: Any = None  # their finiteness probe (a device tensor), read with the step's transfer
     edit_bad: list[int] = dataclasses.field(default_factory=list)  # ... non-finite as the update started
-    # the gradients were measured after code had changed them (a measure held for a clip that did not
-    # come first, session/gradcheck.py): a non-finite number may be that code's, not backward()'s
-    measured_late: bool = False
+    measure: Measure = Measure.AT_BACKWARD
     # clip_grad_norm_ calls: (device flag "the clip factor is non-finite", the gradients it scaled, None),
     # or (its total norm, the gradients, max_norm): the factor is worked out on the host after the read
     clips: list[tuple[Any, list[int], float | None]] = dataclasses.field(default_factory=list)
@@ -267,29 +307,32 @@ class StepState:
     tape_only: set[int] = dataclasses.field(default_factory=set)  # captures with no forward of their own
     micro_base: int = 0  # micro-steps before the update now starting (its own are counted from here)
     updating: Any = None  # the optimizer whose update is starting (None: a driver's, unnamed)
-    synced_at_backward: bool = False  # manual mode: the transfer ran at the end of backward()
-    grad_anomaly: bool = False  # this step's anomaly came from the gradient check
-    params_bad_now: bool = False  # the parameter probe read with this step's transfer was non-finite
-    opt_ran: bool = False  # an optimizer update of the session started
-    opt_ran_in_scaler: bool = False  # ... inside GradScaler.step (the scaler did not skip it)
-    scaler_ran: bool = False
-    scaler_skipped: bool = False
+    # BACKWARD: the step was read and judged at the end of backward() (an update by hand comes next)
+    read_at: StepPhase | None = None
+    update: Update = Update.NONE
+    found: Found = Found.NONE  # GRADIENTS: this step's anomaly came from the gradient check
+    params: Found = Found.NONE  # PARAMETERS: the parameter probe read with this step's numbers was not finite
     # the verdict
     step_anomaly: Anomaly | None = None
-    skipped: bool = False
-    skip_reason: str = ""
+    skip_reason: str = ""  # why the step is skipped ("": it is not)
     skipped_updates: list[Any] = dataclasses.field(
         default_factory=list
     )  # optimizers whose update was dropped
 
-    def reset(self) -> None:
-        """The step ended: a fresh state for the next one (the transfer keeps what outlives a step)."""
+    @property
+    def skipped(self) -> bool:
+        """The step is skipped (by the policy, or the GradScaler skipped its update)."""
+        return bool(self.skip_reason)
+
+    def next(self) -> StepState:
+        """The step ended: a new state for the next one, with the transfer (its per-step containers new,
+        what outlives a step kept: the last norms, the plan)."""
         transfer = self.transfer
         transfer.reset()
-        self.__init__(transfer)  # type: ignore[misc]
+        return StepState(transfer)
 
     def detach(self) -> StepState:
-        """This step's state is kept (``sync="async"``); the next step gets a fresh one and its own
+        """This step's state is kept (``sync="async"``); the next step gets a new one and its own
         per-step containers in a copy of the transfer (what outlives a step: the last norms, the plan)."""
         fresh = copy.copy(self.transfer)
         fresh.reset()  # reset assigns new containers: the kept step's stay its own
@@ -319,6 +362,10 @@ class Verdict(NamedTuple):
     opt: Any = None
     fresh: bool = True
     late: bool = False
+    # an anomaly still to be built by replaying the step (``anomaly`` None): "now", or "late" (checked
+    # at the step end after an update the session did not see start); the session builds it, on every
+    # rank through the coordinator
+    replay: str = ""
 
     @property
     def ok(self) -> bool:
@@ -340,6 +387,7 @@ class TransferView(Protocol):
     norms: torch.Tensor | None
     norm_index: list[int]
     norms_probe: bool
+    micro_bad_cleared: bool
     shared: tuple[list[int], int] | None
     scale_used: torch.Tensor | None
     grad_norm: float | None
@@ -355,13 +403,21 @@ class TransferView(Protocol):
 
 
 class CoordinatorView(Protocol):
-    """What the sentinel asks of the distributed coordinator (``session/distributed.py``)."""
+    """What the step and the rare paths ask of the distributed coordinator (``session/distributed.py``):
+    after the read, ``agree`` (the decision every rank takes, into the readout) before the sentinel's
+    verdict; ``anomaly`` builds a new one on every rank (``build``: this rank's replay)."""
 
-    def param_share(self, mon: Any) -> list[int] | None: ...
-    def params_flagged(self, mon: Any) -> bool | None: ...
+    def param_share(self, mon: SessionView) -> list[int] | None: ...
+    def params_flagged(self, mon: SessionView) -> bool | None: ...
     def params_agree(self, mine: bool) -> list[int]: ...
-    def step_bad(self, mon: Any) -> bool: ...
-    def anomaly(self, mon: Any) -> Anomaly: ...
+    def agree(self, mon: SessionView, readout: Readout, mine: bool) -> Readout: ...
+    def anomaly(self, mon: SessionView, build: Callable[[], Anomaly]) -> Anomaly: ...
+
+
+class LearningRates(Protocol):
+    """What instruments read of the optimizer hyperparameter check (``nonfinite/hyperparams.py``)."""
+
+    def describe_lrs(self, fallback: Any = None, roots: dict[str, Any] | None = None) -> str: ...
 
 
 class SessionView(Protocol):
@@ -415,6 +471,14 @@ class SessionView(Protocol):
     def grad_norm_host(self) -> float | None: ...
     @property
     def grad_norms_host(self) -> list[float] | None: ...
+    @property
+    def hyperparams(self) -> LearningRates: ...  # ``describe_lrs()``: the lrs the last update used
+    @property
+    def lr_labels(
+        self,
+    ) -> list[str] | None: ...  # the LR events' name of each param group (several optimizers)
+
+    def optimizer_label(self, opt: Any, k: int = 0) -> str: ...  # the model an optimizer steps, else opt<k>
 
     def due(self, every: int | None) -> bool: ...
     def emit(self, event: RuleEvent) -> None: ...

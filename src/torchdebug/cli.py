@@ -75,9 +75,10 @@ _EXIT_CODES = (
 
 #: Modules that add subcommands through ``register(subparsers)``, in ``--help`` order.
 _COMMAND_MODULES = [
-    "torchdebug.store._cli",
+    "torchdebug.views.runs_cli",
     "torchdebug._demo_cli",
     "torchdebug.views.report._cli",
+    "torchdebug.views._compare_cli",
     "torchdebug.sinks._cli",
     "torchdebug.views.server._cli",
     "torchdebug.integrations._run_cli",

@@ -333,6 +333,30 @@ class StepRecord:
         parts.extend(str(e) for e in self.events)
         return "  ".join(parts)
 
+    def _repr_html_(self) -> str:
+        """The step in a notebook: its numbers, the skip, the anomaly's origin and the rule events;
+        the title is red with an anomaly, amber when skipped or warned, grey otherwise."""
+        rows: list[tuple[str, Any]] = []
+        for name, value in (("loss", self.loss), ("grad norm", self.grad_norm), ("loss scale", self.scale)):
+            if value is not None:
+                rows.append((name, f"{value:.4g}"))
+        if self.lr:
+            rows.append(("lr", ", ".join(f"{x:.3g}" for x in self.lr)))
+        if self.micro_steps > 1:
+            rows.append(("micro-steps", self.micro_steps))
+        if self.time_s is not None:
+            rows.append(("time", f"{self.time_s * 1e3:.3g} ms"))
+        if self.skipped:
+            rows.append(("skipped", self.skip_reason or "yes"))
+        if self.anomaly is not None:
+            rows.append(("anomaly", self.anomaly.summary()))
+            if self.anomaly.hint:
+                rows.append(("hint", self.anomaly.hint))
+        rows += [(f"{e.severity}", f"{e.kind}: {e.message}") for e in self.events]
+        loud = any(e.severity in ("warning", "error") for e in self.events)
+        level = "error" if self.anomaly is not None else "warning" if self.skipped or loud else "info"
+        return html_table(f"step {self.step}", _HTML_COLOUR[level], rows, "torchdebug-step")
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch import nn
 from .._config import DebugConfig, DebugMode
 from ..events import Anomaly
 from ._common import MAX_ANOMALIES
+
+if TYPE_CHECKING:
+    from ..session.monitor import Monitor
 
 _GUARDED = threading.local()  # one guard per thread: a nested block runs inside the outer guard
 
@@ -44,7 +47,7 @@ class _Guard:
     def __init__(self, config: DebugConfig, stop: str) -> None:
         self.config = _session_config(stop, config.replay, config.frames, config.trace_loss)
         self.stop = stop
-        self.mon: Any = None
+        self.mon: Monitor | None = None
         self.handles: list[Any] = []
         self.tid = threading.get_ident()
 

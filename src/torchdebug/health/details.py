@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._step import SessionView
 from .._trees import tensor_leaves
 from ..events import RuleEvent
 
@@ -78,7 +79,7 @@ class StepDetails:
         self._schedulers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- setup ---------------------------------------------------------------------------------------
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         self.mon = mon
         self.flags = {f for f in _FLAGS if getattr(mon.config, f, False)}
         if "debug_validation" in self.flags:
@@ -93,7 +94,7 @@ class StepDetails:
             self._patch(lr_scheduler.LRScheduler, "step", self._scheduler_step)
             self._patch(lr_scheduler.ReduceLROnPlateau, "step", self._scheduler_step)
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -107,7 +108,7 @@ class StepDetails:
         self._patched.append((owner, attr, orig))
 
     # -- forward, autocast ---------------------------------------------------------------------------
-    def on_forward_start(self, mon: Any, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._end_validation(mon)
         if "debug_mixed_precision" in self.flags:
             autocast = _autocast_state()
@@ -121,11 +122,11 @@ class StepDetails:
         if "debug_forward_pass" in self.flags and (mon.global_step == 0 or mon.due(mon.config.detail_every)):
             self._forward = {"inputs": _describe((args, kwargs))}
 
-    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+    def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         if self._forward is not None and "outputs" not in self._forward:
             self._forward["outputs"] = _describe(output)
 
-    def on_step_end(self, mon: Any, record: Any, values: dict[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: dict[str, float]) -> None:
         fwd, self._forward = self._forward, None
         if fwd is not None:
             fwd["loss"] = values.get("loss")
@@ -143,15 +144,15 @@ class StepDetails:
         first = next(iter(tensor_leaves(args)), None)
         self._val["samples"] += int(first.shape[0]) if first is not None and first.dim() > 0 else 1
 
-    def on_observe(self, mon: Any, name: str, value: float) -> None:
+    def on_observe(self, mon: SessionView, name: str, value: float) -> None:
         if self._val["forwards"]:
             self._val_observed[name] = value
             self._end_validation(mon)
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: SessionView) -> None:
         self._end_validation(mon)
 
-    def _end_validation(self, mon: Any) -> None:
+    def _end_validation(self, mon: SessionView) -> None:
         if not self._val["forwards"]:
             return
         from ..memory.analysis import memory_sample

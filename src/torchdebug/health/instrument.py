@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._robust import MAD_TO_SIGMA, RunningMedian, Streak
+from .._step import SessionView, StepPhase
 from .._tensors import foreach_norms  # the hot path (fused), the general one for odd tensors
 from ..events import RuleEvent, training_summary
 from .divergence import KIND as DIVERGENCE
@@ -815,7 +816,7 @@ class GradientHealth:
 
     # ----------------------------------------------------------------- setup
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         cfg = mon.config
         enabled = cfg.instruments()
         self.details = self._details_opt if self._details_opt is not None else "gradient_details" in enabled
@@ -854,9 +855,9 @@ class GradientHealth:
             for mod in mon.model.modules():
                 if next(iter(mod.children()), None) is None:
                     hook = mod.register_forward_hook(self._make_act_hook(mon.names.get(mod, "")))
-                    self._hooks.append(mon.installs.hook(hook) if hasattr(mon, "installs") else hook)
+                    self._hooks.append(mon.installs.hook(hook))
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -864,7 +865,7 @@ class GradientHealth:
 
     # ----------------------------------------------------------------- clip_grad_norm_ wrapping
 
-    def on_clip(self, mon: Any, total: Any, max_norm: Any, norm_type: Any) -> None:
+    def on_clip(self, mon: SessionView, total: Any, max_norm: Any, norm_type: Any) -> None:
         """``clip_grad_norm_`` ran (the session's patch tells every instrument); not our own auto clip."""
         if isinstance(total, torch.Tensor) and not self._auto_clipping:
             self._clip = (total.detach(), float(max_norm), float(norm_type))
@@ -880,7 +881,9 @@ class GradientHealth:
 
         return hook
 
-    def on_forward_start(self, mon: Any, module: Any = None, args: Any = None, kwargs: Any = None) -> None:
+    def on_forward_start(
+        self, mon: SessionView, module: Any = None, args: Any = None, kwargs: Any = None
+    ) -> None:
         if not self.activations:
             return
         step = mon.global_step
@@ -891,7 +894,7 @@ class GradientHealth:
 
     # ----------------------------------------------------------------- optimizer step
 
-    def before_optimizer_step(self, mon: Any) -> None:
+    def before_optimizer_step(self, mon: SessionView) -> None:
         step = mon.global_step
         norm = mon.grad_norm_host
         # judge here only when this step's transfer already ran (the monitor syncs right before us)
@@ -927,7 +930,7 @@ class GradientHealth:
                 cpu = plan is not None and plan.cpu
                 self._before = plan.flatten(mon.params) if cpu else torch._foreach_mul(list(mon.params), 1.0)
 
-    def after_optimizer_step(self, mon: Any) -> None:
+    def after_optimizer_step(self, mon: SessionView) -> None:
         before = self._before
         if before is None or self._before_step != mon.global_step:
             return
@@ -946,10 +949,10 @@ class GradientHealth:
 
     # ----------------------------------------------------------------- the step's transfer
 
-    def collect(self, mon: Any) -> dict[str, torch.Tensor]:
+    def collect(self, mon: SessionView) -> dict[str, torch.Tensor]:
         self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
-        red = getattr(mon.transfer, "reduced", None)
+        red = mon.transfer.reduced
         if red is not None and red is not self._per_handed and self.details and mon.due(self.every):
             # detail steps: every parameter's gradient norm, read with the step's numbers (ordinary
             # steps read only their total); again at a later read when a backward came since (several
@@ -962,7 +965,7 @@ class GradientHealth:
             self._clip = None
             out["health.clip_total"] = total.reshape(())
             self._handed["clip"] = (max_norm, norm_type)
-        if self._pending is not None and getattr(getattr(mon, "state", None), "phase", None) != "update":
+        if self._pending is not None and mon.state.phase != StepPhase.UPDATE:
             # (not in the read before a later update of the same step: the ratios then are not final)
             step, ratio, weight = self._pending
             self._pending = self._before = None
@@ -978,7 +981,7 @@ class GradientHealth:
             self._act_armed = False  # what was captured is handed over: no second capture this step
         return out
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         step = int(record.step)
         handed, self._handed = self._handed, {}
         self.counters["total_steps"] += 1
@@ -1003,8 +1006,8 @@ class GradientHealth:
                 self._emit_episode(mon, "level", event, self.growth.active)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
-        for event in self.lr_rule.update(step, record.lr or (), getattr(mon, "lr_labels", None)):
-            if event.kind == "lr_nonfinite" and mon.sentinel.active:
+        for event in self.lr_rule.update(step, record.lr or (), mon.lr_labels):
+            if event.kind == "lr_nonfinite" and "nonfinite" in mon.config.instruments():
                 continue  # the sentinel named it before the update, as an `optimizer` anomaly
             self._emit(mon, event)
         if amp:
@@ -1045,7 +1048,7 @@ class GradientHealth:
 
     def _clip_insight(
         self,
-        mon: Any,
+        mon: SessionView,
         step: int,
         total: float,
         clip: tuple[float, float],
@@ -1058,9 +1061,8 @@ class GradientHealth:
         # clip_grad_norm_ scales the gradients by min(1, max_norm / (total + 1e-6))
         post = total * min(1.0, max_norm / (total + 1e-6)) if finite else math.nan
         scalars["grad_norm_clipped"] = post
-        later = getattr(mon.transfer, "norms_later", None)
         # the per-parameter norms are read only if the clip's shares are asked for (``last_clip``)
-        self._clip_norms = (names, later() if later is not None else (lambda: mon.grad_norms_host))
+        self._clip_norms = (names, mon.transfer.norms_later())
         self._last_clip = {
             "step": step,
             "pre": total,
@@ -1094,8 +1096,8 @@ class GradientHealth:
             else:
                 # every gradient finite, but their norm overflowed in the gradients' dtype: clip_coef
                 # = max_norm / (inf + 1e-6) = 0 and clip_grad_norm_ multiplied every gradient by 0
-                big = [(n, p) for n, p in zip(names, mon.params) if p.grad is not None]
-                dtype = str(big[0][1].grad.dtype).replace("torch.", "") if big else "float32"
+                grads = [p.grad for p in mon.params if p.grad is not None]
+                dtype = str(grads[0].dtype).replace("torch.", "") if grads else "float32"
                 self._emit(
                     mon,
                     RuleEvent(
@@ -1130,7 +1132,9 @@ class GradientHealth:
             clip["shares"] = dict(shares)
         return clip
 
-    def _update_insight(self, mon: Any, step: int, ratio: Sequence[float], weight: Sequence[float]) -> None:
+    def _update_insight(
+        self, mon: SessionView, step: int, ratio: Sequence[float], weight: Sequence[float]
+    ) -> None:
         names = mon.param_names[: len(ratio)]
         names_u, names_w, ndims, _ = self._detail_names(mon)
         _log_vector(mon, step, names_u, list(ratio))
@@ -1141,7 +1145,11 @@ class GradientHealth:
             self._emit(mon, event)
 
     def _act_insight(
-        self, mon: Any, step_now: int, act: tuple[int | None, dict[str, Any]], values: Mapping[str, float]
+        self,
+        mon: SessionView,
+        step_now: int,
+        act: tuple[int | None, dict[str, Any]],
+        values: Mapping[str, float],
     ) -> None:
         step = step_now if act[0] is None else act[0]
         scalars, dead = activation_scalars(act[1], values, "health.act")
@@ -1150,7 +1158,7 @@ class GradientHealth:
         if event is not None:
             self._emit(mon, event)
 
-    def _early_stopping(self, mon: Any, step: int) -> None:
+    def _early_stopping(self, mon: SessionView, step: int) -> None:
         es = mon.early_stopping
         if es is None:
             return
@@ -1192,12 +1200,12 @@ class GradientHealth:
                 ),
             )
 
-    def on_observe(self, mon: Any, name: str, value: float) -> None:
+    def on_observe(self, mon: SessionView, name: str, value: float) -> None:
         """Keep the last value handed to ``mon.observe`` (the monitor stores it) and re-read early stopping."""
         self.observed[name] = float(value)
         self._early_stopping(mon, mon.global_step)
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: SessionView) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -1208,7 +1216,7 @@ class GradientHealth:
 
     # ----------------------------------------------------------------- helpers
 
-    def _detail_names(self, mon: Any) -> tuple[list[str], list[str], dict[str, int], list[str]]:
+    def _detail_names(self, mon: SessionView) -> tuple[list[str], list[str], dict[str, int], list[str]]:
         """The detail steps' scalar names and the parameters' ``ndim`` (built once per parameter list)."""
         key = (id(mon.param_names), len(mon.param_names))
         got = self._names_cache
@@ -1223,7 +1231,7 @@ class GradientHealth:
             )
         return got[1], got[2], got[3], got[4]
 
-    def _judge_growth(self, mon: Any, step: int, norm: float, loss: float | None) -> None:
+    def _judge_growth(self, mon: SessionView, step: int, norm: float, loss: float | None) -> None:
         """The step's gradient norm and loss: the explosion rule, then the divergence growth rule, with
         one warning per episode between them: a divergence already named mutes the explosion, and an
         explosion (it names the layers) mutes a growth that starts at its step or later."""
@@ -1236,7 +1244,7 @@ class GradientHealth:
         if event is not None:
             self._emit_episode(mon, "growth", event, self.explosion.active or self.divergence.active)
 
-    def _emit_episode(self, mon: Any, rule: str, event: RuleEvent, named: bool) -> None:
+    def _emit_episode(self, mon: SessionView, rule: str, event: RuleEvent, named: bool) -> None:
         """A divergence rule's start or end: its start is muted when ``named`` (another rule already
         named this episode), and then so is its end."""
         if event.kind == DIVERGENCE:
@@ -1248,11 +1256,11 @@ class GradientHealth:
             return
         self._emit(mon, event)
 
-    def _top(self, mon: Any) -> list[tuple[str, float]]:
+    def _top(self, mon: SessionView) -> list[tuple[str, float]]:
         norms = mon.grad_norms_host
         return [] if norms is None else top_params(list(mon.param_names), list(norms))
 
-    def _emit(self, mon: Any, event: RuleEvent) -> None:
+    def _emit(self, mon: SessionView, event: RuleEvent) -> None:
         if event.severity != "info":
             self._step_had_anomaly = True
         mon.emit(event)
@@ -1270,10 +1278,10 @@ class GradientHealth:
         )
 
 
-def _log_vector(mon: Any, step: int, names: list[str], values: list[float]) -> None:
+def _log_vector(mon: SessionView, step: int, names: list[str], values: list[float]) -> None:
     """One value per name into the run store as one record (the writer's ``log_vector``: no Python
     object per value on the training thread); the names list is the cached one, never copied."""
-    writer = getattr(mon, "writer", None)
+    writer = mon.writer
     if writer is None:
         return
     if hasattr(writer, "log_vector") and len(names) == len(values):
@@ -1282,13 +1290,10 @@ def _log_vector(mon: Any, step: int, names: list[str], values: list[float]) -> N
         mon.log_scalars(dict(zip(names, values)), step=step)
 
 
-def _lrs(mon: Any) -> str:
+def _lrs(mon: SessionView) -> str:
     """The learning rates the last update used, as the advice names them ("lr 20 in param group 0 of
     SGD"); read only when an event fires."""
-    check = getattr(mon, "hyperparams", None)
-    if check is None:
-        return ""
-    return str(check.describe_lrs(getattr(mon, "optimizer", None), getattr(mon, "roots", None)))
+    return mon.hyperparams.describe_lrs(mon.optimizer, mon.roots)
 
 
 def _cause(lrs: Callable[[], str]) -> str:
@@ -1299,10 +1304,9 @@ def _cause(lrs: Callable[[], str]) -> str:
     )
 
 
-def _plan(mon: Any) -> Any:
+def _plan(mon: SessionView) -> Any:
     """The session's cached reduction plan of its parameters (``torchdebug._tensors.Plan``), or None."""
-    transfer = getattr(mon, "transfer", None)
-    return transfer.plan(mon.params)[0] if transfer is not None and hasattr(transfer, "plan") else None
+    return mon.transfer.plan(mon.params)[0]
 
 
 __all__ = [

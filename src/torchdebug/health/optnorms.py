@@ -42,7 +42,6 @@ class OptimizerNorms:
             return {}
         if mon.reads_late or mon.coordinator is not None:
             return {}
-        label = getattr(mon, "optimizer_label", None)
         started = st.lr_used  # id -> lrs of every optimizer whose update started this step
         now = st.updating
         out: dict[str, torch.Tensor] = {}
@@ -51,7 +50,7 @@ class OptimizerNorms:
                 continue  # stepped already this step: its number stands
             norm = self._norm(opt)
             if norm is not None:
-                name = label(opt, k) if label is not None else f"opt{k}"
+                name = mon.optimizer_label(opt, k)
                 out[PREFIX + name] = norm
         return out
 

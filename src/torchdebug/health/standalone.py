@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._step import SessionView
 from ..stats import foreach_norms
 from .instrument import DeadUnitRule, UpdateRatioRule, activation_scalars, activation_stats
 
@@ -36,15 +37,15 @@ class ActivationInstrument:
         self._step: int | None = None
         self._handed: tuple[int, dict[str, dict[str, torch.Tensor]]] | None = None
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         self.every = int(mon.config.detail_every)
         self.dead = DeadUnitRule(mon.config.dead_unit_fraction)
         for mod in mon.model.modules():
             if next(iter(mod.children()), None) is None:
                 hook = mod.register_forward_hook(self._hook(mon.names.get(mod, "")))
-                self._hooks.append(mon.installs.hook(hook) if hasattr(mon, "installs") else hook)
+                self._hooks.append(mon.installs.hook(hook))
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -58,13 +59,15 @@ class ActivationInstrument:
 
         return hook
 
-    def on_forward_start(self, mon: Any, module: Any = None, args: Any = None, kwargs: Any = None) -> None:
+    def on_forward_start(
+        self, mon: SessionView, module: Any = None, args: Any = None, kwargs: Any = None
+    ) -> None:
         if mon.global_step != self._step:
             self._step = mon.global_step
             self._act = {}
             self._armed = mon.due(self.every)
 
-    def collect(self, mon: Any) -> dict[str, torch.Tensor]:
+    def collect(self, mon: SessionView) -> dict[str, torch.Tensor]:
         if not self._act:
             return {}
         out = {f"act.{key}.{mod}": t for mod, stats in self._act.items() for key, t in stats.items()}
@@ -72,7 +75,7 @@ class ActivationInstrument:
         self._act, self._armed = {}, False  # one capture per detail step (the first micro-batch)
         return out
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         handed, self._handed = self._handed, None
         if handed is None:
             return
@@ -101,21 +104,21 @@ class WeightInstrument:
         self._pending: dict[str, torch.Tensor] = {}
         self._handed: dict[str, Any] = {}
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         self.every = int(mon.config.detail_every)
         self.ratio_rule = UpdateRatioRule(mon.config.update_ratio_min, mon.config.update_ratio_max)
 
-    def before_optimizer_step(self, mon: Any) -> None:
+    def before_optimizer_step(self, mon: SessionView) -> None:
         if not (mon.due(self.every) and mon.params):
             return
         with torch.no_grad():
-            idx = [i for i, p in enumerate(mon.params) if p.grad is not None]
-            if idx:
-                self._grad_idx = idx
-                self._grads = foreach_norms([mon.params[i].grad for i in idx])
+            grads = [(i, p.grad) for i, p in enumerate(mon.params) if p.grad is not None]
+            if grads:
+                self._grad_idx = [i for i, _ in grads]
+                self._grads = foreach_norms([g for _, g in grads])
             self._before = [p.detach().clone() for p in mon.params]
 
-    def after_optimizer_step(self, mon: Any) -> None:
+    def after_optimizer_step(self, mon: SessionView) -> None:
         before, self._before = self._before, None
         if before is None:
             return
@@ -129,7 +132,7 @@ class WeightInstrument:
             self._pending["grad"] = self._grads
         self._grads = None
 
-    def collect(self, mon: Any) -> dict[str, torch.Tensor]:
+    def collect(self, mon: SessionView) -> dict[str, torch.Tensor]:
         pending, self._pending = self._pending, {}
         out: dict[str, torch.Tensor] = {}
         for key, vec in pending.items():
@@ -140,7 +143,7 @@ class WeightInstrument:
             self._handed["grad_idx"] = list(self._grad_idx)
         return out
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         handed, self._handed = self._handed, {}
         if not handed:
             return
@@ -160,7 +163,7 @@ class WeightInstrument:
         if event is not None:
             mon.emit(event)
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: SessionView) -> None:
         self._pending = {}
 
 

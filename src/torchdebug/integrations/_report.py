@@ -3,11 +3,14 @@ trackers' ``torchdebug/...`` names, the step's findings, and the verdict (see ``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import Anomaly, RuleEvent
 from ..sinks import Finding, RunEnd
 from ..sinks._records import Tally, event_tag, metric_tag
+
+if TYPE_CHECKING:
+    from ..session.monitor import Monitor
 
 #: the marker metric logged (1.0) at an anomaly's step; a rule event's is ``torchdebug/events/<kind>``
 ANOMALY_MARK = "torchdebug/anomaly"
@@ -42,7 +45,7 @@ def marks(findings: list[Finding]) -> dict[str, float]:
     return {(ANOMALY_MARK if f.kind == "anomaly" else event_tag(f.name)): 1.0 for f in findings}
 
 
-def run_end(mon: Any, status: str) -> RunEnd:
+def run_end(mon: Monitor, status: str) -> RunEnd:
     """How the session ended, from what it kept in memory (anomalies, rule events)."""
     tally = Tally()
     found = [event_finding(e) for e in mon.events] + [anomaly_finding(a) for a in mon.anomalies]
@@ -53,6 +56,5 @@ def run_end(mon: Any, status: str) -> RunEnd:
     if last is not None and (tally.last_step is None or last > tally.last_step):
         tally.last_step = last
     tally.steps = mon.global_step  # every completed step stores its metrics (loss, gradient norm ...)
-    writer = getattr(mon, "writer", None)
-    tally.lost = int(getattr(writer, "lost", 0) or 0)
+    tally.lost = int(getattr(mon.writer, "lost", 0) or 0)  # no writer (store=False): nothing lost
     return tally.end(status, mon.run_dir)

@@ -223,13 +223,13 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         self._stepped = True
         raw = unwrap_optimizer(optimizer)
         mon.owns_optimizer(raw)
-        mon.update_starting(raw)  # the step's one transfer + the check; may raise NonFiniteError
+        mon.stepper.update_starting(raw)  # the step's one transfer + the check; may raise NonFiniteError
 
     def _after_update(self, opt: Any, args: Any, kwargs: Any) -> None:
         # the optimizer's own step post-hook: the update ran (not skipped by a GradScaler)
         mon = self._live()
         if mon is not None and self._stepped:
-            mon.update_done(opt)
+            mon.stepper.update_done(opt)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: nn.Module, outputs: Any, batch: Any, batch_idx: int
@@ -260,9 +260,9 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             if mon is None or self._root_depth or not self._in_batch or not torch.is_grad_enabled():
                 return
             self._stop_finding()
-            self._handles.append(mod.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(mon.forward_done))
-            mon.forward_started(
+            self._handles.append(mod.register_forward_pre_hook(mon.stepper.forward_started, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(mon.stepper.forward_done))
+            mon.stepper.forward_started(
                 mod, args, kwargs
             )  # this call's pre-hooks were gathered before ours was added
 

@@ -193,7 +193,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
             return
         raw = unwrap_optimizer(kwargs.get("optimizer"))
         try:
-            mon.update_starting(raw)  # the step's one transfer + the check
+            mon.stepper.update_starting(raw)  # the step's one transfer + the check
         except BaseException as exc:
             self._close(exc)  # marked failed before NonFiniteError leaves the callback
             raise
@@ -204,7 +204,7 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
             return
         opt = kwargs.get("optimizer")
         if not getattr(opt, "step_was_skipped", False):  # accelerate: the GradScaler skipped the update
-            mon.update_done(unwrap_optimizer(opt))
+            mon.stepper.update_done(unwrap_optimizer(opt))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         mon = self._live()

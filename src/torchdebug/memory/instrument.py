@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from .._frames import user_location
+from .._step import SessionView
 from .._tensors import in_functorch_transform
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
@@ -653,7 +654,7 @@ class MemoryInstrument:
         self._cuda = False
 
     # ---- protocol
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         cfg = mon.config
         self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         window = int(getattr(cfg, "leak_window", 50))
@@ -675,13 +676,13 @@ class MemoryInstrument:
         if self._cuda:
             reset_peak()
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         self._stop_capture()
         if self._history_on:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._history_on = False
 
-    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._phase = "forward"
         self._batch_shape = _first_shape(args, kwargs)
         st = self._leak
@@ -692,15 +693,15 @@ class MemoryInstrument:
             st.mode_entered = True
             st.phase = "capturing"
 
-    def on_backward_start(self, mon: Any, loss: Any) -> None:
+    def on_backward_start(self, mon: SessionView, loss: Any) -> None:
         # the capture runs on to the step's end: forward, the loss (where `losses.append(loss)`
         # lines live), Python code after backward (`grads.append(p.grad.clone())`), the optimizer
         self._phase = "backward"
 
-    def before_optimizer_step(self, mon: Any) -> None:
+    def before_optimizer_step(self, mon: SessionView) -> None:
         self._phase = "optimizer"
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         self._phase = "input"
         self._stop_capture()
         step = int(getattr(record, "step", getattr(mon, "global_step", 0)))
@@ -729,7 +730,7 @@ class MemoryInstrument:
         if self._cuda:
             reset_peak()  # so the next sample's cuda_peak is that step's peak
 
-    def on_exception(self, mon: Any, exc: BaseException) -> None:
+    def on_exception(self, mon: SessionView, exc: BaseException) -> None:
         self._stop_capture()
         if not is_oom_error(exc):
             return
@@ -760,7 +761,7 @@ class MemoryInstrument:
             )
         )
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: SessionView) -> None:
         self._stop_capture()
 
     def costly_step(self, step: int) -> bool:
@@ -769,7 +770,7 @@ class MemoryInstrument:
         return step in self._costly
 
     # ---- leak state machine
-    def _arm(self, mon: Any, suspects: list[Trend], sample: dict[str, int]) -> None:
+    def _arm(self, mon: SessionView, suspects: list[Trend], sample: dict[str, int]) -> None:
         st = self._leak
         step = int(mon.global_step)
         # census at this step's end (counted in this step or the next one's wait, by hook order),
@@ -795,14 +796,14 @@ class MemoryInstrument:
         while self._unpopped and _get_current_function_mode() is self._unpopped[-1]:
             self._unpopped.pop().__exit__(None, None, None)
 
-    def _advance_leak(self, mon: Any, step: int) -> None:
+    def _advance_leak(self, mon: SessionView, step: int) -> None:
         st = self._leak
         if st.phase == "capturing":
             st.phase = "waiting"  # one more step: what the user still holds from this step dies then
         elif st.phase == "waiting":
             self._verdict(mon, step)
 
-    def _verdict(self, mon: Any, step: int) -> None:
+    def _verdict(self, mon: SessionView, step: int) -> None:
         st = self._leak
         assert st.capture is not None and self.detector is not None
         cap = st.capture
@@ -911,11 +912,11 @@ class ModuleMemoryInstrument:
         self._cuda = False
         self._said_transform = False
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         self._tracker = SavedTensorTracker(mon.model, getattr(mon, "installs", None))
         self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         if self._tracker is not None:
             self._tracker.stop()
 
@@ -925,7 +926,7 @@ class ModuleMemoryInstrument:
         if self._best is None or tr.total > self._best[0]:
             self._best = (tr.total, dict(tr.by_module), tr.outside)
 
-    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         if len(self.tables) >= self.steps or self._tracker is None:
             return
         if in_functorch_transform() or not _saved_hooks_enabled():
@@ -967,18 +968,18 @@ class ModuleMemoryInstrument:
         # the root's own pre-hook was registered during its call, too late to fire: mark it running
         self._tracker._pre(module, args)
 
-    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+    def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         if self._measuring and self._tracker is not None and self._tracker.active:
             self._tracker.stop()
             if self._cuda:
                 self._fwd_peak = max(self._fwd_peak or 0, int(torch.cuda.max_memory_allocated()))
                 reset_peak()
 
-    def on_backward_end(self, mon: Any) -> None:
+    def on_backward_end(self, mon: SessionView) -> None:
         if self._measuring and self._cuda:
             self._bwd_peak = max(self._bwd_peak or 0, int(torch.cuda.max_memory_allocated()))
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         if not self._measuring or self._tracker is None:
             return
         self._measuring = False
@@ -1005,7 +1006,7 @@ class ModuleMemoryInstrument:
                 msg += f"; largest module {module_label(top.module, top.module_type)} {_fmt_bytes(top.total_bytes)}"
             mon.writer.log_event(step, "module_memory", "info", msg, table.to_dict())
 
-    def on_exception(self, mon: Any, exc: BaseException) -> None:
+    def on_exception(self, mon: SessionView, exc: BaseException) -> None:
         if self._tracker is not None:
             self._tracker.stop()
 

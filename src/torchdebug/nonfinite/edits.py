@@ -5,7 +5,8 @@ the sentinel keeps which tensors backward() left and their versions (:class:`~to
 Code between backward() and the update may change them: a clip, a normalisation, the GradScaler's
 unscale, a hook. A clip is judged by its factor alone (finite gradients times a finite factor stay
 finite: one number on the device); anything else has the gradients it changed probed as the update
-starts, read with the step's one transfer. A base class of :class:`~torchdebug.nonfinite.sentinel.Sentinel`.
+starts, read with the step's one transfer. A member of :class:`~torchdebug.nonfinite.sentinel.Sentinel`
+(``sentinel.edits``), handed the step's state with each call.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
-from .._step import Readout, SeenGrads, SessionView, StepState
+from .._step import SCALER_RAN, Readout, SeenGrads, StepState
 from .._tensors import finite_probe, grad_of, in_functorch_transform, local
 
 # a watch that saw more torch calls than this between one backward() and its update (a loop that
@@ -73,52 +74,38 @@ class EditWatch(TorchFunctionMode):
 
 
 class EditCheck:
-    """The sentinel's check of the gradients' edits (see above)."""
+    """The sentinel's check of the gradients' edits (see above): its own state is the watch's."""
 
-    # the sentinel's attributes these methods use (set in Sentinel.__init__)
-    mon: SessionView
-    active: bool
-    replaying: bool
-    manual: bool
-    check_each_backward: bool
-    _sharded: bool
-    _index: dict[int, int]
-    watch: EditWatch | None = None  # open between a backward() and its update
-    watch_off = False  # a watch saw more than WATCH_CALLS calls once: the versions from then on
-    watch_blind = 0  # updates in a row whose watch could not tell which gradients were written
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}  # id(parameter) -> its index
+        self._sharded = False  # FSDP2 DTensor parameters
+        self.thread = threading.current_thread()  # the training thread (a mode lives on its stack)
+        self.single = False  # one process, one model, at most one optimizer (the session says, each backward)
+        self.watch: EditWatch | None = None  # open between a backward() and its update
+        self.watch_off = False  # a watch saw more than WATCH_CALLS calls once: the versions from then on
+        self.watch_blind = 0  # updates in a row whose watch could not tell which gradients were written
 
-    @property
-    def st(self) -> StepState:
-        raise NotImplementedError
-
-    def scaler_unscaled(self, opt: Any) -> bool:
-        raise NotImplementedError
-
-    def grad_finite(self, i: int, now: bool = False) -> bool:
-        raise NotImplementedError
+    def reindex(self, params: list[torch.Tensor], index: dict[int, int], sharded: bool) -> None:
+        self.params, self._index, self._sharded = params, index, sharded
 
     # -- the watch between backward() and the update ------------------------------------------------
     def watches_edits(self) -> bool:
         """After this backward, watch the torch calls until the update (:class:`EditWatch`) instead of
         reading every gradient's version now and again then: one process and thread, one model and
-        optimizer, an update through an optimizer the session sees (checked as it starts)."""
-        mon = self.mon
+        optimizer (``single``: the session's, set as it measures), an update through an optimizer the
+        session sees (checked as it starts)."""
         return (
-            self.active
-            and not (
-                self.watch_off or self.replaying or self.manual or self.check_each_backward or self._sharded
-            )
-            and mon.coordinator is None
-            and mon.roots is None
-            and len(mon.optimizers) <= 1
-            and threading.current_thread() is mon.thread
+            self.single
+            and not (self.watch_off or self._sharded)
+            and threading.current_thread() is self.thread
             and not in_functorch_transform()
             and not torch.compiler.is_compiling()
         )
 
-    def watch_edits_begin(self) -> None:
+    def watch_edits_begin(self, st: StepState) -> None:
         """The backward's bookkeeping is done: open the watch (the gradients were seen unwatched: none)."""
-        seen = self.st.seen
+        seen = st.seen
         if not seen.watched or seen.touched or self.watch is not None:
             return
         try:
@@ -129,13 +116,13 @@ class EditCheck:
             return
         self.watch = watch
 
-    def watch_edits_end(self, judge: bool = True) -> None:
+    def watch_edits_end(self, st: StepState, judge: bool = True) -> None:
         """Close the watch (the session's own torch work follows). ``judge``: the edit check reads it
         now; otherwise what follows goes unwatched and the gradients count as edited."""
         watch = self.watch
-        seen = self.st.seen
+        seen = st.seen
         if watch is not None:
-            if threading.current_thread() is self.mon.thread:  # a mode lives on its thread's stack
+            if threading.current_thread() is self.thread:  # a mode lives on its thread's stack
                 self.watch = None
                 if _get_current_function_mode() is watch:
                     watch.__exit__(None, None, None)
@@ -149,15 +136,16 @@ class EditCheck:
         if seen.watched and not judge:
             seen.touched = True
 
-    def probe_edits(self, opt: Any = None) -> None:
+    def probe_edits(self, st: StepState, opt: Any = None, scaler: Any = None, first: Any = None) -> None:
         """Gradients changed since backward() measured them (clipping, normalisation, unscaling, a hook):
         a finiteness probe of those only, on the device, read with this step's transfer. The usual
         answer, nothing edited, costs nothing when the calls since backward() were watched (no write
         that reaches a gradient), else three C-level passes (the gradients, their identity, the sum of
         their versions)."""
-        params = self.mon.params
-        unscaled = self.scaler_unscaled(opt)  # unscaled: every gradient changed (no version bump)
-        seen = self.st.seen
+        params = self.params
+        # unscaled: every gradient changed (no version bump)
+        unscaled = scaler is not None and self.scaler_unscaled(st, opt, scaler, first)
+        seen = st.seen
         wrote: set[int] | None = set()
         if seen.watched:  # the gradients replaced, and those the watch saw written
             wrote = None if unscaled else seen.edited_by_writes()
@@ -178,22 +166,22 @@ class EditCheck:
             if g is not None and (unscaled or wrote is None or i in wrote or not seen.same(i, g))
         ]
         if edited:
-            self.st.edit_index = edited
+            st.edit_index = edited
             if len(edited) == len(params):
-                plan, _ = self.mon.transfer.plan(params)
+                plan, _ = st.transfer.plan(params)
                 if plan is not None:
                     with contextlib.suppress(RuntimeError, ValueError):
-                        self.st.edit_probe = plan.sums(grads)
+                        st.edit_probe = plan.sums(grads)
                         return
-            self.st.edit_probe = finite_probe([grads[i] for i in edited])  # type: ignore[misc]
+            st.edit_probe = finite_probe([grads[i] for i in edited])  # type: ignore[misc]
 
-    def before_clip(self, params: list[Any]) -> list[int]:
+    def before_clip(self, st: StepState, params: list[Any]) -> list[int]:
         """``clip_grad_norm_`` is about to scale these parameters' gradients: the ones backward() left
         unedited (their after-backward check stands), else []."""
-        if not self.active or self.replaying or self.st.synced_at_backward or self.mon.transfer.synced:
+        if st.read_at is not None or st.transfer.synced:
             return []  # a manual-update loop, or after the step's transfer: the probe judges the clip
-        seen = self.st.seen
-        mine = self.mon.params
+        seen = st.seen
+        mine = self.params
         if (
             not self._sharded
             and len(params) == len(mine)
@@ -212,7 +200,15 @@ class EditCheck:
                 idx.append(i)
         return idx
 
-    def after_clip(self, idx: list[int], total: Any, max_norm: Any, scaled_all: bool = False) -> None:
+    def after_clip(
+        self,
+        st: StepState,
+        idx: list[int],
+        total: Any,
+        max_norm: Any,
+        scaled_all: bool = False,
+        reads_late: bool = False,
+    ) -> None:
         """The clip multiplied those gradients by ``min(max_norm / (total + 1e-6), 1)`` (torch's formula):
         finite gradients stay finite iff that factor is finite, so a one-element flag on the device
         replaces a probe of every gradient (read with the step's transfer; confirmed exactly if up).
@@ -220,12 +216,13 @@ class EditCheck:
         ``scaled_all``: the session ran this clip itself over every gradient backward() left, each
         scaled in place once (session/gradcheck.py): the edit check expects one more version each,
         with no pass over the gradients. Watched gradients: the watch goes on after the clip, or, for a
-        clip not judged by its factor, the gradients count as edited."""
-        judged = self._clip_judged(idx, total, max_norm)
-        seen = self.st.seen
+        clip not judged by its factor, the gradients count as edited. ``reads_late``: the step is read
+        one step later (``sync="async"``)."""
+        judged = self._clip_judged(st, idx, total, max_norm, reads_late)
+        seen = st.seen
         if seen.watched:
             if judged:
-                self.watch_edits_begin()
+                self.watch_edits_begin(st)
             else:
                 seen.touched = True
         elif not judged:
@@ -233,9 +230,11 @@ class EditCheck:
         elif scaled_all and seen.whole and idx is seen.idx:
             seen.bump += 1
         else:
-            seen.rebase(idx, self.mon.params)  # scaled by that factor: judged by the flag
+            seen.rebase(idx, self.params)  # scaled by that factor: judged by the flag
 
-    def _clip_judged(self, idx: list[int], total: Any, max_norm: Any) -> bool:
+    def _clip_judged(
+        self, st: StepState, idx: list[int], total: Any, max_norm: Any, reads_late: bool
+    ) -> bool:
         """The clip's factor is kept for the read (True), or the clip cannot be judged by it."""
         if not idx or not isinstance(total, torch.Tensor) or local(total) is not total:
             return False
@@ -243,34 +242,48 @@ class EditCheck:
             m = float(max_norm)
         except (TypeError, ValueError):
             return False
-        if self.mon.transfer.lazy and not self.mon.reads_late:
-            self.st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
+        if st.transfer.lazy and not reads_late:
+            st.clips.append((total, idx, m))  # the total: its factor is worked out on the host
         elif math.isfinite(m) and abs(m) < 1e30:
             # a norm is >= 0, so m / (total + 1e-6) is finite unless total is NaN (+inf gives 0): one
             # device op (the gradients an infinite total comes from are flagged by their own probe)
-            self.st.clips.append((torch.isnan(total), idx, None))
+            st.clips.append((torch.isnan(total), idx, None))
         else:
             with torch.no_grad():
                 coef = torch.clamp(m / (total.detach().float() + 1e-6), max=1.0)
-                self.st.clips.append((torch.isfinite(coef).logical_not(), idx, None))
+                st.clips.append((torch.isfinite(coef).logical_not(), idx, None))
         return True
 
-    def read_edits(self, readout: Readout) -> None:
-        """After the read: which edited gradients are non-finite (confirmed exactly)."""
+    def read_edits(self, st: StepState, readout: Readout) -> list[int]:
+        """After the read: the edited gradients whose probe or clip factor read non-finite (the sentinel
+        confirms them exactly)."""
         bad: list[int] = []
-        if self.st.edit_probe is not None:
-            ep = item_numbers(readout.edit, len(self.st.edit_index))
+        if st.edit_probe is not None:
+            ep = item_numbers(readout.edit, len(st.edit_index))
             if not all(map(math.isfinite, ep)):  # C loop: the usual answer
-                bad = [i for j, i in enumerate(self.st.edit_index) if not math.isfinite(ep[j])]
-            self.st.edit_probe = None
+                bad = [i for j, i in enumerate(st.edit_index) if not math.isfinite(ep[j])]
+            st.edit_probe = None
         flags = readout.clips
-        for k, (_, idx, max_norm) in enumerate(self.st.clips):
+        for k, (_, idx, max_norm) in enumerate(st.clips):
             # a non-finite clip factor (a flag, or worked out from the read total): every gradient it scaled
             if k < len(flags) and (flags[k] > 0 if max_norm is None else _factor_bad(flags[k], max_norm)):
                 bad += [i for i in idx if i not in bad]
-        self.st.clips = []
-        if bad:
-            self.st.edit_bad = [i for i in sorted(bad) if not self.grad_finite(i, now=True)]
+        st.clips = []
+        return bad
+
+    def scaler_unscaled(self, st: StepState, opt: Any, scaler: Any, first: Any = None) -> bool:
+        """True once the GradScaler unscaled this step's gradients (``unscale_`` bumps no ``_version``;
+        ``first``: the session's first optimizer)."""
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+            return False
+        if st.update in SCALER_RAN:
+            return True  # scaler.step() unscales before it calls the optimizer or skips it
+        states = getattr(scaler, "_per_optimizer_states", {})
+        for o in (opt, first):
+            ost = states.get(id(o)) if o is not None else None  # .get: the defaultdict must not grow
+            if ost and int(getattr(ost.get("stage"), "value", 0)) != 0:  # OptState.READY = 0
+                return True
+        return False
 
 
 def item_numbers(numbers: list[float], n: int) -> list[float]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .._frames import format_frames
-from .._step import SessionView
+from .._step import Found, Measure, SessionView
 from .._tensors import local
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, Phase
@@ -118,7 +118,7 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
         # backward() made finite gradients (measured then); code before the update made them non-finite
         return gradient_edit_anomaly(mon, micro)
     first_replay = mon.counters["replays"] == 0
-    replayable = not (late and mon.state.params_bad_now)
+    replayable = not (late and mon.state.params is Found.PARAMETERS)
     if mon.config.replay and first_replay and replayable and idx < len(mon.state.captures):
         mon.counters["replays"] += 1
         flag.replaying = True
@@ -142,7 +142,7 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
                 )
                 if a is not None:
                     return dataclasses.replace(a, reproducible=True)
-            if mon.state.measured_late and mon.state.edit_bad and not losses_bad:
+            if mon.state.measure is Measure.AFTER_EDIT and mon.state.edit_bad and not losses_bad:
                 # measured after code changed the gradients, and backward() is clean when re-run: that
                 # code made them non-finite
                 return gradient_edit_anomaly(mon, micro)

@@ -17,6 +17,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from .._installs import Installs
+from .._step import SessionView
 from .._tensors import in_functorch_transform
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
@@ -417,19 +418,19 @@ class FlopsInstrument:
         self._last_end: float | None = None
         self._phase = "forward"
 
-    def install(self, mon: Any) -> None:
-        self._session = _FlopSession(mon.model, getattr(mon, "installs", None))
+    def install(self, mon: SessionView) -> None:
+        self._session = _FlopSession(mon.model, mon.installs)
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         s = self._session
         if s is not None and s.active:
             s.stop(self._phase)
 
-    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         s = self._session
         if s is None or self._state not in ("waiting", "counting") or s.active:
             return
-        if self._state == "waiting" and getattr(mon, "compiled", False):
+        if self._state == "waiting" and mon.compiled:
             # A forward that Dynamo first meets under a dispatch mode is marked "skip" for good: the
             # counted step would leave the model uncompiled for the whole run. Not counted, said once.
             self._state = "done"
@@ -442,7 +443,7 @@ class FlopsInstrument:
                 )
             )
             return
-        elsewhere = threading.current_thread() is not getattr(mon, "thread", threading.current_thread())
+        elsewhere = threading.current_thread() is not mon.thread
         if (elsewhere or in_functorch_transform()) and self._state == "counting":
             return  # a later micro-step of the counted step: left out of the count
         if elsewhere or in_functorch_transform():
@@ -464,22 +465,22 @@ class FlopsInstrument:
         self._phase = "forward"
         s.start()
 
-    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+    def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         if self._session is not None and self._session.active:
             self._session.forward_end()
             self._phase = "other"
 
-    def on_backward_start(self, mon: Any, loss: Any) -> None:
+    def on_backward_start(self, mon: SessionView, loss: Any) -> None:
         if self._session is not None and self._session.active:
             self._session.backward_start()
             self._phase = "backward"
 
-    def on_backward_end(self, mon: Any) -> None:
+    def on_backward_end(self, mon: SessionView) -> None:
         s = self._session
         if s is not None and s.active:
             s.stop("backward")  # one window per micro-step; the next forward opens another
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         now = time.perf_counter()
         s = self._session
         if s is None:
@@ -496,16 +497,16 @@ class FlopsInstrument:
                 self._finish(mon, int(record.step))
         self._last_end = now
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: SessionView) -> None:
         if self._state == "timing":
             self._finish(mon, mon.global_step)
 
-    def _finish(self, mon: Any, step: int) -> None:
+    def _finish(self, mon: SessionView, step: int) -> None:
         assert self.report is not None
         self._state = "done"
         times = sorted(self._times)
         st = times[len(times) // 2] if times else None
-        peak = getattr(mon.config, "peak_flops", None)
+        peak = mon.config.peak_flops
         if peak is None and torch.cuda.is_available() and any(p.is_cuda for p in mon.model.parameters()):
             peak = peak_flops_for(torch.cuda.get_device_name())
         self.report = FlopReport(**{**self.report.__dict__, "step_time_s": st, "peak_flops": peak})
@@ -530,7 +531,7 @@ class FlopsInstrument:
                 msg += f"; {len(rep.uncounted)} op kinds not counted"
             mon.writer.log_event(step, "flops", "info", msg, rep.to_dict())
 
-    def on_exception(self, mon: Any, exc: BaseException) -> None:
+    def on_exception(self, mon: SessionView, exc: BaseException) -> None:
         s = self._session
         if s is not None and s.active:
             try:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, schedule
 
+from .._step import SessionView
 from ..events import RuleEvent
 from .profiling import DEFAULT_TRACE_BUDGET, _bound_trace, _ModuleRanges, _summarise, _warnings_not_errors
 
@@ -35,7 +36,7 @@ class ProfilerInstrument:
         self._trace: dict[str, Any] = {}
         self.summary: Any = None
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         cuda = torch.cuda.is_available() and any(p.is_cuda for p in mon.model.parameters())
         self._cuda = cuda
         run_dir = Path(mon.run_dir) if mon.run_dir is not None else None
@@ -49,7 +50,7 @@ class ProfilerInstrument:
             self._trace.update(path=str(final), bytes=final.stat().st_size, note=note)
 
         self._stack = contextlib.ExitStack()
-        if not getattr(mon, "compiled", False):
+        if not mon.compiled:
             # per-module ranges: under torch.compile the hooks see nothing and their removal after the
             # window would make Dynamo recompile; the profiler itself still records the compiled ops
             self._stack.enter_context(_ModuleRanges(mon.model))
@@ -65,7 +66,7 @@ class ProfilerInstrument:
                 )
             )
 
-    def on_step_end(self, mon: Any, record: Any, values: dict[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: dict[str, float]) -> None:
         if self._prof is None:
             return
         if self._seen == self.wait + self.warmup - 1:
@@ -98,6 +99,6 @@ class ProfilerInstrument:
             with _warnings_not_errors():
                 stack.close()
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         self._finish()
         self._prof = None

@@ -14,6 +14,7 @@ from torch import nn
 
 from .._installs import Installs
 from .._robust import RunningMedian
+from .._step import SessionView
 from .._trees import tensor_leaves
 from ..events import RuleEvent, module_label, not_under_compile
 from ._gradhooks import when_all_grads
@@ -313,11 +314,11 @@ class TimingInstrument:
         self._uncommitted: tuple[int | None, int | None] = (None, None)
 
     # ---- protocol
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
         self._clock = _Clock(cuda)
         self._slowdown = SlowdownRule(
-            factor=float(getattr(mon.config, "slowdown_factor", 1.5)),
+            factor=mon.config.slowdown_factor,
             recent=2 * self._patience - 1,
             min_s=self.min_slowdown_s,
         )
@@ -330,7 +331,7 @@ class TimingInstrument:
         self._cur = _StepMarks(start=m, step=step)
         self._last_mark = m
 
-    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
         if self._uncommitted == (None, None):
             self._cur.spans["data"].append((self._last_mark, m))
@@ -341,12 +342,12 @@ class TimingInstrument:
         # attempt that failed in forward (an OOM before a retry) is not throughput
         self._uncommitted = batch_size_and_tokens(args, kwargs)
 
-    def on_forward_end(self, mon: Any, module: nn.Module, output: Any) -> None:
+    def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         start = self._open.pop("forward", None)
         if start is not None:
             self._cur.spans["forward"].append((start, self._clock.mark()))
 
-    def on_backward_start(self, mon: Any, loss: Any) -> None:
+    def on_backward_start(self, mon: SessionView, loss: Any) -> None:
         self._open["backward"] = self._clock.mark()
 
     def _commit(self) -> None:
@@ -357,7 +358,7 @@ class TimingInstrument:
             self._cur.tokens += tok
         self._uncommitted = (None, None)
 
-    def on_backward_end(self, mon: Any) -> None:
+    def on_backward_end(self, mon: SessionView) -> None:
         self._commit()
         start = self._open.pop("backward", None)
         if start is not None:
@@ -365,15 +366,15 @@ class TimingInstrument:
             self._cur.spans["backward"].append((start, m))
             self._last_mark = m  # the next micro-step's data wait starts here
 
-    def before_optimizer_step(self, mon: Any) -> None:
+    def before_optimizer_step(self, mon: SessionView) -> None:
         self._open["optimizer"] = self._clock.mark()
 
-    def after_optimizer_step(self, mon: Any) -> None:
+    def after_optimizer_step(self, mon: SessionView) -> None:
         start = self._open.pop("optimizer", None)
         if start is not None:
             self._cur.spans["optimizer"].append((start, self._clock.mark()))
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         if not self._cur.spans["backward"]:
             self._commit()  # a step without backward (evaluation under watch): its forward counts
         self._uncommitted = (None, None)
@@ -387,18 +388,18 @@ class TimingInstrument:
         self._begin(cur.step + 1)
         self._drain(mon)
 
-    def on_exit(self, mon: Any) -> None:
+    def on_exit(self, mon: SessionView) -> None:
         if self._clock.cuda and self._pending:
             self._pending[-1].end.synchronize()  # once, at exit: log the last steps too
         self._drain(mon)
 
     # ---- reading the marks
-    def _drain(self, mon: Any) -> None:
+    def _drain(self, mon: SessionView) -> None:
         pending, clock = self._pending, self._clock
         while pending and (not clock.cuda or clock.ready(pending[0].end)):
             self._finish(mon, pending.popleft())
 
-    def _finish(self, mon: Any, m: _StepMarks) -> None:
+    def _finish(self, mon: SessionView, m: _StepMarks) -> None:
         c = self._clock
         spans = m.spans
         if c.cuda:
@@ -441,7 +442,7 @@ class TimingInstrument:
                 writer.log_scalars(t.step, thr)
         self._rules(mon, t)
 
-    def _rules(self, mon: Any, t: StepTiming) -> None:
+    def _rules(self, mon: SessionView, t: StepTiming) -> None:
         if t.step < self.warmup or t.total <= 0:
             return
         cfg = mon.config
@@ -685,14 +686,14 @@ class ModuleTimeInstrument:
         self._samples: list[dict[str, tuple[float, float | None, int]]] = []
         self._measured: list[int] = []
 
-    def install(self, mon: Any) -> None:
+    def install(self, mon: SessionView) -> None:
         self._timer = ModuleTimer(mon.model, installs=getattr(mon, "installs", None))
 
-    def remove(self, mon: Any) -> None:
+    def remove(self, mon: SessionView) -> None:
         if self._timer is not None:
             self._timer.stop()
 
-    def on_forward_start(self, mon: Any, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         step = mon.global_step
         t = self._timer
         if t is None or t.active or not (self.skip <= step < self.skip + self.steps):
@@ -709,11 +710,11 @@ class ModuleTimeInstrument:
         # the root's pre-hook was registered during its own call, too late to fire for it
         t._pre(module, args)
 
-    def on_backward_end(self, mon: Any) -> None:
+    def on_backward_end(self, mon: SessionView) -> None:
         if self._timer is not None and self._timer.active:
             self._timer.clear_grad_hooks()
 
-    def on_step_end(self, mon: Any, record: Any, values: Mapping[str, float]) -> None:
+    def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         t = self._timer
         if t is None or not t.active:
             return
@@ -747,7 +748,7 @@ class ModuleTimeInstrument:
             )
             mon.writer.log_event(int(record.step), "module_time", "info", msg, self.table.to_dict())
 
-    def on_exception(self, mon: Any, exc: BaseException) -> None:
+    def on_exception(self, mon: SessionView, exc: BaseException) -> None:
         if self._timer is not None:
             self._timer.stop()
 

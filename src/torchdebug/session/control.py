@@ -6,7 +6,6 @@ attributes it uses are the session's (declared below for the type checker)."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -15,29 +14,14 @@ from typing import Any, cast
 from torch import nn
 
 from .._config import DebugConfig, DebugLevel
-from .._step import Instrument, StepState
+from .._instruments import REGISTRY, spec
+from .._step import Instrument, StepPhase, StepState
 from ..events import Anomaly, RuleEvent, StepRecord, rule_counts, training_summary
 from ..nonfinite.sentinel import Sentinel
 from .deferred import DeferredReads
 from .driver import PlainLoopDriver
 from .protocol import Session
 from .wrappers import _compiled_orig
-
-# instrument name -> (module, class); each class is constructed with no arguments
-INSTRUMENTS: dict[str, tuple[str, str]] = {
-    "gradients": ("torchdebug.health.instrument", "GradientHealth"),
-    # alone (no "gradients"): GradientHealth records these itself when it runs, see _wanted()
-    "activations": ("torchdebug.health.standalone", "ActivationInstrument"),
-    "gradient_details": ("torchdebug.health.standalone", "WeightInstrument"),
-    "device_placement": ("torchdebug.session.placement", "DevicePlacementInstrument"),
-    "memory": ("torchdebug.memory.instrument", "MemoryInstrument"),
-    "module_memory": ("torchdebug.memory.instrument", "ModuleMemoryInstrument"),
-    "timing": ("torchdebug.perf.timing", "TimingInstrument"),
-    "module_time": ("torchdebug.perf.timing", "ModuleTimeInstrument"),
-    "flops": ("torchdebug.perf.flops", "FlopsInstrument"),
-    "profiler": ("torchdebug.perf.profiler", "ProfilerInstrument"),
-    "step_details": ("torchdebug.health.details", "StepDetails"),
-}
 
 
 class Controls:
@@ -103,7 +87,7 @@ class Controls:
         from ..memory.recovery import run_step_with_oom_retry
 
         def new_micro_step(_piece: Any) -> None:
-            self.state.new_micro_step = True  # the failed attempt never reached its backward
+            self.state.phase = StepPhase.START  # the failed attempt never reached its backward
 
         def record(retry: Any) -> None:
             evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
@@ -244,17 +228,16 @@ class Controls:
 
     # -- instruments -----------------------------------------------------------------------------
     def _wanted(self) -> set[str]:
-        wanted = set(self._enabled)
-        if "gradients" in wanted:
-            wanted -= {"activations", "gradient_details"}  # GradientHealth records them (one set of hooks)
-        return wanted
+        # an instrument recorded within another that runs (GradientHealth's activations and details:
+        # one set of hooks) is not built on its own
+        return {n for n in self._enabled if spec(n).within not in self._enabled}
 
     def _build_instrument(self, name: str) -> None:
-        spec = INSTRUMENTS.get(name)
-        if spec is None:
-            return  # handled by the monitor (nonfinite)
+        entry = spec(name)
+        if not entry.built:
+            return  # the session holds it from its start (the sentinel)
         try:
-            cls = getattr(importlib.import_module(spec[0]), spec[1])
+            cls = entry.load()
         except (ImportError, AttributeError):
             return  # not available in this build, or its extra is not installed
         if any(type(i) is cls for i in self.instruments):
@@ -281,7 +264,7 @@ class Controls:
         self.params = [p for _, p in named]
         self._param_ids = {id(p) for p in container.parameters()}
         self.uses_cuda = any(p.is_cuda for p in self.params)
-        self.sentinel.reindex(cast(Session, self))
+        self.sentinel.reindex(self.params, self.param_names)
         self._plain.model = self._plain.root = container
         self._plain.hook_roots(list(roots.values()))
         self._apply_level(self.config.level)  # the instruments again, over every model
@@ -290,6 +273,7 @@ class Controls:
         """Switch the instruments to a new level and options (on the training thread, between steps)."""
         self.config = self.config.replace(level=level, **changes)
         self._enabled = self.config.instruments()
+        self.sentinel.config = self.config
         self.sentinel.active = "nonfinite" in self._enabled
         sync, reads = self.config.sync, self._async
         # switched live ("auto" keeps what the session chose as it started; "async" replaces its choice)
@@ -297,7 +281,7 @@ class Controls:
             if reads is not None:
                 reads.finish()  # the steps in flight are judged now (may raise)
             self._async = DeferredReads(cast(Session, self)) if sync == "async" else None
-        ours = {spec[1] for spec in INSTRUMENTS.values()}
+        ours = {entry.cls for entry in REGISTRY if entry.built}
         for inst in [i for i in self.instruments if type(i).__name__ in ours]:
             self.instruments.remove(inst)  # rebuilt below: their depth follows the level
             with contextlib.suppress(Exception):

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .._errors import LossSpikeError, NonFiniteError
-from .._step import StepState
+from .._step import StepState, Update
 from .._tensors import Items
 from ..events import StepRecord
 from ..nonfinite.ledger import UpdateLedger
@@ -220,9 +220,11 @@ class DeferredReads:
         if self.why_not(opt) is not None:
             self.resolve(block=True)  # the blocking verdict comes after every earlier step's
             return False
-        mon.state.opt_ran = mon.state.opt_ran_in_scaler = True
+        mon.state.update = Update.RAN
         s.manual = False
-        s.probe_edits(opt)  # device work: gradients changed since backward()
+        s.edits.probe_edits(
+            mon.state, opt, mon.scaler, mon.optimizer
+        )  # device work: gradients changed since backward()
         items = mon._step_items()
         if not items or any([t.is_meta for _, t in items]):
             return False  # nothing to read, or a meta model: the blocking path says so
@@ -267,12 +269,21 @@ class DeferredReads:
         key = (tuple(spec), dev)
         got = self._layouts.get(key)
         if got is None:
-            sizes = torch.tensor([k for _, k in spec])
-            values = torch.tensor([n in _BAD_VALUES for n, _ in spec]).repeat_interleave(sizes)
-            flags = torch.tensor([n in _BAD_FLAGS for n, _ in spec]).repeat_interleave(sizes)
+            # built on the device by fills (one small kernel per item, once per layout): a host tensor
+            # copied over would be a pageable copy, which synchronizes with the device
+            total = sum(k for _, k in spec)
+            values = torch.zeros(total, dtype=torch.bool, device=dev)
+            flags = torch.zeros(total, dtype=torch.bool, device=dev)
+            at = 0
+            for n, k in spec:
+                if n in _BAD_VALUES:
+                    values[at : at + k] = True
+                elif n in _BAD_FLAGS:
+                    flags[at : at + k] = True
+                at += k
             if len(self._layouts) >= 8:  # a few layouts (ordinary, detail steps) in a session
                 self._layouts.clear()
-            got = self._layouts[key] = (values.to(dev), flags.to(dev))
+            got = self._layouts[key] = (values, flags)
         return got
 
     def _hand_flag(self, opt: Any) -> None:
@@ -312,7 +323,7 @@ class DeferredReads:
     def _step_end(self) -> StepRecord | None:
         p, mon = self.staged, self.mon
         if p is None:
-            if mon.sentinel.manual_update(mon):
+            if mon.sentinel.manual_update(mon.state, mon.optimizer is not None or mon.adopted):
                 self.why_not(None)  # an update by hand: said once
             self.resolve(block=True)  # a blocking step after async ones: theirs come first
             return None
@@ -416,7 +427,7 @@ class DeferredReads:
             mon.transfer.unpack(p.spec[2:], host[2:])
             mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
             # the verdict (may replay), then recorded and the policy applied (may raise)
-            mon.verdicts.apply(s.judge(at_optimizer=True, opt=p.opt))
+            mon.stepper.judge(at_optimizer=True, opt=p.opt)
             if halt > 0 and not mon.state.skipped:
                 held = bad == 0 and mon.state.step_anomaly is None
                 why = (
@@ -433,7 +444,7 @@ class DeferredReads:
                 _drop_bad_grads(p.opts, live[0])
             record = p.record = mon._record(lr=p.lr, time_s=p.time_s)
             mon.verdicts.say_skips()
-            s.after_step_end(mon, False)
+            s.after_step_end(mon.state, False, mon.driver)
             mon._each("on_step_end", record, record.values)
             mon._keep(record)
         finally:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._step import Readout
 from .._tensors import dtensor_type, finite_probe, foreach_norms
 from ..events import Anomaly, RuleEvent
 from .protocol import Session
@@ -195,14 +196,21 @@ class Coordinator:
     the config: the monitor creates it when ``world_size > 1`` or ``config.hang_timeout`` is set.
 
     Reads of the session's per-step state (the whole list): ``mon.transfer`` (``loss_vals``,
-    ``micro_bad``, ``values``; under FSDP2 ``norms``, ``norm_index``, ``norms_probe``) and
-    ``mon.sentinel`` (``deferred``, ``grads_bad()``, ``build_anomaly()``).
+    ``micro_bad``, ``values``; under FSDP2 ``norms``, ``norm_index``, ``norms_probe``). What it needs of
+    the sentinel is handed in: the dict of its parameter probes (``deferred``, at construction), this
+    rank's verdict (:meth:`agree`) and the local replay (:meth:`anomaly`); it never calls the sentinel,
+    and the sentinel never calls it for a step's verdict.
     """
 
     name = "distributed"
 
-    def __init__(self, mon: Session, rank: int, world: int, pg: bool, ddp: Any) -> None:
+    def __init__(
+        self, mon: Session, rank: int, world: int, pg: bool, ddp: Any, deferred: dict[str, torch.Tensor]
+    ) -> None:
         self.rank, self.world, self.pg, self.ddp = rank, world, pg, ddp
+        # the sentinel's probes of the last update, read with the next step (name -> device tensor): they
+        # ride in this step's vector; handed over once (the sentinel fills and clears this dict)
+        self.deferred = deferred
         mon.transfer.lazy = False  # the step's vector carries per-parameter numbers and flags
         self.collective = pg and world > 1
         self.sharded = is_sharded(mon.model)  # FSDP2: gradient norms are reduced across ranks
@@ -301,7 +309,7 @@ class Coordinator:
         gradient shards. A few small ops: it runs on every step."""
         busy, data = self._timings(now)
         vals = [lv.detach().reshape(-1) for lv in mon.transfer.loss_vals]
-        deferred = mon.sentinel.deferred
+        deferred = self.deferred
         if probes:
             vals += [d.reshape(-1) for k, d in deferred.items() if k != "param_norms"]
         vals += [
@@ -574,8 +582,9 @@ class Coordinator:
             t.join(timeout=5.0)
 
     # -- agreement -------------------------------------------------------------------------------
-    def step_bad(self, mon: Session) -> bool:
-        """The decision every rank takes for this step (the same on every rank).
+    def agree(self, mon: Session, readout: Readout, mine: bool) -> Readout:
+        """After the read, before the verdict: the decision every rank takes for this step goes into
+        ``readout.agreed`` (``mine``: this rank's own verdict, the sentinel's ``grads_bad``).
 
         The fast path reads the all-reduced flags (every rank's loss) and, under DDP, this rank's
         own gradient verdict (DDP made the gradients identical on every rank). When either is up,
@@ -583,34 +592,8 @@ class Coordinator:
         probe's false alarm on one rank cannot split them; a non-finite loss on any rank then counts
         as one on every rank (the GradScaler's "non-finite loss" rule sees the same answer).
         """
-        if not self._live() or not mon.transfer.readout.dist:
-            return bool(mon.sentinel.grads_bad())
-        if self._verdict is not None and self._verdict[0] == mon.global_step:
-            return self._verdict[1]
-        suspect = any(not math.isfinite(x) for x in self._row(mon, 0)) or (
-            self._fast and bool(mon.sentinel.grads_bad())
-        )
-        if not suspect:
-            return False
-        readout = mon.transfer.readout
-        loss_bad = readout.any_loss_bad()
-        # gradients that never left this rank (micro-steps under no_sync): non-finite ones were born here
-        flags = readout.micro_bad
-        local = self.ddp is not None and any(
-            i < len(flags) and flags[i] > 0 for i, synced in enumerate(self._micro_sync) if not synced
-        )
-        mine = torch.zeros(3, self.world, device=self._dev)  # NCCL reduces device tensors only
-        mine[0, self.rank] = float(loss_bad)
-        mine[1, self.rank] = float(local)
-        mine[2, self.rank] = float(mon.sentinel.grads_bad())
-        _dist().all_reduce(mine, op=_dist().ReduceOp.MAX)  # rare path: a flag is up somewhere
-        self.collectives["rare"] += 1
-        self._exact = mine.tolist()
-        decision = any(x > 0 for row in self._exact for x in row)
-        self._verdict = (mon.global_step, decision)
-        if decision and not loss_bad and any(x > 0 for x in self._exact[0]):
-            readout.other_rank_loss_bad = True  # a rank's loss was non-finite: this rank's checks see it
-        return decision
+        readout.agreed = _decide(self, mon, readout, mine)
+        return readout
 
     def births(self) -> list[int]:
         """Ranks where the value was born: a non-finite loss (forward), else non-finite gradients that
@@ -623,22 +606,23 @@ class Coordinator:
                 return found
         return [self.rank]
 
-    def anomaly(self, mon: Session) -> Anomaly:
+    def anomaly(self, mon: Session, build: Callable[[], Anomaly]) -> Anomaly:
         """Build this step's anomaly on every rank: the first rank of birth replays (locally, without
         collectives) and broadcasts what it found; the others record that rank k found the origin.
 
         A NaN born in the backward of a micro-step whose gradients DDP all-reduced is on every rank by
         now: then every rank replays its own micro-step (in parallel, locally) and the ranks whose
         replay finds the origin are the ranks of birth (one more tiny all-reduce). Cost, once per
-        session: one replay on each rank (two on a rank that finds nothing).
+        session: one replay on each rank (two on a rank that finds nothing). ``build``: this rank's
+        anomaly, replayed locally (the step's, handed in).
         """
         if not self._live() or not self._exact:
-            return mon.sentinel.build_anomaly()
+            return build()
         births = self.births()
         loss, local, grads = self._exact
         mine: Anomaly | None = None
         if self._ddp_fast and not any(loss) and not any(local) and any(grads):
-            mine = self._replay(mon)
+            mine = self._replay(mon, build)
             found = torch.zeros(self.world, device=self._dev)
             found[self.rank] = float(mine.reproducible is True)
             _dist().all_reduce(found, op=_dist().ReduceOp.MAX)  # rare path: whose replay found it
@@ -647,7 +631,7 @@ class Coordinator:
         src = births[0]
         payload: list[Any] = [None]
         if self.rank == src:
-            a = mine if mine is not None else self._replay(mon)
+            a = mine if mine is not None else self._replay(mon, build)
             payload[0] = a.to_dict()
         _dist().broadcast_object_list(payload, src=src)  # rare path: the anomaly travels once
         d = payload[0] or {}
@@ -678,7 +662,7 @@ class Coordinator:
             reproducible=d.get("reproducible"),
         )
 
-    def _replay(self, mon: Session) -> Anomaly:
+    def _replay(self, mon: Session, build: Callable[[], Anomaly]) -> Anomaly:
         """This rank's anomaly, replayed locally: the wrapped module under ``no_sync`` (no collective).
 
         Never raises: the other ranks wait in the collective that follows, so an error becomes the
@@ -686,7 +670,7 @@ class Coordinator:
         ctx = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
         try:
             with ctx:
-                return mon.sentinel.build_anomaly()
+                return build()
         except Exception as exc:
             return Anomaly(
                 phase="backward",
@@ -820,6 +804,35 @@ def _copies(p: Any, world: int) -> float:
     return max(world / float(shards), 1.0)
 
 
+def _decide(c: Coordinator, mon: Session, readout: Readout, mine: bool) -> bool | None:
+    """:meth:`Coordinator.agree`'s decision (None: no all-reduce this step, this rank's own verdict)."""
+    if not c._live() or not readout.dist:
+        return None  # no all-reduce this step: this rank's own verdict
+    if c._verdict is not None and c._verdict[0] == mon.global_step:
+        return c._verdict[1]
+    suspect = any(not math.isfinite(x) for x in c._row(mon, 0)) or (c._fast and mine)
+    if not suspect:
+        return False
+    loss_bad = readout.any_loss_bad()
+    # gradients that never left this rank (micro-steps under no_sync): non-finite ones were born here
+    flags = readout.micro_bad
+    local = c.ddp is not None and any(
+        i < len(flags) and flags[i] > 0 for i, synced in enumerate(c._micro_sync) if not synced
+    )
+    votes = torch.zeros(3, c.world, device=c._dev)  # NCCL reduces device tensors only
+    votes[0, c.rank] = float(loss_bad)
+    votes[1, c.rank] = float(local)
+    votes[2, c.rank] = float(mine)
+    _dist().all_reduce(votes, op=_dist().ReduceOp.MAX)  # rare path: a flag is up somewhere
+    c.collectives["rare"] += 1
+    c._exact = votes.tolist()
+    decision = any(x > 0 for row in c._exact for x in row)
+    c._verdict = (mon.global_step, decision)
+    if decision and not loss_bad and any(x > 0 for x in c._exact[0]):
+        readout.other_rank_loss_bad = True  # a rank's loss was non-finite: this rank's checks see it
+    return decision
+
+
 def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
 
@@ -835,6 +848,6 @@ def mean_loss(coord: Coordinator, mon: Session) -> float | None:
     micro-step losses): the same float on every rank, so a loss-spike decision taken on it is the
     same everywhere. None without that all-reduce, or when other probes ride in row 0."""
     dist = mon.transfer.readout.dist
-    if not coord._live() or not dist or set(mon.sentinel.deferred) - {"param_norms"}:
+    if not coord._live() or not dist or set(coord.deferred) - {"param_norms"}:
         return None
     return sum(coord._row(mon, 0)) / (coord.world * max(len(mon.transfer.loss_vals), 1))

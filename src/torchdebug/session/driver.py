@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._installs import Installs, optimizer_hooks
+from .._step import StepPhase, Update
 from .._tensors import in_functorch_transform
 from .protocol import Session
 
@@ -51,13 +52,15 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
         loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
         gradient = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
         for m in mons:
-            m.backward_started(loss, gradient)
+            if m._plain.in_place_roots():  # model.compile() in place (any of several models)
+                m._plain.wrap_compiled()
+            m.stepper.backward_started(loss, gradient)
         try:
             return orig(*args, **kwargs)
         finally:
             _TLS.in_backward = False
             for m in mons:
-                m.backward_done()
+                m.stepper.backward_done()
 
     wrapper.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -68,12 +71,13 @@ def _sessions_of(loss: Any) -> list[Session]:
     one process): none while one of them replays (its replay's own backward); else those whose model
     ran a forward since their last backward, and when that leaves none or several, those whose
     parameters the loss's graph reaches (a walk of the graph: only in that case)."""
-    mons = [m for m in _ACTIVE if m.accepts_backward()]
+    # (a session not replaying and not closed: ``accepts_backward``, inlined: every backward)
+    mons = [m for m in _ACTIVE if not (m.sentinel.replaying or m.closed)]
     if len(_ACTIVE) < 2:
         return mons
     if any([m.replaying for m in _ACTIVE]):
         return []
-    live = [m for m in mons if not m.state.new_micro_step]
+    live = [m for m in mons if m.state.phase is StepPhase.FORWARD]
     if len(live) == 1:
         return live
     fn = getattr(loss, "grad_fn", None)
@@ -104,15 +108,15 @@ def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         mons = [m for m in _ACTIVE if m.owns_optimizer(optimizer)]
         for m in mons:
-            m.scaler_step_started(self)
+            m.stepper.scaler_step_started(self)
         try:
             out = orig(self, optimizer, *args, **kwargs)
         except BaseException:
             for m in mons:
-                m.scaler_step_done(self, failed=True)
+                m.stepper.scaler_step_done(self, failed=True)
             raise
         for m in mons:
-            m.scaler_step_done(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
+            m.stepper.scaler_step_done(self)  # may raise NonFiniteError: a skipped step the scaler cannot fix
         return out
 
     step.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
@@ -183,10 +187,13 @@ def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _ACTIVE or torch.compiler.is_dynamo_compiling():
             return orig(self, *args, **kwargs)
         for m in _ACTIVE:
-            m.sentinel.watch_edits_end()
+            s, st = m.sentinel, m.state
+            if s.edits.watch is not None:
+                s.edits.watch_edits_end(st)
             if m._held is not None:
                 m.flush_measure()  # a measure held for a clip: the gradients before they go
-            m.sentinel.watch_edits_end(judge=False)  # zeroed: edited
+            if s.edits.watch is not None or st.seen.watched:
+                s.edits.watch_edits_end(st, judge=False)  # zeroed: edited
         n = torch._C._len_torch_function_stack()
         top = torch._C._get_function_stack_at(n - 1) if n else None
         if top is None or not any(m.sentinel.tape is top for m in _ACTIVE):
@@ -317,9 +324,9 @@ class PlainLoopDriver:
         add, mon = self.mon.installs.hook, self.mon
         for root in self.roots:
             self._root_handles.append(
-                add(root.register_forward_pre_hook(mon.forward_started, with_kwargs=True))
+                add(root.register_forward_pre_hook(mon.stepper.forward_started, with_kwargs=True))
             )
-            self._root_handles.append(add(root.register_forward_hook(mon.forward_done)))
+            self._root_handles.append(add(root.register_forward_hook(mon.stepper.forward_done)))
 
     def remove(self) -> None:
         self.unwrap_compiled()
@@ -341,15 +348,18 @@ class PlainLoopDriver:
         mon = self.mon
         if mon.sentinel.replaying or not mon.owns_optimizer(opt):
             return
-        mon.sentinel.update_not_skipped()  # inside GradScaler.step: the scaler let the update run
+        if mon.state.update is Update.IN_SCALER:
+            mon.sentinel.update_not_skipped(
+                mon.state
+            )  # inside GradScaler.step: the scaler let the update run
         if mon.driver is None:
-            mon.update_starting(opt)
+            mon.stepper.update_starting(opt)
 
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
         if mon.sentinel.replaying or mon.driver is not None or not mon.owns_optimizer(opt):
             return
-        mon.update_done(opt)
+        mon.stepper.update_done(opt)
 
     # -- torch.compile / model.compile() -------------------------------------------------------------
     def guard_module_hooks(self) -> None:
@@ -392,13 +402,13 @@ class PlainLoopDriver:
             drv = ref()
             if drv is None or drv.mon.closed:
                 return impl(*args, **kwargs)
-            drv.mon.forward_started(root, args, kwargs, outside=True)
+            drv.mon.stepper.forward_started(root, args, kwargs, outside=True)
             drv.in_compiled_call = True  # the hooks inside (eager fallback) must not run twice
             try:
                 out = impl(*args, **kwargs)
             finally:
                 drv.in_compiled_call = False
-            drv.mon.forward_done(root, args, out, outside=True)
+            drv.mon.stepper.forward_done(root, args, out, outside=True)
             return out
 
         call.__torchdebug_compiled__ = impl  # type: ignore[attr-defined]

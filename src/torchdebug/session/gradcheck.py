@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._step import StepPhase, StepState
+from .._step import Measure, StepPhase, StepState
 from .._tensors import Reduced, all_present, grad_of, versions_of
 from ..nonfinite.sentinel import Sentinel
 from .transfer import Transfer
@@ -38,6 +38,7 @@ class GradientCheck:
     sentinel: Sentinel
     scaler: Any
     roots: Any
+    optimizers: list[Any]
     state: StepState
     _enabled: frozenset[str]
     _coord: Any
@@ -58,6 +59,8 @@ class GradientCheck:
         """After a backward: reduce the gradients now, or hold the measure for the clip that follows."""
         if not (self.sentinel.active or "gradients" in self._enabled):
             return
+        # one process, one model, at most one optimizer: the edit check may watch the calls
+        self.sentinel.edits.single = self._coord is None and self.roots is None and len(self.optimizers) <= 1
         probe = "gradients" not in self._enabled  # the sentinel alone needs finiteness only
         t = self.transfer
         if (
@@ -73,7 +76,7 @@ class GradientCheck:
                 if plan is not None:
                     self._held = probe
                     # what the edit check compares with (its versions, or the watch until the update)
-                    self.sentinel.saw_gradients(every, grads, versions, watched)
+                    self.sentinel.saw_gradients(self.state, every, grads, versions, watched)
                     return
         self._measure_now(probe, saw=True)
 
@@ -98,7 +101,7 @@ class GradientCheck:
             self.params, probe=probe, share=share, versions=not watched
         )
         if idx and saw:
-            self.sentinel.saw_gradients(idx, grads, versions, watched)
+            self.sentinel.saw_gradients(self.state, idx, grads, versions, watched)
 
     def flush_measure(self) -> None:
         """The held measure runs now (something other than the clip came first): on the gradients as
@@ -110,15 +113,18 @@ class GradientCheck:
         self._held = None
         self._clip_after = 0
         if not self.state.seen.unedited(self.params):  # edited since backward() (a C pass, or the watch)
-            self.state.measured_late = True
+            self.state.measure = Measure.AFTER_EDIT
         self._measure_now(probe, saw=False)
 
     # -- the clip ----------------------------------------------------------------------------------------
     def clip_starting(self, params: list[Any]) -> list[int]:
         """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
         driver's patch): the ones the sentinel can judge by the clip factor alone."""
-        self.sentinel.watch_edits_end()  # the clip is the session's to judge (the watch reopens after it)
-        return self.sentinel.before_clip(params)
+        st = self.state
+        self.sentinel.edits.watch_edits_end(
+            st
+        )  # the clip is the session's to judge (the watch reopens after it)
+        return self.sentinel.before_clip(st, params)
 
     def clip_with_check(self, params: list[Any], idx: list[int], args: dict[str, Any]) -> Any:
         """The clip run by the session with the held measure merged into it: torch's total norm, or None
@@ -170,7 +176,9 @@ class GradientCheck:
     def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
         """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
         merged, self._merged = self._merged is not None and total is self._merged, None
-        self.sentinel.after_clip(idx, total, max_norm, scaled_all=merged)
+        self.sentinel.edits.after_clip(
+            self.state, idx, total, max_norm, scaled_all=merged, reads_late=self._async is not None
+        )
         self._each("on_clip", total, max_norm, norm_type)
 
     def _each(self, hook: str, *args: Any) -> None:

@@ -8,12 +8,12 @@ after the model it steps (``lr/D/0``)."""
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._step import SessionView, StepState
+from .._step import StepPhase, StepState
 from .._tensors import unwrap_optimizer
 from ..nonfinite.sentinel import Sentinel
 from .options import _names
@@ -37,37 +37,6 @@ class SeveralModels:
     _given: bool
     _adopted: set[int]
     _param_ids: set[int]
-
-    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
-        raise NotImplementedError
-
-    def _each(self, method: str, *args: Any) -> None:
-        raise NotImplementedError
-
-    # several models: each one's forward is a root; every one in the step is recorded for the replay
-    def _root_started(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        state = self.state
-        state.fwd_depth += 1
-        if self.sentinel.replaying or state.fwd_depth > 1:
-            return  # a watched model called inside another's forward is part of that forward
-        if not torch.is_grad_enabled():
-            self.sentinel.no_grad_forward(
-                cast(SessionView, self), module, args, kwargs
-            )  # a frozen model inside the step
-        elif state.new_micro_step:
-            self.sentinel.pop_tape()
-            self._first_forward(module, args, kwargs)
-        else:
-            self.sentinel.later_forward(cast(SessionView, self), module, args, kwargs)
-
-    def _root_done(self, module: nn.Module, output: Any) -> None:
-        state = self.state
-        state.fwd_depth = max(state.fwd_depth - 1, 0)
-        if self.sentinel.replaying or state.fwd_depth > 0:
-            return
-        if not self.sentinel.forward_entry_done(cast(SessionView, self), output) and torch.is_grad_enabled():
-            self.sentinel.on_forward_end(cast(SessionView, self), module, output)
-            self._each("on_forward_end", module, output)
 
     def step_lrs(self) -> tuple[float, ...]:
         """Every optimizer's learning rates (param group order), as each update of the step used them."""
@@ -144,7 +113,7 @@ class SeveralModels:
         if model is None or any([model is m for m in self.model.modules()]):
             return True
         state = self.state
-        if self.global_step or self.micro_step or not state.new_micro_step or state.captures:
+        if self.global_step or self.micro_step or state.phase is StepPhase.FORWARD or state.captures:
             return False  # a step began: its names and captures stay as they are
         current = dict(self.roots) if self.roots is not None else {}
         if not current:  # the one model so far, as the loop calls it (a torch.compile wrapper: that)

@@ -1,9 +1,10 @@
-"""watch(): the always-on session. It owns the lifecycle and the step protocol; instruments do the work.
+"""watch(): the always-on session. It owns the lifecycle; its Step runs the step protocol; instruments do the work.
 
 The step protocol: a training step is seen as a sequence of boundaries. A *driver* produces them
 (:class:`~torchdebug.session.driver.PlainLoopDriver` for a hand-written loop; the Lightning and
-Hugging Face callbacks set ``mon.driver`` and call the update boundaries themselves), and at each
-the session calls the sentinel first, then every instrument:
+Hugging Face callbacks set ``mon.driver`` and call the update boundaries themselves) on the session's
+:class:`~torchdebug.session.step.Step` (``mon.stepper``), which owns the step's state; at each it hands
+that state to the sentinel first, then calls every instrument. ``Monitor`` keeps the same names:
 
 ==================  ==============================  =============================================
 boundary            session method                  what happens
@@ -27,7 +28,8 @@ step end            ``step()``                      the verdict if the update di
 exception           ``__exit__``                    ``on_exception``; everything comes off
 ==================  ==============================  =============================================
 
-The pieces: the sentinel (:mod:`torchdebug.nonfinite.sentinel`: detection, replay, policies), the
+The pieces: the step (:mod:`torchdebug.session.step`: the state and the per-step path), the sentinel
+(:mod:`torchdebug.nonfinite.sentinel`: the judge, handed the state; replay on the rare path), the
 transfer (:mod:`torchdebug.session.transfer`: the step's device numbers and their one read), the
 plain-loop driver and global patches (:mod:`torchdebug.session.driver`), the distributed coordinator
 (:mod:`torchdebug.session.distributed`, an instrument on these same boundaries).
@@ -36,14 +38,15 @@ plain-loop driver and global patches (:mod:`torchdebug.session.driver`), the dis
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,8 +55,8 @@ from .._config import DebugLevel
 from .._errors import LossSpikeError, NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
-from .._step import Instrument, StepPhase, StepState
-from ..events import Anomaly, RuleEvent, StepRecord, is_anomalous
+from .._step import Instrument, StepState
+from ..events import Anomaly, RuleEvent, StepRecord
 from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
@@ -61,20 +64,19 @@ from .control import Controls
 from .deferred import reads_for
 from .driver import PlainLoopDriver
 from .gradcheck import GradientCheck
-from .items import StepItems
 from .models import SeveralModels
 from .options import check_options, gather_models
 from .recording import Recording
 from .rollback import SpikeGuard
+from .step import Step
 from .transfer import Items, Transfer
 from .verdicts import Verdicts
 from .wrappers import is_compiled, split_models
 
 _MAX_EVENTS = 10_000
-_SCALARS = ("loss", "grad_norm", "grad_nonfinite", "amp_scale")  # the record's scalars to the store
 
 
-class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
+class Monitor(Controls, Recording, SeveralModels, GradientCheck):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(
@@ -167,8 +169,9 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         }
         self.level_overrides: list[str] = []
         self._enabled = self.config.instruments()
-        self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
-        self.sentinel = Sentinel(self)
+        self.sentinel = Sentinel(self.params, self.param_names, self.config)
+        self.stepper = Step(self)  # the step now running (its state) and the step protocol's boundaries
+        self.sentinel.holder = self.stepper
         self.verdicts = Verdicts(self)  # applies the sentinel's verdicts: records, the policy, skips
         self.sentinel.active = "nonfinite" in self._enabled
         self.hyperparams = HyperparameterCheck()  # lr, eps, betas ... checked before each update
@@ -186,145 +189,39 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
         self._pending_changes: dict[str, Any] = {}  # reconfigure() from any thread, applied in step()
 
-    # -- the step protocol (see the module docstring) -------------------------------------------
+    # -- the step protocol: the Step's (session/step.py); these are its public names ------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         """Forward began (the root module's forward pre-hook; ``outside``: around a compiled call)."""
-        if self.sentinel.watch is not None:
-            self.sentinel.watch_edits_end(judge=False)  # a forward before the update: unwatched from here
-        if self.roots is not None:
-            self._root_started(module, args, kwargs)
-            return
-        if (
-            self.sentinel.replaying
-            or not torch.is_grad_enabled()
-            or (self._plain.in_compiled_call and not outside)
-        ):
-            return
-        self.sentinel.pop_tape()
-        self._first_forward(module, args, kwargs, outside)
-
-    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
-        state = self.state
-        if state.new_micro_step:
-            state.new_micro_step = False
-            state.phase = StepPhase.FORWARD
-            if self._async is not None:
-                self._async.resolve(block=False)  # the last step's numbers, copied by now (may raise)
-            self.sentinel.on_forward_start(self, module, args, kwargs)
-            self._each("on_forward_start", module, args, kwargs)
-            if outside or self._called is not self.model:
-                self._plain.guard_module_hooks()  # compiled: hooks an instrument added just now
-        # (later forward calls in the same micro-step are not boundaries)
+        self.stepper.forward_started(module, args, kwargs, outside)
 
     def forward_done(self, module: nn.Module, args: tuple, output: Any, outside: bool = False) -> None:
         """Forward done (the root module's forward hook)."""
-        if self.roots is not None:
-            self._root_done(module, output)
-            return
-        if (
-            self.sentinel.replaying
-            or not torch.is_grad_enabled()
-            or (self._plain.in_compiled_call and not outside)
-        ):
-            return
-        self.sentinel.on_forward_end(self, module, output)
-        self._each("on_forward_end", module, output)
+        self.stepper.forward_done(module, args, output, outside)
 
     def backward_started(self, loss: Any, gradient: Any) -> None:
         """Backward began (the ``Tensor.backward`` / ``torch.autograd.backward`` wrapper)."""
-        self.sentinel.watch_edits_end()
-        if self._held is not None:
-            self.flush_measure()  # the last backward's gradients, before this one adds to them
-        self.sentinel.watch_edits_end(judge=False)  # this backward adds to them
-        self.sentinel.pop_tape()
-        self.state.fwd_depth = 0
-        if self._plain.in_place_roots():  # model.compile() in place (any of several models)
-            self._plain.wrap_compiled()
-        self.sentinel.on_backward_start(self, loss, gradient)
-        if (
-            isinstance(loss, torch.Tensor)
-            and loss.is_floating_point()
-            and (self.sentinel.active or "gradients" in self._enabled)
-        ):
-            self.transfer.add_loss(loss)
-        self._each("on_backward_start", loss)
+        self.stepper.backward_started(loss, gradient)
 
     def backward_done(self) -> None:
         """Backward done: one device reduction of the gradients (a norm or a finiteness probe each)."""
-        self.micro_step += 1
-        self.state.new_micro_step = True
-        self.state.phase = StepPhase.BACKWARD
-        self._measure_gradients()  # now, or held for a clip that follows (session/gradcheck.py)
-        self._each("on_backward_end")
-        if self.roots is not None:
-            self.sentinel.after_backward(self)  # the loss code that follows is recorded too
-        if self.sentinel.judges_at_backward_end(self):
-            # an update by hand (or every backward checked): no optimizer hook runs before the update
-            self.sync()
-            self.state.synced_at_backward = True
-            self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
-        self.sentinel.watch_edits_begin()  # the torch calls until the update, for the edit check
+        self.stepper.backward_done()
 
     def update_starting(self, opt: Any = None) -> None:
-        """Step protocol: the optimizer update is about to start and the gradients are final.
-
-        The plain-loop driver calls it from the optimizer's step pre-hook; a framework driver that owns
-        the loop (Lightning's ``on_before_optimizer_step``, HF's ``on_pre_optimizer_step``) calls it
-        itself after ``mon.driver`` is set. Here the step's transfer runs and the gradients are checked
-        (under ``policy="skip"`` a bad step's gradients are dropped so the update does nothing).
-        """
-        if self.sentinel.replaying:
-            return
-        self.sentinel.watch_edits_end()  # what ran since backward(), for the edit check
-        if self._held is not None:
-            self.flush_measure()
-        state = self.state
-        state.phase, state.updating = StepPhase.UPDATE, opt
-        self.sentinel.pop_tape()  # the update is not loss code
-        # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
-        for o in [opt] if any([opt is o for o in self.optimizers]) else self.optimizers:
-            state.lr_used.setdefault(id(o), tuple([float(g.get("lr", math.nan)) for g in o.param_groups]))
-        self.hyperparams.stage(opt if opt is not None else self.optimizer, device_ok=self._async is None)
-        if self._async is None or not self._async.update_starting(opt):
-            if self.sentinel.before_update(self, opt):
-                self.sync()  # the step's one read (a second optimizer in the step reuses it)
-            if self.sentinel.active:
-                self.verdicts.apply(self.sentinel.judge(at_optimizer=True, opt=opt))  # may raise or skip
-        self.verdicts.apply(self.hyperparams.judge(self, self.sentinel.active))  # lr, eps, betas ...
-        self._each("before_optimizer_step")
+        """Step protocol: the optimizer update is about to start and the gradients are final (see
+        :meth:`Step.update_starting <torchdebug.session.step.Step.update_starting>`)."""
+        self.stepper.update_starting(opt)
 
     def update_done(self, opt: Any = None) -> None:
         """Step protocol: the optimizer update finished (the optimizer's step post-hook, or a driver)."""
-        if self.sentinel.replaying:
-            return
-        state = self.state
-        state.phase = StepPhase.UPDATED
-        state.micro_base = len(self.transfer.micro_bad)  # the next update's micro-steps count from here
-        if self._async is not None:
-            self._async.update_done(opt)
-        self.sentinel.after_update(self)
-        self._each("after_optimizer_step")
-        if (
-            self.roots is not None
-            and state.cap is not None
-            and state.captures
-            and state.cap is state.captures[-1]
-            and len(state.captures) - 1 in state.tape_only  # the capture of what follows a backward
-        ):
-            self.sentinel.open_tape(self, state.cap)  # several models: the loss code after it is recorded
+        self.stepper.update_done(opt)
 
     def scaler_step_started(self, scaler: Any) -> None:
         """``GradScaler.step`` began for this session's optimizer (the scaler is adopted if unknown)."""
-        if self.scaler is None:
-            self.scaler = scaler  # detected: GradScaler.step was called with our optimizer
-        self.sentinel.scaler_step_started(self, scaler)
+        self.stepper.scaler_step_started(scaler)
 
     def scaler_step_done(self, scaler: Any, failed: bool = False) -> None:
         """``GradScaler.step`` returned: when it skipped the update, the sentinel judges it now."""
-        if self.sentinel.scaler_step_done(self, scaler, failed):  # skipped: judged now, gradients still here
-            if self.sentinel.wants_read():
-                self.sync()
-            self.verdicts.apply(self.sentinel.judge(at_optimizer=False))
+        self.stepper.scaler_step_done(scaler, failed)
 
     def step(self) -> StepRecord:
         """Step protocol: the training step ended. Call once per step, after ``optimizer.step()``.
@@ -334,160 +231,81 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         """
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
-        self.sentinel.watch_edits_end()  # an update by hand ran: the edit check reads the watch
-        if self.roots is not None:
-            self.sentinel.pop_tape()
-        if self._held is not None:
-            self.flush_measure()  # no update came (the clip was predicted)
-        if self._async is not None:
-            early = self._async.step_end()  # a staged step: judged one step later
-            if early is not None:
-                self._advance()
-                return early
-        sentinel, transfer = self.sentinel, self.transfer
-        manual = sentinel.manual_update(self)
-        synced = transfer.synced
-        if sentinel.before_step_end(self, manual):  # the verdict, when the update did not give it
-            self.sync()
-            self.verdicts.apply(sentinel.judge(at_optimizer=False))
-        if synced:
-            transfer.read(self._collect())  # numbers made after the optimizer step (detail steps only)
-        elif not sentinel.active:
-            self.sync()
-        self.verdicts.note_scaler_skip()
-        record = self._record()
-        self.verdicts.say_skips()
-        sentinel.after_step_end(self, manual)
-        self._each("on_step_end", record, record.values)
-        self._keep(record)
-        self._advance()
-        return record
-
-    def _keep(self, record: StepRecord) -> None:
-        """A step's full record (now, or one step later under sync="async"): counted and kept."""
-        if is_anomalous(record.anomaly, [e.severity for e in self.state.events]):
-            self.counters["anomalous_steps"] += 1
-        self.records.append(record)
-
-    def _advance(self) -> None:
-        """The step is over: apply live changes, count it, reset the per-step state."""
+        record = self.stepper.end()
+        # the step is over: live changes applied, counted, a new state for the next step
         if self._pending_level is not None or self._pending_changes:
             level, self._pending_level = self._pending_level, None
             changes, self._pending_changes = self._pending_changes, {}
             self._apply_level(level if level is not None else self.config.level, **changes)
         self.global_step += 1
-        self._reset_step()
+        self.stepper.state = self.stepper.state.next()
         hub = self._hub
         if hub is not None and hub.pending:
             hub.warn()  # a sink was switched off (on its thread): say it here, once
         self._last_step_end = time.perf_counter()
-
-    # -- the one transfer --------------------------------------------------------------------------
-    def sync(self) -> None:
-        """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
-        if self._held is not None:
-            self.flush_measure()
-        items = self._step_items()
-        self.transfer.synced = True
-        if any([t.is_meta for _, t in items]):
-            # a model on the meta device computes shapes only: there are no values to read or check
-            items = [(k, t) for k, t in items if not t.is_meta]
-            self.warn_once(
-                "meta",
-                "torchdebug: tensors on the meta device hold no values: the NaN/Inf checks and the "
-                "numbers of this run skip them (move the model to a real device to check it)",
-            )
-        if not items:
-            return
-        self.transfer.read(items)  # the step's host sync
-        self._decode_read()
-
-    def _decode_read(self) -> None:
-        """After the read: other ranks' shares, the sentinel's readers, the decoded numbers."""
-        if self._coord is not None:
-            self._coord.fill_shares(self)  # DDP: the other ranks' shares of the gradient numbers
-        values, readout = self.transfer.values, self.transfer.readout
-        self.sentinel.read_edits(readout)
-        scaled = self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()
-        self.transfer.decode(self.params, self.sentinel.grad_finite, scaled, also_bad=self.state.edit_bad)
-        if (
-            self._coord is not None and "grad_norm" in values
-        ):  # FSDP2: the whole gradient's norm, not the shard's
-            scale = (readout.scale if scaled else None) or 1.0
-            values["grad_norm"] = self._coord.global_grad_norm(self, values["grad_norm"], scale)
-            self.transfer.grad_norm = values["grad_norm"]
-            self.transfer.grad_norms = self._coord.global_grad_norms(self, self.transfer.grad_norms, scale)
-        self.verdicts.apply(self.sentinel.read_deferred(readout))  # the last update's probe (may raise)
-
-    def _collect(self) -> Items:
-        """The instruments' device numbers; plain numbers they hand over go straight into the values."""
-        items: Items = []
-        for inst in list(self.instruments):
-            if getattr(inst, "collect", None) is None:
-                continue  # most instruments hand over nothing (no call, twice a step)
-            got = self._call(inst, "collect") or {}
-            if not got:
-                continue
-            if any(isinstance(v, torch.Tensor) and v.is_meta for v in got.values()):
-                # a model on the meta device: shapes only, no values for this instrument to report
-                self._disable(inst, RuntimeError("its tensors are on the meta device and hold no values"))
-                continue
-            for k, v in got.items():
-                if isinstance(v, torch.Tensor):
-                    items.append((k, v))
-                else:
-                    self.transfer.values[k] = float(v)
-        return items
-
-    def _record(self, lr: tuple[float, ...] | None = None, time_s: float | None = None) -> StepRecord:
-        """The step's record; its scalars go to the store (``lr``, ``time_s``: kept from the step end)."""
-        now = time.perf_counter()
-        v = {k: x for k, x in self.transfer.values.items() if not k.startswith("_")}
-        if lr is None:
-            lr = self.step_lrs()
-        record = StepRecord(
-            step=self.global_step,
-            micro_steps=len(self.transfer.micro_bad) or len(self.state.captures),
-            loss=v.get("loss"),
-            grad_norm=v.get("grad_norm"),
-            skipped=self.state.skipped,
-            skip_reason=self.state.skip_reason,
-            scale=v.get("amp_scale"),
-            lr=lr,
-            time_s=now - self._last_step_end if time_s is None else time_s,
-            values=v,
-            anomaly=self.state.step_anomaly,
-            events=self.state.events,
-        )
-        scalars = {k: x for k, x in v.items() if k in _SCALARS or k.startswith("grad_norm/")}  # optnorms.py
-        scalars["skipped"] = 1.0 if self.state.skipped else 0.0
-        for name, x in zip(self.lr_names(), lr):
-            scalars[name] = x
-        self.step_scalars = scalars  # what the run folder gets for this step (framework callbacks forward it)
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.log_scalars(self.global_step, scalars)
         return record
 
-    def _reset_step(self) -> None:
-        self.state.reset()
+    # the async reads re-run the blocking path's pieces one step later (session/deferred.py)
+    def sync(self) -> None:
+        """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
+        self.stepper.sync()
+
+    def _decode_read(self) -> None:
+        self.stepper.decode()
+
+    def _collect(self) -> Items:
+        return self.stepper.collect()
+
+    def _step_items(self) -> Items:
+        return self.stepper.items()
+
+    def _record(self, lr: tuple[float, ...] | None = None, time_s: float | None = None) -> StepRecord:
+        return self.stepper.record(lr, time_s)
+
+    def _keep(self, record: StepRecord) -> None:
+        self.stepper.keep(record)
+
+    def _each(self, method: str, *args: Any) -> None:
+        self.stepper.each(method, *args)
+
+    def _set_state(self, state: StepState) -> None:
+        self.stepper.state = state
+
+    # the step's state and numbers, read without a call of their own (C-level getters)
+    if TYPE_CHECKING:
+        state: StepState
+        transfer: Transfer
+        coordinator: Any
+        replaying: bool
+        closed: bool
+        grad_norm_host: float | None
+        grad_norms_host: list[float] | None
+    else:
+        state = property(
+            attrgetter("stepper.state"), _set_state, doc="The step now running (``Step.state``)."
+        )
+        transfer = property(
+            attrgetter("stepper.state.transfer"), doc="The step's device numbers and their one read."
+        )
+        coordinator = property(
+            attrgetter("_coord"),
+            doc="The distributed coordinator (several ranks, or a hang timeout), or None.",
+        )
+        closed = property(attrgetter("_closed"), doc="True once the session has exited.")
+        replaying = property(
+            attrgetter("sentinel.replaying"),
+            doc="True while the sentinel replays a failing micro-step (drivers ignore what it does).",
+        )
+        grad_norm_host = property(
+            attrgetter("stepper.state.transfer.grad_norm"),
+            doc="The last read total gradient norm (host float), or None.",
+        )
+        grad_norms_host = property(
+            attrgetter("stepper.state.transfer.grad_norms"),
+            doc="The last read per-parameter gradient norms, in the order of ``params``, or None.",
+        )
 
     # -- what drivers and instruments read -------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """True once the session has exited."""
-        return self._closed
-
-    @property
-    def replaying(self) -> bool:
-        """True while the sentinel replays a failing micro-step (drivers ignore what it does)."""
-        return self.sentinel.replaying
-
-    @property
-    def coordinator(self) -> Any:
-        """The distributed coordinator (several ranks, or a hang timeout), or None."""
-        return self._coord
-
     @property
     def adopted(self) -> bool:
         """True once an optimizer of the session's parameters was adopted (``watch`` got none)."""
@@ -498,21 +316,6 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         """Run the model eagerly while the sentinel replays a step (bypasses an in-place compile)."""
         with self._plain.eager():
             yield
-
-    @property
-    def transfer(self) -> Transfer:
-        """The step's device numbers and their one read (``self.state.transfer``)."""
-        return self.state.transfer  # type: ignore[no-any-return]
-
-    @property
-    def grad_norm_host(self) -> float | None:
-        """The last read total gradient norm (host float), or None."""
-        return self.transfer.grad_norm
-
-    @property
-    def grad_norms_host(self) -> list[float] | None:
-        """The last read per-parameter gradient norms, in the order of ``params``, or None."""
-        return self.transfer.grad_norms
 
     @property
     def compiled(self) -> bool:
@@ -531,7 +334,7 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
                 "this watch() session is already active: it is not re-entrant; create a new one"
             )
         self._entered = True
-        self.thread = threading.current_thread()
+        self.thread = self.sentinel.thread = self.sentinel.edits.thread = threading.current_thread()
         try:
             self._open_store()
             self._install()
@@ -542,7 +345,9 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
             # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
             print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
-        self.verdicts.check_weights(self.sentinel.check_at_start, self.__exit__)  # a NaN checkpoint: said now
+        self.verdicts.check_weights(
+            functools.partial(self.sentinel.check_at_start, self), self.__exit__
+        )  # a NaN checkpoint: said now
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -579,7 +384,9 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         for name in sorted(self._wanted()):
             self._build_instrument(name)
         if self.world_size > 1 or self.config.hang_timeout is not None:
-            self._coord = _distributed.Coordinator(self, self.rank, self.world_size, self._has_pg, self._ddp)
+            self._coord = _distributed.Coordinator(
+                self, self.rank, self.world_size, self._has_pg, self._ddp, self.sentinel.deferred
+            )
             self.instruments.append(self._coord)
         if self.config.on_spike != "off" and "gradients" in self._enabled:  # where the loss rules run;
             # last: it reads the step's numbers and the coordinator's
@@ -594,14 +401,14 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
         self._closed = True
         if self._async is not None:
             self._async.discard()  # every optimizer's found_inf as it was
-        self.sentinel.remove()
+        self.sentinel.remove(self.state)
         for inst in list(self.instruments):
             with contextlib.suppress(Exception):
                 if hasattr(inst, "remove"):
                     inst.remove(self)
         self._plain.remove()
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
-        self._reset_step()
+        self.stepper.next()
         self._close_store("finished" if exc is None else "failed")
 
     def warn_once(self, key: str, message: str) -> None:
@@ -633,19 +440,6 @@ class Monitor(Controls, Recording, SeveralModels, StepItems, GradientCheck):
             with contextlib.suppress(Exception):
                 if hasattr(inst, "remove"):
                     inst.remove(self)
-
-    def _each(self, method: str, *args: Any) -> None:
-        # several times a step: ``_call`` inlined (one lookup, no extra frame per instrument)
-        for inst in list(self.instruments):
-            fn = getattr(inst, method, None)
-            if fn is None:
-                continue
-            try:
-                fn(self, *args)
-            except (NonFiniteError, LossSpikeError):
-                raise
-            except Exception as exc:
-                self._disable(inst, exc)  # the warning points at the user's line
 
     def due(self, every: int | None) -> bool:
         """True on steps 0, every, 2*every ... (the detailed schedule)."""

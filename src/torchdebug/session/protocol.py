@@ -15,6 +15,7 @@ from .._config import DebugConfig
 from .._step import SessionView
 from .._tensors import Items
 from ..events import StepRecord
+from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from .verdicts import Verdicts
 
@@ -24,9 +25,18 @@ class Session(SessionView, Protocol):
 
     sentinel: Sentinel
     verdicts: Verdicts
+    # the step now running and the step protocol's boundaries (session/step.py ``Step``; typed Any here:
+    # step.py imports this protocol)
+    stepper: Any
     records: deque[StepRecord]
     _async: Any  # the async reads (session/deferred.py) or None
     _last_step_end: float
+    _coord: Any  # the distributed coordinator or None
+    _plain: Any  # the plain-loop driver (session/driver.py)
+    _called: nn.Module  # the module the loop calls (a torch.compile wrapper: that)
+    _enabled: frozenset[str]
+    hyperparams: HyperparameterCheck  # lr, eps, betas ... checked before each update
+    step_scalars: dict[str, float]
     _held: bool | None  # a gradient measure held for the clip (session/gradcheck.py)
     spikes: list[Any]  # SpikeReports (session/rollback.py)
     rollbacks: list[Any]  # Rollbacks under on_spike="rollback"
@@ -46,6 +56,11 @@ class Session(SessionView, Protocol):
     def clip_with_check(self, params: list[Any], idx: list[int], args: dict[str, Any]) -> Any: ...
     def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None: ...
     def flush_measure(self) -> None: ...
+    def _measure_gradients(self) -> None: ...
+    def _disable(self, inst: Any, exc: BaseException) -> None: ...
+    def _call(self, inst: Any, method: str, *args: Any) -> Any: ...
+    def step_lrs(self) -> tuple[float, ...]: ...
+    def lr_names(self) -> list[str]: ...
     def step(self) -> StepRecord: ...
     def accepts_backward(self) -> bool: ...
     def owns_optimizer(self, opt: Any) -> bool: ...

@@ -113,7 +113,7 @@ class RollbackRefused(RuntimeError):
     """A snapshot that cannot be put back whole (the message says why); nothing was restored."""
 
 
-def _optimizers(mon: Any) -> list[Any]:
+def _optimizers(mon: Session) -> list[Any]:
     """Every optimizer of the session (several models: each one's), in order."""
     opts = list(getattr(mon, "optimizers", None) or [])
     return opts or ([mon.optimizer] if mon.optimizer is not None else [])
@@ -362,8 +362,8 @@ class SpikeGuard:
     # ----------------------------------------------------------------- the rare path
 
     def _loss(self, mon: Session) -> float | None:
-        coord = getattr(mon, "coordinator", None) or getattr(mon, "_coord", None)
-        if coord is not None:
+        coord = mon.coordinator
+        if isinstance(coord, _distributed.Coordinator):
             shared = _distributed.mean_loss(coord, mon)  # the same float on every rank: the same decision
             if shared is not None:
                 return float(shared)

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._errors import NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
-from .._step import SCALER_SKIP, SessionView, Verdict
+from .._step import SCALER_SKIP, SessionView, Update, Verdict
 from .._tensors import unwrap_optimizer
 from ..events import Anomaly, RuleEvent
 from ..nonfinite.hyperparams import model_of
@@ -118,8 +118,7 @@ class Verdicts:
     # -- skipped steps ----------------------------------------------------------------------------------
     def mark_skipped(self, reason: str, scaler: bool = False, severity: str = "warning") -> None:
         mon = self.mon
-        mon.state.skipped = True
-        mon.state.skip_reason = reason
+        mon.state.skip_reason = reason or "skipped"
         mon.counters["skipped_steps"] += 1
         if not scaler:
             mon.emit(RuleEvent("skipped_step", mon.global_step, reason, severity))
@@ -127,7 +126,7 @@ class Verdicts:
     def note_scaler_skip(self) -> None:
         """Step end: a step the GradScaler skipped is a skipped step (never an anomaly by itself)."""
         st = self.mon.state
-        if st.scaler_ran and st.scaler_skipped and not st.skipped:
+        if st.update is Update.SCALER_SKIPPED and not st.skipped:
             self.mark_skipped(SCALER_SKIP, scaler=True)
 
     def _unchanged(self, st: Any) -> str:

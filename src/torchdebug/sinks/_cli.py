@@ -39,8 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
-    from ..store import open_run
-    from ..store._cli import resolve_run
+    from ..store import open_run, resolve_run
 
     to = args.to or "tensorboard"
     if args.tensorboard and to != "tensorboard":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError, TorchDebugWarning
+from ._episodes import EpisodeEnd, Episodes, Item
 from ._records import Finding, Histogram, Record, RunEnd, RunInfo, Scalars, Tally, decode_high, decode_low
 
 #: records a sink may fall behind before it is switched off (about the store's own queue)
@@ -55,7 +56,14 @@ class Sink:
         """Summary statistics of one tensor (only TensorBoard draws them)."""
 
     def finding(self, rec: Finding) -> None:
-        """An anomaly or a rule event."""
+        """The first anomaly or rule event of an episode (one incident: the same origin or rule, see
+        ``_episodes.py``); ``rec.episode`` is its number."""
+
+    def repeat(self, rec: Finding) -> None:
+        """A later record of an open episode (``rec.episode``); most trackers need nothing of it."""
+
+    def episode_end(self, end: EpisodeEnd) -> None:
+        """An episode closed: ``end.count`` records, ``end.first`` its origin, ``end.summary()``."""
 
     def flush(self) -> None:
         """After each batch of records."""
@@ -66,15 +74,20 @@ class Sink:
     def release(self, end: RunEnd) -> None:
         """Close what ``open`` opened (the owner thread, after ``finish``)."""
 
-    def write(self, records: Iterable[Record]) -> None:
-        """Dispatch records to ``scalars`` / ``histogram`` / ``finding``."""
+    def write(self, records: Iterable[Item]) -> None:
+        """Dispatch records to ``scalars`` / ``histogram`` / ``finding`` / ``repeat`` / ``episode_end``."""
         for rec in records:
             if isinstance(rec, Scalars):
                 self.scalars(rec)
             elif isinstance(rec, Finding):
-                self.finding(rec)
+                if rec.repeat:
+                    self.repeat(rec)
+                else:
+                    self.finding(rec)
             elif isinstance(rec, Histogram):
                 self.histogram(rec)
+            elif isinstance(rec, EpisodeEnd):
+                self.episode_end(rec)
 
 
 class _Worker:
@@ -84,14 +97,14 @@ class _Worker:
         self.hub = hub
         self.sink = sink
         self.cond = threading.Condition()
-        self.queue: deque[list[Record]] = deque()
+        self.queue: deque[list[Item]] = deque()
         self.behind = 0
         self.end: RunEnd | None = None
         self.off = False
         self.thread = threading.Thread(target=self._run, name=f"torchdebug-sink-{sink.name}", daemon=True)
         self.thread.start()
 
-    def put(self, records: list[Record]) -> None:
+    def put(self, records: list[Item]) -> None:
         with self.cond:
             if self.off or self.end is not None:
                 return
@@ -164,6 +177,7 @@ class SinkHub:
     def __init__(self, sinks: Sequence[Sink], run: RunInfo) -> None:
         self.run = run
         self.tally = Tally()
+        self.episodes = Episodes()
         self._lock = threading.Lock()
         self._messages: list[str] = []
         self._noted: set[int] = set()
@@ -219,8 +233,9 @@ class SinkHub:
         """Queue records for every sink (one producer thread at a time; returns at once)."""
         for rec in records:
             self.tally.see(rec)  # for the verdict
+        items = self.episodes.see(records)  # one incident, one alert: before any sink sees them
         for w in self._workers:
-            w.put(records)
+            w.put(items)
 
     def close(self, status: str, last_step: int | None = None, lost: int = 0) -> RunEnd:
         """Send how the run ended, wait for the sinks (``CLOSE_TIMEOUT`` in all), release them, warn.
@@ -236,7 +251,10 @@ class SinkHub:
         if self._closed:
             return end
         self._closed = True
+        ends = self.episodes.close()
         for w in self._workers:
+            if ends:
+                w.put(ends)
             w.close(end)
         deadline = time.monotonic() + CLOSE_TIMEOUT
         for w in self._workers:
@@ -262,6 +280,7 @@ def deliver(
     records the run's writer could not store (``Run.summary()["lost"]``)."""
     tally = Tally()
     tally.lost = lost
+    episodes = Episodes()
     opened: list[Sink] = []
     try:
         for s in sinks:
@@ -279,11 +298,13 @@ def deliver(
             tally.see(rec)
             batch.append(rec)
             if len(batch) >= 1000:
+                items = episodes.see(batch)
                 for s in opened:
-                    s.write(batch)
+                    s.write(items)
                 batch = []
+        items = episodes.see(batch) + episodes.close()
         for s in opened:
-            s.write(batch)
+            s.write(items)
             s.flush()
         end = tally.end(status, run.path)
         for s in opened:

@@ -15,6 +15,11 @@ class LoggingSink(Sink):
     """Logs to ``logging.getLogger("torchdebug")`` (or ``logger=``), so a service routes findings
     with its own handlers.
 
+    One record per episode (one incident: the same origin or rule, ``_episodes.py``), not per step
+    of it; the verdict at the end counts them all. The logger gets a ``NullHandler`` when it has
+    none, so without a handler of yours nothing reaches stderr through logging's last-resort
+    handler (a handler on the root logger, ``logging.basicConfig``, still gets every record).
+
     Levels: an anomaly is ERROR (the message is the full block), a rule event at its severity
     (INFO / WARNING / ERROR), the run's end INFO (ERROR when it failed), each step's scalars DEBUG
     (built only when DEBUG is enabled). Every record carries ``record.torchdebug``, a dict with
@@ -32,6 +37,8 @@ class LoggingSink(Sink):
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self.logger = logger if logger is not None else logging.getLogger(LOGGER_NAME)
+        if not self.logger.handlers:  # a library's logger: silent unless the user configured logging
+            self.logger.addHandler(logging.NullHandler())
 
     def open(self, run: RunInfo) -> None:
         self.run = run
@@ -43,7 +50,13 @@ class LoggingSink(Sink):
             self.logger.debug("step %s: %s", rec.step, text, extra={"torchdebug": extra})
 
     def finding(self, rec: Finding) -> None:
-        fields = {"record": rec.kind, "step": rec.step, "kind": rec.name, "headline": rec.headline}
+        fields = {
+            "record": rec.kind,
+            "step": rec.step,
+            "kind": rec.name,
+            "headline": rec.headline,
+            "episode": rec.episode,
+        }
         if rec.kind == "anomaly":
             fields.update(rec.where())
         else:

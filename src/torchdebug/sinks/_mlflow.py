@@ -1,5 +1,5 @@
-"""The MLflow sink: metrics, tags for the status and the first anomaly, the anomaly documents as JSON
-artifacts. Needs ``pip install 'torchdebug[mlflow]'`` (mlflow-skinny; the full ``mlflow`` works too)."""
+"""The MLflow sink: metrics, tags for the status and the first anomaly, one JSON artifact per anomaly
+episode (one incident: the same origin). Needs ``pip install 'torchdebug[mlflow]'`` (mlflow-skinny; the full ``mlflow`` works too)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 import time
 from typing import Any
 
+from ._episodes import EpisodeEnd
 from ._hub import Sink
 from ._records import RUN_FOLDER, STATUS, VERDICT, Finding, RunEnd, RunInfo, Scalars
 
@@ -60,8 +61,10 @@ class MlflowSink(Sink):
 
     What lands where: every scalar as a metric ``torchdebug/...`` at its step; tags
     ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder`` and, at the first anomaly,
-    ``torchdebug/first_anomaly/headline``, ``.../phase``, ``.../module``, ``.../op``, ``.../line``; each anomaly document as the artifact
-    ``torchdebug/anomaly-step<N>.json``; every finding in ``torchdebug/findings.json`` at the end.
+    ``torchdebug/first_anomaly/headline``, ``.../phase``, ``.../module``, ``.../op``, ``.../line``; the first
+    anomaly document of each episode (196 NaN steps of one origin: one) as the artifact
+    ``torchdebug/anomaly-step<N>.json``; one entry per episode (its first record, ``count``,
+    ``last_step``) in ``torchdebug/findings.json`` at the end.
 
     Cost: one ``log_batch`` call per batch of records (about every 0.5 s) on the sink's thread.
     """
@@ -74,7 +77,7 @@ class MlflowSink(Sink):
         self._started = False
         self._mlflow: Any = None
         self._pending: list[Any] = []
-        self._findings: list[dict[str, Any]] = []
+        self._findings: dict[int, dict[str, Any]] = {}  # episode -> entry
         self._first = False
         self._name = "run"
 
@@ -125,15 +128,19 @@ class MlflowSink(Sink):
             self.client.log_batch(self.run_id, metrics=pending[i : i + _BATCH])
 
     def finding(self, rec: Finding) -> None:
-        self._findings.append(
-            {"step": rec.step, "record": rec.kind, "headline": rec.headline, **dict(rec.doc)}
-        )
+        entry = {"step": rec.step, "record": rec.kind, "headline": rec.headline, **dict(rec.doc)}
+        self._findings[rec.episode or -len(self._findings) - 1] = {**entry, "count": 1, "last_step": rec.step}
         if rec.kind != "anomaly":
             return
         if not self._first:
             self._first = True
             self._tags(rec.first_anomaly_fields())
         self.client.log_dict(self.run_id, dict(rec.doc), f"torchdebug/anomaly-step{rec.step}.json")
+
+    def episode_end(self, end: EpisodeEnd) -> None:
+        entry = self._findings.get(end.number)
+        if entry is not None:
+            entry.update(count=end.count, last_step=end.last_step)
 
     def _tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -147,7 +154,8 @@ class MlflowSink(Sink):
             tags[RUN_FOLDER] = str(end.path)
         self._tags(tags)
         if self._findings:
-            self.client.log_dict(self.run_id, {"findings": self._findings}, "torchdebug/findings.json")
+            findings = {"findings": list(self._findings.values())}
+            self.client.log_dict(self.run_id, findings, "torchdebug/findings.json")
 
     def release(self, end: RunEnd) -> None:
         if not self._started:

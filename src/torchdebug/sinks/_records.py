@@ -14,7 +14,9 @@ Names (all under ``torchdebug/``):
   ``total``), ``torchdebug/throughput/<x>_per_s``;
 - ``torchdebug/nonfinite/<tensor>/nan`` and ``.../inf`` (counts) and ``torchdebug/histograms/<tensor>``
   from tensor statistics on the detailed schedule;
-- texts: ``torchdebug/anomalies``, ``torchdebug/events/<kind>``, ``torchdebug/verdict``; run-level
+- texts: ``torchdebug/anomalies``, ``torchdebug/events/<kind>`` (the first record of each episode),
+  ``torchdebug/first_anomaly`` (the run's first anomaly, alone), ``torchdebug/episodes`` (an
+  episode of several records: how many, which steps), ``torchdebug/verdict``; run-level
   fields ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder`` and
   ``torchdebug/first_anomaly/headline`` (``.../phase``, ``.../module``, ``.../op``, ``.../line``).
 """
@@ -34,6 +36,8 @@ from ..views.report._format import anomaly_rows
 PREFIX = "torchdebug/"
 ANOMALIES = PREFIX + "anomalies"
 VERDICT = PREFIX + "verdict"
+FIRST_ANOMALY_TEXT = PREFIX + "first_anomaly"
+EPISODES = PREFIX + "episodes"
 STATUS = PREFIX + "status"
 RUN_FOLDER = PREFIX + "run_folder"
 FIRST_ANOMALY = PREFIX + "first_anomaly/"  # + headline, phase, module, op, line
@@ -121,6 +125,10 @@ class Finding:
     step: int | None
     doc: Mapping[str, Any]
     wall_time: float | None = None
+    # set by the episode grouper (``_episodes.py``): the incident's number (0: not grouped), and
+    # whether an earlier record of the same episode was already sent
+    episode: int = 0
+    repeat: bool = False
 
     @property
     def severity(self) -> str:
@@ -237,12 +245,13 @@ KEEP = 2000
 
 
 class Tally:
-    """What went by, for the verdict: :func:`torchdebug.store._verdict.judge` over the same documents
+    """What went by, for the verdict: :func:`torchdebug.views.verdict.judge` over the same documents
     ``show`` reads back, so every tracker gets the sentence of ``show``, the reports and the dashboard.
 
     Kept, in bounded memory: the first ``KEEP`` anomaly documents (and the earliest-step one when it
     comes later), the exact number of distinct steps with an anomaly; the first ``KEEP`` divergence
-    events, the first warning and the first error among the other events and their count; the number
+    events; of the other warning and error events, the first of each kind and severity (the verdict
+    ranks kinds, not times) and their count by kind (at most ``KEEP`` kinds); the number
     of distinct steps with stored metrics, the last step, and the records the writer lost.
     Steps arrive in order, so distinct steps are counted by comparing with the last one seen; anomaly
     steps also against the set of the kept documents' steps and the earliest step seen (exact unless
@@ -264,9 +273,9 @@ class Tally:
         self._max_anomaly_step: int | None = None
         self._anomaly_step_count = 0
         self._divergence_events: list[dict[str, Any]] = []
-        self._first_loud: dict[str, Any] | None = None
-        self._first_error: dict[str, Any] | None = None
-        self._loud = 0
+        # the first warning/error event of each (kind, severity): a kind's error outranks its warnings
+        self._first_of_kind: dict[tuple[str, str], dict[str, Any]] = {}
+        self._loud_by_kind: dict[str, int] = {}
 
     def see(self, rec: Any) -> None:
         """Count one record (a histogram, or scalars without stored metrics, counts for nothing:
@@ -308,36 +317,32 @@ class Tally:
             self._earliest = doc
 
     def _see_event(self, doc: dict[str, Any]) -> None:
-        from ..store._verdict import DIVERGENCE, DIVERGENCE_END
+        from ..views.verdict import DIVERGENCE, DIVERGENCE_END
 
         self.events += 1
         if doc.get("kind") in (DIVERGENCE, DIVERGENCE_END):
             if len(self._divergence_events) < KEEP:
                 self._divergence_events.append(doc)
         elif doc.get("severity") in ("warning", "error"):
-            self._loud += 1
-            if self._first_loud is None:
-                self._first_loud = doc
-            if self._first_error is None and doc.get("severity") == "error":
-                self._first_error = doc
+            kind = str(doc.get("kind"))
+            if kind in self._loud_by_kind or len(self._loud_by_kind) < KEEP:
+                self._loud_by_kind[kind] = self._loud_by_kind.get(kind, 0) + 1
+                self._first_of_kind.setdefault((kind, str(doc.get("severity"))), doc)
 
     def judge(self, status: str) -> dict[str, Any]:
         """``judge(status, ...)`` over what was kept (the same result as over the whole run)."""
-        from ..store._verdict import judge
+        from ..views.verdict import judge
 
         anomalies = self._anomaly_docs + ([self._earliest] if self._earliest is not None else [])
-        loud = [d for d in (self._first_loud, self._first_error) if d is not None]
-        if len(loud) == 2 and loud[0] is loud[1]:
-            loud = loud[:1]
         return judge(
             status,
             steps=self.steps,
             last_step=self.last_step,
             anomalies=anomalies,
-            events=self._divergence_events + loud,
+            events=self._divergence_events + list(self._first_of_kind.values()),
             lost=self.lost,
             anomaly_steps=self._anomaly_step_count,
-            loud_events=self._loud,
+            event_counts=self._loud_by_kind,
         )
 
     def end(self, status: str, path: Path | None) -> RunEnd:

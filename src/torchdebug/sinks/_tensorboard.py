@@ -14,9 +14,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ._episodes import EpisodeEnd
 from ._hub import Sink, deliver, run_info
 from ._records import (
     ANOMALIES,
+    EPISODES,
+    FIRST_ANOMALY_TEXT,
     VERDICT,
     Finding,
     Histogram,
@@ -68,8 +71,10 @@ def _histogram(writer: Any, tag: str, stats: Mapping[str, Any], step: int, wall:
 
 
 class TensorBoardSink(Sink):
-    """Writes the run to TensorBoard: scalars, histograms, the anomaly block and rule events as text,
-    and the verdict (``torchdebug/verdict``) with the run folder at the end.
+    """Writes the run to TensorBoard: scalars, histograms, the anomaly block and rule events as text
+    (the first record of each episode: one incident, one text; the run's first anomaly also alone
+    under ``torchdebug/first_anomaly``, and an episode of several records summed up under
+    ``torchdebug/episodes``), and the verdict (``torchdebug/verdict``) with the run folder at the end.
 
     Args:
         logdir: the log directory; None: ``<run folder>/tensorboard`` (``runs/tensorboard`` without one).
@@ -90,6 +95,7 @@ class TensorBoardSink(Sink):
         self._owns = writer is None
         self.flush_secs = flush_secs
         self.counts = {"scalars": 0, "histograms": 0, "texts": 0}
+        self._first = False
 
     def open(self, run: RunInfo) -> None:
         if self.writer is None:
@@ -110,8 +116,20 @@ class TensorBoardSink(Sink):
 
     def finding(self, rec: Finding) -> None:
         tag = ANOMALIES if rec.kind == "anomaly" else event_tag(rec.name)
-        self.writer.add_text(tag, rec.markdown(), rec.step or 0, walltime=rec.wall_time)
+        text = rec.markdown()
+        self.writer.add_text(tag, text, rec.step or 0, walltime=rec.wall_time)
         self.counts["texts"] += 1
+        if rec.kind == "anomaly" and not self._first:
+            # TensorBoard keeps a sample of 100 texts per tag: the first anomaly (the origin with its
+            # hint) also gets a tag of its own, so no later one can push it out
+            self._first = True
+            self.writer.add_text(FIRST_ANOMALY_TEXT, text, rec.step or 0, walltime=rec.wall_time)
+            self.counts["texts"] += 1
+
+    def episode_end(self, end: EpisodeEnd) -> None:
+        if end.count > 1:  # an incident of one record is said by its text already
+            self.writer.add_text(EPISODES, end.summary(), end.last_step or 0)
+            self.counts["texts"] += 1
 
     def finish(self, end: RunEnd) -> None:
         folder = f"  \nrun folder: `{end.path}`" if end.path is not None else ""

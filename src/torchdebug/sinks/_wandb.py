@@ -1,10 +1,11 @@
-"""The Weights & Biases sink: scalars against ``torchdebug/step``, an alert per anomaly and for a
-failed run, a table of findings and the verdict in the run summary. Needs ``pip install 'torchdebug[wandb]'``."""
+"""The Weights & Biases sink: scalars against ``torchdebug/step``, an alert per episode (one incident:
+the same origin or rule) and for a failed run, a table of episodes and the verdict in the run summary. Needs ``pip install 'torchdebug[wandb]'``."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ._episodes import EpisodeEnd, episode_title
 from ._hub import Sink
 from ._records import (
     FINDING_COLUMNS,
@@ -20,6 +21,10 @@ from ._records import (
 )
 
 WANDB_EXTRA = "pip install 'torchdebug[wandb]'"
+#: seconds W&B waits before it sends another alert with the same title (an incident that recurs)
+ALERT_WAIT_S = 600
+#: the findings table: one row per episode, its first record's columns, then how many and the last step
+TABLE_COLUMNS = (*FINDING_COLUMNS, "count", "last_step")
 
 
 def import_wandb() -> Any:
@@ -36,9 +41,11 @@ class WandbSink(Sink):
 
     What lands where: every scalar under ``torchdebug/...`` with ``torchdebug/step`` as its x axis
     (``define_metric``), so torchdebug's steps never move your own ``wandb.log`` step; an alert
-    (``wandb.alert``, level ERROR) per anomaly and one when the run failed; at the end a
-    ``torchdebug/findings`` table (step, record, kind, severity, headline, phase, module, op, line)
-    and summary fields ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder``,
+    (``wandb.alert``, level ERROR) per anomaly episode (196 NaN steps of one origin: one alert) with
+    a title that names the incident, not the step (``torchdebug: nan in act (LogAct)``, so W&B
+    folds a recurrence within ``ALERT_WAIT_S``), and one when the run failed; at the end a
+    ``torchdebug/findings`` table, one row per episode (step, record, kind, severity, headline,
+    phase, module, op, line of its first record, then count and last_step) and summary fields ``torchdebug/status``, ``torchdebug/verdict``, ``torchdebug/run_folder``,
     ``torchdebug/first_anomaly/headline`` (``.../phase``, ``.../module``, ``.../op``, ``.../line``).
 
     Cost: one ``run.log`` per step on the sink's thread (W&B queues it to its own service).
@@ -51,7 +58,7 @@ class WandbSink(Sink):
         self.init_kwargs = init_kwargs
         self._owns = False
         self._wandb: Any = None
-        self._rows: list[list[Any]] = []
+        self._rows: dict[int, list[Any]] = {}  # episode -> row
         self._first: str | None = None
 
     setup_hint = "log in with `wandb login` (or set WANDB_API_KEY; WANDB_MODE=offline writes locally)"
@@ -71,21 +78,27 @@ class WandbSink(Sink):
         self.run.log({**rec.values, STEP: rec.step})
 
     def finding(self, rec: Finding) -> None:
-        self._rows.append(rec.row())
+        self._rows[rec.episode or -len(self._rows) - 1] = [*rec.row(), 1, rec.step]
         if rec.kind == "anomaly":
             if self._first is None:
                 self._first = rec.headline
                 for k, v in rec.first_anomaly_fields().items():
                     self.run.summary[k] = v
             self.run.alert(
-                title=f"torchdebug: {rec.name} at step {rec.step}",
+                title=episode_title(rec),
                 text=rec.text(),
                 level=self._wandb.AlertLevel.ERROR,
+                wait_duration=ALERT_WAIT_S,
             )
+
+    def episode_end(self, end: EpisodeEnd) -> None:
+        row = self._rows.get(end.number)
+        if row is not None:
+            row[-2:] = [end.count, end.last_step]
 
     def finish(self, end: RunEnd) -> None:
         wandb, run = self._wandb, self.run
-        run.log({FINDINGS: wandb.Table(columns=list(FINDING_COLUMNS), data=self._rows)})
+        run.log({FINDINGS: wandb.Table(columns=list(TABLE_COLUMNS), data=list(self._rows.values()))})
         run.summary[STATUS] = end.status
         run.summary[VERDICT] = end.verdict
         if end.path is not None:

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from .._errors import RunStoreError
-from . import _compact, _rollup
+from . import _compact, _rollup, _vectors
 
 # A finite number: NaN is stored as NULL (abs(NULL) < x is NULL, so not finite), +-Inf fail the test.
 _FIN = "abs({0}) < 9e999"
@@ -163,6 +163,10 @@ def metric_stats(run: Any) -> dict[str, dict[str, Any]]:
     else:
         raw = f"SELECT {_raw_parts('value')} FROM scalars WHERE metric_id = ? AND step >= ? AND step < ?"
         out.update(_rollup_stats(run, "metric", "metric_rollup", "metric_id", raw, names))
+    # per-parameter vectors (schema v5) have no rollups: their rows folded with numpy, one per vector
+    for name, v in _vectors.stats(run, names).items():
+        out[name]["points"] += v["points"]
+        _fold(out[name], v["count"], v["bad"], v["sum"], v["min"], v["max"])
     last = dict(run.last_values())
     if run.has_rollups:
         # a metric whose last rows were compacted (it stopped before the run did): the rollup's last

@@ -14,6 +14,8 @@ bucket is whole) are compacted in one transaction:
 - ``finite_rollup``: for a chunk's metric or phase whose min or max is +-Inf, the count, sum, min and
   max of its finite values and its count of NaN/Inf (rollups count no Inf), from the raw rows before
   they go: a report's finite mean/min/max and NaN/Inf count stay exact.
+- ``vectors`` (per-parameter numbers of detail steps, schema v5): the last row of each
+  ``KEEP_LEVEL`` bucket per vector stays, plus every row near an event or anomaly.
 - ``anomalies``, ``events``, ``segments``, ``memory`` (one sample per ``memory_every`` steps) and
   ``tensor_stats`` (detail steps) are never compacted.
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from . import _rollup
+from . import _rollup, _vectors
 
 #: Steps at the end of a run kept whole (the dashboard's live window and the reports' recent view).
 RECENT = 20_000
@@ -79,6 +81,18 @@ _KEPT = """EXISTS (SELECT 1 FROM events e WHERE e.step BETWEEN {t}.step - :near 
      OR EXISTS (SELECT 1 FROM anomalies a WHERE a.step BETWEEN {t}.step - :near AND {t}.step + :near)"""
 
 
+_STEPS = "SELECT count(DISTINCT step) FROM scalars WHERE step >= :lo AND step < :hi"
+_STEPS_V5 = (
+    "SELECT count(*) FROM (SELECT step FROM scalars WHERE step >= :lo AND step < :hi "
+    "UNION SELECT step FROM vectors WHERE step >= :lo AND step < :hi)"
+)
+
+
+def _has_vectors(conn: sqlite3.Connection) -> bool:
+    """True from schema v5 on (a writer always migrates first; a test may compact an older file)."""
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'vectors'").fetchone() is not None
+
+
 def _compact_chunk(conn: sqlite3.Connection, lo: int, hi: int) -> None:
     p = {"lo": lo, "hi": hi, "near": NEAR, "keep": KEEP_LEVEL, "tb": TIMING_BUCKET, "top": CHUNK}
     conn.execute("BEGIN IMMEDIATE")
@@ -100,15 +114,15 @@ def _compact_chunk(conn: sqlite3.Connection, lo: int, hi: int) -> None:
                     GROUP BY {key}""",
                 p,
             )
-        before = conn.execute(
-            "SELECT count(DISTINCT step) FROM scalars WHERE step >= :lo AND step < :hi", p
-        ).fetchone()[0]
+        vectors = _has_vectors(conn)
+        steps = _STEPS_V5 if vectors else _STEPS
+        before = conn.execute(steps, p).fetchone()[0]
         conn.execute(
             f"DELETE FROM scalars WHERE step >= :lo AND step < :hi AND NOT ({_KEPT.format(t='scalars')})", p
         )
-        after = conn.execute(
-            "SELECT count(DISTINCT step) FROM scalars WHERE step >= :lo AND step < :hi", p
-        ).fetchone()[0]
+        if vectors:  # per-parameter vectors: one row per KEEP_LEVEL steps stays, and those near events
+            _vectors.compact(conn, lo, hi, KEEP_LEVEL, _KEPT.format(t="vectors"), NEAR)
+        after = conn.execute(steps, p).fetchone()[0]
         for table in ("metric_rollup", "timing_rollup"):
             conn.execute(
                 f"DELETE FROM {table} WHERE level < :keep AND bucket * level >= :lo "

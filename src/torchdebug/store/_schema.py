@@ -19,7 +19,7 @@ from ._validate import regular
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -123,6 +123,39 @@ def _add_timing_rollups_v4(conn: sqlite3.Connection) -> None:
     _rollup.backfill_timings(conn)
 
 
+#: v5: a detail step's per-parameter numbers (``RunWriter.log_vector``) as one row per names list
+#: and step, its values packed in a blob, instead of one ``scalars`` row and nine rollup upserts per
+#: value. Each name is still a row of ``metrics`` (so ``metric_names()`` and the readers' lookups are
+#: unchanged); ``vector_members`` says which vector and position holds it. Such metrics have no
+#: ``metric_rollup`` rows: readers fold the blobs (see reader.py and _aggregate.py).
+VECTORS_CREATE = (
+    """CREATE TABLE IF NOT EXISTS vector_names (
+    id INTEGER PRIMARY KEY,
+    names TEXT NOT NULL         -- JSON list of metric names, in the order of each row's values
+)""",
+    """CREATE TABLE IF NOT EXISTS vector_members (
+    metric_id INTEGER PRIMARY KEY REFERENCES metrics(id),
+    names_id INTEGER NOT NULL REFERENCES vector_names(id),
+    position INTEGER NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS vectors (
+    names_id INTEGER NOT NULL REFERENCES vector_names(id),
+    step INTEGER NOT NULL,
+    wall_time REAL NOT NULL,
+    data BLOB NOT NULL          -- little-endian float32 when every value is exact in it, else float64
+)""",
+    "CREATE INDEX IF NOT EXISTS vectors_by_names ON vectors(names_id, step)",
+    "CREATE INDEX IF NOT EXISTS vectors_by_step ON vectors(step)",
+)
+
+
+def _add_vectors_v5(conn: sqlite3.Connection) -> None:
+    # v5: new tables only (IF NOT EXISTS: a file whose version number was set back keeps them); the
+    # per-parameter rows a v4 writer left stay in ``scalars`` and read as before.
+    for statement in VECTORS_CREATE:
+        conn.execute(statement)
+
+
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
@@ -130,6 +163,7 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _add_rollups_v2,
     2: _add_last_v3,
     3: _add_timing_rollups_v4,
+    4: _add_vectors_v5,
 }
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError, SchemaVersionError
-from . import _compact, _rollup, _validate
+from . import _compact, _rollup, _validate, _vectors
 from ._schema import SCHEMA_VERSION, describe, open_for_reading
 from .writer import SUMMARY_FILE
 
@@ -343,14 +343,27 @@ class Run:
 
     def anomalies_frame(self) -> Any:
         """Anomalies as a pandas DataFrame, in the order logged: ``step``, ``kind``, ``phase``,
-        ``module``, ``op``, ``location``, ``rank``, ``summary``.
+        ``module``, ``parameter``, ``op``, ``location``, ``rank``, ``symptom``, ``detected_by``,
+        ``summary``. An anomaly seen in a parameter (no replay) names the module that owns it;
+        ``op`` and ``location`` are missing (NaN) where no replay traced them.
 
         Raises:
             ImportError: pandas is not installed (the message names the fix).
         """
         pd = _pandas("anomalies_frame")
-        columns = ["step", "kind", "phase", "module", "op", "location", "rank", "summary"]
-        frame = pd.DataFrame([{c: a.get(c) for c in columns} for a in self.anomalies()], columns=columns)
+        columns = [
+            "step", "kind", "phase", "module", "parameter", "op", "location", "rank", "symptom",
+            "detected_by", "summary",
+        ]  # fmt: skip
+
+        def row(a: dict[str, Any]) -> dict[str, Any]:
+            r = {c: a.get(c) for c in columns}
+            parameter = a.get("parameter")
+            if not r["module"] and isinstance(parameter, str) and "." in parameter:
+                r["module"] = parameter.rsplit(".", 1)[0]  # the module that owns the parameter
+            return r
+
+        frame = pd.DataFrame([row(a) for a in self.anomalies()], columns=columns)
         frame["step"] = frame["step"].astype("Int64")
         return frame
 
@@ -433,6 +446,9 @@ class Run:
             raise TypeError(f"max_points must be an int, got {type(max_points).__name__}")
         if max_points is not None and max_points < 2:
             raise ValueError(f"max_points must be >= 2 (a min and a max per bucket), got {max_points}")
+        where = _vectors.members(self, mid)
+        if where:  # a per-parameter number of detail steps (schema v5): its vectors' blobs
+            return self._vector_series(name, mid, where, since, max_points)
         rows: list[tuple[Any, ...]] | None = None
         downsampled = False
         compacted = self._compacted_to() if self.has_rollups else 0
@@ -475,6 +491,36 @@ class Run:
             name=name,
             steps=[r[0] for r in rows],
             values=values,
+            wall_times=[r[2] for r in rows],
+            downsampled=downsampled,
+        )
+
+    def _vector_series(
+        self, name: str, mid: int, where: list[tuple[int, int, int]], since: int, max_points: int | None
+    ) -> Series:
+        """``series`` of a vector member: its values unpacked from each row (plus any scalar rows of the
+        same name), bucketed in Python when over ``max_points``. A compacted span keeps one row per
+        ``KEEP_LEVEL`` steps (see _vectors.py), so a read reaching into it is marked downsampled."""
+        rows = _vectors.series_rows(self, where, since)
+        own = self._rows(
+            "SELECT step, value, wall_time FROM scalars WHERE metric_id = ? AND step >= ? ORDER BY step, rowid",
+            (mid, since),
+        )
+        if own:
+            try:
+                rows = sorted(rows + [(st, _nan(v), w) for st, v, w in own], key=lambda r: r[0])
+            except _NotANumber as e:
+                raise RunStoreError(
+                    f"{self.db_path}: metric {name!r} {e}; the run's database was altered"
+                ) from None
+        downsampled = since < self._compacted_to()
+        if max_points is not None and len(rows) > max_points:
+            rows = _vectors.downsample(rows, rows[0][0], rows[-1][0], max_points // 2)
+            downsampled = True
+        return Series(
+            name=name,
+            steps=[r[0] for r in rows],
+            values=[r[1] for r in rows],
             wall_times=[r[2] for r in rows],
             downsampled=downsampled,
         )
@@ -633,9 +679,16 @@ class Run:
                ORDER BY m.name"""
         )
         try:
-            return {name: (step, _nan(value)) for name, step, value in rows}
+            out = {name: (step, _nan(value)) for name, step, value in rows}
         except _NotANumber as e:
             raise RunStoreError(f"{self.db_path}: a metric {e}; the run's database was altered") from None
+        if _vectors.has_vectors(self):
+            ids = {int(i): n for i, n in self._rows("SELECT id, name FROM metrics")}
+            for name, got in _vectors.last_values(self, ids).items():
+                if name not in out or out[name][0] < got[0]:
+                    out[name] = got
+            out = dict(sorted(out.items()))
+        return out
 
     def _anomaly_rows(self, where: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
         out = []
@@ -765,6 +818,7 @@ class Run:
             scalars = {n: _nan(v) for n, v in rows}
         except _NotANumber as e:
             raise RunStoreError(f"{self.db_path}: a metric at step {step} {e}") from None
+        scalars.update(_vectors.at_step(self, q))
         mem = list(self._samples("memory", "key", "value", "WHERE step = ?", (q,)))
         tim = list(self._samples("timings", "phase", "seconds", "WHERE step = ?", (q,), _TIMING_RENAME))
         return {
@@ -780,14 +834,16 @@ class Run:
     def steps(self) -> int:
         """Number of distinct steps with at least one metric (compacted steps included). Cost: one
         index scan of the raw rows left."""
-        raw = int(self._rows("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)")[0][0])
+        union = " UNION SELECT step FROM vectors" if _vectors.has_vectors(self) else ""
+        raw = int(self._rows(f"SELECT count(*) FROM (SELECT DISTINCT step FROM scalars{union})")[0][0])
         return raw + (self._compaction()[1] if self.has_rollups else 0)
 
     def summary(self) -> dict[str, Any]:
         """Counts for a quick look: steps, last step, metrics, anomalies, events by kind, status, dropped."""
         last = self._rows(
             "SELECT max(s) FROM (SELECT max(step) AS s FROM scalars UNION ALL SELECT max(step) FROM anomalies "
-            "UNION ALL SELECT max(step) FROM events)"
+            "UNION ALL SELECT max(step) FROM events"
+            + (" UNION ALL SELECT max(step) FROM vectors)" if _vectors.has_vectors(self) else ")")
         )[0][0]
         db_meta = self._db_meta()
         lost = self._lost(db_meta)
@@ -998,3 +1054,25 @@ def list_runs(root: str | os.PathLike[str] = "runs") -> list[RunInfo]:
             infos.append(RunInfo(p, p.name, "unreadable", None, 0, 0, None, f"{type(e).__name__}: {e}"))
     infos.sort(key=lambda i: (i.created or "", str(i.path)))
     return infos
+
+
+def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
+    """A run folder from a path, or from a name under ``root`` (the newest ``<name>-<timestamp>``).
+
+    Raises:
+        RunStoreError: nothing matches (the message says where it looked).
+    """
+    p = Path(run)
+    if p.exists():
+        return p
+    base = Path(root)
+    if base.is_dir() and os.sep not in run:
+        if (base / run).exists():
+            return base / run
+        # Folder names end in -yyyymmdd-hhmmss, so the lexically last match is the newest run.
+        matches = sorted(
+            c for c in base.iterdir() if c.name.startswith(run + "-") and (c / "meta.json").is_file()
+        )
+        if matches:
+            return matches[-1]
+    raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")

@@ -21,14 +21,14 @@ import uuid
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError, TorchDebugWarning
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
-from . import _compact, _rollup, _validate
+from . import _compact, _rollup, _validate, _vectors
 from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
@@ -64,13 +64,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def _record_step(rec: tuple[Any, ...]) -> int | None:
     """The step of a queued record (scalars and segments carry it second, the rest first)."""
     return rec[2] if rec[0] in ("s", "g", "v") else rec[1]
-
-
-def _vector_rows(ids: dict[str, int], rec: tuple[Any, ...]) -> Iterator[tuple[int, int, float, float]]:
-    """The raw rows ``(metric_id, step, value, wall)`` of one ``log_vector`` record, one at a time."""
-    _, names, step, values, wall = rec
-    for n, v in zip(names, values):
-        yield ids[n], step, v, wall
 
 
 def _expanded(low: deque[tuple[Any, ...]]) -> deque[tuple[Any, ...]]:
@@ -196,8 +189,10 @@ class _Core:
         flush_interval: float,
         lock_fd: int | None = None,
         keep_recent: int | None = _compact.RECENT,
+        commit_steps: int = 32,
     ) -> None:
         self.conn = conn
+        self.commit_steps = commit_steps
         self.keep_recent = keep_recent  # steps kept whole at the end; None: never compact
         self.compacted_to = _compact.compacted_to(conn)
         self.max_step = -1
@@ -228,6 +223,8 @@ class _Core:
         self.wake = threading.Event()
         self.pid = os.getpid()
         self.metric_ids: dict[str, int] = dict(conn.execute("SELECT name, id FROM metrics"))
+        # id(names list) -> (the list, its length, its vector_names id); the list is kept alive here
+        self.vector_ids: dict[int, tuple[Sequence[str], int, int]] = {}
         self.next_segment = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
         self.persisted_dropped = -1
         # Called on this thread with each batch after its write (committed or lost): the records as
@@ -259,6 +256,7 @@ class _Core:
                 # The rolled-back batch may have named new metrics: forget ids that were not kept.
                 with contextlib.suppress(sqlite3.Error):
                     self.metric_ids = dict(self.conn.execute("SELECT name, id FROM metrics"))
+                self.vector_ids.clear()
             if (low or high) and self.listeners:
                 low = _expanded(low)  # the listeners read one "s" record per value
                 for listener in list(self.listeners):
@@ -348,11 +346,6 @@ class _Core:
                         cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (rec[1],))
                         ids[rec[1]] = int(cur.lastrowid or 0)
                 rows = [(ids[n], s, v, w) for _, n, s, v, w in scalars]
-                for _, names, _, _, _ in vectors:
-                    for n in names:
-                        if n not in ids:
-                            cur = conn.execute("INSERT INTO metrics(name) VALUES (?)", (n,))
-                            ids[n] = int(cur.lastrowid or 0)
                 top = max([r[1] for r in rows] + [rec[2] for rec in vectors])
                 if top > self.max_step:
                     self.max_step = top
@@ -362,12 +355,17 @@ class _Core:
                     # Same transaction as the raw rows: a crash keeps both or neither, so rollups never
                     # disagree with the rows they summarize. Cost: ~1 µs per row here, off the training thread.
                     _rollup.write(conn, rows)
-                # the vectors' rows as a list (one detail step's per-parameter numbers: a few thousand
-                # tuples at most, off the training thread): sqlite3's executemany is given no generator
-                vrows = [row for rec in vectors for row in _vector_rows(ids, rec)]
-                if vrows:
-                    conn.executemany(insert, vrows)
-                    _rollup.write_points(conn, vrows)
+                if vectors:
+                    # one row per vector, its values packed (see _vectors.py): the cost of a detail
+                    # step no longer grows with the parameter tensors but by one numpy pack per vector
+                    conn.executemany(
+                        "INSERT INTO vectors(names_id, step, wall_time, data) VALUES (?, ?, ?, ?)",
+                        [
+                            (self._vector_id(names), step, wall, _vectors.pack(values))
+                            for _, names, step, values, wall in vectors
+                            if names
+                        ],
+                    )
             if stats:
                 conn.executemany(
                     "INSERT INTO tensor_stats(step, wall_time, name, data) VALUES (?, ?, ?, ?)", stats
@@ -419,6 +417,33 @@ class _Core:
             raise
         self.persisted_dropped = dropped
         self.persisted_lost = lost
+
+    def _vector_id(self, names: Sequence[str]) -> int:
+        """The ``vector_names`` id of a names list, adding it (and its metrics) on first sight.
+
+        Cached by the list object (``log_vector`` asks for the same list every step), so a detail
+        step pays one dict probe per vector, not one per name. Inside the batch's transaction.
+        """
+        got = self.vector_ids.get(id(names))
+        if got is not None and got[0] is names and got[1] == len(names):
+            return got[2]
+        conn = self.conn
+        key = _vectors.names_key(names)
+        row = conn.execute("SELECT id FROM vector_names WHERE names = ?", (key,)).fetchone()
+        if row is not None:
+            vid = int(row[0])
+        else:
+            vid = int(conn.execute("INSERT INTO vector_names(names) VALUES (?)", (key,)).lastrowid or 0)
+            ids = self.metric_ids
+            for n in names:
+                if n not in ids:
+                    ids[n] = int(conn.execute("INSERT INTO metrics(name) VALUES (?)", (n,)).lastrowid or 0)
+            conn.executemany(
+                "INSERT OR IGNORE INTO vector_members(metric_id, names_id, position) VALUES (?, ?, ?)",
+                [(ids[n], vid, i) for i, n in enumerate(names)],
+            )
+        self.vector_ids[id(names)] = (names, len(names), vid)
+        return vid
 
     # -- called from the training thread -----------------------------------------------------------
 
@@ -514,10 +539,12 @@ SUMMARY_FILE = "summary.json"
 
 def _summary(conn: sqlite3.Connection) -> dict[str, Any]:
     """Counts of a closed rank database (steps, last step, anomalies): a few index scans."""
-    raw = conn.execute("SELECT count(*) FROM (SELECT DISTINCT step FROM scalars)").fetchone()[0]
+    raw = conn.execute(
+        "SELECT count(*) FROM (SELECT step FROM scalars UNION SELECT step FROM vectors)"
+    ).fetchone()[0]
     last = conn.execute(
-        "SELECT max(s) FROM (SELECT max(step) AS s FROM scalars UNION ALL SELECT max(step) FROM anomalies "
-        "UNION ALL SELECT max(step) FROM events)"
+        "SELECT max(s) FROM (SELECT max(step) AS s FROM scalars UNION ALL SELECT max(step) FROM vectors "
+        "UNION ALL SELECT max(step) FROM anomalies UNION ALL SELECT max(step) FROM events)"
     ).fetchone()[0]
     return {
         "steps": int(raw) + _compact.compacted_steps(conn),
@@ -544,9 +571,10 @@ class RunWriter:
 
     Build it with ``create_run``. Low-priority records (metrics, tensor stats, memory, timings) sit in a
     bounded queue: when it is full the oldest is dropped and counted in ``dropped``. Anomalies, events
-    and segments are never dropped. The thread commits every ``flush_interval`` seconds (default 0.5),
+    and segments are never dropped. The thread commits every ``commit_steps`` steps (default 32), at
+    the latest every ``flush_interval`` seconds (default 2),
     when ``batch_size`` low-priority records wait, on ``flush()`` and on ``close()``; so a killed process
-    loses at most the last ~0.5 s.
+    loses at most the last ~2 s.
 
     A batch that cannot be written (disk full, file-size limit, I/O error) is lost, never raised into
     training: its records are counted in ``lost`` (lowest step in ``lost_from_step``), one
@@ -575,6 +603,7 @@ class RunWriter:
         self.name: str = core.meta["name"]
         self.rank: int = core.meta["rank"]
         self._last_step = -1
+        self._wake_step = core.commit_steps  # the step whose first record wakes the writer thread
         self._vector_names: tuple[int, int] | None = None  # the names list log_vector checked last
         # Closes the run if the writer is garbage collected without close(); exit is handled by atexit.
         self._finalizer = weakref.finalize(self, core.close, "finished")
@@ -701,7 +730,7 @@ class RunWriter:
         if type(value) is not float:
             value = _check_value(value)
         if step > self._last_step:
-            self._last_step = step
+            self._new_step(step)
         self._put_low(("s", name, step, value, time.time()))
 
     def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
@@ -722,7 +751,7 @@ class RunWriter:
                 value = _check_value(value, f"values[{name!r}]")
             recs.append(("s", name, step, value, wall))
         if step > self._last_step:
-            self._last_step = step
+            self._new_step(step)
         self._put_low_many(recs)
 
     def log_vector(self, step: int, names: Sequence[str], values: Sequence[float]) -> None:
@@ -749,7 +778,7 @@ class RunWriter:
                 x if type(x) is float else _check_value(x, f"values[{i}]") for i, x in enumerate(values)
             ]
         if step > self._last_step:
-            self._last_step = step
+            self._new_step(step)
         self._put_low(("v", names, step, values, time.time()))
 
     def log_anomaly(self, step: int | None, anomaly: Mapping[str, Any] | Any) -> None:
@@ -867,7 +896,16 @@ class RunWriter:
 
     def _note_step(self, step: int | None) -> None:
         if step is not None and step > self._last_step:
-            self._last_step = step
+            self._new_step(step)
+
+    def _new_step(self, step: int) -> None:
+        """A record of a step past every one logged so far: every ``commit_steps`` steps the writer
+        thread is woken to commit, so commits follow the steps (one per ``commit_steps``, whatever
+        the host's speed) and ``flush_interval`` only bounds how late a slow loop's records land."""
+        self._last_step = step
+        if step >= self._wake_step:
+            self._wake_step = step + self._core.commit_steps
+            self._core.wake.set()
 
     def flush(self) -> None:
         """Block until everything queued before this call is committed.
@@ -924,8 +962,9 @@ def create_run(
     path: str | os.PathLike[str] | None = None,
     max_queue: int = 100_000,
     batch_size: int = 10_000,
-    flush_interval: float = 0.5,
+    flush_interval: float = 2.0,
     keep_recent: int | None = _compact.RECENT,
+    commit_steps: int = 32,
 ) -> RunWriter:
     """Create a run folder (rank 0) or join one (rank > 0) and return its ``RunWriter``.
 
@@ -939,7 +978,10 @@ def create_run(
             e.g. shared with ``torch.distributed.broadcast_object_list``).
         max_queue: low-priority records kept in memory before the oldest are dropped.
         batch_size: low-priority records that wake the writer thread before its timer.
-        flush_interval: seconds between commits.
+        flush_interval: the most seconds between commits (a killed process loses at most these).
+        commit_steps: steps between commits: the writer thread commits when a record of a step this
+            many past the last wake-up arrives, so a fast loop commits once per ``commit_steps``
+            steps (~5 M instructions each on a small model) instead of once per clock tick.
         keep_recent: steps at the end of the run kept at full resolution (default 20,000); older
             per-step rows are compacted into rollups except near events and anomalies (see the
             architecture doc's run store contract). None: never compact.
@@ -983,6 +1025,8 @@ def create_run(
         or flush_interval <= 0
     ):
         raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
+    if isinstance(commit_steps, bool) or not isinstance(commit_steps, int) or commit_steps < 1:
+        raise ValueError(f"commit_steps must be an int >= 1, got {commit_steps!r}")
     if keep_recent is not None and (
         isinstance(keep_recent, bool) or not isinstance(keep_recent, int) or keep_recent < 0
     ):
@@ -1080,7 +1124,16 @@ def create_run(
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise RunStoreError(f"cannot write {meta_path}: {e}") from e
     core = _Core(
-        conn, db_path, meta_path, meta, max_queue, batch_size, float(flush_interval), lock_fd, keep_recent
+        conn,
+        db_path,
+        meta_path,
+        meta,
+        max_queue,
+        batch_size,
+        float(flush_interval),
+        lock_fd,
+        keep_recent,
+        commit_steps,
     )
     _LIVE.add(core)
     return RunWriter(core, run_dir)

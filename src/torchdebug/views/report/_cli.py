@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _resolve(args: argparse.Namespace) -> Path:
     from ...cli import default_runs_dir
-    from ...store._cli import resolve_run
+    from ...store import resolve_run
 
     return resolve_run(args.run, args.runs or default_runs_dir())
 
@@ -43,8 +43,18 @@ def _report(args: argparse.Namespace) -> int:
     from . import render_report
 
     fmt = args.format
-    if fmt is None:
-        fmt = _SUFFIX.get(Path(args.output).suffix.lower(), "text") if args.output else "text"
+    if fmt is None and args.output:
+        suffix = Path(args.output).suffix.lower()
+        fmt = _SUFFIX.get(suffix, "text" if not suffix else None)
+        if fmt is None:  # a .pdf written as text would be a file no PDF reader opens
+            print(
+                f"torchdebug: error: no report format writes {suffix} files ({args.output}): name it "
+                ".txt, .json, .html or .png, or add --format; for a PDF, open the HTML report in a "
+                "browser and print it",
+                file=sys.stderr,
+            )
+            return 2  # a usage error: a bad value, nothing written
+    fmt = fmt or "text"
     if fmt == "png" and not args.output:
         raise ValueError("a PNG report needs an output file: add -o debug_analysis.png")
     with open_run(_resolve(args), rank=args.rank) as run:

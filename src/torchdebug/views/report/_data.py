@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ...store import _aggregate
-from ...store._verdict import anomaly_text, judge
+from ..verdict import anomaly_text, judge
 from ._format import envelope, event_category, is_finite
 
 # meta.json keys shown as the run's identity; "path" is left out on purpose (absolute, machine-bound).
@@ -135,11 +135,11 @@ def build_report(
           asked), ``run`` (meta.json identity fields) and ``config``.
         - ``records_lost`` (only when the writer could not store some records: disk full ...):
           ``count``, ``from_step``, ``error``; the run is incomplete.
-        - ``ranks`` (only for a run with several ranks): ``torchdebug.store._ranks.rank_overview``.
+        - ``ranks`` (only for a run with several ranks): ``torchdebug.store.rank_overview``.
         - ``verdict``: ``status``, ``level`` (ok | running | warning | error), ``text`` (the one
           sentence every view leads with), ``anomaly_steps`` and ``groups`` (repeated anomalies
           folded by origin or symptom: ``summary``, ``count``, ``first_step``, ``last_step``), see
-          ``torchdebug.store._verdict.judge``.
+          ``torchdebug.views.verdict.judge``.
 
     Raises:
         RunStoreError: the run's database cannot be read.
@@ -235,6 +235,8 @@ def build_report(
         "level": v["level"],
         "text": v["text"],
         "anomaly_steps": v["anomaly_steps"],
+        # every finding ranked (the sentence leads with the first): kind, level, step, count, text
+        "findings": v["findings"],
         "groups": [
             {
                 "summary": anomaly_text(g["anomaly"]),
@@ -252,7 +254,7 @@ def build_report(
             "error": lost["write_error"],
         }
     if len(getattr(run, "ranks", [])) > 1:  # several ranks: per-rank columns, anomalies with their rank
-        from ...store._ranks import rank_overview
+        from ...store.ranks import rank_overview
 
         report["ranks"] = rank_overview(run)
     return report

@@ -10,12 +10,14 @@ from ._format import event_category, fmt_num, is_finite, natural_key, nonfinite_
 
 # Figures are plain dicts ({"data": [...traces], "layout": {...}}) drawn by static/tdcharts.js. A trace
 # is {"type": "scatter" | "heatmap", "mode": "lines" | "markers" | "lines+markers", "name", "x", "y",
-# "yaxis": "y2" (right axis) | "y3" (markers at a height in [0, 1]), "line", "marker", "text",
-# "stackgroup"}; the heatmap's {"x", "y" (row names), "z"}.
+# "yaxis": "y2" (right axis) | "y3" (markers on the lane under the plot, one row per trace; a chart
+# of markers alone is all lane), "line", "marker", "text", "stackgroup"}; the heatmap's {"x", "y"
+# (row names), "z"}. A layout's yaxis may say "robust": true: the axis starts with outliers left out
+# (a toggle shows them), so one spike does not flatten the curve.
 
 Points = Mapping[str, Sequence[Any]]  # {"steps": [...], "values": [...]}
 
-_MARK_AXIS = "y3"  # markers at a fixed height in [0, 1] of the plot area (events, NaN points)
+_MARK_AXIS = "y3"  # markers on the lane under the plot area (events, NaN points), never at a data height
 _HEAT_COLUMNS = 200  # heatmap columns (step buckets); each cell is the bucket's max
 _ZERO_LOG = -12.0  # log10 floor shown for an exactly-zero gradient norm
 _MAX_LINES = 24  # per-parameter line charts show at most this many parameters (largest last value)
@@ -28,6 +30,8 @@ _COLORS = {
     "skipped": "#ff7f0e",
     "event": "#e377c2",
 }
+# learning-rate lines: no red (NaN markers and anomalies are red), none of the marker colours
+_LR_COLORS = ("#2ca02c", "#17becf", "#bcbd22", "#7f7f7f")
 
 
 def _line(name: str, pts: Points, **extra: Any) -> dict[str, Any]:
@@ -52,7 +56,6 @@ def _nonfinite(name: str, pts: Points) -> list[dict[str, Any]]:
         label = nonfinite_label(v) if isinstance(v, float) else None
         if label is not None:
             by_kind.setdefault(label, []).append(s)
-    height = {"nan": 0.95, "inf": 0.89, "-inf": 0.83}
     out = []
     for kind, steps in by_kind.items():
         out.append(
@@ -61,7 +64,8 @@ def _nonfinite(name: str, pts: Points) -> list[dict[str, Any]]:
                 "mode": "markers",
                 "name": f"{name} {kind.upper() if kind == 'nan' else kind}",
                 "x": steps,
-                "y": [height[kind]] * len(steps),
+                "y": [0] * len(steps),  # on the lane: the row is the trace's, not a value
+                "text": [kind] * len(steps),
                 "yaxis": _MARK_AXIS,
                 "marker": {"symbol": "x", "size": 9, "color": _COLORS[kind]},
                 "hovertemplate": f"{name} = {kind} at step %{{x}}<extra></extra>",
@@ -70,13 +74,13 @@ def _nonfinite(name: str, pts: Points) -> list[dict[str, Any]]:
     return out
 
 
-def _markers(name: str, steps: list[int], texts: list[str], height: float, color: str, symbol: str) -> dict:
+def _markers(name: str, steps: list[int], texts: list[str], color: str, symbol: str) -> dict:
     return {
         "type": "scatter",
         "mode": "markers",
         "name": name,
         "x": steps,
-        "y": [height] * len(steps),
+        "y": [0] * len(steps),  # on the lane: the row is the trace's, not a value
         "text": texts,
         "yaxis": _MARK_AXIS,
         "marker": {"symbol": symbol, "size": 10, "color": color},
@@ -158,7 +162,7 @@ def _anomaly_markers(anomalies: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     ]
     if not steps:
         return []
-    return [_markers("anomaly", steps, texts, 0.76, _COLORS["anomaly"], "x-thin-open")]
+    return [_markers("anomaly", steps, texts, _COLORS["anomaly"], "x-thin-open")]
 
 
 def _event_markers(events: Sequence[Mapping[str, Any]], category: str) -> list[dict[str, Any]]:
@@ -172,7 +176,6 @@ def _event_markers(events: Sequence[Mapping[str, Any]], category: str) -> list[d
             f"{category} events",
             [e["step"] for e in chosen],
             [f"{e['kind']}: {e.get('message', '')}" for e in chosen],
-            0.62,
             _COLORS["event"],
             "diamond",
         )
@@ -190,17 +193,19 @@ def loss_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         traces += _nonfinite("loss", series["loss"])
         parts.append(describe("loss", series["loss"]))
     lr_names = _with_prefix(series, "lr/")
-    for name in lr_names:
-        traces.append(_line(name, series[name], yaxis="y2", line={"dash": "dot"}))
+    for i, name in enumerate(lr_names):
+        color = _LR_COLORS[i % len(_LR_COLORS)]
+        traces.append(_line(name, series[name], yaxis="y2", line={"dash": "dot", "color": color}))
     if lr_names:
         parts.append(describe("learning rate" if len(lr_names) == 1 else lr_names[0], series[lr_names[0]]))
     traces += _anomaly_markers(data["anomalies"])
     traces += _event_markers(data["events"], "loss")
     layout = _layout(
         "loss",
-        toggles=("log", "smooth"),
+        toggles=("outliers", "log", "smooth"),
         yaxis2={"title": "learning rate", "type": "linear"} if lr_names else None,
     )
+    layout["yaxis"]["robust"] = True  # one spike must not flatten the rest of the curve
     return _fig("loss", "Loss and learning rate", traces, layout, "no loss or lr recorded", "; ".join(parts))
 
 
@@ -213,6 +218,8 @@ def grad_norm_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         traces.append(_line("grad_norm", series["grad_norm"]))
         traces += _nonfinite("grad_norm", series["grad_norm"])
         parts.append(describe("gradient norm", series["grad_norm"]))
+    for name in _model_totals(series):  # several models: each one's total beside the sum
+        traces.append(_line(f"‖g‖ of {name[len('grad_norm/') :]}", series[name]))
     if "amp_scale" in series:
         traces.append(_line("amp_scale", series["amp_scale"], yaxis="y2", line={"dash": "dot"}))
     if "skipped" in series:
@@ -220,9 +227,7 @@ def grad_norm_figure(data: Mapping[str, Any]) -> dict[str, Any]:
         steps = [s for s, v in zip(sk["steps"], sk["values"]) if is_finite(v) and v > 0]
         if steps:
             traces.append(
-                _markers(
-                    "skipped step", steps, ["skipped"] * len(steps), 0.69, _COLORS["skipped"], "triangle-down"
-                )
+                _markers("skipped step", steps, ["skipped"] * len(steps), _COLORS["skipped"], "triangle-down")
             )
             parts.append(f"{len(steps)} skipped steps")
     traces += _anomaly_markers(data["anomalies"])
@@ -245,7 +250,9 @@ def _any_bad(values: Sequence[Any]) -> bool:
 
 def nonfinite_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     """NaN/Inf counts, only when there are any: params with non-finite grads, tensor-stat NaN/Inf
-    totals, every metric's non-finite points. A run without any gets no chart, one line of text."""
+    totals, every metric's non-finite points, and the anomalies (a run that raised at its first NaN
+    has no NaN in its metrics, but it has the anomaly). A run with none of them gets no chart, one
+    line of text: "none in this run"."""
     series = data["series"]
     traces: list[dict[str, Any]] = []
     parts = []
@@ -272,8 +279,17 @@ def nonfinite_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     if metrics:
         shown = ", ".join(metrics[:3]) + (f" and {len(metrics) - 3} more" if len(metrics) > 3 else "")
         parts.append(f"non-finite values in {shown}")
-    if traces:  # anomaly markers alone would draw an empty-looking chart: say "none seen" instead
-        traces += _anomaly_markers(data["anomalies"])
+    anomalies = [a for a in data["anomalies"] if isinstance(a.get("step"), int)]
+    if anomalies:
+        bad_steps = sorted({a["step"] for a in anomalies})
+        parts.insert(
+            0,
+            f"{len(anomalies)} NaN/Inf anomal{'y' if len(anomalies) == 1 else 'ies'} on "
+            f"{len(bad_steps)} step{'s' if len(bad_steps) != 1 else ''}, first at step {bad_steps[0]}",
+        )
+        if not traces:  # the run stopped (or skipped) before any recorded number held the NaN/Inf
+            parts.append("no recorded metric holds a NaN/Inf")
+        traces += _anomaly_markers(anomalies)
     return _fig(
         "nonfinite",
         "NaN / Inf counts",
@@ -301,10 +317,26 @@ def _bucket_max(
     return cells, sorted(set(bad))
 
 
+def _model_totals(series: Mapping[str, Points]) -> list[str]:
+    """``grad_norm/G``-style names: a model's total norm, recorded beside its parameters' when
+    several models are watched (a name that is the prefix of another one's, up to a dot)."""
+    names = _with_prefix(series, "grad_norm/")
+    return [n for n in names if any(m.startswith(n + ".") for m in names)]
+
+
+def _parameter_rows(series: Mapping[str, Points]) -> list[str]:
+    """Per-parameter gradient-norm names with points. Models' totals are left out: they are
+    recorded every step while parameters are recorded every ``detail_every`` steps, and one row per
+    step among rows of every tenth step would leave nine blank columns in ten (a GAN's heatmap);
+    the totals are lines in the gradient-norm chart instead."""
+    totals = set(_model_totals(series))
+    return [n for n in _with_prefix(series, "grad_norm/") if series[n]["steps"] and n not in totals]
+
+
 def layer_heatmap_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     """Per-layer gradient norm heatmap: rows = parameters, columns = step buckets, cell = max log10 ‖g‖."""
     series = data["series"]
-    names = [n for n in _with_prefix(series, "grad_norm/") if series[n]["steps"]]  # none new: no columns
+    names = _parameter_rows(series)
     if not names:
         return _fig("layers", "Per-layer gradient norm", [], _layout(""), "no per-layer norms")
     all_steps = [s for n in names for s in series[n]["steps"]]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
 from ...events import module_label
-from ...store._verdict import group_anomalies
+from ..verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, json_safe
 from ._rankview import render_ranks
 
@@ -36,11 +37,15 @@ h2 { font-size: 16px; margin: 18px 0 8px; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; background: #607d8b; color: #fff; }
 .badge.running { background: var(--run); } .badge.ok { background: #2e7d32; } .badge.warning { background: #b45309; }
 .badge.error { background: #c62828; }
+.verdict-cell.error { color: var(--bad); } .verdict-cell.warning { color: var(--warn); }
 .verdict { margin: 12px 0 4px; padding: 10px 14px; border-radius: 6px; background: var(--card);
            border: 1px solid var(--line); border-left: 6px solid #607d8b; font-size: 16px; overflow-wrap: anywhere; }
 .verdict.ok { border-left-color: var(--ok); } .verdict.running { border-left-color: var(--run); }
 .verdict.warning { border-left-color: var(--warn); } .verdict.error { border-left-color: var(--bad); }
 .verdict b { font-weight: 600; }
+.verdict a.to-card { font-size: 13px; margin-left: 8px; white-space: nowrap; }
+.card:target { outline: 2px solid var(--link); }
+.card.event { border-left-color: var(--warn); }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(min(100%, 560px), 1fr)); gap: 12px; }
 .chart { background: var(--card); border: 1px solid var(--line); border-radius: 6px; padding: 8px 10px; margin: 0;
          min-width: 0; }
@@ -59,6 +64,7 @@ h2 { font-size: 16px; margin: 18px 0 8px; }
 .plot .axis-title { font-size: 12px; fill: var(--fg); }
 .plot .grid { stroke: var(--grid); stroke-width: 1; }
 .plot .frame { fill: none; stroke: var(--line); }
+.plot .lane { fill: var(--grid); fill-opacity: 0.35; stroke: var(--line); }
 .plot .cross { stroke: var(--muted); stroke-dasharray: 3,3; }
 .plot .zoomband { fill: var(--muted); fill-opacity: 0.15; }
 .tip { position: absolute; pointer-events: none; background: var(--card); border: 1px solid var(--line);
@@ -121,10 +127,84 @@ def _rng(lo: Any, hi: Any) -> str:
     return "-" if lo is None or hi is None else f"[{fmt_num(lo)}, {fmt_num(hi)}]"
 
 
-def render_verdict(verdict: Mapping[str, Any]) -> str:
-    """The run's one-sentence verdict (``torchdebug.store._verdict.judge``), coloured by its level."""
+def lead_event(
+    verdict: Mapping[str, Any], events: Sequence[Mapping[str, Any]]
+) -> tuple[int, Mapping[str, Any]] | None:
+    """The rule event the verdict names when no anomaly leads it, with its 1-based row number in
+    ``render_events``: the one whose ``KIND at step N`` the sentence quotes, else the first
+    divergence, error, then warning; None when no event is worth a card."""
+    text = str(verdict.get("text", ""))
+    numbered = list(enumerate(events, 1))
+    for n, ev in numbered:
+        if (
+            ev.get("severity") in ("warning", "error")
+            and f"{ev.get('kind')} at step {ev.get('step')}" in text
+        ):
+            return n, ev
+    for pick in (
+        lambda e: e.get("kind") == "divergence",
+        lambda e: e.get("severity") == "error",
+        lambda e: e.get("severity") == "warning",
+    ):
+        for n, ev in numbered:
+            if pick(ev):
+                return n, ev
+    return None
+
+
+def answer_target(
+    anomalies: Sequence[Mapping[str, Any]],
+    events: Sequence[Mapping[str, Any]] = (),
+    verdict: Mapping[str, Any] | None = None,
+) -> str | None:
+    """The anchor of the card that holds the verdict's answer: the group of the earliest anomaly
+    (``card-N``, as ``render_cards`` numbers them), else the card of the rule event the verdict names
+    (``answer-event``, ``lead_event``); None when there is nothing to point at (a healthy run)."""
+    if anomalies:
+        groups = group_anomalies(anomalies)
+
+        def first(g: Mapping[str, Any]) -> float:
+            s = g.get("first_step")
+            return s if isinstance(s, int) else math.inf
+
+        best = min(range(len(groups)), key=lambda i: (first(groups[i]), i))
+        return f"card-{best + 1}"
+    if lead_event(verdict or {}, events) is not None:
+        return "answer-event"
+    return None
+
+
+def render_event_card(verdict: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:
+    """The card of the rule event the verdict names (``lead_event``): kind, step, message, modules
+    and evidence, with a link to its row in the rule-event table; "" when there is none."""
+    lead = lead_event(verdict, events)
+    if lead is None:
+        return ""
+    n, ev = lead
+    raw = ev.get("data")
+    data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    inner = data.get("evidence")
+    evidence: Mapping[str, Any] = inner if isinstance(inner, Mapping) else {}
+    rows = [
+        ("step", ev.get("step")),
+        ("severity", ev.get("severity")),
+        ("modules", ", ".join(map(str, data.get("modules") or []))),
+        *((k, fmt_num(v)) for k, v in evidence.items() if not isinstance(v, (Mapping, list))),
+    ]
+    kv = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows if v not in (None, ""))
+    return (
+        f'<div class="card event" id="answer-event"><h3>{_e(ev.get("kind"))} at step {_e(ev.get("step"))}</h3>'
+        f'<div class="hint">{_e(ev.get("message"))}</div><dl class="kv">{kv}</dl>'
+        f'<a href="#event-{n}">its row among the rule events</a></div>'
+    )
+
+
+def render_verdict(verdict: Mapping[str, Any], target: str | None = None) -> str:
+    """The run's one-sentence verdict (``torchdebug.views.verdict.judge``), coloured by its level;
+    ``target``: the anchor of the card below that explains it (``answer_target``), linked."""
     level = str(verdict.get("level", "warning"))
-    return f'<p class="verdict {_e(level)}" role="status"><b>{_e(verdict.get("text", ""))}</b></p>'
+    link = f' <a class="to-card" href="#{_e(target)}">details</a>' if target else ""
+    return f'<p class="verdict {_e(level)}" role="status"><b>{_e(verdict.get("text", ""))}</b>{link}</p>'
 
 
 def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
@@ -140,7 +220,7 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
             f'<p class="empty">{len(anomalies)} anomalies in {len(groups)} '
             f"group{'s' if len(groups) != 1 else ''} (same origin or symptom).</p>"
         )
-    for g in groups:
+    for n, g in enumerate(groups, 1):
         a = g["anomaly"]
         rows = [
             *anomaly_rows(a),
@@ -154,7 +234,9 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
             ("detected by", a.get("detected_by")),
         ]
         kv = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows if v not in (None, ""))
-        parts = [f'<div class="card anomaly"><h3>{_e(a.get("summary") or a.get("kind"))}</h3>']
+        parts = [f'<div class="card anomaly" id="card-{n}"><h3>{_e(a.get("summary") or a.get("kind"))}</h3>']
+        if a.get("hint"):  # the answer first: what to do, then the evidence
+            parts.append(f'<div class="hint">hint: {_e(a["hint"])}</div>')
         if g["count"] > 1:
             n_steps = len(g["steps"])
             parts.append(
@@ -162,14 +244,22 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
                 f"first at step {_e(g['first_step'])}, last at step {_e(g['last_step'])}</p>"
             )
         parts.append(f'<dl class="kv">{kv}</dl>')
-        if a.get("hint"):
-            parts.append(f'<div class="hint">hint: {_e(a["hint"])}</div>')
-        t = a.get("tensor")
-        if isinstance(t, Mapping):
+        stats = [("output", a.get("tensor"))] + [
+            (f"input[{i}]", t) for i, t in enumerate(a.get("inputs") or []) if isinstance(t, Mapping)
+        ]
+        stat_rows = "".join(
+            f"<tr><td>{_e(label)}</td><td><code>{_e(t.get('name') or '')}</code></td>"
+            f"<td><code>{_e(t.get('shape'))}</code></td><td>{_e(t.get('dtype'))}</td>"
+            f'<td class="num">{_e(t.get("nan_count", 0))}</td><td class="num">{_e(t.get("posinf_count", 0))}</td>'
+            f'<td class="num">{_e(t.get("neginf_count", 0))}</td><td><code>{_e(_rng(t.get("min"), t.get("max")))}</code></td></tr>'
+            for label, t in stats
+            if isinstance(t, Mapping)
+        )
+        if stat_rows:
             parts.append(
-                f"<div>output: <code>{_e(t.get('name') or '')} {_e(t.get('shape'))} {_e(t.get('dtype'))} "
-                f"NaN×{_e(t.get('nan_count', 0))} +Inf×{_e(t.get('posinf_count', 0))} "
-                f"-Inf×{_e(t.get('neginf_count', 0))} finite∈{_e(_rng(t.get('min'), t.get('max')))}</code></div>"
+                '<div class="table-wrap"><table class="stats"><tr><th>tensor</th><th>name</th><th>shape</th>'
+                "<th>dtype</th><th>NaN</th><th>+Inf</th><th>-Inf</th><th>finite range</th></tr>"
+                f"{stat_rows}</table></div>"
             )
         frames = a.get("frames") or []
         if frames:
@@ -201,7 +291,7 @@ def render_cards(anomalies: Sequence[Mapping[str, Any]]) -> str:
 
 def render_spikes(events: Sequence[Mapping[str, Any]]) -> str:
     """Loss spikes (``spike_report`` and ``rollback`` events) as a table: step, what, cause, named, message."""
-    from ...store._spikes import spike_rows
+    from ..spikes import spike_rows
 
     rows = [
         f'<tr class="sev-warning"><td class="num">{_e(fmt_num(r["step"]))}</td><td>{_e(r["kind"])}</td>'
@@ -222,7 +312,7 @@ def render_events(events: Sequence[Mapping[str, Any]]) -> str:
     if not events:
         return '<p class="empty">No rule fired.</p>'
     rows = []
-    for ev in events:
+    for n, ev in enumerate(events, 1):
         data = ev.get("data") or {}
         modules = ", ".join(map(str, data.get("modules") or [])) if isinstance(data, Mapping) else ""
         evidence = data.get("evidence") if isinstance(data, Mapping) else None
@@ -233,7 +323,7 @@ def render_events(events: Sequence[Mapping[str, Any]]) -> str:
         )
         sev = str(ev.get("severity", ""))
         rows.append(
-            f'<tr class="sev-{_e(sev)}"><td>{_e(sev)}</td><td class="num">{_e(fmt_num(ev.get("step")))}</td>'
+            f'<tr class="sev-{_e(sev)}" id="event-{n}"><td>{_e(sev)}</td><td class="num">{_e(fmt_num(ev.get("step")))}</td>'
             f"<td>{_e(ev.get('kind'))}</td><td>{_e(modules)}</td><td>{_e(ev.get('message'))}</td>"
             f"<td><code>{_e(ev_text)}</code></td></tr>"
         )
@@ -310,9 +400,12 @@ def render_meta(meta: Mapping[str, Any]) -> str:
 def fragments(views: Mapping[str, Any]) -> dict[str, str]:
     """The page's server-rendered parts, keyed as the live dashboard swaps them: ``<key>_html``."""
     return {
-        "verdict_html": render_verdict(views["verdict"]),
+        "verdict_html": render_verdict(
+            views["verdict"], answer_target(views["anomalies"], views["events"], views["verdict"])
+        ),
         "summary_html": render_summary(views["report"]),
-        "cards_html": render_cards(views["anomalies"]),
+        "cards_html": render_cards(views["anomalies"])
+        + ("" if views["anomalies"] else render_event_card(views["verdict"], views["events"])),
         "events_html": render_events(views["events"]),
         "meta_html": render_meta(views["meta"]),
         "ranks_html": render_ranks(views["report"].get("ranks")),  # "" for one rank
@@ -328,8 +421,9 @@ def render_page(
     rank_select: str = "",
     live_state: Mapping[str, Any] | None = None,
 ) -> str:
-    """The whole page for one run: the verdict first, summary tiles, charts, then the anomaly groups,
-    rule events and the run's metadata.
+    """The whole page for one run, the answer first: the verdict (linked to its card), the anomaly
+    groups (or the card of the rule event the verdict names), then the summary tiles, the charts,
+    the rule events and the run's metadata.
 
     Args:
         views: from ``collect_views`` (meta, verdict, report, figures, anomalies, events).
@@ -381,9 +475,9 @@ def render_page(
         f'<small id="updated"></small></header><main>'
         f'<div id="verdict">{frag["verdict_html"]}</div>'
         + (f"<section>{rank_select}</section>" if rank_select else "")
+        + f'<section><h2>Anomalies</h2><div id="cards">{frag["cards_html"]}</div></section>'
         + f'<section><h2>Summary</h2><div id="summary">{frag["summary_html"]}</div></section>'
         + f'<section><h2>Charts</h2><div class="grid">{charts}</div></section>'
-        + f'<section><h2>Anomalies</h2><div id="cards">{frag["cards_html"]}</div></section>'
         + f'<section><h2>Rule events</h2><div id="events" class="table-wrap">{frag["events_html"]}</div></section>'
         + (
             f'<section><h2>Ranks</h2><div id="ranks" class="table-wrap">{frag["ranks_html"]}</div></section>'

@@ -7,7 +7,7 @@ import html
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ...store._ranks import RANK_COLUMNS, overview_cells
+from ..ranks import RANK_COLUMNS, overview_cells
 from ._format import fmt_num
 
 _NUMERIC = {"steps", "step time", "data wait", "max RSS", "max CUDA", "grad norm", "anomalies", "hangs"}

@@ -1,4 +1,4 @@
-"""Plain-text report: summary, anomaly cards, rule events and a metric last/min/max table."""
+"""Plain-text report, the answer first: the verdict, the anomaly cards, then the summary, rule events and a metric table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from ..._term import printable
 from ...events import module_label
-from ...store._verdict import group_anomalies
+from ..verdict import group_anomalies
 from ._format import anomaly_rows, fmt_bytes, fmt_num, fmt_seconds, natural_key
 
 _RULE = "-" * 78
@@ -17,10 +17,10 @@ _MAX_METRIC = 60  # metric names longer than this are cut in the table
 def _anomaly_card(a: Mapping[str, Any]) -> list[str]:
     lines = [f"* {a.get('summary') or a.get('kind')}"]
     rows = [
+        ("hint", a.get("hint")),  # the answer first, then the evidence
         *anomaly_rows(a),
         ("step", a.get("step")),
         ("noticed", a.get("symptom")),
-        ("hint", a.get("hint")),
     ]
     lines += [f"    {k:<10}{v}" for k, v in rows if v not in (None, "")]
     frames = a.get("frames") or []
@@ -60,6 +60,8 @@ def render_text(report: Mapping[str, Any]) -> str:
         *_lost_lines(report.get("records_lost")),
         f"created  {run.get('created')}   ended {run.get('ended') or '-'}",
         f"mode     {s.get('debug_mode') or '-'}   level {s.get('debug_level') or '-'}",
+    ]
+    summary = [
         _RULE,
         "Summary",
         f"  steps                {s['total_debug_operations']}",
@@ -77,7 +79,7 @@ def render_text(report: Mapping[str, Any]) -> str:
     tbp = report["operation_breakdown"]["time_by_phase"]
     if tbp:
         total = sum(tbp.values()) or 1.0
-        out.append("  time by phase        " + ", ".join(f"{k} {v / total:.0%}" for k, v in tbp.items()))
+        summary.append("  time by phase        " + ", ".join(f"{k} {v / total:.0%}" for k, v in tbp.items()))
     groups = group_anomalies(report["anomalies"])
     n = len(report["anomalies"])
     grouped = f", {len(groups)} group{'s' if len(groups) != 1 else ''} by origin" if len(groups) < n else ""
@@ -93,7 +95,8 @@ def render_text(report: Mapping[str, Any]) -> str:
                 f"first {g['first_step']}, last {g['last_step']}",
             )
         out += ["  " + line for line in card]
-    from ...store._spikes import spike_lines
+    out += summary  # the numbers after the answer
+    from ..spikes import spike_lines
 
     spikes = spike_lines(report["events"])
     if spikes:
@@ -109,7 +112,7 @@ def render_text(report: Mapping[str, Any]) -> str:
             f"  step {fmt_num(e.get('step')):>6}  {e.get('severity', ''):<7} {e.get('kind')}{where}: {e.get('message')}"
         )
     if report.get("ranks"):
-        from ...store._ranks import overview_lines
+        from ..ranks import overview_lines
 
         out += [_RULE, *overview_lines(report["ranks"])]
     if report.get("segments"):

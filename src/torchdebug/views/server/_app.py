@@ -11,7 +11,7 @@ import math
 import re
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from ..report import build_report, collect_views, fragments, render_page
 from ..report._format import json_safe
 from ..report._html import charts_js
 from ..report._rankview import render_rank_selector
+from ..verdict import verdict_of
 from ._cache import CachedRun, SeriesCache, ViewsCache
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -236,12 +237,16 @@ def training_summary_from_run(run: Any) -> dict[str, Any]:
     return training_summary(total, anomaly_steps, *rule_counts(kinds))
 
 
-def _run_row(i: Any, token_q: str) -> str:
+def _run_row(i: Any, token_q: str, verdict: dict[str, Any]) -> str:
+    """One run of the index: its status in the colour of its verdict's level (green only when there is
+    nothing to act on), and the verdict's sentence."""
     rid = html.escape(Path(i.path).name)
     lost = f" <b>incomplete: {i.lost} records lost</b>" if i.lost else ""
+    level = html.escape(str(verdict.get("level", "warning")))
     return (
         f'<tr data-id="{rid}"><td><a href="/runs/{rid}{token_q}">{html.escape(i.name)}</a></td>'
-        f'<td data-k="status"><span class="badge {html.escape(i.status)}">{html.escape(i.status)}</span>{lost}</td>'
+        f'<td data-k="status"><span class="badge {level}">{html.escape(i.status)}</span>{lost}</td>'
+        f'<td data-k="verdict" class="verdict-cell {level}">{html.escape(str(verdict.get("text", "")))}</td>'
         f'<td class=num data-k="steps">{i.steps}</td><td class=num data-k="anomalies">{i.anomalies}</td>'
         f"<td>{html.escape(i.created or '-')}</td><td><code>{rid}</code></td></tr>"
     )
@@ -266,8 +271,9 @@ _RUNS_JS = """
             tr = document.createElement('tr'); tr.dataset.id = run.id;
             var a = document.createElement('a'); a.href = '/runs/' + encodeURIComponent(run.id) + q; a.textContent = run.name;
             var c0 = document.createElement('td'); c0.appendChild(a); tr.appendChild(c0);
-            ['status', 'steps', 'anomalies'].forEach(function (k) {
-              var td = document.createElement('td'); td.dataset.k = k; if (k !== 'status') td.className = 'num'; tr.appendChild(td);
+            ['status', 'verdict', 'steps', 'anomalies'].forEach(function (k) {
+              var td = document.createElement('td'); td.dataset.k = k;
+              if (k === 'steps' || k === 'anomalies') td.className = 'num'; tr.appendChild(td);
             });
             var c4 = document.createElement('td'); c4.textContent = run.created || '-'; tr.appendChild(c4);
             var c5 = document.createElement('td'), code = document.createElement('code'); code.textContent = run.id;
@@ -277,7 +283,10 @@ _RUNS_JS = """
           }
           var st = cell(tr, 'status'), badge = st.querySelector('.badge');
           if (!badge) { badge = document.createElement('span'); st.appendChild(badge); }
-          if (badge.textContent !== run.status) { badge.textContent = run.status; badge.className = 'badge ' + run.status; }
+          if (badge.textContent !== run.status) badge.textContent = run.status;
+          if (badge.className !== 'badge ' + run.level) badge.className = 'badge ' + run.level;
+          var vc = cell(tr, 'verdict');
+          if (vc.textContent !== run.verdict) { vc.textContent = run.verdict; vc.className = 'verdict-cell ' + run.level; }
           if (cell(tr, 'steps').textContent !== String(run.steps)) cell(tr, 'steps').textContent = run.steps;
           if (cell(tr, 'anomalies').textContent !== String(run.anomalies)) cell(tr, 'anomalies').textContent = run.anomalies;
         });
@@ -290,15 +299,15 @@ _RUNS_JS = """
 """
 
 
-def _runs_page(infos: list[Any], token_q: str) -> str:
-    rows = "".join(_run_row(i, token_q) for i in reversed(infos))
+def _runs_page(infos: list[Any], token_q: str, judge: Callable[[Any], dict[str, Any]]) -> str:
+    rows = "".join(_run_row(i, token_q, judge(i)) for i in reversed(infos))
     from ..report._html import _CSS
 
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8><title>torchdebug runs</title>"
         '<meta name="color-scheme" content="light dark">'
         f"<style>{_CSS}</style></head><body><header><h1>torchdebug runs</h1>"
-        f"<small>torchdebug {html.escape(__version__)}</small></header><main><table><thead><tr><th>run</th><th>status</th>"
+        f"<small>torchdebug {html.escape(__version__)}</small></header><main><table><thead><tr><th>run</th><th>status</th><th>verdict</th>"
         f'<th>steps</th><th>anomalies</th><th>created</th><th>folder</th></tr></thead><tbody id="runs-body">{rows}</tbody></table>'
         f"{'' if infos else '<p class=empty id=no-runs>No runs yet.</p>'}</main><script>{_RUNS_JS}</script></body></html>"
     )
@@ -456,10 +465,20 @@ def create_app(
         finally:
             run.close()
 
+    verdicts = ViewsCache(max_entries=1024)
+
+    def judged(i: Any) -> dict[str, Any]:
+        """The run's verdict (``views.verdict``), computed again only when its files changed."""
+        if i.status == "unreadable":
+            return {"level": "error", "text": f"unreadable: {i.error}"}
+        return verdicts.get(Path(i.path), "verdict", lambda: verdict_of(i.path))  # type: ignore[no-any-return]
+
     def info_dict(i: Any) -> dict[str, Any]:
         d = i.to_dict()
         d["id"] = Path(i.path).name
         del d["path"]  # absolute, machine-bound: the id is what the API takes
+        v = judged(i)
+        d["level"], d["verdict"] = v["level"], v["text"]
         return d
 
     # -- pages -------------------------------------------------------------------------------------
@@ -472,7 +491,7 @@ def create_app(
     def index(request: Request) -> Response:
         if catalog.single:
             return RedirectResponse(f"/runs/{catalog.target.name}{token_query(request)}")  # type: ignore[union-attr]
-        return HTMLResponse(_runs_page(catalog.infos(), token_query(request)))
+        return HTMLResponse(_runs_page(catalog.infos(), token_query(request), judged))
 
     @app.get("/runs/{run_id}", include_in_schema=False)
     def run_page(run_id: str, request: Request, rank: int | None = Query(None, ge=0)) -> Response:
@@ -519,7 +538,8 @@ def create_app(
 
     @app.get("/api/runs", summary="List runs", tags=["runs"])
     def api_runs() -> Response:
-        """Every run served, oldest first: id, name, status, created, steps, anomalies."""
+        """Every run served, oldest first: id, name, status, created, steps, anomalies, and the verdict
+        (``level``: ok | running | warning | error, ``verdict``: its sentence)."""
         return _json({"runs": [info_dict(i) for i in catalog.infos()]})
 
     @app.get("/api/runs/{run_id}", summary="One run: meta, summary, metric names, segments", tags=["runs"])
@@ -609,7 +629,7 @@ def create_app(
     )
     def api_ranks(run_id: str) -> Response:
         """Per-rank step time, data wait, memory, grad norm; anomalies with their rank; hangs; stragglers."""
-        from ...store._ranks import rank_overview
+        from ...store.ranks import rank_overview
 
         with opened(run_id) as run:
             ov = views_cache.get(run.path, "ranks", lambda: json_safe(rank_overview(run)))

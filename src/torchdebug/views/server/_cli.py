@@ -68,7 +68,35 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origin,
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
+    _check_port(args.host, args.port)
     suffix = f"/?token={args.token}" if args.token and is_loopback(args.host) else ""
     print(f"torchdebug dashboard: http://{host}:{args.port}{suffix} (Ctrl-C to stop)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off")
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off"
+        )
+    except SystemExit as e:  # uvicorn exits 3 when it cannot start; 3 means "a NaN was found" here
+        if e.code not in (None, 0):
+            raise OSError(
+                f"the dashboard could not start on {host}:{args.port} (see the line above)"
+            ) from None
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raise ``OSError`` naming the fix when ``host:port`` cannot be listened on (a port in use):
+    exit 1 with one line, instead of uvicorn's log line and its exit code 3."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(
+                f"cannot listen on {host}:{port}: {e.strerror or e}; another program holds the port: "
+                f"stop it or choose another with --port"
+            ) from None

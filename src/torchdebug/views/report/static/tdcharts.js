@@ -2,17 +2,21 @@
    Figures are plain JSON built in Python (views/report/_figures.py). No network, no dependencies.
    Each chart: a title and one-line summary (its text alternative), an SVG with measured margins (no cut
    or overprinted labels), an HTML legend below the plot, a log toggle and smoothing where useful,
-   hover read-out, drag to zoom (double-click resets). Colours come from CSS variables, so
+   hover read-out, drag to zoom (double-click resets). Event and NaN markers sit on a lane of their own
+   under the plot (one row per marker trace), never at a height that reads as data; an axis marked
+   "robust" starts with outliers left out (a toggle shows them); a lone point is drawn as a dot. Colours come from CSS variables, so
    prefers-color-scheme switches light/dark without a redraw. */
 (function () {
   "use strict";
   var NS = "http://www.w3.org/2000/svg";
-  var PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf"];
+  // no red and no pink: red is kept for NaN markers and anomalies, pink for rule events
+  var PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#7f7f7f", "#bcbd22",
+    "#393b79", "#637939"];
+  var LANE_ROW = 14, LANE_ROWS = 4; // marker lane: px per row, rows at most (more traces share rows)
   var SUP = { "-": "\u207b", "0": "\u2070", "1": "\u00b9", "2": "\u00b2", "3": "\u00b3", "4": "\u2074",
     "5": "\u2075", "6": "\u2076", "7": "\u2077", "8": "\u2078", "9": "\u2079" };
   var LEGEND_OPEN = 8; // more entries than this: the legend folds into a <details>
-  var state = {}; // per chart id: {fig, hidden: {name: true}, log, smooth, zoom: [x0, x1] | null}
+  var state = {}; // per chart id: {fig, hidden: {name: true}, log, robust, smooth, zoom: [x0, x1] | null}
 
   function el(tag, attrs, parent) {
     var e = document.createElementNS(NS, tag);
@@ -137,7 +141,7 @@
   }
 
   function draw(container, fig) {
-    var st = state[fig.id] || (state[fig.id] = { hidden: {}, log: null, smooth: 0, zoom: null });
+    var st = state[fig.id] || (state[fig.id] = { hidden: {}, log: null, robust: null, smooth: 0, zoom: null });
     st.fig = fig;
     container.data = fig.data; // the figure's traces stay reachable (tests, devtools)
     if (!fig.data.length) {
@@ -150,6 +154,7 @@
     container.classList.add("has-plot");
     var lay = fig.layout || {};
     if (st.log === null) st.log = !!(lay.yaxis && lay.yaxis.type === "log");
+    if (st.robust === null) st.robust = !!(lay.yaxis && lay.yaxis.robust);
     if (!container.querySelector(".chart-head")) build(container, fig, st);
     var cap = container.querySelector(".chart-summary");
     if (cap.textContent !== (fig.summary || "")) cap.textContent = fig.summary || "";
@@ -164,6 +169,12 @@
     h("p", "chart-summary", cap, fig.summary || "");
     var tools = h("div", "chart-tools", head);
     var toggles = (fig.layout && fig.layout.toggles) || [];
+    if (toggles.indexOf("outliers") >= 0) {
+      var lab0 = h("label", "", tools), cb0 = h("input", "", lab0);
+      cb0.type = "checkbox"; cb0.checked = st.robust; cb0.setAttribute("data-tool", "outliers");
+      h("span", "outliers-label", lab0, " ignore outliers");
+      cb0.addEventListener("change", function () { st.robust = cb0.checked; render(container, st.fig, st); });
+    }
     if (toggles.indexOf("log") >= 0) {
       var lab = h("label", "", tools), cb = h("input", "", lab);
       cb.type = "checkbox"; cb.checked = st.log; cb.setAttribute("data-tool", "log");
@@ -244,37 +255,77 @@
     var xs0 = Infinity, xs1 = -Infinity;
     vis.forEach(function (t) { t.x.forEach(function (x) { if (finite(x)) { if (x < xs0) xs0 = x; if (x > xs1) xs1 = x; } }); });
     if (!finite(xs0)) { xs0 = 0; xs1 = 1; }
+    var xmin = xs0;
     if (st.zoom) { xs0 = st.zoom[0]; xs1 = st.zoom[1]; }
     if (xs1 === xs0) { xs0 -= 1; xs1 += 1; }
     if (!st.zoom) { var padx = (xs1 - xs0) * 0.015; xs0 -= padx; xs1 += padx; } // markers at the ends stay whole
+    var cut = 0; // points left out of the y range as outliers (robust axis)
+    function spikes(ys, xsOf, isLog) { // indexes of lone spikes: far from the median of their 11 neighbours
+      var idx = [], vals = [];
+      for (var i = 0; i < ys.length; i++) {
+        var x = xsOf[i], v = ys[i];
+        if (!finite(v) || (isLog && v <= 0) || x < xs0 || x > xs1) continue;
+        idx.push(i); vals.push(isLog ? Math.log10(v) : v);
+      }
+      var res = vals.map(function (v, k) { // centred window, narrower at the ends
+        var w = Math.min(5, k, vals.length - 1 - k);
+        var win = vals.slice(k - w, k + w + 1).sort(function (a, b) { return a - b; });
+        return Math.abs(v - win[w]);
+      });
+      var sorted = res.slice().sort(function (a, b) { return a - b; });
+      var scale = sorted.length ? sorted[sorted.length >> 1] : 0;
+      var vs = vals.slice().sort(function (a, b) { return a - b; });
+      var spread = vs.length ? vs[Math.floor((vs.length - 1) * 0.9)] - vs[Math.floor((vs.length - 1) * 0.1)] : 0;
+      var out = {};
+      // a spike stands 20 median residuals from its neighbours' median (far beyond a noisy loss's
+      // jitter) and half the series' 10-90% spread; a level that lasts 6 points or more becomes the
+      // local median and is no spike
+      var limit = Math.max(20 * scale, 0.5 * spread);
+      res.forEach(function (r, k) { if (r > limit && r > 0) out[idx[k]] = true; });
+      return { out: out, n: vals.length };
+    }
     function yrange(axis, isLog) {
-      var lo = Infinity, hi = -Infinity;
+      var lo = Infinity, hi = -Infinity, rlo = Infinity, rhi = -Infinity, n = 0, nOut = 0;
       series.forEach(function (s) {
         if (s.axis !== axis) return;
+        var sp = axis === "y" && st.robust && !s.lower ? spikes(s.ys, s.t.x, isLog) : { out: {}, n: 0 };
         var all = s.lower ? s.ys.concat(s.lower) : s.ys;
         for (var i = 0; i < all.length; i++) {
           var x = s.t.x[i % s.t.x.length], v = all[i];
           if (!finite(v) || (isLog && v <= 0) || x < xs0 || x > xs1) continue;
           v = isLog ? Math.log10(v) : v;
           if (v < lo) lo = v; if (v > hi) hi = v;
+          n++;
+          if (sp.out[i]) { nOut++; continue; }
+          if (v < rlo) rlo = v; if (v > rhi) rhi = v;
         }
       });
       if (!finite(lo)) return null;
+      // only a few lone spikes (2% of the points at most, one at least) are left off the axis
+      if (nOut > 0 && finite(rlo) && nOut <= Math.max(1, Math.floor(n * 0.02))) { cut = nOut; lo = rlo; hi = rhi; }
       if (hi === lo) { var d = isLog ? 0.5 : (Math.abs(lo) || 1) * 0.5; lo -= d; hi += d; }
       else { var pad = (hi - lo) * 0.05; lo -= pad; hi += pad; }
       if (!isLog && lay.yaxis && lay.yaxis.rangemode === "tozero" && axis === "y" && lo > 0) lo = 0;
       return [lo, hi];
     }
     var r1 = yrange("y", log), r2 = y2lay ? yrange("y2", y2log) : null;
-    var plotH = H - 8 - 40;
+    var outl = svg.closest(".chart") && svg.closest(".chart").querySelector(".outliers-label");
+    if (outl) outl.textContent = " ignore outliers" + (st.robust && cut ? " (" + cut + " off the axis)" : "");
+    var laneTraces = series.filter(function (s) { return s.axis === "y3"; });
+    var onlyLane = !r1 && !r2; // markers alone: the whole plot is the lane
+    var laneH = laneTraces.length && !onlyLane ? Math.min(LANE_ROWS, laneTraces.length) * LANE_ROW + 4 : 0;
+    var plotH = H - 8 - 40 - laneH;
     var nY = Math.max(2, Math.floor(plotH / 40));
     var t1 = r1 ? (log ? logTicks(r1[0], r1[1], nY) : linTicks(r1[0], r1[1], nY).map(function (v) { return { v: v, label: fmt(v) }; })) : [];
     var t2 = r2 ? (y2log ? logTicks(r2[0], r2[1], nY) : linTicks(r2[0], r2[1], nY).map(function (v) { return { v: v, label: fmt(v) }; })) : [];
     var w1 = Math.max.apply(null, [0].concat(t1.map(function (t) { return measure(t.label); })));
     var w2 = Math.max.apply(null, [0].concat(t2.map(function (t) { return measure(t.label); })));
-    var L = 8 + 18 + w1 + 6, R = r2 ? 8 + 18 + w2 + 6 : 14, T = 8, B = 40;
+    var L = 8 + 18 + w1 + 6, R = r2 ? 8 + 18 + w2 + 6 : 14, T = 8, B = 40 + laneH;
     var pw = W - L - R, ph = H - T - B;
     if (pw < 40) return;
+    // the marker lane: under the plot (or the whole plot when there is nothing else), one row per trace
+    var laneT = onlyLane ? T : T + ph + 4, laneHH = onlyLane ? ph : laneH - 4;
+    var laneRows = onlyLane ? Math.max(1, laneTraces.length) : Math.min(LANE_ROWS, laneTraces.length);
     function X(x) { return L + (x - xs0) / (xs1 - xs0) * pw; }
     function Yf(r, isLog) { return function (v) { var u = isLog ? Math.log10(v) : v; return T + ph - (u - r[0]) / (r[1] - r[0]) * ph; }; }
     var Y1 = r1 ? Yf(r1, log) : null, Y2 = r2 ? Yf(r2, y2log) : null;
@@ -291,19 +342,21 @@
       var y = T + ph - (t.v - r2[0]) / (r2[1] - r2[0]) * ph;
       el("text", { "class": "tick y2", x: L + pw + 6, y: y + 4, "text-anchor": "start" }, svg).textContent = t.label;
     });
-    // x ticks: as many as fit
+    // x ticks: as many as fit, none before the first step (steps count from 0)
     var wx = measure(fmtStep(xs1)) + 24;
     var tx = linTicks(xs0, xs1, Math.max(2, Math.floor(pw / wx)), true);
+    var bottom = laneH ? laneT + laneHH : T + ph;
     tx.forEach(function (v) {
       var x = X(v);
-      if (x < L - 0.5 || x > L + pw + 0.5) return;
-      el("line", { "class": "grid", x1: x, x2: x, y1: T, y2: T + ph }, svg);
-      el("text", { "class": "tick x", x: x, y: T + ph + 15, "text-anchor": "middle" }, svg).textContent = fmtStep(v);
+      if (x < L - 0.5 || x > L + pw + 0.5 || (v < 0 && xmin >= 0)) return;
+      el("line", { "class": "grid", x1: x, x2: x, y1: T, y2: bottom }, svg);
+      el("text", { "class": "tick x", x: x, y: bottom + 15, "text-anchor": "middle" }, svg).textContent = fmtStep(v);
     });
-    el("rect", { "class": "frame", x: L, y: T, width: pw, height: ph }, svg);
+    if (!onlyLane) el("rect", { "class": "frame", x: L, y: T, width: pw, height: ph }, svg);
+    if (laneTraces.length) el("rect", { "class": "lane", x: L, y: laneT, width: pw, height: laneHH }, svg);
     el("text", { "class": "axis-title", x: L + pw / 2, y: H - 6, "text-anchor": "middle" }, svg).textContent = "step";
     var yt = (lay.yaxis && lay.yaxis.title) || "";
-    if (yt) el("text", { "class": "axis-title", transform: "translate(14," + (T + ph / 2) + ") rotate(-90)", "text-anchor": "middle" }, svg).textContent = yt;
+    if (yt && !onlyLane) el("text", { "class": "axis-title", transform: "translate(14," + (T + ph / 2) + ") rotate(-90)", "text-anchor": "middle" }, svg).textContent = yt;
     if (r2 && y2lay.title) el("text", { "class": "axis-title", transform: "translate(" + (W - 8) + "," + (T + ph / 2) + ") rotate(-90)", "text-anchor": "middle" }, svg).textContent = y2lay.title;
     var g = el("g", { "clip-path": "url(#" + clipId + ")" }, svg);
     // stacked areas first, then lines, then markers on top
@@ -324,23 +377,25 @@
         el("path", { d: path, fill: "none", stroke: color, "stroke-width": (t.line && t.line.width) || 1.5,
           "stroke-dasharray": t.line && t.line.dash === "dot" ? "2,3" : null, "stroke-opacity": smooth ? 0.25 : 1 }, g);
         if (smooth) el("path", { d: pathOf(t.x, ema(ys, st.smooth), X, Y, ok, false), fill: "none", stroke: color, "stroke-width": 1.8 }, g);
+        for (var k = 0; k < t.x.length; k++) { // a point with no drawn neighbour makes no line: a dot
+          if (ok(ys[k]) && !(k > 0 && ok(ys[k - 1])) && !(k + 1 < t.x.length && ok(ys[k + 1])))
+            el("circle", { "class": "lone", cx: X(t.x[k]).toFixed(1), cy: Y(ys[k]).toFixed(1), r: 3, fill: color }, g);
+        }
       }
       if (mode.indexOf("markers") >= 0) {
         for (var j = 0; j < t.x.length; j++) if (ok(ys[j])) mark(g, X(t.x[j]), Y(ys[j]), (t.marker && t.marker.symbol) || "circle", color);
       }
     });
     var gm = el("g", { "class": "marks" }, svg);
-    series.forEach(function (s) { // y3: event / NaN markers at fixed heights, kept inside the plot area
-      if (s.axis !== "y3") return;
-      var t = s.t;
+    laneTraces.forEach(function (s, k) { // y3: event / NaN markers, each trace on its own row of the lane
+      var t = s.t, y = laneT + ((k % laneRows) + 0.5) * laneHH / laneRows;
       for (var j = 0; j < t.x.length; j++) {
         if (t.x[j] < xs0 || t.x[j] > xs1) continue;
-        var y = T + (1 - t.y[j]) * ph;
-        y = Math.min(T + ph - 7, Math.max(T + 7, y));
         mark(gm, Math.min(L + pw - 6, Math.max(L + 6, X(t.x[j]))), y, (t.marker && t.marker.symbol) || "x", colors[t.name]);
       }
     });
-    hover(svg, box, series, { L: L, T: T, pw: pw, ph: ph, X: X, xs0: xs0, xs1: xs1 }, st, fig, colors);
+    // the hover area covers the lane too: a marker reads out its text there
+    hover(svg, box, series, { L: L, T: T, pw: pw, ph: laneH ? laneT + laneHH - T : ph, X: X, xs0: xs0, xs1: xs1 }, st, fig, colors);
   }
 
   function pathOf(xs, ys, X, Y, ok, hv) {
@@ -462,8 +517,8 @@
     var tx2 = linTicks(xa, xb, Math.max(2, Math.floor(pw / (measure(fmtStep(x1)) + 24))), true);
     tx2.forEach(function (v) {
       var x = L + (v - xa) / (xb - xa) * pw;
-      if (x < L || x > L + pw) return;
-      el("text", { "class": "tick", x: x, y: T + ph + 15, "text-anchor": "middle" }, svg).textContent = fmtStep(v);
+      if (x < L || x > L + pw || (v < 0 && x0 >= 0)) return; // no tick before step 0
+      el("text", { "class": "tick x", x: x, y: T + ph + 15, "text-anchor": "middle" }, svg).textContent = fmtStep(v);
     });
     el("rect", { "class": "frame", x: L, y: T, width: pw, height: ph }, svg);
     el("text", { "class": "axis-title", x: L + pw / 2, y: H - 6, "text-anchor": "middle" }, svg).textContent = "step";

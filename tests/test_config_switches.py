@@ -1,4 +1,4 @@
-"""Each seed flag alone does what ``config.instruments()`` claims (issue 14.3)."""
+"""Each seed flag alone does what ``config.instruments()`` claims."""
 
 from __future__ import annotations
 

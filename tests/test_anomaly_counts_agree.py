@@ -15,6 +15,9 @@ import torchdebug as td
 from torchdebug.compat import TrainingDebugger
 from torchdebug.events import is_anomalous
 from torchdebug.store import open_run
+
+pytest.importorskip("fastapi")  # the dashboard extra: its summaries are one of the paths compared
+
 from torchdebug.views.server import serve
 from torchdebug.views.server._app import training_summary_from_run
 

@@ -1,4 +1,4 @@
-"""Seed options are either mapped onto the engine or refused, never accepted and ignored (issue 14.4)."""
+"""Seed options are either mapped onto the engine or refused, never accepted and ignored."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seed-era summaries (issue 14.1, 14.2): counted from the kinds the real rules emit; one source per response."""
+"""Seed-era summaries: counted from the kinds the real rules emit; one source per response."""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def test_overflow_below_the_scale_floor_is_a_collapse_anomaly() -> None:
     # the first op that made the Inf: the backward of the loss code's out.float() casts the fp32
     # gradient 2.6e11 down to float16 (issue 12.1: an overflow is the origin); the loss line
     assert (a.step, a.phase, a.module, a.kind, a.op) == (2, "backward", "", "inf", "ToCopyBackward0")
-    assert a.location is not None and a.location.endswith(f"test_stack_amp.py:{loss_line}")
+    assert a.location is not None and a.location.endswith(f"test_amp_grad_scaler.py:{loss_line}")
     assert a.hint.startswith("float16 max is 65504")
     assert mon.counters["anomaly_steps"] == 1
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .._errors import RunStoreError
 from .._term import printable
+from ..store.reader import resolve_run
 
 _MAX_METRICS = 20
 _MAX_ANOMALIES = 20
@@ -53,7 +53,8 @@ def _non_default(config: dict[str, Any]) -> dict[str, Any]:
 def _runs(args: argparse.Namespace) -> int:
     from .._term import style, use_colour
     from ..cli import default_runs_dir
-    from .reader import list_runs
+    from ..store.reader import list_runs
+    from .verdict import verdict_of
 
     root = Path(args.runs or args.dir or default_runs_dir())
     if not root.exists():
@@ -62,28 +63,40 @@ def _runs(args: argparse.Namespace) -> int:
             "torchdebug runs --runs DIR"
         )
     infos = list_runs(root)
+    # the verdict of each readable run: a finished run with 790 NaN steps is not green
+    judged = [
+        verdict_of(i.path)
+        if i.status != "unreadable"
+        else {"level": "error", "text": f"unreadable: {i.error}"}
+        for i in infos
+    ]
     if args.json:
-        print(json.dumps([i.to_dict() for i in infos], indent=2))
+        docs = [
+            {**i.to_dict(), "verdict": {"level": v["level"], "text": v["text"]}}
+            for i, v in zip(infos, judged, strict=True)
+        ]
+        print(json.dumps(docs, indent=2))
         return 0
     if not infos:
         print(f"no runs in {root}")
         return 0
-    rows: list[tuple[str, ...]] = [("NAME", "STATUS", "STEPS", "ANOMALIES", "CREATED", "PATH")]
-    for i in infos:
+    rows: list[tuple[str, ...]] = [("NAME", "STATUS", "VERDICT", "STEPS", "ANOMALIES", "CREATED", "PATH")]
+    for i, v in zip(infos, judged, strict=True):
         created = (i.created or "-").replace("T", " ")[:19]
         status = f"{i.status}, incomplete" if i.lost else i.status
-        cells = (i.name, status, str(i.steps), str(i.anomalies), created)
+        cells = (i.name, status, str(v["level"]), str(i.steps), str(i.anomalies), created)
         rows.append((*(printable(c, _MAX_NAME) for c in cells), printable(i.path)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    numeric = {2, 3}
+    numeric = {3, 4}
     colour = use_colour(sys.stdout)
     for n, r in enumerate(rows):
         padded = [r[c].rjust(widths[c]) if c in numeric else r[c].ljust(widths[c]) for c in range(len(r))]
-        if n:  # the status (red failed/crashed, yellow running, green finished) and a non-zero anomaly count
-            info = infos[n - 1]
-            padded[1] = style(padded[1], "warning" if info.lost else info.status, colour)
-            if info.anomalies:
-                padded[3] = style(padded[3], "error", colour)
+        if n:  # status and verdict in the verdict's colour (green only with nothing to act on)
+            level = judged[n - 1]["level"]
+            padded[1] = style(padded[1], level, colour)
+            padded[2] = style(padded[2], level, colour)
+            if infos[n - 1].anomalies:
+                padded[4] = style(padded[4], "error", colour)
         print("  ".join(padded).rstrip())
     for i in infos:
         if i.error:
@@ -91,28 +104,6 @@ def _runs(args: argparse.Namespace) -> int:
         if i.lost:
             print(printable(f"  {i.path}: {lost_line(i.lost, i.lost_from_step, i.write_error)}"))
     return 0
-
-
-def resolve_run(run: str, root: str | os.PathLike[str] = "runs") -> Path:
-    """A run folder from a path, or from a name under ``root`` (the newest ``<name>-<timestamp>``).
-
-    Raises:
-        RunStoreError: nothing matches (the message says where it looked).
-    """
-    p = Path(run)
-    if p.exists():
-        return p
-    base = Path(root)
-    if base.is_dir() and os.sep not in run:
-        if (base / run).exists():
-            return base / run
-        # Folder names end in -yyyymmdd-hhmmss, so the lexically last match is the newest run.
-        matches = sorted(
-            c for c in base.iterdir() if c.name.startswith(run + "-") and (c / "meta.json").is_file()
-        )
-        if matches:
-            return matches[-1]
-    raise RunStoreError(f"{run} does not exist (no such folder, and no run named {run!r} under {base})")
 
 
 def lost_line(lost: int, from_step: int | None, error: str | None = None) -> str:
@@ -140,9 +131,9 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 def _show(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
-    from ._ranks import rank_overview
-    from ._verdict import verdict
-    from .reader import open_run
+    from ..store.ranks import rank_overview
+    from ..store.reader import open_run
+    from .verdict import verdict
 
     path = resolve_run(args.run, args.runs or default_runs_dir())
     with open_run(path, rank=args.rank) as run:
@@ -224,14 +215,14 @@ def _show(args: argparse.Namespace) -> int:
         if not events:
             out.append("  none")
         if any(k in events for k in ("spike_report", "rollback")):
-            from ._spikes import spike_lines
+            from .spikes import spike_lines
 
             out += ["", *spike_lines(run.events())]
         if summary["segments"]:
             out.append("")
             out.append(f"segments   {summary['segments']} (history cleared from the dashboard)")
         if overview is not None:  # several ranks: one view of all of them
-            from ._ranks import overview_lines
+            from .ranks import overview_lines
 
             out.append("")
             out += overview_lines(overview)
