@@ -237,7 +237,9 @@ class Monitor(Controls, Recording, SeveralModels):
             changes, self._pending_changes = self._pending_changes, {}
             self._apply_level(level if level is not None else self.config.level, **changes)
         self.global_step += 1
-        self.stepper.state = self.stepper.state.next()
+        transfer = self.stepper.state.transfer  # (``StepState.next``, inlined: every step)
+        transfer.reset()
+        self.stepper.state = StepState(transfer)  # a new state for the next step
         hub = self._hub
         if hub is not None and hub.pending:
             hub.warn()  # a sink was switched off (on its thread): say it here, once
