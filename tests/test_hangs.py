@@ -203,7 +203,30 @@ def test_matching_the_recorded_skip_without_rank1s_record_says_it_wrote_none(run
     _, run = runs["skip"]
     records = hangs.read_records(run)
     v = hangs.match({0: records[0]}, 2)
-    assert v.kind == "unknown" and str(v) == "no hang verdict: only rank 0 wrote a flight record"
+    assert str(v) == "no hang verdict: only rank 0 wrote a flight record with collectives"
+    assert (v.kind, v.ranks) == ("unknown", [1])
+
+
+@TIMEOUT
+def test_four_ranks_from_the_recorded_skip_name_the_missing_the_waiting_and_the_silent(runs):
+    _, run = runs["skip"]
+    rec = hangs.read_records(run)
+    blind = {"rank": 3, "reason": "hang", "phase": "forward", "last_step": 2, "where": "x.py:1 in f"}
+    records = {
+        **rec,
+        2: {**rec[0], "rank": 2},
+        3: {**blind, "entries": [], "error": "no Flight Recorder dump"},
+    }
+    v = hangs.match(records, 5)
+    assert (v.kind, v.ranks, v.waiting, v.op) == ("missing", [1], [0, 2], "all_reduce")
+    assert str(v).startswith(f"rank 1 never entered all_reduce #{v.seq} of the default group: it is at ")
+    assert (
+        f"; rank 0 waits after step {STEPS - 1} at test_hangs.py:{METRIC_LINE} in _train, rank 2 waits"
+        in str(v)
+    )
+    assert str(v).endswith(
+        "; rank 4 wrote no flight record; rank 3 recorded no collectives (no Flight Recorder dump)"
+    )
 
 
 @TIMEOUT

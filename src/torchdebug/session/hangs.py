@@ -191,6 +191,14 @@ def _state(rec: dict[str, Any]) -> str:
     return f"it is at {rec.get('where')} ({_when(rec)})"
 
 
+def _silent(silent: list[int], blind: list[int]) -> str:
+    missing = [r for r in silent if r not in blind]
+    out = f"; {_ranks(missing)} wrote no flight record" if missing else ""
+    if blind:
+        out += f"; {_ranks(blind)} recorded no collectives (no Flight Recorder dump)"
+    return out
+
+
 def match(records: dict[int, dict[str, Any]], world: int | None = None) -> HangVerdict:
     """The hang verdict from every rank's flight record (``{rank: record}``, see :func:`capture`).
 
@@ -199,12 +207,14 @@ def match(records: dict[int, dict[str, Any]], world: int | None = None) -> HangV
     another has one, or where the ranks' entries differ in op, sizes or dtypes, is the verdict.
     ``world``: the ranks expected (``range(world)``); a rank without a record is named as such.
     """
-    ranks = sorted(records)
-    expected = list(range(world)) if world else ranks
-    silent = [r for r in expected if r not in records]
+    blind = sorted(r for r, rec in records.items() if rec.get("error"))  # no Flight Recorder there
+    ranks = sorted(r for r in records if r not in blind)
+    expected = list(range(world)) if world else sorted(records)
+    silent = [r for r in expected if r not in ranks]  # no record, or one without collectives
     if len(ranks) < 2:
         names = _ranks(ranks) if ranks else "no rank"
-        return HangVerdict("unknown", f"no hang verdict: only {names} wrote a flight record", ranks=silent)
+        text = f"no hang verdict: only {names} wrote a flight record with collectives"
+        return HangVerdict("unknown", text, ranks=silent)
     per: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
     for r in ranks:
         for e in records[r].get("entries") or []:  # oldest first
@@ -235,7 +245,7 @@ def match(records: dict[int, dict[str, Any]], world: int | None = None) -> HangV
                     f"{where}; {waits}"
                 )
                 if silent:
-                    text += f"; {_ranks(silent)} wrote no flight record"
+                    text += _silent(silent, blind)
                 return HangVerdict(
                     "missing", text, group, seq, e["op"], absent, waiting, {r: _call(have[r]) for r in have}
                 )
@@ -246,13 +256,13 @@ def match(records: dict[int, dict[str, Any]], world: int | None = None) -> HangV
                     f"rank {r} calls {c}" for r, c in calls.items()
                 )
                 if silent:
-                    text += f"; {_ranks(silent)} wrote no flight record"
+                    text += _silent(silent, blind)
                 ops = sorted({e["op"] for e in have.values()})
                 return HangVerdict("mismatch", text, group, seq, "/".join(ops), sorted(have), [], calls)
     states = "; ".join(f"rank {r}: {_state(records[r])}" for r in ranks)
     text = f"the ranks' collectives match in every group: the hang is outside them ({states})"
     if silent:
-        text += f"; {_ranks(silent)} wrote no flight record"
+        text += _silent(silent, blind)
     return HangVerdict("agree", text, ranks=silent)
 
 
