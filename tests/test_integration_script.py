@@ -11,6 +11,7 @@ import torch
 import torchdebug as td
 from tests.fixtures.models import origin_line
 from torchdebug.cli import main
+from torchdebug.store import open_run
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fixtures", "nanogpt_script.py")
 
@@ -131,4 +132,24 @@ def test_run_of_a_clean_gan_counts_one_step_per_iteration(tmp_path, capsys):
     assert code == 0 and out.startswith("done: loss_d ")
     assert "watched G and D with Adam and Adam: 3 steps, 0 anomalies" in err
     assert meta(tmp_path)["status"] == "finished"
+    assert_clean_exit()
+
+
+DCGAN = os.path.join(os.path.dirname(__file__), "fixtures", "dcgan_script.py")
+
+
+def test_run_of_the_dcgan_example_goes_on_past_a_loss_spike(tmp_path, capsys, monkeypatch):
+    """pytorch/examples' dcgan order: the spike at D's update is replayed per row (G's forward again,
+    BatchNorm) while G's graph waits for errG.backward(); the script runs to its end and exits 0."""
+    monkeypatch.setenv("TORCHDEBUG_EXPLODE_WARMUP", "3")  # the spike rule's warm-up: 3 losses, not 20
+    with pytest.warns(td.TorchDebugWarning):
+        code = main(["run", "--run-dir", str(tmp_path), DCGAN, "--niter", "8", "--spike-iter", "5"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("done: 8 iterations")
+    assert "watched netD and netG with Adam and Adam: 8 steps, 0 anomalies" in err
+    assert meta(tmp_path)["status"] == "finished"
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    with open_run(run) as r:
+        (report,) = r.events(kind="spike_report")
+    assert report["step"] == 5 and report["data"]["evidence"]["evidence"]["rows"]["count"] == 8
     assert_clean_exit()

@@ -3,6 +3,7 @@ printed once and attributed to the user's line."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -10,6 +11,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -386,3 +388,76 @@ def test_policy_skip_said_once_per_episode_with_the_count(tmp_path) -> None:
     assert said[3][0] == "torchdebug: 1 step skipped by policy='skip' (step 8); training resumed at step 9"
     assert all(f == THIS_FILE for _, f, _ in said)
     assert said[1][2] == line and said[3][2] == line
+
+
+def _timed(times: list[StepTiming], cpu_of: Any, wait_of: Any) -> list[StepTiming]:
+    """The same steps, each with its CPU seconds ``cpu_of(t)`` and its wait for a CPU ``wait_of(t)``."""
+    return [dataclasses.replace(t, cpu=cpu_of(t), wait=wait_of(t)) for t in times]
+
+
+def test_a_busy_machine_is_information_and_own_work_a_warning() -> None:
+    # 600 jittery 5 ms steps of which 2 ms are compute (CPU); steps 300-449 take 10 ms more wall
+    # time in the forward. Clocks injected: the CPU and run-queue seconds of each step are given
+    base = jittery_step_times(600, 1)
+    slow = [
+        StepTiming(t.step, t.data, t.forward + 0.010, t.backward, t.optimizer, t.other, t.total + 0.010)
+        if 300 <= t.step < 450
+        else t
+        for t in base
+    ]
+    compute = {t.step: t.forward + t.backward + t.optimizer for t in base}
+
+    def slow_by(extra: float) -> Any:
+        return lambda t: extra if 300 <= t.step < 450 else 0.0
+
+    def cpu(extra: float) -> Any:
+        return lambda t: compute[t.step] + slow_by(extra)(t)
+
+    # a busy machine: the training thread waited the 10 ms for a CPU, it used the same CPU time
+    busy = SlowdownRule(load=lambda: (7.9, 2))
+    events = [e for t in _timed(slow, cpu(0.0), slow_by(0.010)) for e in busy.update(t)]
+    assert [(e.kind, e.severity) for e in events] == [("slowdown", "info"), ("slowdown_end", "info")]
+    said = events[0].message
+    assert "because the training thread waited 10.0 ms a step for a CPU (0.0 ms before)" in said
+    assert "it used 2.0 ms of CPU a step (2.0 ms before)" in said
+    assert said.endswith(
+        "other processes are taking the machine's CPUs (load average 7.9 on 2 CPUs); nothing in this training changed"
+    )
+    assert (events[0].evidence["load_1min"], events[0].evidence["cpus"]) == (7.9, 2)
+    # its own work: the 10 ms are CPU time of this process (a slower kernel), no wait: a warning
+    own = SlowdownRule(load=lambda: (7.9, 2))
+    events = [e for t in _timed(slow, cpu(0.010), slow_by(0.0)) for e in own.update(t)]
+    assert [(e.kind, e.severity) for e in events] == [("slowdown", "warning"), ("slowdown_end", "info")]
+    assert events[0].message.startswith("steps got slower since about step")
+    # neither CPU nor a wait for one (a sleep, I/O, a lock): the process's own waiting, a warning
+    asleep = SlowdownRule()
+    first = next(e for t in _timed(slow, cpu(0.0), slow_by(0.0)) for e in asleep.update(t))
+    assert first.severity == "warning"
+    # 4 of the 10 ms a wait for a CPU: the other 6 ms still make its own steps slow (11 ms vs 5 ms)
+    part = SlowdownRule()
+    first = next(e for t in _timed(slow, cpu(0.0), slow_by(0.004)) for e in part.update(t))
+    assert first.severity == "warning"
+    # the wait not measured (not Linux, a CUDA run): a warning, as before
+    plain = SlowdownRule()
+    assert next(e.severity for t in slow for e in plain.update(t)) == "warning"
+
+
+def test_a_watched_cpu_run_times_its_steps_cpu() -> None:
+    # a real loop: every step's timing carries this process's CPU seconds and the training thread's
+    # wait for a CPU (Linux: the run-queue delay), finite and not negative
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tdm.watch(model, opt, run=False) as mon:
+        for _ in range(6):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1)).backward()
+            opt.step()
+            mon.step()
+        (timing,) = [i for i in mon.instruments if i.name == "timing"]
+        cpus = [t.cpu for t in timing.history]
+        waits = [t.wait for t in timing.history]
+    assert len(cpus) == 6 and all(math.isfinite(c) and c >= 0 for c in cpus)
+    if sys.platform == "linux":
+        assert all(math.isfinite(w) and w >= 0 for w in waits)
+    assert timing.wait_clock is None  # the proc file closed at exit

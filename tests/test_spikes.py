@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -361,6 +362,23 @@ def test_rows_that_are_many_are_not_a_few_rows() -> None:
     assert attribute(ev).cause == "batch" and [r.index for r in attribute(ev).rows] == list(range(24, 32))
 
 
+def test_a_spike_before_the_loss_recovered_from_the_last_is_the_same_incident() -> None:
+    # rows as a few bad rows would make them: 2 of 32 at 50, the rest at 1 (a batch, alone)
+    rows = [1.0] * 30 + [50.0] * 2
+    ev = Evidence(step=47, loss=4.06, median=1.0, sigma=0.1, mads=10.0, rows=rows, reduction="mean")
+    assert attribute(ev).cause == "batch"
+    # ... but the loss had not come back from an optimizer_state spike at step 40 (median 0.9 then):
+    # the rows measure the model that spike left, so no batch is blamed, and it is that incident
+    ev.notes["unrecovered"] = {"step": 40, "cause": "optimizer_state", "median": 0.9}
+    report = attribute(ev)
+    assert (report.cause, report.began, report.rows) == ("optimizer_state", 40, ())
+    assert report.message == (
+        "the same incident as the spike at step 40 (cause optimizer_state): the loss had not come back "
+        "to its median 0.9 since"
+    )
+    assert report.evidence["batch_why"].startswith("the loss had not come back to its median 0.9 since the")
+
+
 def test_under_sync_async_the_spike_is_judged_a_step_late_and_still_rolled_back() -> None:
     torch.manual_seed(0)
     model = Net()
@@ -566,3 +584,55 @@ def test_a_refused_rollback_is_said_and_training_goes_on() -> None:
     )
     assert any("rollback refused" in str(w.message) for w in said)
     assert len(mon.records) == SPIKE + 5
+
+
+@dataclasses.dataclass
+class RegressionOutput:
+    """What a Hugging Face model returns (its ``ModelOutput`` is a dataclass): the loss it computed."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class SelfLossNet(Net):
+    """``model(x, labels=y).loss``: the loss is computed inside the forward, as Hugging Face models do."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> RegressionOutput:  # type: ignore[override]
+        pred = super().forward(x)
+        return RegressionOutput(F.mse_loss(pred, labels) if labels is not None else None, pred)
+
+
+def test_rows_are_named_when_the_model_computes_the_loss_itself() -> None:
+    torch.manual_seed(0)
+    model = SelfLossNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    batches = data(SPIKE + 3, {SPIKE: {3: 100.0, 17: 60.0}})
+    with pytest.warns(TorchDebugWarning), watched(model, opt) as mon:
+        for x, y in batches:
+            loss = model(x, labels=y).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    assert spikes_of(mon) == [(SPIKE, "batch")]
+    report = mon.spikes[0]
+    # one forward per row on the row's inputs and labels: the two scaled rows, the largest first
+    assert [r.index for r in report.rows] == [3, 17]
+    assert report.evidence["rows"]["count"] == BATCH
+
+
+def test_a_loss_the_replay_cannot_split_says_why() -> None:
+    from torchdebug.nonfinite.locate import StepCapture
+    from torchdebug.nonfinite.rows import row_losses
+
+    model = Net()
+    x = torch.randn(4, D_IN)
+    cap = StepCapture.take((x,), {}, False)
+    cap.outputs = model(x)
+    cap.loss = cap.outputs.sum() * 2  # made after the forward, but no torch call was recorded
+    cap.tape_complete = True
+    assert row_losses(model, cap)[3] == (
+        "the loss is neither one of the model's outputs nor made by torch calls after its forward"
+    )
+    cap.tape_complete = False
+    assert row_losses(model, cap)[3].startswith("the loss code was not recorded (trace_loss off")

@@ -30,7 +30,7 @@ from tests._imports import ROOT
 MAX_CALLS = 180  # torchdebug's Python calls in one ordinary step of the loop below
 MAX_CALL_BACKS = 10  # calls into a file already on the stack, in that step
 MAX_CLASS_LINES = 600
-MONITOR_WITH_BASES = 1010  # Monitor with the bases it still inherits (see the last test)
+MONITOR_WITH_BASES = 856  # Monitor with the bases it still inherits (see the last test)
 
 
 def _trace_step(tmp_path: Path, index: int = 3) -> tuple[int, int, list[str]]:
@@ -142,5 +142,5 @@ def test_no_class_of_the_core_is_over_600_lines_with_its_package_bases() -> None
     assert classes["Sentinel"][1] == [] and classes["Step"][1] == []  # members, not mixins
     over = {k: size(k) for k in classes if size(k) > MAX_CLASS_LINES}
     # the session: the step's path is a member (Step); its other parts are still bases sharing its
-    # ``self`` (Controls, Recording, SeveralModels, GradientCheck), pinned here until they are members
+    # ``self`` (Controls, Recording, SeveralModels), pinned here until they are members
     assert set(over) <= {"Monitor"} and over.get("Monitor", 0) <= MONITOR_WITH_BASES

@@ -50,7 +50,11 @@ def test_a_detail_steps_numbers_are_one_packed_row_per_vector(tmp_path: Path) ->
         assert (a.steps, a.values) == ([0, 10, 20], [1.0, 0.5, 0.1])  # 0.1 exactly, not 0.10000000149
         assert b.steps == [0, 10, 20] and math.isnan(b.values[0]) and b.values[1:] == [2.0, math.inf]
         assert run.at_step(10)["scalars"] == {"loss": 10.0, "grad_norm/a": 0.5, "grad_norm/b": 2.0}
-        assert run.last_values() == {"grad_norm/a": (20, 0.1), "grad_norm/b": (20, math.inf), "loss": (20, 20.0)}
+        assert run.last_values() == {
+            "grad_norm/a": (20, 0.1),
+            "grad_norm/b": (20, math.inf),
+            "loss": (20, 20.0),
+        }
         assert run.steps() == 3
         stats = metric_stats(run)
     # a: 1.0 + 0.5 + 0.1 = 1.6 over 3 finite points; b: one finite point (2.0), NaN and +Inf are bad

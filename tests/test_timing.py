@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torchdebug.session.monitor as tdm
-from tests.fixtures.memory_models import sleepy_batches
+from tests.fixtures.memory_models import sleepy_batches, sleepy_loader
 from torchdebug._errors import TorchDebugWarning
 from torchdebug.perf.timing import ModuleTimer, batch_size_and_tokens
 from torchdebug.store import open_run
@@ -36,7 +36,7 @@ def test_data_wait_of_a_sleeping_loader_within_20_percent(tmp_path):
         pytest.warns(TorchDebugWarning, match="input_bound"),
         tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon,
     ):
-        for x in sleepy_batches(10, sleep):
+        for x in sleepy_loader(10, sleep):
             loss = model(x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -58,6 +58,49 @@ def test_data_wait_of_a_sleeping_loader_within_20_percent(tmp_path):
     assert [r["step"] for r in rows] == list(range(10))
     assert set(rows[3]) >= {"data", "forward", "backward", "optimizer", "other", "step"}
     assert rows[3]["data"] == pytest.approx(hist[3].data)
+
+
+@pytest.mark.parametrize("loop", ["rollout", "teacher"])
+def test_time_before_the_forward_without_a_dataloader_is_not_input_bound(tmp_path, loop):
+    # an actor-critic's environment rollout, a distillation teacher's forward: the same 50 ms before
+    # the watched model's forward as the sleeping loader above, but no DataLoader gives the batch
+    model = _mlp()
+    teacher = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon:
+        for x in sleepy_batches(10, 0.05 if loop == "rollout" else 0.0):
+            if loop == "teacher":
+                with torch.no_grad():
+                    for _ in range(200):  # the teacher's forward, unwatched
+                        x = teacher(x).tanh()
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+        hist = list(_timing(mon).history)
+        kinds = [e.kind for e in mon.events]
+    assert "input_bound" not in kinds
+    assert [t.loader_calls for t in hist] == [0] * 10
+    # the time is still shown as the span before the forward (the report's "data" phase)
+    assert all(t.data > 0 for t in hist[1:])
+
+
+def test_a_dataloader_batch_is_timed_and_counted(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tdm.watch(model, opt, config={**PERF, "run_dir": str(tmp_path)}) as mon:
+        for x in sleepy_loader(3, 0.0):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        hist = list(_timing(mon).history)
+    # one batch a step; the one past the end (StopIteration) comes after the last mon.step()
+    assert [t.loader_calls for t in hist] == [1, 1, 1]
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    assert _BaseDataLoaderIter.__next__.__qualname__ == "_BaseDataLoaderIter.__next__"  # restored
 
 
 def test_fast_loop_is_not_input_bound_and_no_slowdown(tmp_path):

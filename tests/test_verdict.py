@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +344,43 @@ def test_healthy_and_failed_runs_have_no_divergence(runs: dict[str, Path]) -> No
     for name in ("healthy", "failed", "warned"):
         with open_run(runs[name]) as run:
             assert run.events("divergence") == [], name
+
+
+def test_a_loss_far_above_its_first_value_diverged_from_the_start() -> None:
+    # GPT-2 at AdamW lr 1.0: the loss 25-35x its step-0 value from step 1 on, never NaN. No good level
+    # to compare with (the baseline fills with diverged losses): the first loss is the reference
+    rng = random.Random(0)
+    losses = [10.8] + [10.8 * rng.uniform(25, 35) for _ in range(60)]
+    rule = DivergenceRule()
+    events = _feed(rule, losses)
+    assert [e.kind for e in events] == ["divergence"]
+    (e,) = events
+    # judged once the recent window is full (steps 0..24: 24 of 25 above 20x, share 0.8); the
+    # event names its onset, step 1
+    assert (e.step, e.evidence["before"], e.evidence["since_step"]) == (1, 10.8, 1)
+    assert 25 <= e.evidence["factor"] <= 35
+    assert "diverged from the start" in e.message and "far too high" in e.message
+
+
+def test_a_level_shift_that_stays_is_a_divergence() -> None:
+    # 1200 steps of a healthy decay from 2.3 to ~0.1, then the loss jumps 19x and stays for 800 steps
+    rng = random.Random(1)
+    healthy = [0.1 + 2.2 * math.exp(-s / 150) + rng.gauss(0, 0.01) for s in range(1200)]
+    level = statistics.median(healthy[-25:])
+    shifted = [19 * level * rng.uniform(0.9, 1.1) for _ in range(800)]
+    events = _feed(DivergenceRule(), healthy + shifted)
+    assert [e.kind for e in events] == ["divergence"]
+    assert 1200 <= events[0].evidence["since_step"] <= 1201
+    assert 17 < events[0].evidence["after"] / events[0].evidence["before"] < 21
+
+
+@pytest.mark.parametrize(
+    "first, later", [(1.38, 0.9), (0.69, 5.0), (2.3, 4.0)], ids=["gan_d", "gan_g", "noisy"]
+)
+def test_losses_that_rise_a_few_times_their_first_value_are_not_divergence(
+    first: float, later: float
+) -> None:
+    # a GAN's generator loss going from 0.69 to ~5 (7x), a discriminator's falling: healthy
+    rng = random.Random(2)
+    losses = [first] + [later * rng.uniform(0.7, 1.3) for _ in range(300)]
+    assert _feed(DivergenceRule(), losses) == []

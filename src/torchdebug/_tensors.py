@@ -37,6 +37,21 @@ def local(t: Any) -> Any:
     return t
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored_values(t: Any) -> Any:
+    """A sparse tensor's stored values as a dense tensor (COO: ``_values()``; CSR/CSC/BSR/BSC:
+    ``values()``; no copy), which hold every NaN/Inf it has (its implicit zeros are finite); anything
+    else as it is. ``torch.isfinite`` and the sums below have no sparse kernels."""
+    if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
+        if t.layout is torch.sparse_coo:
+            return t._values()
+        if t.layout in _COMPRESSED:
+            return t.values()
+    return t
+
+
 def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``local`` over a list; the list itself when it holds no DTensor (the common case, no copy)."""
     dtensor = dtensor_type()
@@ -85,6 +100,7 @@ def finite_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _probe_one(t: torch.Tensor) -> torch.Tensor:
+    t = stored_values(t)  # a sparse gradient (nn.Embedding(sparse=True)): its stored values
     if t.is_floating_point():
         return t.sum(dtype=torch.float32)
     if t.is_complex():  # real and imaginary parts: a NaN in either is a NaN gradient

@@ -147,7 +147,8 @@ class Anomaly:
     @property
     def where(self) -> str:
         if self.module is None:
-            return "no traced origin"
+            # an op without a module: read from an autograd graph the trace did not see being built
+            return "an untraced module" if self.op and self.phase == "forward" else "no traced origin"
         return module_label(self.module, self.module_type)
 
     def site(self) -> str:

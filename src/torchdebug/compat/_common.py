@@ -26,6 +26,31 @@ HISTORY_SIZE = 1000
 MAX_ANOMALIES = 1000
 
 
+def call_accepting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Call a user's collaborator with the keyword arguments its signature accepts; False when it raised.
+
+    A failing collaborator is warned about (``TorchDebugWarning``): the caller stops calling it.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            names = {p.name for p in params}
+            kwargs = {k: v for k, v in kwargs.items() if k in names}
+    except (TypeError, ValueError):  # no signature (a builtin): pass everything
+        pass
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        warnings.warn(
+            TorchDebugWarning(f"torchdebug: {name} raised {exc!r}; it is not called again"), stacklevel=4
+        )
+        return False
+    return True
+
+
 def check_mode(mode: str) -> str:
     """``mode`` lower-cased if it is one of ``ANOMALY_MODES``; ValueError naming them otherwise."""
     if not isinstance(mode, str) or mode.strip().lower() not in ANOMALY_MODES:
@@ -164,6 +189,60 @@ def grad_norms(params: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor 
     if not idx:
         return idx, None
     return idx, foreach_norms([params[i].grad for i in idx])  # type: ignore[misc]
+
+
+def nonfinite_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, str]]:
+    """``(parameter name, state key)`` of the optimizer state tensors that hold a NaN/Inf, before an update.
+
+    A NaN/Inf in Adam's ``exp_avg`` reaches the weights in the update whatever the gradients: the
+    facades judge the state before ``optimizer.step()`` and skip the update. Cost: one fused max-|x|
+    per (device, dtype) group over the floating state tensors and one host read; the names only
+    after a NaN/Inf (a Python pass over the state, rare path).
+    """
+    tensors: list[torch.Tensor] = []
+    owners: list[tuple[torch.Tensor, str]] = []
+    for p, st in optimizer.state.items():
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 0:
+                tensors.append(v.detach())
+                owners.append((p, key))
+    if not tensors:
+        return []
+    # max |x| (ord inf) never overflows a finite tensor; NaN/Inf propagate into it
+    if bool(torch.isfinite(foreach_norms(tensors, "inf")).all()):  # the one host read
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [
+        (names.get(id(p), "?"), key)
+        for t, (p, key) in zip(tensors, owners)
+        if not bool(torch.isfinite(t).all())  # rare path: after a NaN/Inf
+    ]
+
+
+def optimizer_state_anomaly(
+    model: nn.Module, optimizer: torch.optim.Optimizer, bad: list[tuple[str, str]], step: int | None
+) -> Anomaly:
+    """The anomaly of an update skipped because its optimizer state held a NaN/Inf (``bad`` non-empty)."""
+    name, key = bad[0]
+    owner = name.rpartition(".")[0]
+    mod = model.get_submodule(owner) if owner and name != "?" else model
+    state = optimizer.state[dict(model.named_parameters())[name]][key] if name != "?" else None
+    kind = "nan" if state is None or bool(torch.isnan(state).any()) else "inf"
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return Anomaly(
+        phase=Phase.OPTIMIZER.value,
+        module=owner,
+        op=f"{type(optimizer).__name__}.step",
+        location=None,
+        kind=kind,
+        step=step,
+        module_type=type(mod).__name__,
+        symptom=f"{kind} in optimizer state {key!r} of {name}{more} before the update; update skipped",
+        detected_by="state check before the update",
+        hint=f"the optimizer state of {name} is non-finite: the update would write it into the weights; "
+        "reset the state (optimizer.state.clear() or reload a checkpoint) and check lr, eps and the loss scale",
+        parameter=name if name != "?" else None,
+    )
 
 
 @dataclass

@@ -25,11 +25,13 @@ from .._robust import RunningMedian
 from ..events import Anomaly, plain
 from ..health.instrument import ExplosionRule
 from ..memory.analysis import memory_sample
+from . import _guard, _tracing
 from ._common import (
     HISTORY_SIZE,
     MAX_ANOMALIES,
     DebugInfo,
     anomaly_operations,
+    call_accepting,
     handle_anomaly,
     resolve_config,
 )
@@ -44,6 +46,8 @@ log = logging.getLogger("torchdebug.compat")
 # A slow operation: slower than slowdown_factor x its running median, after this many samples.
 _SLOW_MIN_SAMPLES = 5
 _SLOW_WINDOW = 50
+# The clock of DebugInfo.execution_time (a test counts with its own: no assertion on wall time).
+_clock = time.perf_counter
 # Timer and scheduler jitter: an operation at most this much slower than its median is never slow.
 _SLOW_MIN_EXCESS_S = 0.01
 
@@ -66,7 +70,14 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
     Args:
         config: any of the seeds' shapes: a ``DebugConfig`` (001), a ``DebugLevel`` or level name
             (002), a ``PyTorchDebugConfig`` (003), a mapping, a config file path, or None.
-        error_system, training_logger: seed 004's collaborators, kept as attributes (unused here).
+        error_system, training_logger: seed 004's collaborators. A NaN/Inf that an operation
+            records without raising (modes warn/detect) goes to
+            ``error_system.error_tracker.track_error(error=NonFiniteError, context={...})`` (what is
+            raised, the seed's own ``except`` branch tracks, as its ``robust_training_step`` does);
+            when any operation ends,
+            ``training_logger.log_training_event("debug_operation", message, debug_info={...})``.
+            Only the keyword arguments their methods accept are passed; one that fails is warned
+            about once and not called again (debugging never breaks training).
         debug_mode: seed 004's keyword; ``ANOMALY_DETECTION`` and ``FULL_DEBUG`` also switch on
             op-level tracing of ``debug_context`` blocks (what the seed did with detect_anomaly).
         history_size: how many ``DebugInfo`` records ``debug_history`` keeps (oldest dropped).
@@ -261,8 +272,14 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
             epoch=epoch,
             batch=batch,
         )
+        # torchdebug's own start-up (lazy imports, the tracer's first use) before the clock and the
+        # memory sample start: the block is charged with the user's work and the per-block cost only
+        if self.anomaly_detection_active:
+            _tracing.warm_up()
+        elif guard:
+            _guard.warm_up()
         before = memory_sample()
-        t0 = time.perf_counter()
+        t0 = _clock()
         found: list[Anomaly] = []
         block: Any
         if self.anomaly_detection_active:
@@ -285,7 +302,7 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
             log.info("operation %r failed: %r", operation, exc)
             raise
         finally:
-            info.execution_time = time.perf_counter() - t0
+            info.execution_time = _clock() - t0
             after = memory_sample()
             info.rss = after["rss"]
             info.memory_usage = after["rss"] - before["rss"]
@@ -296,8 +313,32 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
                 info.anomaly_detected = True
             self._note_time(info)
             self.debug_history.append(info)
+            self._tell_collaborators(info)
             if self.config.save_debug_info:
                 self._save_debug_info(info)
+
+    def _tell_collaborators(self, info: DebugInfo) -> None:
+        """Seed 004's error system and training logger hear of each block (see the class)."""
+        if info.anomaly is not None and info.error is None and self.error_system is not None:
+            # a NaN/Inf recorded and not raised (warn/detect modes): the caller's except branch, which
+            # tracks what is raised (seed 004's robust_training_step), never sees it
+            tracker = getattr(self.error_system, "error_tracker", None)
+            fn = getattr(tracker, "track_error", None)
+            if fn is not None and not call_accepting(
+                fn,
+                error=NonFiniteError(info.anomaly),
+                severity="warning",
+                category="model",
+                context={"operation": info.operation, "epoch": info.epoch, "batch": info.batch},
+            ):
+                self.error_system = None
+        fn = getattr(self.training_logger, "log_training_event", None)
+        if fn is not None:
+            text = (
+                f"{info.operation} {'failed' if info.error else 'completed'} in {info.execution_time:.4g} s"
+            )
+            if not call_accepting(fn, "debug_operation", text, debug_info=info.to_dict()):
+                self.training_logger = None
 
     def _save_debug_info(self, info: DebugInfo) -> None:
         """Append ``info`` as one JSON line to ``<debug_output_dir>/debug_info.jsonl`` (seed 001's save).
@@ -345,7 +386,11 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
 
     # -- summaries and reports ----------------------------------------------------------------------------
     def get_debug_summary(self) -> dict[str, Any]:
-        """Counts and times over ``debug_history`` (seed 002/004 keys; seconds and bytes)."""
+        """Counts and times over ``debug_history`` (seed 002/004 keys; seconds and bytes).
+
+        Before any operation the averages are ``nan`` (what the seed's ``np.mean([])`` gave), so
+        the seed's ``f"{summary['avg_execution_time']:.4f}"`` prints ``nan`` instead of failing.
+        """
         hist = list(self.debug_history)
         times = [i.execution_time for i in hist]
         return {
@@ -353,9 +398,9 @@ class PyTorchDebugger(DebuggingCalls, OptimizationCalls):
             "debug_history_length": len(hist),
             "total_anomalies": len(self.anomalies),
             "anomaly_operations": anomaly_operations(hist),
-            "avg_execution_time": _mean(times),
+            "avg_execution_time": _mean_or_nan(times),
             "max_execution_time": max(times, default=0.0),
-            "avg_memory_usage": _mean([float(i.memory_usage) for i in hist]),
+            "avg_memory_usage": _mean_or_nan([float(i.memory_usage) for i in hist]),
             "level": self.config.level.value,
             "mode": self.config.mode.value,
             "total_optimizations": len(self.optimization_metrics),
@@ -497,6 +542,10 @@ def debug_context(
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def _mean_or_nan(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 def debug_operation(

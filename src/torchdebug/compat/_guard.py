@@ -43,6 +43,19 @@ def _session_config(stop: str, replay: bool, frames: int, trace_loss: bool) -> D
     )
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, text: str) -> None:
+    import warnings
+
+    from .._errors import TorchDebugWarning
+
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(TorchDebugWarning(text), stacklevel=4)
+
+
 class _Guard:
     def __init__(self, config: DebugConfig, stop: str) -> None:
         self.config = _session_config(stop, config.replay, config.frames, config.trace_loss)
@@ -56,8 +69,24 @@ class _Guard:
 
         from ..session.monitor import Monitor
 
+        if isinstance(model, torch.jit.ScriptModule):
+            # torch refuses hooks on TorchScript modules: the block runs unguarded, said once
+            _warn_once(
+                "script",
+                f"torchdebug: {type(model).__name__} is a TorchScript module, which takes no hooks: "
+                "debug_context blocks that call it are timed and measured but not guarded against a "
+                "NaN/Inf; trace them instead (debug_mode=DebugMode.ANOMALY_DETECTION or "
+                "enable_anomaly_detection=True), or use torch.compile",
+            )
+            return
         mon = Monitor(model, config=self.config, run=False)
-        mon.__enter__()
+        try:
+            mon.__enter__()
+        except Exception as exc:  # the debugger never breaks the user's block: unguarded, said once
+            with contextlib.suppress(Exception):
+                mon.__exit__(type(exc), exc, None)
+            _warn_once("open", f"torchdebug: the step guard failed to start ({exc!r}); blocks run unguarded")
+            return
         self.mon = mon
         mon.sentinel.check_each_backward = self.stop == "raise"
         # after the session's own post-hook (registered first): the step ends with the update, so the
@@ -73,7 +102,7 @@ class _Guard:
             if threading.get_ident() != self.tid or self.mon is not None:
                 return
             self.remove_hooks()
-            self.open(module, args)
+            self.open(module, args)  # a TorchScript module: stays unguarded (see open)
 
         self.handles.append(torch.nn.modules.module.register_module_forward_pre_hook(first_call))
 
@@ -95,6 +124,14 @@ class _Guard:
         with contextlib.suppress(Exception):  # the session's exit must not replace the block's error
             mon.__exit__(type(exc) if exc is not None else None, exc, None)
         return list(mon.anomalies)
+
+
+@functools.cache
+def warm_up() -> None:
+    """Import what a guard's session needs, once per process, before a facade starts its clock."""
+    import torch.optim.optimizer  # noqa: F401
+
+    from ..session import monitor  # noqa: F401
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .._trees import tensor_leaves
-from ..events import Anomaly, Phase
+from ..events import Anomaly, Phase, RuleEvent
 from ..health.gradients import GradientReport, analyze_model_parameters, check_gradients
 from ..health.inspection import call_model
 from ..health.instrument import ExplosionRule, top_params
@@ -210,6 +210,20 @@ class DebuggingCalls:
                 )
                 if anomaly is not None:
                     self._report(info, anomaly)
+            elif norm == 0.0 and params:
+                # seed 001's "Zero gradient norm detected": a model with trainable parameters learned
+                # nothing from this loss (an exact 0, so no threshold to tune)
+                why = (
+                    f"every gradient of the {len(params)} trainable parameters is exactly 0 (a zero loss, "
+                    "dead activations, or a loss that does not depend on them)"
+                    if idx
+                    else f"none of the {len(params)} trainable parameters received a gradient (.grad is None: "
+                    "is the loss detached from the model?)"
+                )
+                zero = RuleEvent("vanishing_gradient", len(self.debug_history), f"zero gradient norm: {why}")
+                info.events.append(zero)
+                info.anomaly_detected = True
+                log.warning("%s", zero)
             elif math.isfinite(norm):
                 event = self._explosion.update(
                     len(self.debug_history), norm, top_params([names[i] for i in idx], per)

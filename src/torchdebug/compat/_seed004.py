@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,8 @@ from ..health.gradients import check_gradients
 from ..memory.analysis import debug_memory_usage
 from ._common import DebugInfo
 
+log = logging.getLogger("torchdebug.compat")
+
 if TYPE_CHECKING:
     from collections import deque
 
@@ -20,6 +23,8 @@ if TYPE_CHECKING:
 # profile_memory feeds one leak test per sampling stride: a loop that calls it before and after each
 # batch makes a staircase (every other change is flat), which the stride-2 test sees as steady growth
 _LEAK_STRIDES = (1, 2, 4)
+# seed 004's monitor_resources warned when torch.cuda.memory_allocated() / 1024 / 1024 > 8000
+SEED_GPU_MEMORY_WARN_BYTES = 8000 * 1024 * 1024
 
 
 class OptimizationCalls:
@@ -150,7 +155,15 @@ class OptimizationCalls:
         return self.last_profile
 
     def monitor_resources(self, **kwargs: Any) -> dict[str, Any]:
-        """Seed 004's resource check: ``td.perf.profiling.monitor_resources`` (CPU %, memory %, RSS, GPUs)."""
+        """Seed 004's resource check: ``td.perf.profiling.monitor_resources`` (CPU %, memory %, RSS, GPUs).
+
+        With the seed's thresholds unless overridden: CPU and system memory above 90 %, a GPU's
+        allocated memory above 8000 MiB (the seed's ``gpu_memory > 8000  # 8GB``, in MiB).
+        """
         from ..perf.profiling import monitor_resources
 
-        return monitor_resources(**kwargs)
+        kwargs.setdefault("gpu_memory_threshold_bytes", SEED_GPU_MEMORY_WARN_BYTES)
+        out = monitor_resources(**kwargs)
+        for line in out["warnings"]:
+            log.warning("%s", line)  # the seed logged each finding as a warning
+        return out

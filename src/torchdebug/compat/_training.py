@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -31,6 +32,8 @@ from ..stats import foreach_norms, total_norm
 from ._common import (
     HISTORY_SIZE,
     grad_norms,
+    nonfinite_optimizer_state,
+    optimizer_state_anomaly,
     replay_origin,
     resolve_config,
     rng_state,
@@ -45,6 +48,7 @@ from ._debugger import (
     tracing_active,
 )
 from ._inputs import prediction_problems
+from ._seedconfig import PyTorchDebugConfig
 from ._tracing import take_traced_anomaly
 
 
@@ -260,9 +264,25 @@ class TrainingDebugger(PyTorchDebugger):
         out = self._observe(model, loss, step, locate=locate)
         bad = bool(out["nonfinite_gradients"]) or out["loss_anomaly"]
         if not bad:
+            bad = self._state_refused(model, optimizer, step, out)
+        if not bad:
             optimizer.step()
         out["skipped"] = bad
         return out
+
+    def _state_refused(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, out: dict[str, Any]
+    ) -> bool:
+        """Judge the update before it lands: a NaN/Inf in the optimizer state skips it (recorded, warned
+        or raised per the mode, naming ``<Optimizer>.step``). True when the update must not run."""
+        state_bad = nonfinite_optimizer_state(model, optimizer)
+        if not state_bad:
+            return False
+        anomaly = optimizer_state_anomaly(model, optimizer, state_bad, step)
+        out["anomaly"] = anomaly
+        self.anomaly_steps += 1
+        self._report(self.debug_history[-1], anomaly)  # the step's record (from _observe)
+        return True
 
     def __torchdebug_session__(self) -> Any:
         """The live-session view ``td.serve()`` talks to: this debugger's summaries, level and history."""
@@ -437,6 +457,10 @@ class PyTorchDebugManager:
         self.model_debugger = ModelDebugger(self.config)
         self.training_debugger = TrainingDebugger(config)
         self._steps = 0
+        # seed 003's memory_snapshot_frequency: the debugged steps take a memory snapshot every that
+        # many steps (0, f, 2f, ...) when its enable_memory_debugging is on
+        seed = isinstance(config, PyTorchDebugConfig) and config.enable_memory_debugging
+        self.snapshot_every: int | None = config.memory_snapshot_frequency if seed else None
 
     def setup_training_logging(self, experiment_name: str | None = None, root: str | None = None) -> Any:
         """Send every debugged step's numbers and anomalies to a new run folder (the run store).
@@ -532,7 +556,15 @@ class PyTorchDebugManager:
             if anomaly is not None:
                 self._log_anomaly(anomaly)
                 self.debugger._report(info, anomaly)
-            if not n.nonfinite:
+            skipped = n.nonfinite
+            if not skipped:
+                state_bad = nonfinite_optimizer_state(model, optimizer)  # judged before the update lands
+                if state_bad:
+                    skipped = True
+                    anomaly = optimizer_state_anomaly(model, optimizer, state_bad, self._steps)
+                    self._log_anomaly(anomaly)
+                    self.debugger._report(info, anomaly)
+            if not skipped:
                 optimizer.step()
             t_update = time.perf_counter()
             if self.config.log_weights:
@@ -550,7 +582,7 @@ class PyTorchDebugManager:
             "cpu_memory": sample["rss"],
             "gpu_memory": sample.get("cuda_allocated", 0),
             "execution_time": elapsed,
-            "skipped": n.nonfinite,
+            "skipped": skipped,
             "anomaly": anomaly,
         }
         if self.training_logger is not None:
@@ -559,7 +591,7 @@ class PyTorchDebugManager:
             # the names the reports, the dashboard and TensorBoard read (grad_norm, skipped, a timing
             # breakdown), beside the seed's own (gradient_norm, execution_time)
             values["grad_norm"] = values["gradient_norm"]
-            values["skipped"] = 1.0 if n.nonfinite else 0.0
+            values["skipped"] = 1.0 if skipped else 0.0
             w.log_scalars(step, values)
             w.log_timing(
                 step,
@@ -572,6 +604,8 @@ class PyTorchDebugManager:
                 },
             )
             w.log_memory(step, {"rss": metrics["cpu_memory"], "cuda_allocated": metrics["gpu_memory"]})
+        if self.snapshot_every and self._steps % self.snapshot_every == 0:
+            self.memory_debugger.take_memory_snapshot(f"step_{self._steps}")
         self._steps += 1
         return metrics
 
@@ -647,6 +681,19 @@ class PyTorchDebugManager:
             operations_by_part=ops,
             anomalies_by_part=bad,
         )
+        rep["gradient_analysis"] = self._gradient_analysis(rep["gradient_analysis"])
+        rep["memory_analysis"] = self._memory_analysis()
+        breakdown = dict(rep["operation_breakdown"])
+        for i in td_.debug_history:
+            breakdown[i.operation] = breakdown.get(i.operation, 0) + 1
+        for name, count in (
+            ("detect_anomaly", self.anomaly_detector.blocks),
+            ("check_gradients", self.gradient_debugger.checks),
+            ("take_memory_snapshot", len(self.memory_debugger.snapshots)),
+        ):
+            if count:
+                breakdown[name] = breakdown.get(name, 0) + count
+        rep["operation_breakdown"] = breakdown
         rep["model_info"] = _model_info(self._last_model())
         rep["cuda"] = _cuda_info()
         rep["profiling"] = {
@@ -661,6 +708,48 @@ class PyTorchDebugManager:
         return plain(rep)  # type: ignore[no-any-return]
 
     generate_comprehensive_report = create_comprehensive_report
+
+    def _gradient_analysis(self, own: dict[str, Any]) -> dict[str, Any]:
+        """Gradient norms over every part: the debugger's and the training debugger's steps and the
+        gradient debugger's checks (finite values; ``gradient_checks`` counts them all)."""
+        norms = [i.gradient_norm for i in self.debugger.debug_history if i.gradient_norm is not None]
+        norms += [
+            i.gradient_norm for i in self.training_debugger.debug_history if i.gradient_norm is not None
+        ]
+        norms += [float(e["total_norm"]) for e in self.gradient_debugger.history]
+        finite = [n for n in norms if math.isfinite(n)]
+        trained = self.training_debugger.create_debug_report()["gradient_analysis"]["gradient_anomalies"]
+        return {
+            "average_gradient_norm": sum(finite) / len(finite) if finite else None,
+            "max_gradient_norm": max(finite, default=0.0),
+            "gradient_anomalies": own["gradient_anomalies"]
+            + trained
+            + self.gradient_debugger.anomalous_checks,
+            "gradient_checks": len(norms),
+        }
+
+    def _memory_analysis(self) -> dict[str, Any]:
+        """Memory over every part, in bytes: the change of RSS (and CUDA allocated) over each operation
+        of the debuggers and between consecutive memory snapshots; the snapshots' RSS; leaks found."""
+        ops = list(self.debugger.debug_history) + list(self.training_debugger.debug_history)
+        mem = [float(i.memory_usage) for i in ops]
+        gpu = [float(i.gpu_memory) for i in ops]
+        snaps = list(self.memory_debugger.snapshots)
+        for a, b in itertools.pairwise(snaps):
+            mem.append(float(b["rss"] - a["rss"]))
+            gpu.append(float(b.get("cuda_allocated", 0) - a.get("cuda_allocated", 0)))
+        rss = [int(s["rss"]) for s in snaps]
+        return {
+            "average_memory_usage": sum(mem) / len(mem) if mem else None,
+            "max_memory_usage": max(mem, default=0.0),
+            "average_gpu_memory": sum(gpu) / len(gpu) if gpu else None,
+            "max_gpu_memory": max(gpu, default=0.0),
+            "snapshots": len(snaps),
+            "first_rss": rss[0] if rss else None,
+            "last_rss": rss[-1] if rss else None,
+            "peak_rss": max(rss, default=None),
+            "memory_leaks": list(self.memory_debugger.memory_leaks),
+        }
 
     def _last_model(self) -> nn.Module | None:
         ref = self.gradient_debugger.last_model

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .._step import SessionView
-from .._trees import tensor_leaves
+from .._trees import named_inputs, tensor_leaves
 from ..events import RuleEvent
 
 _FLAGS = (
@@ -47,6 +47,13 @@ def _describe(obj: Any) -> list[dict[str, Any]]:
         {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device)}
         for t in tensor_leaves(obj)[:_MAX_TENSORS]
     ]
+
+
+def _describe_inputs(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``inputs`` (as ``_describe``) and ``input_names`` of a call's arguments (``input[0]`` by
+    position; keywords and a dict batch's keys by name: ``input_ids``, ``attention_mask``, ``labels``)."""
+    named = named_inputs(args, kwargs)[:_MAX_TENSORS]
+    return {"inputs": _describe([t for _, t in named]), "input_names": [n for n, _ in named]}
 
 
 def _autocast_state() -> dict[str, Any]:
@@ -120,7 +127,7 @@ class StepDetails:
                 text += ", GradScaler" if state["grad_scaler"] else ""
                 mon.emit(RuleEvent("mixed_precision", mon.global_step, text, "info", (), state))
         if "debug_forward_pass" in self.flags and (mon.global_step == 0 or mon.due(mon.config.detail_every)):
-            self._forward = {"inputs": _describe((args, kwargs))}
+            self._forward = _describe_inputs(args, kwargs)
 
     def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         if self._forward is not None and "outputs" not in self._forward:
@@ -130,7 +137,9 @@ class StepDetails:
         fwd, self._forward = self._forward, None
         if fwd is not None:
             fwd["loss"] = values.get("loss")
-            shapes = ", ".join(str(tuple(t["shape"])) for t in fwd["inputs"][:2])
+            shapes = ", ".join(
+                f"{n} {tuple(t['shape'])}" for n, t in zip(fwd["input_names"], fwd["inputs"][:3])
+            )
             devices = sorted({t["device"] for t in fwd["inputs"] + fwd.get("outputs", [])})
             text = f"input {shapes} -> output {', '.join(str(tuple(t['shape'])) for t in fwd.get('outputs', [])[:2])}"
             text += f" on {', '.join(devices)}; loss {fwd['loss']}"

@@ -49,6 +49,12 @@ class DivergenceRule:
     recent median falls back under half the threshold a ``divergence_end`` event (info) says
     when it recovered, and the rule can fire again.
 
+    From the start: a rate so high that the loss never comes down leaves no good level to compare
+    with (the baseline fills with diverged losses). So the rule also compares the recent median with
+    the first finite loss: at least ``start_factor`` times it, with ``share`` of the recent losses
+    too, is a divergence from step 0 (resnet18 at lr 2.0 sits near 30x its first loss; training
+    brings a loss down from its first value, it does not multiply it).
+
     Non-finite losses are skipped (the NaN/Inf sentinel reports them).
 
     Cost per step: one insert into a sorted window (O(window)) and a median of ``recent`` values.
@@ -71,6 +77,7 @@ class DivergenceRule:
         rel: float = 1.0,
         progress: float = 0.5,
         share: float = 0.8,
+        start_factor: float = 20.0,
     ) -> None:
         if recent < 2 or window < recent:
             raise ValueError(f"need recent >= 2 and window >= recent, got recent={recent}, window={window}")
@@ -83,6 +90,8 @@ class DivergenceRule:
             float(progress),
             float(share),
         )
+        self.start_factor = float(start_factor)
+        self.first = math.nan  # the first finite loss
         self.start: float | None = None  # median of the first `recent` losses
         self._first: list[float] = []
         self.active = False
@@ -95,6 +104,8 @@ class DivergenceRule:
         """Feed the loss of ``step``; an event when a divergence is established or ends."""
         if not math.isfinite(loss):
             return None
+        if self.first != self.first:  # NaN: not set yet
+            self.first = loss
         if self.start is None:
             self._first.append(loss)
             if len(self._first) == self.recent.maxlen:
@@ -106,8 +117,17 @@ class DivergenceRule:
                 self.baseline.push(old)
                 self.last.append(old)
         self.recent.append((step, loss))
-        if len(self.recent) < (self.recent.maxlen or 0) or len(self.baseline) < (self.recent.maxlen or 0):
+        if len(self.recent) < (self.recent.maxlen or 0):
             return None
+        event = None
+        if len(self.baseline) >= (self.recent.maxlen or 0):
+            event = self._level(step)
+        if event is None and not self.active and self.first > 0:
+            event = self._from_start(step)  # no good level to compare with: the first loss
+        return event
+
+    def _level(self, step: int) -> RuleEvent | None:
+        """The recent median against the baseline's: the episode's start or end, or None."""
         now = statistics.median(v for _, v in self.recent)
         if self.active:
             if now - self.before < 0.5 * self.threshold:
@@ -146,6 +166,38 @@ class DivergenceRule:
             ),
             severity="warning",
             evidence={"metric": "loss", "before": before, "after": now, "since_step": above[0]},
+        )
+
+    def _from_start(self, step: int) -> RuleEvent | None:
+        """The recent losses sit at least ``start_factor`` x the first loss: diverged from the start."""
+        bar = self.start_factor * self.first
+        above = [s for s, v in self.recent if v >= bar]
+        if len(above) < self.share * len(self.recent):
+            return None
+        now = statistics.median(v for _, v in self.recent)
+        if now < bar:
+            return None
+        self.active = True
+        # ends when the recent median is back under half-way to the bar
+        self.before, self.threshold, self.since = self.first, bar - self.first, above[0]
+        self.count += 1
+        return RuleEvent(
+            kind=KIND,
+            step=above[0],
+            message=(
+                f"loss diverged from the start: {_fmt(now)} (median of the last {len(self.recent)} "
+                f"steps) is {now / self.first:.0f}x its first value {_fmt(self.first)} and did not come "
+                f"down since step {above[0]}. Likely cause: the learning rate is far too high: lower it "
+                "(by 10x to start) or add warm-up."
+            ),
+            severity="warning",
+            evidence={
+                "metric": "loss",
+                "before": self.first,
+                "after": now,
+                "since_step": above[0],
+                "factor": now / self.first,
+            },
         )
 
 

@@ -24,6 +24,8 @@ from ..events import RuleEvent, training_summary
 from .divergence import KIND as DIVERGENCE
 from .divergence import DivergenceRule, GrowthRule
 from .optnorms import OptimizerNorms
+from .optstate import ITEM as STATE_ITEM
+from .optstate import OptimizerState
 
 # Bounded history of every running statistic (memory O(WINDOW) per rule).
 WINDOW = 200
@@ -39,6 +41,9 @@ FREEZE = 50
 # Floor of the loss sigma relative to |median loss| (a flat loss is not a license to flag 0.1 % bumps).
 LOSS_REL_FLOOR = 1e-2
 TOP_K = 3
+# the expert level's tensor history: the first this many trainable parameters (weight and gradient
+# statistics each) on each detail step; each is one analyze_tensor (about 20 passes, one host read)
+HISTORY_TENSORS = 32
 
 
 def fire_once(
@@ -671,6 +676,12 @@ class UpdateRatioRule:
     0.15 of a small Linear(2304, 32) weight, 0.05 ten steps later; Adam's first steps are
     ``lr * sign(g)``). Once per parameter per episode.
 
+    A learning rate lowered on purpose: fed the step's learning rates (:meth:`see_lr`), the rule
+    keeps their peak; once the largest group's rate is at most ``lowered`` x that peak (the tail of a
+    cosine or linear decay, a step schedule's drops, a plateau scheduler's cuts, or the user's own
+    code lowering it), small updates are what the schedule asks for: "may be too low" is not said
+    then. Too-large updates are said at any learning rate.
+
     Example:
         >>> rule = UpdateRatioRule(1e-5, 1e-1)
         >>> rule.update(0, {"fc.weight": 0.5}, {"fc.weight": 2}) is None
@@ -679,22 +690,38 @@ class UpdateRatioRule:
         'update_ratio'
     """
 
-    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2) -> None:
+    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2, lowered: float = 0.5) -> None:
         self.lo, self.hi = float(lo), float(hi)
         self.patience = int(patience)
+        self.lowered = float(lowered)
+        self.lr_now = 0.0  # the largest group's learning rate at the last step, and its peak so far
+        self.lr_peak = 0.0
         self.streaks: dict[str, Streak] = {}
         self.active: set[str] = set()
         self.count = 0
 
+    def see_lr(self, lrs: Sequence[float]) -> None:
+        """Feed one step's learning rates (one per parameter group; host floats, no sync)."""
+        finite = [x for x in lrs if math.isfinite(x) and x > 0]
+        if finite:
+            self.lr_now = max(finite)
+            self.lr_peak = max(self.lr_peak, self.lr_now)
+
+    @property
+    def scheduled_down(self) -> bool:
+        """Whether the learning rate now is at most ``lowered`` x its peak (lowered on purpose)."""
+        return self.lr_peak > 0 and self.lr_now <= self.lowered * self.lr_peak
+
     def update(self, step: int, ratios: Mapping[str, float], ndims: Mapping[str, int]) -> RuleEvent | None:
         """Feed per-parameter update/weight ratios of one detail check and the parameters' ``ndim``."""
         judged = {n: r for n, r in ratios.items() if ndims.get(n, 0) >= 2 and r != 0 and r == r}  # no NaN
+        low_ok = self.scheduled_down  # the schedule lowered the rate: small updates are its intent
 
         def sustained(name: str, r: float) -> bool:
             streak = self.streaks.get(name)
             if streak is None:  # not setdefault: no new Streak per parameter per check
                 streak = self.streaks[name] = Streak(self.patience)
-            streak.update(r < self.lo or r > self.hi)
+            streak.update((r < self.lo and not low_ok) or r > self.hi)
             return streak.count >= self.patience
 
         flags = {n: float(sustained(n, r)) for n, r in judged.items()}
@@ -807,6 +834,8 @@ class GradientHealth:
         self._last_clip: dict[str, Any] | None = None
         self._clip_norms: tuple[Sequence[str], Callable[[], Sequence[float] | None]] = ((), lambda: None)
         self._optnorms = OptimizerNorms()
+        self._optstate = OptimizerState()  # the optimizers' state, finite or not (detail steps)
+        self._state_probe: tuple[int, torch.Tensor] | None = None  # (step, its device number), to read
         self._per_handed: Any = None  # the gradient reduction whose per-parameter numbers a read carried
         self.observed: dict[str, float] = {}
         self.early_stopping_state: dict[str, float] = {}
@@ -826,6 +855,8 @@ class GradientHealth:
             else ("activations" in enabled or bool(cfg.activation_stats))
         )
         self.every = int(cfg.detail_every)
+        # seed 002's "full tensor history" at the expert level: tensor_stats rows on detail steps
+        self.history = self.details and cfg.level.value == "expert"
         self.explosion = ExplosionRule(cfg.explode_mads, cfg.explode_abs, cfg.explode_warmup)
         self.vanishing = VanishingRule(cfg.vanish_threshold, cfg.vanish_patience)
         self.spike = LossSpikeRule(cfg.loss_spike_mads, cfg.explode_warmup)
@@ -931,6 +962,11 @@ class GradientHealth:
                 self._before = plan.flatten(mon.params) if cpu else torch._foreach_mul(list(mon.params), 1.0)
 
     def after_optimizer_step(self, mon: SessionView) -> None:
+        if mon.due(self.every) and mon.optimizers:
+            # detail steps: the state after the update, one fused reduction, read with the step's numbers
+            # (several updates in a step: the last one's probe covers every optimizer's state)
+            probe = self._optstate.probe(mon)
+            self._state_probe = None if probe is None else (mon.global_step, probe)
         before = self._before
         if before is None or self._before_step != mon.global_step:
             return
@@ -972,6 +1008,10 @@ class GradientHealth:
             out["health.ratio"] = ratio  # read as one list each (the transfer's VECTORS)
             out["health.weight"] = weight
             self._handed["update"] = (step, len(ratio))
+        if self._state_probe is not None and mon.state.phase != StepPhase.UPDATE:
+            out[STATE_ITEM] = self._state_probe[1].reshape(())
+            self._handed["state"] = self._state_probe[0]
+            self._state_probe = None
         if self._act:
             for mod, stats in self._act.items():
                 for key, t in stats.items():
@@ -1006,6 +1046,7 @@ class GradientHealth:
                 self._emit_episode(mon, "level", event, self.growth.active)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
+        self.ratio_rule.see_lr(record.lr or ())
         for event in self.lr_rule.update(step, record.lr or (), mon.lr_labels):
             if event.kind == "lr_nonfinite" and "nonfinite" in mon.config.instruments():
                 continue  # the sentinel named it before the update, as an `optimizer` anomaly
@@ -1030,6 +1071,8 @@ class GradientHealth:
                     self._emit(mon, event)
         if scalars:
             mon.log_scalars(scalars, step=step)
+        if self.history and norms_host is not None and getattr(mon, "writer", None) is not None:
+            self._tensor_history(mon, step)
         if "update" in handed:
             step_u = handed["update"][0]
             vectors = mon.transfer.vectors
@@ -1038,6 +1081,10 @@ class GradientHealth:
             )
         if "act" in handed:
             self._act_insight(mon, step, handed["act"], values)
+        if "state" in handed and STATE_ITEM in values:
+            event = self._optstate.judge(mon, handed["state"], float(values[STATE_ITEM]))
+            if event is not None:
+                self._emit(mon, event)
         if mon.early_stopping is not None:
             self._early_stopping(mon, step)
         if self._step_had_anomaly:  # also set before the update (an explosion judged pre-update)
@@ -1112,6 +1159,19 @@ class GradientHealth:
                         evidence={"total_norm": total, "max_norm": max_norm, "dtype": dtype},
                     ),
                 )
+
+    def _tensor_history(self, mon: Any, step: int) -> None:
+        """The expert level's tensor history: statistics of the first ``HISTORY_TENSORS`` trainable
+        weights and their gradients as ``tensor_stats`` rows (``<param>`` and ``<param>.grad``).
+
+        Cost (detail steps, expert level only): one ``analyze_tensor`` per tensor, a host read each.
+        """
+        from ..stats import analyze_tensor
+
+        for name, p in itertools.islice(zip(mon.param_names, mon.params), HISTORY_TENSORS):
+            mon.writer.log_tensor_stats(step, name, analyze_tensor(p.detach(), name))
+            if p.grad is not None:
+                mon.writer.log_tensor_stats(step, f"{name}.grad", analyze_tensor(p.grad, f"{name}.grad"))
 
     @property
     def last_clip(self) -> dict[str, Any] | None:

@@ -169,12 +169,31 @@ def attribute(ev: Evidence) -> SpikeReport:
         "sigmas": (ev.loss - ev.median) / ev.sigma if ev.sigma > 0 else math.inf,
     }
     looked: dict[str, Any] = dict(ev.notes)
+    after = ev.notes.get("unrecovered")  # {"step", "cause", "median"}: an earlier spike not recovered from
     for check in (_batch, _learning_rate, _optimizer_state, _layer):
+        if check is _batch and after:
+            looked["batch_why"] = (
+                f"the loss had not come back to its median {_f(after['median'])} since the spike at step "
+                f"{after['step']} (cause {after['cause']}): the rows' losses measure the model that spike "
+                "left, not the data"
+            )
+            continue
         verdict = check(ev, looked)
         if verdict is not None:
             cause, message, extra = verdict
             evidence = {**looked, **extra.pop("evidence", {})}
             return SpikeReport(**base, cause=cause, message=message, evidence=evidence, **extra)
+    if after and after.get("cause") in CAUSES and after["cause"] != "unknown":
+        return SpikeReport(
+            **base,
+            cause=after["cause"],
+            message=(
+                f"the same incident as the spike at step {after['step']} (cause {after['cause']}): the loss "
+                f"had not come back to its median {_f(after['median'])} since"
+            ),
+            began=after["step"],
+            evidence=looked,
+        )
     parts = [f"{k}: {v}" for k, v in looked.items() if k.endswith("_why")]
     return SpikeReport(
         **base,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -824,12 +825,24 @@ class PyTorchMemoryDebugger:
     """
 
     def __init__(
-        self, *, rss_threshold_bytes: int | None = None, cuda_threshold_bytes: int | None = None
+        self,
+        *,
+        rss_threshold_bytes: int | None = None,
+        cuda_threshold_bytes: int | None = None,
+        leak_window: int = 50,
+        history_size: int = 1000,
     ) -> None:
+        from .instrument import LeakDetector
+
         self.rss_threshold_bytes = rss_threshold_bytes
         self.cuda_threshold_bytes = cuda_threshold_bytes
         self._tracked: dict[str, weakref.ref[torch.Tensor]] = {}
-        self.snapshots: list[dict[str, Any]] = []
+        self.snapshots: collections.deque[dict[str, Any]] = collections.deque(maxlen=history_size)
+        # the engine's leak test over the snapshots (one sample each): a steady growth of at least
+        # 64 KiB per snapshot over the last leak_window snapshots
+        self._leaks = LeakDetector(window=max(3, leak_window), warmup=0)
+        self._taken = 0
+        self.memory_leaks: collections.deque[str] = collections.deque(maxlen=history_size)
 
     def track_tensor(self, tensor: torch.Tensor, name: str) -> None:
         """Remember ``tensor`` under ``name`` (weakly). Raises TypeError for a non-tensor."""
@@ -838,7 +851,13 @@ class PyTorchMemoryDebugger:
         self._tracked[name] = weakref.ref(tensor)
 
     def take_memory_snapshot(self, label: str = "") -> dict[str, Any]:
-        """Sample memory now; returns (and keeps in ``snapshots``) a dict with the tracked tensors' sizes."""
+        """Sample memory now; returns (and keeps in ``snapshots``) a dict with the tracked tensors' sizes.
+
+        Each snapshot feeds the engine's leak test (``LeakDetector``: Theil-Sen slope over the last
+        ``leak_window`` snapshots, at least 64 KiB per snapshot, mostly increasing); a leak found is
+        listed in the snapshot's ``memory_leaks`` and in ``self.memory_leaks`` and warned
+        (``TorchDebugWarning``) once per window of growth.
+        """
         tracked: dict[str, Any] = {}
         for name, ref in list(self._tracked.items()):
             t = ref()
@@ -861,6 +880,27 @@ class PyTorchMemoryDebugger:
             ),
             "tracked": tracked,
         }
+        found = self._leaks.add(self._taken, {k: v for k, v in snap.items() if isinstance(v, int)})
+        self._taken += 1
+        snap["memory_leaks"] = [
+            f"{t.series} grew {t.growth / 2**20:.1f} MiB over the last {t.samples} snapshots "
+            f"({t.slope / 2**10:.0f} KiB per snapshot, steadily)"
+            for t in found
+        ]
+        if found:
+            self._leaks.reset()  # one warning per window of growth
+            self.memory_leaks.extend(snap["memory_leaks"])
+            import warnings
+
+            from .._errors import TorchDebugWarning
+
+            warnings.warn(
+                TorchDebugWarning(
+                    f"torchdebug: possible memory leak at snapshot {label!r}: "
+                    + "; ".join(snap["memory_leaks"])
+                ),
+                stacklevel=2,
+            )
         self.snapshots.append(snap)
         return snap
 

@@ -92,6 +92,7 @@ class Evidence:
     gap: tuple[float, float, float] | None = None
     inputs_finite: bool | None = None  # every input was finite before the op (an in-place op's too)
     state: str = ""  # an optimizer update: the state tensor it made non-finite (``exp_avg_sq``)
+    empty_mean: str = ""  # a loss's mean over zero counted targets: what made the count 0 (nll_loss)
 
 
 def gather(
@@ -105,7 +106,38 @@ def gather(
     )
     custom = node is not None and isinstance(node, torch.autograd.function.BackwardCFunction)
     gap = _spectral_gap(node) if node is not None and type(node).__name__ in _SPECTRAL else None
-    return Evidence(aten, custom, scalars, gap, inputs_finite, state)
+    empty = _empty_mean(aten, args) if aten in _NLL else ""
+    return Evidence(aten, custom, scalars, gap, inputs_finite, state, empty)
+
+
+# nll_loss's forward ops: (self, target, weight, reduction, ignore_index); cross_entropy ends in one
+_NLL = ("nll_loss_forward", "nll_loss2d_forward")
+_MEAN = 1  # torch's Reduction::Mean
+
+
+def _empty_mean(aten: str, args: tuple) -> str:
+    """nll_loss with mean reduction divides by the summed weight of the targets it counts: 0/0 = NaN when
+    every target is ``ignore_index`` (or every counted class has weight 0). Says which, or ""."""
+    if len(args) < 5 or args[3] != _MEAN or not isinstance(args[1], torch.Tensor):
+        return ""
+    target, weight, ignore = args[1], args[2], int(args[4])
+    with contextlib.suppress(Exception), torch.no_grad():  # rare path: one event
+        counted = target != ignore
+        n, total = target.numel(), int(counted.sum())
+        if total == 0:
+            return (
+                f"all {n} targets are ignore_index ({ignore}): {aten.removesuffix('_forward')} with "
+                "reduction='mean' divides the summed loss by the number of counted targets, 0/0 = NaN; "
+                "skip batches without a labelled target, or use reduction='sum' and divide by max(count, 1)"
+            )
+        if isinstance(weight, torch.Tensor):
+            w = weight[target[counted].long()].sum()
+            if float(w) == 0.0:
+                return (
+                    f"the class weights of the {total} counted targets sum to 0: "
+                    f"{aten.removesuffix('_forward')} with reduction='mean' divides by that sum, 0/0 = NaN"
+                )
+    return ""
 
 
 def _spectral_gap(node: Any) -> tuple[float, float, float] | None:
@@ -201,6 +233,8 @@ def make_hint(ev: Any) -> str:
         return _backward_hint(
             ev, evid, zero, squares, absmax, in_inf, in_nan, related_inf, overflow, out_dtype
         )
+    if evid.empty_mean and ev.kind == "nan" and not in_nan:
+        return evid.empty_mean
     if aten in ("log", "log2", "log10", "log_") and lo is not None and not in_nan and lo < 0:
         return f"log of negative input (min {lo:.3g})"
     if op == "log1p" and lo is not None and lo <= -1:

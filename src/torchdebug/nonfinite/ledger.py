@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._step import SessionView
-from .._tensors import local, version_of
+from .._tensors import local, stored_values, version_of
 
 
 class UpdateLedger:
@@ -67,7 +67,11 @@ class UpdateLedger:
 def nonfinite_params(names: list[str], params: list[torch.Tensor]) -> list[str]:
     """The parameters holding NaN/Inf, exactly (one reduction and host read each: rare path only)."""
     with torch.no_grad():
-        return [n for n, p in zip(names, params) if not bool(torch.isfinite(local(p.detach())).all())]
+        return [
+            n
+            for n, p in zip(names, params)
+            if not bool(torch.isfinite(stored_values(local(p.detach()))).all())
+        ]
 
 
 def window_hint(since: int | None, step: int | None) -> str:

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .._frames import format_frames, raw_user_frames, user_location, user_stack
 from .._installs import optimizer_hooks
+from .._tensors import stored_values
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, ModuleFrame, Phase
 from ..memory.analysis import storage_key
@@ -107,20 +108,25 @@ class _Flags:
         return "inf" if self.posinf else "-inf"
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _checkable(t: Any) -> bool:
+    """A floating tensor with values to check: strided, or sparse (its stored values are checked)."""
     return (
         isinstance(t, torch.Tensor)
         and (t.is_floating_point() or t.is_complex())
-        and t.layout == torch.strided
+        and (t.layout == torch.strided or t.layout in _SPARSE)
         and t.device.type != "meta"
         and t.numel() > 0
     )
 
 
 def _flags(t: torch.Tensor) -> _Flags:
-    """Counts of NaN/+Inf/-Inf; a single reduction when the tensor is finite (the common case)."""
+    """Counts of NaN/+Inf/-Inf (a sparse tensor's: of its stored values); a single reduction when the
+    tensor is finite (the common case)."""
     with torch._C.DisableTorchFunction():
-        x = t.detach()
+        x = stored_values(t.detach())
         if x.is_complex():
             x = torch.view_as_real(x)
         # A finite sum proves every element finite (one pass, no mask); an overflowing sum of finite
@@ -505,7 +511,7 @@ class Tracer:
                 vals = []
                 bad = False
                 for t in ts:
-                    a = t.detach().abs().float()
+                    a = stored_values(t.detach()).abs().float()
                     fin = torch.isfinite(a)
                     bad = bad or not bool(fin.all())
                     vals.append(torch.where(fin, a, 0).max())
@@ -828,9 +834,35 @@ class Tracer:
                 root = self.taint.get(_storage_key(t))
                 if root is None or root.explicit:
                     loc, stack = user_stack(sys._getframe(2))
-                    root = self._event(Phase.FORWARD.value, "", "", "loss", loc, stack, f.kind, t, [])
+                    cause = self._graph_origin(t)  # the loss was made before the trace: read its graph
+                    root = self._event(
+                        Phase.FORWARD.value, "", "", "loss", loc, stack, f.kind, t, [], cause=cause
+                    )
                 self._set_symptom(root, f"{f.kind} in the loss")
                 return
+
+    def _graph_origin(self, loss: torch.Tensor) -> _Event | None:
+        """The op that made ``loss``'s NaN/Inf, from its autograd graph (module and line unknown)."""
+        try:
+            from .graph_origin import graph_origin
+
+            found = graph_origin(loss)
+            if found is None:
+                return None
+            kind = _flags(found.result).kind
+            ev = self._event(
+                Phase.FORWARD.value, "", "", found.op, None, (), kind, found.result, found.inputs
+            )
+            ev.module = None  # type: ignore[assignment]  # unknown (the forward was untraced), not the root
+            ev.hint = (
+                f"{found.op} made {kind} from finite inputs (read from the loss's autograd graph, "
+                f"{found.node}); the forward ran before the traced block, so its module and line are "
+                "unknown: put the forward inside the block to name them. " + ev.hint
+            ).strip()
+            return ev
+        except Exception as exc:  # the tracer must never break the traced step
+            self.internal_errors.append(repr(exc))
+            return None
 
     def _grad_arrives(self, node: Any, grads: tuple) -> None:
         """AccumulateGrad pre-hook: a gradient about to land in a leaf's ``.grad`` (a symptom sink)."""
@@ -1157,24 +1189,129 @@ def _autocast(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
         yield
 
 
+# torch-level calls that write into an argument: in-place methods (``add_``), in-place operators,
+# ``out=``, and the norms that update running statistics (the positions of those statistics)
+_INPLACE_OPERATORS = frozenset(
+    f"__i{op}__"
+    for op in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+    )
+) | {"__setitem__"}
+_RUNNING_STATS = {"batch_norm": (1, 2, 3, 4), "instance_norm": (1, 2)}
+_RUNNING_STAT_NAMES = ("running_mean", "running_var")
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a recorded torch-level call writes into (approximately, by its name; ``[]``: none).
+    ``torch.batch_norm`` takes its running statistics at 3 and 4, ``F.batch_norm`` at 1 and 2: both
+    are copied (a weight or bias copied too costs a copy and changes nothing)."""
+    name = getattr(func, "__name__", "")
+    out: list[torch.Tensor] = []
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS:
+        out += tensor_leaves(args[:1])
+    if kwargs.get("out") is not None:
+        out += tensor_leaves(kwargs["out"])
+    if name in _RUNNING_STATS:
+        out += [a for i, a in enumerate(args) if i in _RUNNING_STATS[name] and isinstance(a, torch.Tensor)]
+        out += [kwargs[k] for k in _RUNNING_STAT_NAMES if isinstance(kwargs.get(k), torch.Tensor)]
+    return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # no plain storage (wrapper subclasses, sparse): treated as the user's
+        return None
+
+
+def user_storages(caps: Iterable[StepCapture]) -> set[int | None]:
+    """The storages of the user's tensors a replay reads: what the recorded calls and forwards took
+    that no recorded call made (the batch, a label tensor, an unwatched module's buffers). A replayed
+    view of one shares its storage."""
+    made: set[int] = set()
+    taken: list[torch.Tensor] = []
+    for cap in caps:
+        taken += tensor_leaves((cap.args, cap.kwargs))
+        made |= {id(t) for t in tensor_leaves(cap.outputs)}
+        for entry in cap.tape:
+            taken += tensor_leaves((entry[2], entry[3]))
+            made |= {id(t) for t in tensor_leaves(entry[5])}
+    return {_storage_ptr(t) for t in taken if id(t) not in made}
+
+
+def apart_from_user(tensors: Any, params: set[int], made: dict[int, torch.Tensor]) -> None:
+    """Stand-ins, in ``made``, for the user's tensors in ``tensors`` that require grad and are not the
+    watched parameters (an input with ``requires_grad``, an unwatched model's output or parameter):
+    detached leaves of the replay's own. The replay's backward then stops there: it neither frees a
+    graph of the user's still waiting for its backward nor adds to a ``.grad`` of the user's."""
+    for t in tensor_leaves(tensors):
+        if t.requires_grad and id(t) not in params and id(t) not in made:
+            made[id(t)] = t.detach().requires_grad_()
+
+
+def writes_apart(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    made: dict[int, torch.Tensor],
+    sub: Callable[[torch.Tensor], Any],
+    user: set[int | None],
+) -> None:
+    """A recorded call that writes into a tensor of the user's (``label.fill_(0)``, an unwatched
+    BatchNorm's running statistics, a replayed view of the batch) runs, in a replay, on a copy
+    (entered in ``made``): the user's tensor keeps its values and its version. Known limitation: a
+    write into a replayed view is not seen by its replayed base."""
+    for t in _written_args(func, args, kwargs):
+        cur = sub(t)
+        if id(t) in made and _storage_ptr(cur) not in user:
+            continue  # the replay's own tensor
+        with torch.no_grad():
+            copy = cur.detach().clone()
+        made[id(t)] = copy.requires_grad_().clone() if cur.requires_grad else copy
+
+
 @contextlib.contextmanager
 def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
-    """Leave the user's grads, buffers and RNG exactly as they were after the replay."""
+    """Leave the user's grads, buffers and RNG exactly as they were after the replay.
+
+    The replay runs on copies of the buffers (a BatchNorm's running statistics, its
+    ``num_batches_tracked``): each module's buffer slot holds a clone while it runs and the user's
+    tensor after, never written. A copy back into the user's tensor would bump its version, and a
+    graph of the user's still waiting for its backward (a GAN's ``fake = G(z)``, used again after D's
+    update) saved those tensors: its ``backward()`` would raise. Cost: one copy of the buffers.
+    """
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    slots = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    copies: dict[int, torch.Tensor] = {}  # a buffer two modules share gets one copy
     rng = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if uses_cuda and torch.cuda.is_available() else None
     for p in params:
         p.grad = None
     try:
+        with torch.no_grad():
+            for m, k, b in slots:
+                if id(b) not in copies:
+                    copies[id(b)] = b.clone()
+                m._buffers[k] = copies[id(b)]
         yield
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        for m, k, b in slots:
+            m._buffers[k] = b
         torch.set_rng_state(rng)
         if rng_cuda is not None:
             torch.cuda.set_rng_state_all(rng_cuda)
@@ -1200,15 +1337,21 @@ def replay_capture(
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer
+    made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
+    params = {id(p) for p in model.parameters()}
+    apart_from_user((cap.args, cap.kwargs, [(e[2], e[3]) for e in cap.tape]), params, made)
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
     with _preserved_state(model, uses_cuda):
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
         with _eager(), tracer, torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
-            out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
+            out = (cap.module if cap.module is not None else model)(
+                *map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub)
+            )
             if tracer.symptom is not None:
                 return tracer
-            loss = _rerun_tape(cap, out, tracer) if cap.tape_complete else None
+            loss = _rerun_tape(cap, out, tracer, made) if cap.tape_complete else None
             if loss is not None:
                 loss.backward(gradient=cap.loss_grad)
                 return tracer
@@ -1224,18 +1367,21 @@ def replay_capture(
     return tracer
 
 
-def _rerun_tape(cap: StepCapture, out: Any, tracer: Tracer) -> torch.Tensor | None:
+def _rerun_tape(
+    cap: StepCapture, out: Any, tracer: Tracer, mapping: dict[int, torch.Tensor]
+) -> torch.Tensor | None:
     if cap.loss is None:
         return None
-    mapping: dict[int, torch.Tensor] = {}
     for o, n in zip(tensor_leaves(cap.outputs), tensor_leaves(out)):
         mapping[id(o)] = n
     sub = lambda t: mapping.get(id(t), t)  # noqa: E731
+    user = user_storages([cap])
     try:
         for func, _types, args, kwargs, raw, res in cap.tape:
             _check_loss_inputs(cap, args, kwargs, mapping, raw, tracer)
             if tracer.symptom is not None:
                 break
+            writes_apart(func, args, kwargs, mapping, sub, user)
             tracer.location_override = format_frames(raw)
             try:
                 new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
@@ -1294,8 +1440,8 @@ def bad_rows(t: torch.Tensor, nan_only: bool = False) -> str:
     """Which rows (indices along dim 0, the batch) of ``t`` hold NaN/Inf: ``"rows 2, 5 (2 of 8 rows)"``,
     the first few and the count; ``""`` for a scalar or a single row. The index is what finds the bad
     sample (file, line) in a dataset. Rare path: one reduction and a host read."""
-    if t.dim() == 0 or t.shape[0] < 2:
-        return ""
+    if t.dim() == 0 or t.shape[0] < 2 or t.layout != torch.strided:
+        return ""  # (a sparse tensor: its stored values hold no rows)
     with torch._C.DisableTorchFunction(), torch.no_grad():
         x = t.detach()
         x = torch.view_as_real(x) if x.is_complex() else x

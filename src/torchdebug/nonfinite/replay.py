@@ -21,7 +21,17 @@ from .._tensors import local
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, Phase
 from .ledger import window_hint
-from .locate import StepCapture, Tracer, _autocast, _check_loss_inputs, _preserved_state, replay_capture
+from .locate import (
+    StepCapture,
+    Tracer,
+    _autocast,
+    _check_loss_inputs,
+    _preserved_state,
+    apart_from_user,
+    replay_capture,
+    user_storages,
+    writes_apart,
+)
 
 # a tape entry that is a watched model's forward (several models), with or without grad
 FORWARD = "forward"
@@ -312,6 +322,9 @@ def replay_in_order(mon: SessionView, idx: int) -> Tracer:
     if tracer.symptom is not None:
         return tracer
     made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
+    params = {id(p) for p in mon.model.parameters()}
+    apart_from_user([(c.args, c.kwargs, [(e[2], e[3]) for e in c.tape]) for c in caps], params, made)
+    user = user_storages(caps)
     sub = lambda t: made.get(id(t), t)  # noqa: E731
     with _preserved_state(mon.model, mon.uses_cuda), tracer:
         for j, cap in enumerate(caps):
@@ -326,7 +339,7 @@ def replay_in_order(mon: SessionView, idx: int) -> Tracer:
                     _pair(made, cap.outputs, out)
                     if tracer.symptom is not None:
                         return tracer
-                if cap.tape_complete and not _rerun(cap, made, tracer):
+                if cap.tape_complete and not _rerun(cap, made, tracer, user):
                     return tracer
                 if j < idx:
                     continue
@@ -349,8 +362,9 @@ def _pair(made: dict[int, torch.Tensor], old: Any, new: Any) -> None:
         made[id(o)] = n
 
 
-def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer) -> bool:
-    """The micro-step's tape, in order (False: stop, the tracer found the symptom or the tape failed)."""
+def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer, user: set[int | None]) -> bool:
+    """The micro-step's tape, in order (False: stop, the tracer found the symptom or the tape failed).
+    A call that writes into a tensor of the user's (``user``: their storages) writes into a copy."""
     sub = lambda t: made.get(id(t), t)  # noqa: E731
     try:
         for func, kind, args, kwargs, raw, res in cap.tape:
@@ -361,6 +375,7 @@ def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer) -> b
                 _check_loss_inputs(cap, args, kwargs, made, raw, tracer)
                 if tracer.symptom is not None:
                     return False
+                writes_apart(func, args, kwargs, made, sub, user)
                 tracer.location_override = format_frames(raw)
                 try:
                     new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))

@@ -8,10 +8,17 @@ runs once per row on the row's slice of the model's outputs and of every batch t
 tensor whose first dimension is the batch size, not made by the model or the loss code, not a
 parameter). The user's gradients, buffers and RNG are left as they were.
 
+A loss the model computes itself and returns among its outputs (the Hugging Face idiom
+``model(input_ids, labels=labels).loss``) has no loss code to slice: the forward runs once per part
+instead, on the part's slice of every batch tensor of its inputs (the labels included), and the part's
+loss is that output. Cost: one forward without gradients per part, at most ``MAX_FORWARDS`` parts;
+batch statistics (BatchNorm) are then the part's own.
+
 Known limitations: the batch dimension is the first one of the model's first input; loss code that
 builds shapes from the batch size (``view(B * T, -1)``) cannot run on one row (the rows are then
-unavailable, with the error); with more than ``MAX_PARTS`` rows, contiguous groups of rows are
-replayed as parts and a part is named by its first row.
+unavailable, with the error); with more than ``MAX_PARTS`` rows (``MAX_FORWARDS`` when the model
+computes the loss), contiguous groups of rows are replayed as parts and a part is named by its first
+row.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import torch
 from torch import nn
 
 from .._trees import map_tensors, tensor_leaves
-from .locate import StepCapture, _autocast, _preserved_state
+from .locate import StepCapture, _autocast, _preserved_state, user_storages, writes_apart
 
 MAX_PARTS = 512
+MAX_FORWARDS = 64  # parts when each is a forward of its own (the model computes the loss)
 
 
 def row_losses(
@@ -35,30 +43,58 @@ def row_losses(
 
     ``reduction`` is ``"mean"`` or ``"sum"`` when the parts' losses give the replayed full loss that
     way (within 1e-4 relative), else None. ``losses`` is None when the step cannot be split; ``note``
-    says why. Cost: one forward without gradients plus the loss code once per part.
+    says why. Cost: one forward without gradients plus the loss code once per part (a loss the model
+    computes: one forward per part).
     """
-    if cap.loss is None or not cap.tape_complete or not cap.tape:
-        return None, [], None, "the loss code was not recorded (trace_loss off, or more than 64 calls)"
+    if cap.loss is None:
+        return None, [], None, "no backward() of the captured micro-step was seen"
     leaves = [t for t in tensor_leaves((cap.args, cap.kwargs)) if t.dim() >= 1]
     if not leaves:
         return None, [], None, "the model's inputs hold no batched tensor"
     n = int(leaves[0].shape[0])
     if n < 2:
         return None, [], None, "a batch of one row"
-    step = max(1, math.ceil(n / MAX_PARTS))
+    inside = next((i for i, t in enumerate(tensor_leaves(cap.outputs)) if t is cap.loss), None)
+    if inside is None and not cap.tape_complete:
+        return (
+            None,
+            [],
+            None,
+            (
+                "the loss code was not recorded (trace_loss off, more than 64 torch calls, or the forward "
+                "ran in another thread)"
+            ),
+        )
+    if inside is None and not cap.tape:
+        return (
+            None,
+            [],
+            None,
+            ("the loss is neither one of the model's outputs nor made by torch calls after its forward"),
+        )
+    step = max(1, math.ceil(n / (MAX_PARTS if inside is None else MAX_FORWARDS)))
     starts = list(range(0, n, step))
     params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
+    module = cap.module if cap.module is not None else model
     try:
         with _preserved_state(model, uses_cuda), torch.no_grad():
             torch.set_rng_state(cap.rng_cpu)
             if cap.rng_cuda is not None:
                 torch.cuda.set_rng_state_all(cap.rng_cuda)
             with _autocast(cap.autocast):
-                out = (cap.module if cap.module is not None else model)(*cap.args, **cap.kwargs)
-                full = _loss(cap, out, None, n, params)
-                parts = [_loss(cap, out, slice(a, min(a + step, n)), n, params) for a in starts]
+                out = module(*cap.args, **cap.kwargs)
+                if inside is not None:  # the model computes the loss: a forward per part
+                    full = _value(tensor_leaves(out)[inside])
+                    parts = [
+                        _forward_loss(module, cap, slice(a, min(a + step, n)), n, inside) for a in starts
+                    ]
+                else:
+                    user = user_storages([cap])
+                    full = _loss(cap, out, None, n, params, user)
+                    parts = [_loss(cap, out, slice(a, min(a + step, n)), n, params, user) for a in starts]
     except Exception as exc:  # the loss code does not run on a slice: no rows, and why
-        return None, [], None, f"the loss code failed on one row: {type(exc).__name__}: {exc}"
+        what = "the model's forward" if inside is not None else "the loss code"
+        return None, [], None, f"{what} failed on one row: {type(exc).__name__}: {exc}"
     sizes = [min(a + step, n) - a for a in starts]
     mean = sum(p * s for p, s in zip(parts, sizes)) / n
     total = sum(parts)
@@ -70,8 +106,11 @@ def row_losses(
     return parts, starts, reduction, ""
 
 
-def _loss(cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[int]) -> float:
-    """The recorded loss code on ``rows`` of the outputs and batch tensors (None: the whole batch)."""
+def _loss(
+    cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[int], user: set[int | None]
+) -> float:
+    """The recorded loss code on ``rows`` of the outputs and batch tensors (None: the whole batch); a
+    call that writes into a tensor of the user's (``user``: their storages) writes into a copy."""
     mapping: dict[int, torch.Tensor] = {}
     for o, t in zip(tensor_leaves(cap.outputs), tensor_leaves(out)):
         mapping[id(o)] = t[rows] if rows is not None and t.dim() >= 1 and t.shape[0] == n else t
@@ -85,12 +124,24 @@ def _loss(cap: StepCapture, out: Any, rows: slice | None, n: int, params: set[in
         return t
 
     for func, _types, args, kwargs, _raw, res in cap.tape:
+        writes_apart(func, args, kwargs, mapping, sub, user)
         new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
         for o, t in zip(tensor_leaves(res), tensor_leaves(new)):
             mapping[id(o)] = t
     loss = mapping.get(id(cap.loss))
     if loss is None:
         raise RuntimeError("the loss was not made by the recorded calls")
+    return _value(loss)
+
+
+def _forward_loss(module: nn.Module, cap: StepCapture, rows: slice, n: int, inside: int) -> float:
+    """The model's own loss (its output ``inside``) on ``rows`` of every batch tensor of its inputs."""
+    cut = lambda t: t[rows] if t.dim() >= 1 and t.shape[0] == n else t  # noqa: E731
+    out = module(*map_tensors(cap.args, cut), **map_tensors(cap.kwargs, cut))
+    return _value(tensor_leaves(out)[inside])
+
+
+def _value(loss: torch.Tensor) -> float:
     return float(loss.detach().float().sum())  # rare path (a spike): one read per part
 
 

@@ -54,7 +54,7 @@ from .._step import (
     Update,
     Verdict,
 )
-from .._tensors import dtensor_type, finite_probe, local
+from .._tensors import dtensor_type, finite_probe, local, stored_values
 from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
@@ -502,7 +502,8 @@ class Sentinel:
         bad = [
             self.param_names[i]
             for i in suspects
-            if i < len(params) and not bool(torch.isfinite(local(params[i].detach())).all())  # exact: rare
+            if i < len(params)
+            and not bool(torch.isfinite(stored_values(local(params[i].detach()))).all())  # exact: rare
         ]
         coord = mon.coordinator
         ranks = (
@@ -558,7 +559,7 @@ class Sentinel:
         if self.grads_gone:
             return False  # judged one step later (sync="async"): the probe's verdict stands
         seen = None if now else st.seen.get(i)
-        g = local(seen if seen is not None else self.params[i].grad)
+        g = stored_values(local(seen if seen is not None else self.params[i].grad))  # sparse: its values
         return g is None or bool(torch.isfinite(g).all())
 
     def grads_bad(self, st: StepState) -> bool:

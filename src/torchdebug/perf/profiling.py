@@ -458,12 +458,17 @@ def profile_model_performance(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     run_dir: str | os.PathLike[str] | None = None,
+    with_stack: bool = True,
+    record_shapes: bool = True,
 ) -> ProfileSummary:
     """Seed-era entry point: profile ``num_batches`` steps of ``model`` over ``dataloader``.
 
     Each batch is a tensor (``model(batch)``) or ``(inputs, targets, ...)`` (``model(inputs)``).
     With ``loss_fn`` the step is ``loss_fn(output, targets)`` + backward (+ ``optimizer`` step);
     without, forward only under ``torch.no_grad()``. One wait and one warm-up batch precede them.
+    ``with_stack`` and ``record_shapes`` are on, as seed 000 configured its profiler: the trace
+    carries Python stacks (``python_function`` events) and input shapes (the trace budget trims
+    them first when the trace grows too large).
 
     Example:
         >>> m = torch.nn.Linear(4, 1)
@@ -486,7 +491,15 @@ def profile_model_performance(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    return profile(model, step_fn, dataloader, steps=num_batches, run_dir=run_dir)
+    return profile(
+        model,
+        step_fn,
+        dataloader,
+        steps=num_batches,
+        run_dir=run_dir,
+        with_stack=with_stack,
+        record_shapes=record_shapes,
+    )
 
 
 def monitor_resources(
@@ -530,21 +543,30 @@ def monitor_resources(
         out["warnings"].append(f"CPU use {cpu:.0f}% is above {cpu_threshold:g}%")
     if vm.percent > memory_threshold:
         out["warnings"].append(f"system memory use {vm.percent:.0f}% is above {memory_threshold:g}%")
-    if torch.cuda.is_available():
-        for dev in range(torch.cuda.device_count()):
-            alloc = int(torch.cuda.memory_allocated(dev))
-            g = {
-                "device": dev,
-                "allocated": alloc,
-                "reserved": int(torch.cuda.memory_reserved(dev)),
-                "total": int(torch.cuda.get_device_properties(dev).total_memory),
-            }
-            out["gpus"].append(g)
-            if gpu_memory_threshold_bytes is not None and alloc > gpu_memory_threshold_bytes:
-                out["warnings"].append(
-                    f"GPU {dev} allocated {alloc} bytes, above {gpu_memory_threshold_bytes}"
-                )
+    for g in _gpu_readings():
+        out["gpus"].append(g)
+        alloc = g["allocated"]
+        if gpu_memory_threshold_bytes is not None and alloc > gpu_memory_threshold_bytes:
+            out["warnings"].append(
+                f"GPU {g['device']} allocated {alloc} bytes ({alloc / 2**20:.1f} MiB), "
+                f"above {gpu_memory_threshold_bytes} bytes"
+            )
     return out
+
+
+def _gpu_readings() -> list[dict[str, int]]:
+    """Per CUDA device: allocated, reserved and total bytes (allocator counters: no device sync)."""
+    if not torch.cuda.is_available():
+        return []
+    return [
+        {
+            "device": dev,
+            "allocated": int(torch.cuda.memory_allocated(dev)),
+            "reserved": int(torch.cuda.memory_reserved(dev)),
+            "total": int(torch.cuda.get_device_properties(dev).total_memory),
+        }
+        for dev in range(torch.cuda.device_count())
+    ]
 
 
 __all__ = [

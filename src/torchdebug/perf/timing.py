@@ -78,6 +78,53 @@ class _StepMarks:
     samples: int = 0
     tokens: int = 0
     step: int = 0
+    cpu: float = math.nan  # this process's CPU seconds over the step (host clock only)
+    wait: float = math.nan  # the training thread's seconds waiting for a CPU (Linux run-queue delay)
+    loader: float = 0.0  # seconds inside DataLoader iterators' __next__ during the step
+    loader_calls: int = 0
+
+
+class RunQueueClock:
+    """Seconds the calling thread has spent ready to run but waiting for a CPU (the kernel's run-queue
+    delay, ``/proc/thread-self/schedstat``'s second field): time a busy machine took from it.
+
+    ``read()`` returns NaN where the file does not exist (not Linux, no schedstats). Open it on the
+    thread to measure. Cost: one ``pread`` of a small proc file, about 3 µs.
+    """
+
+    def __init__(self, path: str = "/proc/thread-self/schedstat") -> None:
+        import os
+
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> float:
+        import os
+
+        if self._fd is None:
+            return math.nan
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return math.nan
+
+    def close(self) -> None:
+        import os
+
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def machine_load() -> tuple[float, int]:
+    """(load average over the last minute, CPU count): how busy the machine is, for the slowdown rule.
+
+    Raises OSError where there is no load average (Windows)."""
+    import os
+
+    return os.getloadavg()[0], os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -93,6 +140,13 @@ class StepTiming:
     total: float
     samples: int = 0
     tokens: int = 0
+    # this process's CPU seconds (all its threads) over the step; NaN where not measured (CUDA)
+    cpu: float = math.nan
+    # seconds the training thread was ready to run but waited for a CPU (Linux); NaN: not measured
+    wait: float = math.nan
+    # seconds spent inside DataLoader iterators' __next__, and how many batches they gave, this step
+    loader: float = 0.0
+    loader_calls: int = 0
 
     @property
     def samples_per_s(self) -> float | None:
@@ -149,8 +203,16 @@ class SlowdownRule:
     ignores jitter the run always had. A step joins the baseline once it leaves the recent window;
     inside an episode the baseline is frozen, so a slowdown that lasts does not become the norm and
     fire again. Sustained means in time too: the median must stay slow for ``min_duration_s`` of
-    steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` warning when an episode starts (naming the phase whose median grew
+    steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` event when an episode starts (naming the phase whose median grew
     most), one ``slowdown_end`` info event when it ends, with its length in steps.
+
+    This process's work or a busy machine: when the steps carry the training thread's wait for a CPU
+    (``StepTiming.wait``, the kernel's run-queue delay), the rule also judges the steps without that
+    wait (the time the process itself took). When those are not slow by the same test (``factor``
+    and ``min_s``), the process was ready to run and other processes had the CPUs. That
+    ``slowdown`` is information (severity ``info``, with the CPU time a step used and the machine's
+    load average), not a warning about the training. A slowdown of its own work (more CPU time, a
+    sleep, I/O, a lock) is a ``warning``; so is any slowdown where the wait is not measured.
 
     Args:
         factor: how many times the baseline a slow median is (> 1).
@@ -159,6 +221,8 @@ class SlowdownRule:
         min_s: smallest rise in seconds that counts (sub-millisecond steps jitter by more than 1.5x).
         mads: robust sigmas of the baseline a rise must exceed.
         min_duration_s: seconds of slow steps (after the median turned) before it is an episode.
+        load: the machine's (load average over 1 minute, CPU count), said with a contended slowdown;
+            None: not said.
 
     Example:
         >>> rule = SlowdownRule(recent=3, min_baseline=5, min_duration_s=0.1)
@@ -177,6 +241,7 @@ class SlowdownRule:
         min_s: float = 0.002,
         mads: float = 5.0,
         min_duration_s: float = 0.5,
+        load: Callable[[], tuple[float, int]] | None = None,
     ) -> None:
         if factor <= 1:
             raise ValueError(f"factor must be > 1, got {factor}")
@@ -185,6 +250,10 @@ class SlowdownRule:
         self.factor, self.min_s, self.mads = float(factor), float(min_s), float(mads)
         self.min_baseline = int(min_baseline)
         self.min_duration_s = float(min_duration_s)
+        self.load = load
+        self._cpu = deque[float](maxlen=int(window))  # the baseline steps' CPU seconds
+        self._wait = deque[float](maxlen=int(window))  # and their seconds waiting for a CPU
+        self._totals = deque[float](maxlen=int(window))  # and their wall seconds (paired with _wait)
         self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
         self.recent: deque[StepTiming] = deque(maxlen=int(recent))
         self.baseline = RunningMedian(int(window))
@@ -192,6 +261,16 @@ class SlowdownRule:
         self._phases = {k: deque[float](maxlen=int(window)) for k in _RULE_PHASES}
         self.start: int | None = None  # first step of the current episode
         self.count = 0  # episodes
+
+    def _load_text(self, evidence: dict[str, Any]) -> str:
+        if self.load is None:
+            return ""
+        try:
+            avg, cpus = self.load()
+        except OSError:  # no load average on this platform
+            return ""
+        evidence.update(load_1min=avg, cpus=cpus)
+        return f" (load average {avg:.1f} on {cpus} CPUs)"
 
     def update(self, t: StepTiming) -> list[RuleEvent]:
         """Feed one step's timing; the episode's start or end event, or nothing."""
@@ -202,6 +281,11 @@ class SlowdownRule:
                 x = float(getattr(old, k))
                 if math.isfinite(x):  # as RunningMedian.push: NaN/Inf would poison the window
                     m.append(x)
+            if math.isfinite(old.cpu):
+                self._cpu.append(old.cpu)
+            if math.isfinite(old.wait):
+                self._wait.append(old.wait)
+                self._totals.append(old.total)
         self.recent.append(t)
         if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
             return []
@@ -224,26 +308,48 @@ class SlowdownRule:
             }
             phase = max(grown, key=lambda k: grown[k])
             now = _median([getattr(r, phase) for r in self.recent])
+            said = (
+                f"steps got slower since about step {self.start}: median step time "
+                f"{med * 1e3:.1f} ms over the last {len(self.recent)} steps, {med / base:.1f}x the "
+                f"median {base * 1e3:.1f} ms before; {phase} grew most "
+                f"({(now - grown[phase]) * 1e3:.1f} -> {now * 1e3:.1f} ms)"
+            )
+            evidence: dict[str, Any] = {
+                "step_s": med,
+                "median_s": base,
+                "factor": self.factor,
+                "phase": phase,
+                "since": self.start,
+                **{f"{k}_grown_s": v for k, v in grown.items()},
+                **t.as_log(),
+            }
+            severity = "warning"
+            wait_now = [r.wait for r in self.recent if math.isfinite(r.wait)]
+            if len(wait_now) == len(self.recent) and len(self._wait) >= self.min_baseline:
+                wait_med, wait_base = _median(wait_now), _median(list(self._wait))
+                evidence.update(wait_s=wait_med, wait_median_s=wait_base)
+                cpu_now = [r.cpu for r in self.recent if math.isfinite(r.cpu)]
+                cpu = ""
+                if cpu_now and self._cpu:
+                    cpu_med, cpu_base = _median(cpu_now), _median(list(self._cpu))
+                    evidence.update(cpu_s=cpu_med, cpu_median_s=cpu_base)
+                    cpu = f"; it used {cpu_med * 1e3:.1f} ms of CPU a step ({cpu_base * 1e3:.1f} ms before)"
+                # the step without its wait for a CPU: the time the process itself took
+                own = _median([r.total - r.wait for r in self.recent])
+                own_base = _median([b - w for b, w in zip(self._totals, self._wait, strict=False)])
+                evidence.update(own_s=own, own_median_s=own_base)
+                if not (own > self.factor * own_base and own - own_base >= self.min_s):
+                    # ready to run, no CPU free: the machine is busy, the training did not change
+                    severity = "info"
+                    said = (
+                        f"steps took {med / base:.1f}x longer since about step {self.start} (median "
+                        f"{med * 1e3:.1f} ms, {base * 1e3:.1f} ms before) because the training thread "
+                        f"waited {wait_med * 1e3:.1f} ms a step for a CPU ({wait_base * 1e3:.1f} ms "
+                        f"before){cpu}: other processes are taking the machine's CPUs"
+                        f"{self._load_text(evidence)}; nothing in this training changed"
+                    )
             return [
-                RuleEvent(
-                    kind="slowdown",
-                    step=t.step,
-                    message=(
-                        f"steps got slower since about step {self.start}: median step time "
-                        f"{med * 1e3:.1f} ms over the last {len(self.recent)} steps, {med / base:.1f}x the "
-                        f"median {base * 1e3:.1f} ms before; {phase} grew most "
-                        f"({(now - grown[phase]) * 1e3:.1f} -> {now * 1e3:.1f} ms)"
-                    ),
-                    evidence={
-                        "step_s": med,
-                        "median_s": base,
-                        "factor": self.factor,
-                        "phase": phase,
-                        "since": self.start,
-                        **{f"{k}_grown_s": v for k, v in grown.items()},
-                        **t.as_log(),
-                    },
-                )
+                RuleEvent(kind="slowdown", step=t.step, message=said, severity=severity, evidence=evidence)
             ]
         if not slow:
             self._pending = None
@@ -274,13 +380,18 @@ class TimingInstrument:
     Throughput: samples from dim 0 of the first tensor argument of each micro-step's forward; tokens
     from ``config.tokens_per_step`` or, for an integer (B, T) input, B*T.
 
-    Rules: "input_bound" when the median share of data wait over the last ``window`` steps exceeds
-    ``config.input_bound_fraction``; "slowdown" (:class:`SlowdownRule`) when the median step time of
+    Rules: "input_bound" when the median share of the step spent waiting for a DataLoader batch
+    (timed inside its iterator's ``__next__``; a loop without a DataLoader, such as an actor-critic's
+    rollout or a distillation teacher's forward before the watched model's, is never input-bound)
+    over the last ``window`` steps exceeds ``config.input_bound_fraction``; "slowdown" (:class:`SlowdownRule`) when the median step time of
     the last ``2 * patience - 1`` steps stays above ``config.slowdown_factor`` x the median of the
     steps before and above their jitter (a few slow steps, such as a gc pause, are not a slowdown;
     nor is a rise under ``min_slowdown_s``, the jitter of sub-millisecond steps); it names the phase
     that grew, and "slowdown_end" (info) says how long it lasted. Each rule fires once per episode. The first ``warmup``
-    steps (lazy init, allocator warm-up) are not fed to the rules.
+    steps (lazy init, allocator warm-up) are not fed to the rules. A slowdown that the training
+    thread's wait for a CPU explains (``wait_clock``, default the kernel's run-queue delay on Linux)
+    is a busy machine, said as information with the CPU time a step used (``cpu_clock``) and the
+    machine's ``load``, not a warning.
 
     Attributes:
         history: the last ``window`` :class:`StepTiming`.
@@ -295,15 +406,35 @@ class TimingInstrument:
     name = "timing"
 
     def __init__(
-        self, *, window: int = 20, warmup: int = 2, patience: int = 5, min_slowdown_s: float = 0.002
+        self,
+        *,
+        window: int = 20,
+        warmup: int = 2,
+        patience: int = 5,
+        min_slowdown_s: float = 0.002,
+        cpu_clock: Callable[[], float] = time.process_time,
+        wait_clock: Callable[[], float] | None = None,
+        load: Callable[[], tuple[float, int]] | None = machine_load,
     ) -> None:
         self.window = window
+        # this process's CPU seconds (all threads): the slowdown rule tells its own work from a busy
+        # machine. One clock_gettime(CLOCK_PROCESS_CPUTIME_ID) per step, about 1 µs.
+        self.cpu_clock = cpu_clock
+        # the training thread's wait for a CPU (None: a RunQueueClock opened at install, on that thread)
+        self.wait_clock = wait_clock
+        self._run_queue: RunQueueClock | None = None
+        self.load = load
+        self._cpu_start = math.nan
+        self._wait_start = math.nan
+        self._loader_s = 0.0  # DataLoader time and batches since the step began (see _watch_loaders)
+        self._loader_calls = 0
+        self._loaders_watched = False
         self.min_slowdown_s = min_slowdown_s
         self.warmup = warmup
         self.history: deque[StepTiming] = deque(maxlen=window)
         self._data_share = RunningMedian(window)
         self._patience = patience
-        self._slowdown = SlowdownRule(recent=2 * patience - 1, min_s=min_slowdown_s)
+        self._slowdown = SlowdownRule(recent=2 * patience - 1, min_s=min_slowdown_s, load=load)
         self._input_bound_on = False
         self._pending: deque[_StepMarks] = deque()
         self._cur = _StepMarks()
@@ -321,15 +452,50 @@ class TimingInstrument:
             factor=mon.config.slowdown_factor,
             recent=2 * self._patience - 1,
             min_s=self.min_slowdown_s,
+            load=self.load,
         )
         tps = getattr(mon.config, "tokens_per_step", None)
         self._tokens_per_step = int(tps) if tps else None
+        self._watch_loaders(mon)
+        if self.wait_clock is None and not cuda:
+            self._run_queue = RunQueueClock()
+            self.wait_clock = self._run_queue.read
         self._begin(mon.global_step)
+
+    def _watch_loaders(self, mon: Any) -> None:
+        """Time every DataLoader batch (``_BaseDataLoaderIter.__next__``, the one method every
+        DataLoader iterator shares; restored when the session ends): the input_bound rule then says
+        "waiting for data" only about a DataLoader, not about an actor-critic's rollout or a
+        distillation teacher's forward that runs before the watched model's. Cost: two perf_counter
+        reads per batch."""
+        installs = getattr(mon, "installs", None)
+        if installs is None or self._loaders_watched:  # installed again (a level change): once
+            return
+        self._loaders_watched = True
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        original = _BaseDataLoaderIter.__next__
+        clock = time.perf_counter
+        me = self
+
+        def __next__(it: Any) -> Any:
+            t0 = clock()
+            try:
+                return original(it)
+            finally:
+                me._loader_s += clock() - t0
+                me._loader_calls += 1
+
+        installs.patch(_BaseDataLoaderIter, "__next__", __next__)
 
     def _begin(self, step: int) -> None:
         m = self._clock.mark()
         self._cur = _StepMarks(start=m, step=step)
         self._last_mark = m
+        if not self._clock.cuda:  # on CUDA the host's CPU time says little about the step's work
+            self._cpu_start = self.cpu_clock()
+            if self.wait_clock is not None:
+                self._wait_start = self.wait_clock()
 
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
@@ -380,6 +546,12 @@ class TimingInstrument:
         self._uncommitted = (None, None)
         cur = self._cur
         cur.end = self._clock.mark()
+        if not self._clock.cuda:
+            cur.cpu = self.cpu_clock() - self._cpu_start
+            if self.wait_clock is not None:
+                cur.wait = self.wait_clock() - self._wait_start
+        cur.loader, cur.loader_calls = self._loader_s, self._loader_calls
+        self._loader_s, self._loader_calls = 0.0, 0
         cur.step = int(getattr(record, "step", cur.step))
         if self._tokens_per_step:
             cur.tokens = self._tokens_per_step
@@ -392,6 +564,9 @@ class TimingInstrument:
         if self._clock.cuda and self._pending:
             self._pending[-1].end.synchronize()  # once, at exit: log the last steps too
         self._drain(mon)
+        if self._run_queue is not None:
+            self._run_queue.close()
+            self.wait_clock = None
 
     # ---- reading the marks
     def _drain(self, mon: SessionView) -> None:
@@ -426,6 +601,10 @@ class TimingInstrument:
             total=total,
             samples=m.samples,
             tokens=m.tokens,
+            cpu=m.cpu,
+            wait=m.wait,
+            loader=m.loader,
+            loader_calls=m.loader_calls,
         )
         self.history.append(t)
         writer = mon.writer
@@ -446,7 +625,9 @@ class TimingInstrument:
         if t.step < self.warmup or t.total <= 0:
             return
         cfg = mon.config
-        share = t.data / t.total
+        # waiting for data: the DataLoader's own time (at most the data span); a step that took no
+        # DataLoader batch spent its time before the forward on the user's own work (a rollout)
+        share = min(t.loader, t.data) / t.total if t.loader_calls else 0.0
         self._data_share.push(share)
         frac = float(getattr(cfg, "input_bound_fraction", 0.3))
         med_share = self._data_share.median()
@@ -458,9 +639,10 @@ class TimingInstrument:
                         kind="input_bound",
                         step=t.step,
                         message=(
-                            f"waiting for data takes {med_share:.0%} of each step (median of the last "
-                            f"{len(self._data_share)} steps, threshold {frac:.0%}): the GPU/CPU idles while "
-                            "batches load; use more DataLoader workers, pin_memory, prefetching or faster decoding"
+                            f"waiting for the DataLoader takes {med_share:.0%} of each step (median of the "
+                            f"last {len(self._data_share)} steps, threshold {frac:.0%}): the GPU/CPU idles "
+                            "while batches load; use more DataLoader workers, pin_memory, prefetching or "
+                            "faster decoding"
                         ),
                         evidence={
                             "data_share_median": med_share,

@@ -269,12 +269,21 @@ class DeferredReads:
         key = (tuple(spec), dev)
         got = self._layouts.get(key)
         if got is None:
-            sizes = torch.tensor([k for _, k in spec])
-            values = torch.tensor([n in _BAD_VALUES for n, _ in spec]).repeat_interleave(sizes)
-            flags = torch.tensor([n in _BAD_FLAGS for n, _ in spec]).repeat_interleave(sizes)
+            # built on the device by fills (one small kernel per item, once per layout): a host tensor
+            # copied over would be a pageable copy, which synchronizes with the device
+            total = sum(k for _, k in spec)
+            values = torch.zeros(total, dtype=torch.bool, device=dev)
+            flags = torch.zeros(total, dtype=torch.bool, device=dev)
+            at = 0
+            for n, k in spec:
+                if n in _BAD_VALUES:
+                    values[at : at + k] = True
+                elif n in _BAD_FLAGS:
+                    flags[at : at + k] = True
+                at += k
             if len(self._layouts) >= 8:  # a few layouts (ordinary, detail steps) in a session
                 self._layouts.clear()
-            got = self._layouts[key] = (values.to(dev), flags.to(dev))
+            got = self._layouts[key] = (values, flags)
         return got
 
     def _hand_flag(self, opt: Any) -> None:

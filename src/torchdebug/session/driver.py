@@ -45,7 +45,12 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Tensor.backward calls torch.autograd.backward: only the outermost call counts
-        mons = [] if getattr(_TLS, "in_backward", False) else _sessions_of(args[0] if args else None)
+        if getattr(_TLS, "in_backward", False):
+            mons = []
+        elif len(_ACTIVE) < 2:  # one session (``_sessions_of``'s first answer, inlined: every backward)
+            mons = [m for m in _ACTIVE if not (m.sentinel.replaying or m.closed)]
+        else:
+            mons = _sessions_of(args[0] if args else None)
         if not mons:
             return orig(*args, **kwargs)
         _TLS.in_backward = True
@@ -146,19 +151,19 @@ def _clip_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
                 args = (parameters, *args[1:])
             else:
                 kwargs["parameters"] = parameters
-        clean = [m.clip_starting(params) for m in mons]
+        clean = [m.stepper.grads.clip_starting(params) for m in mons]
         spec = clip_args(args, kwargs)
         total = None
         if len(mons) == 1 and not torch.compiler.is_dynamo_compiling():
             # the clip may carry the session's gradient check (session/gradcheck.py)
-            total = mons[0].clip_with_check(params, clean[0], spec)
+            total = mons[0].stepper.grads.clip_with_check(params, clean[0], spec)
         else:
             for m in mons:
-                m.flush_measure()
+                m.stepper.grads.flush_measure()
         if total is None:
             total = orig(*args, **kwargs)
         for m, idx in zip(mons, clean):
-            m.clip_done(idx, total, spec.get("max_norm"), spec["norm_type"])
+            m.stepper.grads.clip_done(idx, total, spec.get("max_norm"), spec["norm_type"])
         return total
 
     clip_grad_norm_.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
@@ -190,8 +195,8 @@ def _zero_grad_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
             s, st = m.sentinel, m.state
             if s.edits.watch is not None:
                 s.edits.watch_edits_end(st)
-            if m._held is not None:
-                m.flush_measure()  # a measure held for a clip: the gradients before they go
+            if m.stepper.grads.held is not None:
+                m.stepper.grads.flush_measure()  # a measure held for a clip: the gradients before they go
             if s.edits.watch is not None or st.seen.watched:
                 s.edits.watch_edits_end(st, judge=False)  # zeroed: edited
         n = torch._C._len_torch_function_stack()

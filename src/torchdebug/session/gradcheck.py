@@ -15,7 +15,7 @@ The hold is a prediction: the last update's clip came right after its backward, 
 parameters, with no edit between. When something else comes first (the next backward, the update,
 ``zero_grad``, a read), the held measure runs there, on the gradients as they are then; the edit check
 still compares them with what backward() left (the references and versions taken at backward()), so
-an edit in between is still told apart. A base class of :class:`~torchdebug.session.monitor.Monitor`.
+an edit in between is still told apart. A member of the session's :class:`~torchdebug.session.step.Step`.
 """
 
 from __future__ import annotations
@@ -24,118 +24,125 @@ from typing import Any
 
 import torch
 
-from .._step import Measure, StepPhase, StepState
+from .._step import Measure, StepPhase
 from .._tensors import Reduced, all_present, grad_of, versions_of
-from ..nonfinite.sentinel import Sentinel
-from .transfer import Transfer
+from .protocol import Session
 
 
 class GradientCheck:
-    """Measuring the gradients after backward(), or holding it for the clip (see above)."""
+    """Measuring the gradients after backward(), or holding it for the clip (see above); a member of
+    the session's :class:`~torchdebug.session.step.Step` (``mon.stepper.grads``) with its own state."""
 
-    # the session's attributes these methods use (set in Monitor.__init__)
-    params: list[torch.Tensor]
-    sentinel: Sentinel
-    scaler: Any
-    roots: Any
-    optimizers: list[Any]
-    state: StepState
-    _enabled: frozenset[str]
-    _coord: Any
-    _async: Any
-    # the held measure: None, or True/False (a finiteness probe / norms) until it runs
-    _held: bool | None = None
-    # the micro-step (counted from the update's first) the last update's clip followed, 0: none
-    _clip_after = 0
-    _clip_checked = False  # the merged clip was compared with torch's once (bitwise)
-    _clip_off = False  # ... and differed, or failed: no merge for the rest of the session
-    _merged: Any = None  # the total of the clip running now, when the session ran it (merged)
+    def __init__(self, mon: Session) -> None:
+        self.mon = mon
+        # the held measure: None, or True/False (a finiteness probe / norms) until it runs
+        self.held: bool | None = None
+        # the micro-step (counted from the update's first) the last update's clip followed, 0: none
+        self._clip_after = 0
+        self._clip_checked = False  # the merged clip was compared with torch's once (bitwise)
+        self._clip_off = False  # ... and differed, or failed: no merge for the rest of the session
+        self._merged: Any = None  # the total of the clip running now, when the session ran it (merged)
 
-    @property
-    def transfer(self) -> Transfer:
-        raise NotImplementedError
-
-    def _measure_gradients(self) -> None:
+    def measure(self) -> None:
         """After a backward: reduce the gradients now, or hold the measure for the clip that follows."""
-        if not (self.sentinel.active or "gradients" in self._enabled):
+        if not (self.mon.sentinel.active or "gradients" in self.mon._enabled):
             return
         # one process, one model, at most one optimizer: the edit check may watch the calls
-        self.sentinel.edits.single = self._coord is None and self.roots is None and len(self.optimizers) <= 1
-        probe = "gradients" not in self._enabled  # the sentinel alone needs finiteness only
-        t = self.transfer
+        self.mon.sentinel.edits.single = (
+            self.mon._coord is None and self.mon.roots is None and len(self.mon.optimizers) <= 1
+        )
+        probe = "gradients" not in self.mon._enabled  # the sentinel alone needs finiteness only
+        t = self.mon.transfer
         if (
             self._clip_after
-            and len(t.micro_bad) - self.state.micro_base + 1 == self._clip_after
+            and len(t.micro_bad) - self.mon.state.micro_base + 1 == self._clip_after
             and self._may_hold()
         ):
-            grads = list(map(grad_of, self.params))  # a C loop
-            watched = self.sentinel.watches_edits()
+            grads = list(map(grad_of, self.mon.params))  # a C loop
+            s = self.mon.sentinel
+            watched = (
+                s.active
+                and not (s.replaying or s.manual or s.check_each_backward)
+                and s.edits.watches_edits()
+            )
             versions = None if watched else versions_of(grads)  # None: a parameter has no gradient
             if all_present(grads) if watched else versions is not None:
-                plan, every = t.plan(self.params)
+                plan, every = t.plan(self.mon.params)
                 if plan is not None:
-                    self._held = probe
+                    self.held = probe
                     # what the edit check compares with (its versions, or the watch until the update)
-                    self.sentinel.saw_gradients(self.state, every, grads, versions, watched)
+                    self.mon.sentinel.saw_gradients(self.mon.state, every, grads, versions, watched)
                     return
         self._measure_now(probe, saw=True)
 
     def _may_hold(self) -> bool:
         """The loop may hand its gradient check to the clip: one process, no loss scaler, one model,
         read as the update starts (blocking), the sentinel not checking each backward on its own."""
-        s = self.sentinel
+        s = self.mon.sentinel
         return (
             not self._clip_off
-            and self._coord is None
-            and self._async is None
-            and self.scaler is None
-            and self.roots is None
+            and self.mon._coord is None
+            and self.mon._async is None
+            and self.mon.scaler is None
+            and self.mon.roots is None
             and not (s.manual or s.check_each_backward or s.replaying)
         )
 
     def _measure_now(self, probe: bool, saw: bool) -> None:
         # gradient health needs true norms; the sentinel alone only finiteness (a cheaper probe)
-        share = self._coord.grad_share(self) if self._coord is not None else None  # DDP: this rank's
-        watched = saw and self.sentinel.watches_edits()  # no versions: the watch tells edits apart
-        idx, grads, versions = self.transfer.measure(
-            self.params, probe=probe, share=share, versions=not watched
+        share = (
+            self.mon._coord.grad_share(self.mon) if self.mon._coord is not None else None
+        )  # DDP: this rank's
+        s = (
+            self.mon.sentinel
+        )  # no versions when the watch tells edits apart (``Sentinel.watches_edits``, inlined)
+        watched = (
+            saw
+            and s.active
+            and not (s.replaying or s.manual or s.check_each_backward)
+            and s.edits.watches_edits()
+        )
+        idx, grads, versions = self.mon.transfer.measure(
+            self.mon.params, probe=probe, share=share, versions=not watched
         )
         if idx and saw:
-            self.sentinel.saw_gradients(self.state, idx, grads, versions, watched)
+            self.mon.sentinel.saw_gradients(self.mon.state, idx, grads, versions, watched)
 
     def flush_measure(self) -> None:
         """The held measure runs now (something other than the clip came first): on the gradients as
         they are; the edit check still compares them with what backward() left. No clip is predicted
         until one follows a backward again."""
-        probe = self._held
+        probe = self.held
         if probe is None:
             return
-        self._held = None
+        self.held = None
         self._clip_after = 0
-        if not self.state.seen.unedited(self.params):  # edited since backward() (a C pass, or the watch)
-            self.state.measure = Measure.AFTER_EDIT
+        if not self.mon.state.seen.unedited(
+            self.mon.params
+        ):  # edited since backward() (a C pass, or the watch)
+            self.mon.state.measure = Measure.AFTER_EDIT
         self._measure_now(probe, saw=False)
 
     # -- the clip ----------------------------------------------------------------------------------------
     def clip_starting(self, params: list[Any]) -> list[int]:
         """``torch.nn.utils.clip_grad_norm_`` is about to scale these parameters' gradients (the
         driver's patch): the ones the sentinel can judge by the clip factor alone."""
-        st = self.state
-        self.sentinel.edits.watch_edits_end(
+        st = self.mon.state
+        self.mon.sentinel.edits.watch_edits_end(
             st
         )  # the clip is the session's to judge (the watch reopens after it)
-        return self.sentinel.before_clip(st, params)
+        return self.mon.sentinel.before_clip(st, params)
 
     def clip_with_check(self, params: list[Any], idx: list[int], args: dict[str, Any]) -> Any:
         """The clip run by the session with the held measure merged into it: torch's total norm, or None
         when this clip cannot carry the check (then the held measure ran first and torch's clip runs).
 
         ``idx``: what :meth:`clip_starting` returned (every parameter when no gradient was edited)."""
-        held = self._held
-        seen = self.state.seen
+        held = self.held
+        seen = self.mon.state.seen
         # every parameter of the session, in its order (the per-tensor norms are read by index), unedited:
         # what the sentinel's check found before the clip (it returns the list of every index then)
-        whole = idx is seen.idx and seen.whole and len(params) == len(self.params)
+        whole = idx is seen.idx and seen.whole and len(params) == len(self.mon.params)
         fits = (
             whole
             and args.get("norm_type") in (2, 2.0)
@@ -146,13 +153,13 @@ class GradientCheck:
         )
         # this clip followed the update's last backward directly: the next update's may carry its check
         self._clip_after = (
-            len(self.transfer.micro_bad) - self.state.micro_base + (held is not None)
-            if fits and self.state.phase is StepPhase.BACKWARD
+            len(self.mon.transfer.micro_bad) - self.mon.state.micro_base + (held is not None)
+            if fits and self.mon.state.phase is StepPhase.BACKWARD
             else 0
         )
         if held is None:
             return None
-        plan, every = self.transfer.plan(self.params)
+        plan, every = self.mon.transfer.plan(self.mon.params)
         total = per = None
         if fits:
             # torch groups the gradients by device and dtype; one group (a plan is one device; a
@@ -167,8 +174,8 @@ class GradientCheck:
         if total is None:
             self.flush_measure()  # the held measure runs before torch's clip
             return None
-        self._held, self._clip_checked, self._merged = None, True, total
-        self.transfer.take(Reduced(plan, True, None, [], total, per, root=True), every, held)  # type: ignore[arg-type]
+        self.held, self._clip_checked, self._merged = None, True, total
+        self.mon.transfer.take(Reduced(plan, True, None, [], total, per, root=True), every, held)  # type: ignore[arg-type]
         with torch.no_grad():  # torch's own scaling, with torch's total (what its clip would raise, raises)
             torch.nn.utils.clip_grads_with_norm_(params, args["max_norm"], total, args.get("foreach"))
         return total
@@ -176,13 +183,10 @@ class GradientCheck:
     def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
         """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
         merged, self._merged = self._merged is not None and total is self._merged, None
-        self.sentinel.edits.after_clip(
-            self.state, idx, total, max_norm, scaled_all=merged, reads_late=self._async is not None
+        self.mon.sentinel.edits.after_clip(
+            self.mon.state, idx, total, max_norm, scaled_all=merged, reads_late=self.mon._async is not None
         )
-        self._each("on_clip", total, max_norm, norm_type)
-
-    def _each(self, hook: str, *args: Any) -> None:
-        raise NotImplementedError
+        self.mon.stepper.each("on_clip", total, max_norm, norm_type)
 
 
 def _clip_norms(grads: list[Any], args: dict[str, Any], first: bool) -> tuple[Any, Any]:

@@ -63,7 +63,6 @@ from . import distributed as _distributed
 from .control import Controls
 from .deferred import reads_for
 from .driver import PlainLoopDriver
-from .gradcheck import GradientCheck
 from .models import SeveralModels
 from .options import check_options, gather_models
 from .recording import Recording
@@ -76,7 +75,7 @@ from .wrappers import is_compiled, split_models
 _MAX_EVENTS = 10_000
 
 
-class Monitor(Controls, Recording, SeveralModels, GradientCheck):
+class Monitor(Controls, Recording, SeveralModels):
     """A watch session over one model. Create it with :func:`watch`; see there."""
 
     def __init__(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .._step import SessionView
-from .._trees import tensor_leaves
+from .._trees import named_inputs
 from ..events import RuleEvent
 
 _NAMES_PER_DEVICE = 5
@@ -55,7 +55,7 @@ class DevicePlacementInstrument:
         if self._done:
             return
         self._done = True
-        inputs = [(f"input[{i}]", str(t.device)) for i, t in enumerate(tensor_leaves((args, kwargs)))]
+        inputs = [(n, str(t.device)) for n, t in named_inputs(tuple(args or ()), kwargs or {})]
         groups = {"parameters": self._params, "buffers": self._buffers, "inputs": inputs}
         self.placement = {
             kind: {

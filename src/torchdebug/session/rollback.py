@@ -55,6 +55,8 @@ SNAPSHOT_SLOTS = 2
 HISTORY = 32  # steps of host numbers kept for the forensics (references: the per-parameter norms
 # stay on the device, as the step reduced them, until a spike asks for them)
 MAX_REPLAYED = 4  # micro-steps replayed for per-row losses
+RECOVERED_SIGMAS = 3.0  # the loss is back from a spike within this many sigmas of the median before it
+RECOVERY = HISTORY  # steps after which a spike not recovered from no longer explains a new one
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,9 @@ class SpikeGuard:
         self._lr_saved: list[float] | None = None
         self._snapped: int | None = None  # the step whose snapshot was taken
         self._said = False  # the snapshot's cost was said
+        # the last spike until the loss comes back near its median before it (or RECOVERY steps pass):
+        # a spike meanwhile is the same incident, not a new batch (step, cause, median, sigma)
+        self._incident: tuple[int, str, float, float] | None = None
 
     def install(self, mon: Session) -> None:
         cfg = mon.config
@@ -377,9 +382,14 @@ class SpikeGuard:
         hist = self.rule.history
         med = hist.median()
         sigma = hist._sigma_at(med, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12) if len(hist) else math.nan
+        inc = self._incident
+        if inc is not None and (loss <= inc[2] + RECOVERED_SIGMAS * inc[3] or step - inc[0] > RECOVERY):
+            inc = self._incident = None  # recovered (or long enough ago to be a new incident)
         if self.rule.update(step, loss) is None:
             return
-        report = self._forensics(mon, step, loss, med, sigma, before_update)
+        report = self._forensics(mon, step, loss, med, sigma, before_update, inc)
+        if inc is None:
+            self._incident = (step, report.cause, med, sigma)
         mon.spikes.append(report)
         mon.emit(
             RuleEvent(
@@ -406,10 +416,19 @@ class SpikeGuard:
             self._pending = (report, before_update)
 
     def _forensics(
-        self, mon: Session, step: int, loss: float, med: float, sigma: float, before_update: bool
+        self,
+        mon: Session,
+        step: int,
+        loss: float,
+        med: float,
+        sigma: float,
+        before_update: bool,
+        incident: tuple[int, str, float, float] | None = None,
     ) -> SpikeReport:
         ev = Evidence(step=step, loss=loss, median=med, sigma=sigma, mads=float(mon.config.loss_spike_mads))
         ev.notes["weights"] = "as in the step's forward" if before_update else "after the step's update"
+        if incident is not None:
+            ev.notes["unrecovered"] = {"step": incident[0], "cause": incident[1], "median": incident[2]}
         try:
             self._rows(mon, ev)
         except Exception as exc:  # the forensics never break training
@@ -444,8 +463,15 @@ class SpikeGuard:
             ev.rows_note = "no captured micro-step (the sentinel is off, or replay=False)"
             return
         best: tuple[float, Any] | None = None
-        for i, cap in enumerate(caps):
-            got = row_losses(mon.model, cap, uses_cuda=_uses_cuda(mon))
+        # the session ignores the replay's forwards (a watched model's forward hooks would capture them
+        # and open a loss tape that outlives the session), as it does the sentinel's replay
+        sentinel, was = mon.sentinel, mon.sentinel.replaying
+        sentinel.replaying = True
+        try:
+            got_all = [row_losses(mon.model, cap, uses_cuda=_uses_cuda(mon)) for cap in caps]
+        finally:
+            sentinel.replaying = was
+        for i, got in enumerate(got_all):
             if got[0] is None:
                 ev.rows_note = got[3]
                 continue

@@ -6,8 +6,8 @@ A :class:`Step` owns the :class:`~torchdebug._step.StepState` of the step now ru
 run``) call its boundary methods; at each it hands the state to the sentinel first, then calls every
 instrument. One pass, one direction after the read:
 
-    read (``sync``)  ->  agree across ranks (the coordinator, ``agree``)  ->  judge (the sentinel,
-    ``judge(state, readout)``)  ->  apply (``session/verdicts.py``)
+    read (``sync``)  ->  agree across ranks (the coordinator, ``agree``, as a verdict is asked for)
+    ->  judge (the sentinel, ``judge(state, readout)``)  ->  apply (``session/verdicts.py``)
 
 Nobody in that chain calls an earlier link: the sentinel returns a :class:`~torchdebug._step.Verdict`
 (a new anomaly comes back unbuilt and the step replays it, through the coordinator on several ranks).
@@ -27,6 +27,7 @@ from torch import nn
 from .._errors import LossSpikeError, NonFiniteError
 from .._step import StepPhase, StepState, Update, Verdict
 from ..events import StepRecord, is_anomalous
+from .gradcheck import GradientCheck
 from .transfer import Items, Transfer
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class Step:
     def __init__(self, mon: Session) -> None:
         self.mon = mon
         self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
+        self.grads = GradientCheck(mon)  # the gradients measured after backward(), or inside the clip
 
     # -- instrument plumbing ---------------------------------------------------------------------
     def each(self, method: str, *args: Any) -> None:
@@ -132,8 +134,8 @@ class Step:
         s = mon.sentinel
         if s.edits.watch is not None:
             s.edits.watch_edits_end(st)
-        if mon._held is not None:
-            mon.flush_measure()  # the last backward's gradients, before this one adds to them
+        if self.grads.held is not None:
+            self.grads.flush_measure()  # the last backward's gradients, before this one adds to them
         if s.edits.watch is not None or st.seen.watched:
             s.edits.watch_edits_end(st, judge=False)  # this backward adds to them
         if s.tape is not None:
@@ -154,7 +156,7 @@ class Step:
         s = mon.sentinel
         mon.micro_step += 1
         st.phase = StepPhase.BACKWARD
-        mon._measure_gradients()  # now, or held for a clip that follows (session/gradcheck.py)
+        self.grads.measure()  # now, or held for a clip that follows (session/gradcheck.py)
         self.each("on_backward_end")
         if mon.roots is not None:
             s.after_backward(st, mon)  # the loss code that follows is recorded too
@@ -181,8 +183,8 @@ class Step:
             return
         if s.edits.watch is not None:
             s.edits.watch_edits_end(st)  # what ran since backward(), for the edit check
-        if mon._held is not None:
-            mon.flush_measure()
+        if self.grads.held is not None:
+            self.grads.flush_measure()
         st.phase, st.updating = StepPhase.UPDATE, opt
         if s.tape is not None:
             s.pop_tape()  # the update is not loss code
@@ -196,6 +198,8 @@ class Step:
             if s.before_update(st, opt, mon.scaler, several, mon.optimizer):
                 self.sync()  # the step's one read (a second optimizer in the step reuses it)
             if s.active:  # the verdict (``judge``, inlined: every update)
+                if mon._coord is not None:  # the decision every rank takes, before the verdict
+                    mon._coord.agree(mon, st.transfer.readout, s.grads_bad(st))
                 verdict = s.judge(
                     st,
                     st.transfer.readout,
@@ -259,6 +263,8 @@ class Step:
         """The sentinel's verdict on the step as read, applied (a new anomaly is built here: replayed,
         on every rank through the coordinator)."""
         mon, st = self.mon, self.state
+        if mon._coord is not None:  # the decision every rank takes, between the read and the verdict
+            mon._coord.agree(mon, st.transfer.readout, mon.sentinel.grads_bad(st))
         verdict = mon.sentinel.judge(
             st,
             st.transfer.readout,
@@ -294,8 +300,8 @@ class Step:
             s.edits.watch_edits_end(st)  # an update by hand ran: the edit check reads the watch
         if mon.roots is not None:
             s.pop_tape()
-        if mon._held is not None:
-            mon.flush_measure()  # no update came (the clip was predicted)
+        if self.grads.held is not None:
+            self.grads.flush_measure()  # no update came (the clip was predicted)
         if mon._async is not None:
             early: StepRecord | None = mon._async.step_end()  # a staged step: judged one step later
             if early is not None:
@@ -345,8 +351,8 @@ class Step:
     def sync(self) -> None:
         """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
         mon, st = self.mon, self.state
-        if mon._held is not None:
-            mon.flush_measure()
+        if self.grads.held is not None:
+            self.grads.flush_measure()
         transfer = st.transfer
         items = self.items()
         transfer.synced = True
@@ -376,8 +382,8 @@ class Step:
         return own + self.collect()
 
     def decode(self) -> None:
-        """After the read: other ranks' shares and their agreement, the sentinel's readers, the decoded
-        numbers, the verdict on the last update's parameter probe."""
+        """After the read: other ranks' shares, the sentinel's readers, the decoded numbers, the verdict
+        on the last update's parameter probe (the ranks agree on the step's own as it is judged)."""
         mon, st = self.mon, self.state
         transfer, s, coord = st.transfer, mon.sentinel, mon._coord
         if coord is not None:
@@ -395,7 +401,6 @@ class Step:
                 transfer.grad_norm = values["grad_norm"]
                 transfer.grad_norms = coord.global_grad_norms(mon, transfer.grad_norms, scale)
             flagged = coord.params_flagged(mon)
-            coord.agree(mon, readout, s.grads_bad(st))  # the decision every rank takes, before the verdict
         verdict = s.read_deferred(st, readout, mon, flagged)  # the last update's probe
         if verdict.kind != "ok":
             mon.verdicts.apply(verdict)  # may raise

@@ -92,6 +92,10 @@ class Verdicts:
         with contextlib.suppress(Exception):  # an odd root module: the start's check alone
             hook = lambda module, keys: self.apply(judge("when load_state_dict put it in the model"))  # noqa: E731
             mon.installs.hook(mon.model.register_load_state_dict_post_hook(hook))
+        for opt in mon.optimizers:  # a poisoned optimizer checkpoint loaded during the session
+            with contextlib.suppress(Exception):
+                on_opt = lambda o: self.apply(judge("when load_state_dict put it in the optimizer"))  # noqa: E731
+                mon.installs.hook(unwrap_optimizer(opt).register_load_state_dict_post_hook(on_opt))
         try:
             self.apply(judge("when the session started"))
         except NonFiniteError as err:
