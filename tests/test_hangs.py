@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
 from torchdebug.session import hangs
+from torchdebug.store import open_run
 
 TIMEOUT = pytest.mark.timeout(180)
 SRC = Path(__file__).read_text().splitlines()
@@ -289,3 +290,23 @@ def test_a_gloo_dump_with_an_empty_default_group_key_normalizes_without_error():
             "where": "an unknown line",
         },
     ]
+
+
+@TIMEOUT
+def test_one_process_without_a_group_writes_its_hang_but_no_flight_record(tmp_path):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = td.DebugConfig(run_dir=str(tmp_path), hang_timeout=0.3)
+    with td.watch(model, opt, config=cfg) as mon:
+        coord = next(i for i in mon.instruments if getattr(i, "name", "") == "distributed")
+        model(torch.ones(1, 2)).sum().backward()
+        deadline = time.monotonic() + 60.0
+        while not coord._hung:  # the watchdog looks every 0.075 s
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        opt.step()
+        mon.step()
+    with open_run(mon.run_dir) as rec:
+        assert len(rec.events("hang")) == 1
+    assert list(mon.run_dir.glob("flight_rank*.json")) == []
+    assert hangs.verdict_of_run(mon.run_dir) is None

@@ -773,7 +773,7 @@ class Coordinator:
             mon.writer.log_event(step, "hang", "error", msg, evidence)
             mon.writer.flush()
         print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # one line; the job is never killed
-        if mon.run_dir is not None:
+        if self.collective and mon.run_dir is not None:
             self._flight_hang = True  # kept at exit: the hang's record, not the exit's
             self._flight(mon, "hang")
 

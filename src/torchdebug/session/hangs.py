@@ -212,8 +212,8 @@ def match(records: dict[int, dict[str, Any]], world: int | None = None) -> HangV
     expected = list(range(world)) if world else sorted(records)
     silent = [r for r in expected if r not in ranks]  # no record, or one without collectives
     if len(ranks) < 2:
-        names = _ranks(ranks) if ranks else "no rank"
-        text = f"no hang verdict: only {names} wrote a flight record with collectives"
+        names = f"only {_ranks(ranks)}" if ranks else "no rank"
+        text = f"no hang verdict: {names} wrote a flight record with collectives"
         return HangVerdict("unknown", text, ranks=silent)
     per: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
     for r in ranks:
