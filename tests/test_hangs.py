@@ -196,6 +196,15 @@ def test_show_prints_the_hang_verdict_first_from_the_files_alone(runs):
     assert js["hang_verdict"] == v.to_dict()
 
 
+@TIMEOUT
+def test_the_report_carries_the_hang_verdict_in_json_and_text(runs):
+    _, run = runs["uneven"]
+    v = hangs.verdict_of_run(run, 2)
+    assert v is not None
+    assert json.loads(td.render_report(run, "json"))["hang_verdict"] == v.to_dict()
+    assert f"hang verdict: {v}" in td.render_report(run, "text").splitlines()
+
+
 # -- the matcher alone, on the records the runs above wrote ----------------------------------------
 
 
