@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
             train_step(w, model, opt, batches[i % 4])
         lib.td_window_stop()
         return
-    config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()
+    config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()  # type: ignore[arg-type]
     run = False if variant.endswith("_norun") else tempfile.mkdtemp(prefix="td-instr-")
     with td.watch(model, opt, run=run, config=config) as mon:
         writer = getattr(mon, "writer", None)
@@ -166,9 +166,14 @@ def main() -> None:
     if "plain" not in variants:
         variants.insert(0, "plain")
     jobs = [(w, v) for w in workloads for v in variants]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        got = dict(zip(jobs, pool.map(lambda j: count(*j, n1, n2, shim), jobs)))
     n = n2 - n1
+    got: dict[tuple[str, str], dict[str, int]] = {}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(count, *j, n1, n2, shim): j for j in jobs}
+        for f in as_completed(futures):  # each count as it lands: a gpt2 job takes minutes
+            j = futures[f]
+            got[j] = f.result()
+            print(f"# {j[0]} {j[1]}: {got[j]['total'] / n:,.0f} instructions/step", flush=True)
     print(
         f"instructions per step over steps [{n1}, {n2}), writer flushed at both ends; callgrind, 1 torch thread"
     )

@@ -45,7 +45,9 @@ import torchdebug as td
 
 
 def _heavy() -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def _heavy_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +55,9 @@ def _heavy_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 EXTRA = {
-    "many2000": Workload("many2000", lambda: many_tensors(2000), WORKLOADS["many5000"].batch, F.cross_entropy),
+    "many2000": Workload(
+        "many2000", lambda: many_tensors(2000), WORKLOADS["many5000"].batch, F.cross_entropy
+    ),
     "mlp_heavy": Workload("mlp_heavy", _heavy, _heavy_batch, F.cross_entropy),
 }
 
@@ -74,7 +78,12 @@ def _block(w: Workload, model: Any, opt: Any, batches: list, steps: int, root: s
             c = time.process_time()
             train_step(w, model, opt, batches[i % len(batches)])
             per_step.append(time.process_time() - c)
-        return {"proc": time.process_time() - p0, "main": time.thread_time() - m0, "writer": 0.0, "steps": per_step}
+        return {
+            "proc": time.process_time() - p0,
+            "main": time.thread_time() - m0,
+            "writer": 0.0,
+            "steps": per_step,
+        }
     with td.watch(model, opt, run=root) as mon:
         writer = mon.writer
         thread = writer._core.thread

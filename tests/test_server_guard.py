@@ -198,3 +198,22 @@ def test_cli_allowed_host_and_blank_token(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_no_foreign_page_can_frame_the_dashboard(live: tuple[Any, Any]) -> None:
+    # every answer, pages, JSON, scripts and refusals alike, forbids framing (clickjacking): the
+    # old header for old browsers, CSP frame-ancestors for the rest
+    _, h = live
+    answers = [
+        httpx.get(f"{h.url}/"),  # 307 to the run's page
+        httpx.get(f"{h.url}/", follow_redirects=True),
+        httpx.get(f"{h.url}/api/runs"),
+        httpx.get(f"{h.url}/training-logs/debug/summary"),
+        httpx.get(f"{h.url}/api/runs/nope"),  # 404
+        httpx.post(f"{h.url}/training-logs/debug/clear", headers={"Origin": "http://evil.example"}),  # 403
+    ]
+    assert [r.status_code for r in answers] == [307, 200, 200, 200, 404, 403]
+    for r in answers:
+        assert r.headers["x-frame-options"] == "DENY", r.url
+        assert r.headers["content-security-policy"] == "frame-ancestors 'none'", r.url
+        assert r.headers["x-content-type-options"] == "nosniff", r.url

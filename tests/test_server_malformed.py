@@ -134,6 +134,26 @@ _DAMAGE = {
         "db",
         "holds str 'abc' where a number belongs",
     ),
+    "memory_text": (
+        lambda r: _sql(r, "UPDATE memory SET value = 'abc' WHERE key = 'rss' AND step = 3"),
+        "db",
+        "memory 'rss' holds str 'abc' where a number belongs (step 3)",
+    ),
+    "memory_blob": (
+        lambda r: _sql(r, "UPDATE memory SET value = x'0102' WHERE key = 'rss' AND step = 3"),
+        "db",
+        "memory 'rss' holds bytes b'\\x01\\x02' where a number belongs (step 3)",
+    ),
+    "rollup_text": (
+        lambda r: _sql(r, "UPDATE metric_rollup SET sum = 'abc' WHERE metric_id = 1"),
+        "db",
+        "metric_rollup of 'loss' holds str 'abc' where a number belongs (its bucket of steps 0-4095)",
+    ),
+    "timing_rollup_text": (
+        lambda r: _sql(r, "UPDATE timing_rollup SET sum = 'zz' WHERE phase = 'forward'"),
+        "db",
+        "timing_rollup of 'forward' holds str 'zz' where a number belongs (its bucket of steps 0-4095)",
+    ),
     "event_data_list": (
         lambda r: _sql(r, "UPDATE events SET data = '[1]'"),
         "db",

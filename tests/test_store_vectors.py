@@ -128,6 +128,7 @@ def test_compaction_keeps_a_vector_row_per_256_steps(tmp_path: Path) -> None:
 def test_the_writer_commits_every_commit_steps_steps(tmp_path: Path) -> None:
     w = create_run(root=tmp_path, name="k", flush_interval=3600, batch_size=10_000, commit_steps=4)
     try:
+        time.sleep(0.3)  # steps wake the writer at most every 0.25 s after its last wake-up
         for step in range(5):  # step 4's record wakes the writer thread: steps 0-3 are committed
             w.log_scalar("loss", step, float(step))
         got: list[int] = []

@@ -118,8 +118,11 @@ def _loop(
 
 def test_sync_option_is_validated() -> None:
     model = fx.MLP()
-    with pytest.raises(ValueError, match="sync must be one of blocking, async"):
+    with pytest.raises(td.ConfigError, match="sync must be one of blocking, async") as ei:
         td.watch(model, sync="eventually")
+    assert isinstance(ei.value, ValueError)  # ``except ValueError`` still catches it
+    with pytest.raises(td.ConfigError, match="policy must be one of"):
+        td.watch(model, policy="ignore")
     with pytest.raises(td.ConfigError, match="expected one of 'blocking', 'async'"):
         td.DebugConfig(sync="later")  # type: ignore[arg-type]
     assert td.watch(model, sync="ASYNC", run=False).config.sync == "async"
@@ -843,3 +846,26 @@ def test_two_fused_optimizers_skip_only_the_bad_step() -> None:
     assert [a.step for a in mon.anomalies] == [k]
     skips = [str(w.message) for w in said if "skipped" in str(w.message)]
     assert skips[-1].startswith(f"torchdebug: 1 step skipped by policy='skip' (step {k})")
+
+
+def test_warn_says_the_update_was_skipped_on_the_device() -> None:
+    # blocking warn applies the bad update (the weights take the NaN); async warn cannot stop the
+    # fused kernel's skip: the warning says which happened
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = _fused(model)
+    with pytest.warns(td.TorchDebugWarning) as said:
+        _loop(
+            model,
+            opt,
+            lambda i: torch.zeros(3, 4) if i == 2 else torch.randn(3, 4),
+            4,
+            policy="warn",
+            sync="async",
+        )
+    [message] = [str(w.message) for w in said if "nan born" in str(w.message)]
+    assert message.endswith(
+        "(policy='warn': training goes on; under sync='async' the step's update was skipped on the "
+        "device, where the blocking read applies it)"
+    )
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -601,3 +602,73 @@ def test_a_failed_run_says_so_everywhere(tmp_path: Path, monkeypatch: pytest.Mon
         "failed",
         verdict,
     )
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_mlflow_server_never_holds_up_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MLflow's client retries a refused connection with backoff for minutes; the sink connects on its
+    # own thread with a short timeout, so training starts at once and the sink is dropped with one warning
+    pytest.importorskip("mlflow")
+    port = _closed_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    box: dict[str, Any] = {}
+
+    def train() -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            box["mon"] = _tiny_run(tmp_path, steps=3, report_to=["mlflow"])
+        box["said"] = [str(w.message) for w in caught]
+
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    t.join(120)  # a watchdog for a hang (the old path blocked 322 s), not a timing
+    assert not t.is_alive(), "training waited for the unreachable MLflow server"
+    (message,) = [m for m in box["said"] if "sink" in m]
+    assert message.startswith(
+        f"torchdebug: the 'mlflow' sink could not start: RuntimeError('MLflow tracking server "
+        f"http://127.0.0.1:{port} did not answer a connection within"
+    )
+    assert "check MLFLOW_TRACKING_URI" in message
+    assert open_run(box["mon"].run_dir).series("loss").steps == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("to", "fix"),
+    [
+        ("wandb", "log in with `wandb login` (or set WANDB_API_KEY; WANDB_MODE=offline writes locally)"),
+        ("mlflow", "set MLFLOW_TRACKING_URI to your tracking server"),
+    ],
+)
+def test_export_without_the_trackers_setup_is_a_configuration_error(
+    tmp_path: Path, to: str, fix: str
+) -> None:
+    import os
+    import subprocess
+
+    pytest.importorskip(to)
+    run = _tiny_run(tmp_path / "runs", steps=2).run_dir
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    env.update(HOME=str(home), PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+    done = subprocess.run(
+        [sys.executable, "-m", "torchdebug", "export", str(run), "--to", to],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=home,
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr  # the documented exit code of a setup problem, not 4
+    assert done.stderr.count("\n") == 1 and "internal error" not in done.stderr
+    assert done.stderr.startswith(f"torchdebug: error: the {to!r} tracker could not start: ")
+    assert fix in done.stderr

@@ -3,8 +3,9 @@
 Exit codes (every command; ``torchdebug --help`` lists them):
 
 - 0: done (for ``run``: the script finished and no NaN/Inf was found);
-- 1: failed: a run folder that cannot be read, a missing extra, a bad file (for ``run``: the
-  training script itself raised or exited non-zero);
+- 1: failed: a run folder that cannot be read, a missing extra, a bad file, a setup problem
+  (``ConfigError``: e.g. ``export --to wandb`` without a login) (for ``run``: the training script
+  itself raised or exited non-zero);
 - 2: usage error (an unknown option, a bad value);
 - 3: ``run`` only: a NaN/Inf was found (``policy="raise"`` stopped the script; under ``warn`` or
   ``skip`` it went on and the anomalies were recorded);

@@ -421,6 +421,7 @@ class DeferredReads:
         mon.state, mon.global_step = p.state, p.step
         s.deferred, s.deferred_step, s.deferred_index, s.deferred_edit_index = p.deferred
         mon.verdicts.update_held = True  # the update ran (or was skipped on the device): nothing to drop
+        mon.verdicts.skipped_on_device = halt > 0
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
             mon.transfer.unpack(p.spec[2:], host[2:])
@@ -447,7 +448,7 @@ class DeferredReads:
             mon._each("on_step_end", record, record.values)
             mon._keep(record)
         finally:
-            mon.verdicts.update_held = s.grads_gone = False
+            mon.verdicts.update_held = mon.verdicts.skipped_on_device = s.grads_gone = False
             t = mon.transfer
             mon.state, mon.global_step, d = live
             s.ledger = live_ledger

@@ -46,7 +46,7 @@ def check_options(
     changes: dict[str, Any] = {}
     if policy is not None:
         if not isinstance(policy, str) or policy.lower() not in POLICIES:
-            raise ValueError(f"watch(..., policy={policy!r}): policy must be one of {', '.join(POLICIES)}")
+            raise ConfigError(f"watch(..., policy={policy!r}): policy must be one of {', '.join(POLICIES)}")
         changes["policy"] = policy.lower()
     if tensorboard is not None:
         changes["tensorboard"] = tensorboard
@@ -67,7 +67,7 @@ def check_options(
         changes["on_spike"] = on_spike  # checked by DebugConfig (allowed values listed)
     if sync is not None:
         if not isinstance(sync, str) or sync.lower() not in SYNCS:
-            raise ValueError(f"watch(..., sync={sync!r}): sync must be one of {', '.join(SYNCS)}")
+            raise ConfigError(f"watch(..., sync={sync!r}): sync must be one of {', '.join(SYNCS)}")
         changes["sync"] = sync.lower()
     cfg_out: DebugConfig = cfg.replace(**changes) if changes else cfg
     if cfg_out.report_to or cfg_out.tensorboard or sink_objects:

@@ -35,6 +35,7 @@ class Verdicts:
         # sync="async", while a step is judged one step later: its update already ran or was skipped on
         # the device, so there are no gradients to drop
         self.update_held = False
+        self.skipped_on_device = False  # and the device skipped it (the flag was up): said by "warn"
 
     def apply(self, verdict: Verdict) -> None:
         """Act on a verdict (may raise :class:`NonFiniteError` under ``policy="raise"``)."""
@@ -67,7 +68,13 @@ class Verdicts:
                     "skip-needs-opt", "policy='skip' needs the optimizer's step to skip it; recorded only"
                 )
         else:
-            mon.warn_once("anomaly", f"torchdebug: {anomaly.summary()} (policy='warn': training goes on)")
+            how = "training goes on"
+            if self.update_held and self.skipped_on_device:
+                how += (
+                    "; under sync='async' the step's update was skipped on the device, where the "
+                    "blocking read applies it"
+                )
+            mon.warn_once("anomaly", f"torchdebug: {anomaly.summary()} (policy='warn': {how})")
 
     def record(self, anomaly: Anomaly) -> Anomaly:
         """The step's anomaly: kept (the first 1000 of a session), counted and stored; returns it as kept

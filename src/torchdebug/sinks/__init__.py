@@ -105,7 +105,8 @@ def export_run(run_or_path: Any, to: str, **options: Any) -> RunEnd:
         How the run ended (``status``, ``verdict``, counts), as sent.
 
     Raises:
-        ConfigError: an unknown tracker. ImportError: its library is missing (names the extra).
+        ConfigError: an unknown tracker, or one that cannot start (no login, no tracking server:
+            the message names the fix). ImportError: its library is missing (names the extra).
         RunStoreError: the run cannot be read.
 
     Example: ``export_run("runs/mlp-20250101-120000", "mlflow")``. Cost: reads every stored point once.

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import TorchDebugWarning
+from .._errors import ConfigError, TorchDebugWarning
 from ._episodes import EpisodeEnd, Episodes, Item
 from ._records import Finding, Histogram, Record, RunEnd, RunInfo, Scalars, Tally, decode_high, decode_low
 
@@ -31,17 +31,23 @@ CLOSE_TIMEOUT = 15.0
 class Sink:
     """One tracker that receives a run's records. Subclass and override what the tracker shows.
 
-    Call order: ``open`` (the owner thread, at session start: find or open the tracker's run), then
-    on the sink's thread ``scalars`` / ``histogram`` / ``finding`` for each record in order and
+    Call order: ``open`` (the owner thread, at session start: find the tracker's run), then
+    on the sink's thread ``start`` (connect), ``scalars`` / ``histogram`` / ``finding`` for each record in order and
     ``flush`` after each batch, ``finish`` once with how the run ended; then ``release`` on the
     owner thread (end what ``open`` opened). A method that raises switches the sink off with one
     ``TorchDebugWarning``; the run folder keeps everything.
     """
 
     name = "sink"
+    setup_hint = ""  # what a user sets up for the tracker, said when it cannot start
 
     def open(self, run: RunInfo) -> None:
-        """Find or open the tracker's run (the owner thread)."""
+        """Find or open the tracker's run (the owner thread). Must not wait on the network: a tracker
+        that needs a server connects in ``start``."""
+
+    def start(self) -> None:
+        """Connect (the sink's thread, before its first record): a server that cannot be reached
+        switches the sink off here, while training goes on."""
 
     def scalars(self, rec: Scalars) -> None:
         """One step's values under their ``torchdebug/...`` names."""
@@ -121,6 +127,14 @@ class _Worker:
 
     def _run(self) -> None:
         sink = self.sink
+        try:
+            sink.start()
+        except Exception as exc:
+            with self.cond:
+                self.off = True
+                self.queue.clear()
+            self.hub.note(sink, f"could not start: {exc!r}")
+            return
         while True:
             with self.cond:
                 while not self.queue and self.end is None and not self.off:
@@ -261,7 +275,8 @@ class SinkHub:
 def deliver(
     sinks: Sequence[Sink], run: RunInfo, records: Iterable[Record], status: str, lost: int = 0
 ) -> RunEnd:
-    """Send records to sinks here and now (``torchdebug export``): errors propagate. ``lost``: the
+    """Send records to sinks here and now (``torchdebug export``): errors propagate; a sink that
+    cannot start (no login, no tracking server) raises ConfigError naming the fix. ``lost``: the
     records the run's writer could not store (``Run.summary()["lost"]``)."""
     tally = Tally()
     tally.lost = lost
@@ -269,8 +284,15 @@ def deliver(
     opened: list[Sink] = []
     try:
         for s in sinks:
-            s.open(run)
-            opened.append(s)
+            try:
+                s.open(run)
+                opened.append(s)
+                s.start()
+            except ImportError:
+                raise
+            except Exception as exc:  # a login, a server, a URI: the user's setup, not our bug
+                hint = f"; {s.setup_hint}" if s.setup_hint and s.setup_hint not in str(exc) else ""
+                raise ConfigError(f"the {s.name!r} tracker could not start: {exc}{hint}") from exc
         batch: list[Record] = []
         for rec in records:
             tally.see(rec)

@@ -24,6 +24,32 @@ def import_mlflow() -> Any:
     return mlflow
 
 
+CONNECT_TIMEOUT = 5.0  # seconds the sink's thread waits for the tracking server to accept
+
+
+def _reachable(uri: str) -> None:
+    """RuntimeError when an http(s) tracking server does not accept a connection within
+    ``CONNECT_TIMEOUT`` (MLflow's own client would retry with backoff for minutes). Through a proxy,
+    or for a local store, nothing is probed."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise RuntimeError(
+            f"MLflow tracking server {uri} did not answer a connection within {CONNECT_TIMEOUT:g} s "
+            f"({exc.strerror or exc}); check MLFLOW_TRACKING_URI and that the server runs"
+        ) from None
+
+
 def _key(name: str) -> str:
     return _UNSAFE.sub("_", name)
 
@@ -40,7 +66,7 @@ class MlflowSink(Sink):
     ``torchdebug/anomaly-step<N>.json``; one entry per episode (its first record, ``count``,
     ``last_step``) in ``torchdebug/findings.json`` at the end.
 
-    Cost: one ``log_batch`` call per batch of records (about every 0.5 s) on the sink's thread.
+    Cost: one ``log_batch`` call per batch of records (every 32 steps, at the latest every 2 s) on the sink's thread.
     """
 
     name = "mlflow"
@@ -53,21 +79,39 @@ class MlflowSink(Sink):
         self._pending: list[Any] = []
         self._findings: dict[int, dict[str, Any]] = {}  # episode -> entry
         self._first = False
+        self._name = "run"
 
     def open(self, run: RunInfo) -> None:
+        """The owner thread: the active MLflow run, if any (no network; the run is started in
+        :meth:`start`, on the sink's thread, so an unreachable server never holds up training)."""
         mlflow = self._mlflow = import_mlflow()
+        self._name = run.name
+        if self.run_id is None:
+            active = mlflow.active_run()
+            if active is not None:
+                self.run_id = active.info.run_id
+
+    def start(self) -> None:
+        """The sink's thread: reach the server (``CONNECT_TIMEOUT``), then start a run when there is
+        none, as ``mlflow.start_run`` would (the experiment and tags it resolves)."""
+        mlflow = self._mlflow
+        uri = mlflow.get_tracking_uri()
+        _reachable(uri)
         try:
             if self.client is None:
                 self.client = mlflow.MlflowClient()
             if self.run_id is None:
-                active = mlflow.active_run()
-                if active is None:
-                    active = mlflow.start_run(run_name=run.name)
-                    self._started = True
-                self.run_id = active.info.run_id
+                from mlflow.tracking.context.registry import resolve_tags
+                from mlflow.tracking.fluent import _get_experiment_id
+
+                created = self.client.create_run(
+                    _get_experiment_id(), run_name=self._name, tags=resolve_tags({})
+                )
+                self.run_id = created.info.run_id
+                self._started = True
         except Exception as exc:  # e.g. mlflow-skinny has no local SQLite store (MLflow 3's default)
             raise RuntimeError(
-                f"MLflow could not start a run at {mlflow.get_tracking_uri()!r} ({exc}); set "
+                f"MLflow could not start a run at {uri!r} ({exc}); set "
                 "MLFLOW_TRACKING_URI to your tracking server, or pip install mlflow for the local "
                 "SQLite store"
             ) from exc
@@ -117,8 +161,4 @@ class MlflowSink(Sink):
         if not self._started:
             return
         status = "FAILED" if end.status == "failed" else "FINISHED"
-        active = self._mlflow.active_run()
-        if active is not None and active.info.run_id == self.run_id:
-            self._mlflow.end_run(status=status)  # the run open() started on this thread
-        else:
-            self.client.set_terminated(self.run_id, status=status)
+        self.client.set_terminated(self.run_id, status=status)  # the run start() created

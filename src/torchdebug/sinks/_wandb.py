@@ -61,6 +61,8 @@ class WandbSink(Sink):
         self._rows: dict[int, list[Any]] = {}  # episode -> row
         self._first: str | None = None
 
+    setup_hint = "log in with `wandb login` (or set WANDB_API_KEY; WANDB_MODE=offline writes locally)"
+
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = import_wandb()
         if self.run is None:

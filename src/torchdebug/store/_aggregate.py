@@ -31,6 +31,24 @@ _FIN = "abs({0}) < 9e999"
 STEP_PHASES = _rollup.STEP_PHASES
 
 
+_NUMBER = "typeof({0}) NOT IN ('real', 'integer', 'null')"  # SQL: a value no aggregate can hold
+
+
+def _altered(run: Any, what: str, v: Any, where: str) -> RunStoreError:
+    return RunStoreError(
+        f"{run.db_path}: {what} holds {type(v).__name__} {v!r:.40} where a number belongs ({where}); "
+        "the run's database was altered"
+    )
+
+
+def _numbers(run: Any, what: str, where: str, values: tuple[Any, ...]) -> None:
+    """RunStoreError naming the file when a value read for an aggregate is not a number (a text or a
+    blob written into the database by something else): what a report cannot sum or compare."""
+    for v in values:
+        if v is not None and type(v) is not int and type(v) is not float:
+            raise _altered(run, what, v, where)
+
+
 def empty_stats() -> dict[str, Any]:
     """``{"count", "bad", "sum", "min", "max"}`` of nothing."""
     return {"count": 0, "bad": 0, "sum": 0.0, "min": None, "max": None}
@@ -92,6 +110,8 @@ def _rollup_stats(
         f"WHERE {_keys(run, table)} AND level = ?",
         (top,),
     ):
+        where = f"its bucket of steps {bucket * top}-{bucket * top + top - 1}"
+        _numbers(run, f"{table} of {keys.get(key, key)!r}", where, (count, nan, total, lo, hi))
         s = out.setdefault(keys.get(key, key), {"points": 0, **empty_stats()})
         s["points"] += int(count)
         if (lo is not None and math.isinf(lo)) or (hi is not None and math.isinf(hi)):
@@ -290,7 +310,17 @@ def memory_stats(run: Any) -> dict[str, dict[str, Any]]:
     """Per memory key: ``count`` / ``sum`` / ``min`` / ``max`` of the finite values and ``bad``
     (NaN/Inf), over every sample (memory samples are never compacted). Cost: one pass in SQL."""
     out: dict[str, dict[str, Any]] = {}
-    for key, *parts in run._rows(f"SELECT key, {_raw_parts('value')} FROM memory GROUP BY key"):
+    for key, odd, *parts in run._rows(
+        f"SELECT key, count(CASE WHEN {_NUMBER.format('value')} THEN 1 END), {_raw_parts('value')} "
+        "FROM memory GROUP BY key"
+    ):
+        if odd:  # counted in the same pass; the rare path names the first
+            step, v = run._rows(
+                f"SELECT step, value FROM memory WHERE key = ? AND {_NUMBER.format('value')} "
+                "ORDER BY step LIMIT 1",
+                (key,),
+            )[0]
+            raise _altered(run, f"memory {key!r}", v, f"step {step}")
         _fold(out.setdefault(key, empty_stats()), *parts)
     return out
 

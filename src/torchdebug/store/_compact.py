@@ -115,14 +115,14 @@ def _compact_chunk(conn: sqlite3.Connection, lo: int, hi: int) -> None:
                 p,
             )
         vectors = _has_vectors(conn)
-        steps = _STEPS_V5 if vectors else _STEPS
-        before = conn.execute(steps, p).fetchone()[0]
+        count_steps = _STEPS_V5 if vectors else _STEPS
+        before = conn.execute(count_steps, p).fetchone()[0]
         conn.execute(
             f"DELETE FROM scalars WHERE step >= :lo AND step < :hi AND NOT ({_KEPT.format(t='scalars')})", p
         )
         if vectors:  # per-parameter vectors: one row per KEEP_LEVEL steps stays, and those near events
             _vectors.compact(conn, lo, hi, KEEP_LEVEL, _KEPT.format(t="vectors"), NEAR)
-        after = conn.execute(steps, p).fetchone()[0]
+        after = conn.execute(count_steps, p).fetchone()[0]
         for table in ("metric_rollup", "timing_rollup"):
             conn.execute(
                 f"DELETE FROM {table} WHERE level < :keep AND bucket * level >= :lo "

@@ -390,8 +390,9 @@ def _connect(path: Path, query: str) -> _ReadConnection:
 
 
 def _read_mode(path: Path, header: bytes) -> str:
-    """How to open ``path`` without writing a byte into its folder: a URI query, or "copy" (read a
-    private copy of the database and its -wal)."""
+    """How to open ``path`` without writing a byte into its folder (a live run: only into the -shm its
+    writer made, as WAL readers do): a URI query, or "copy" (read a private copy of the database and
+    its -wal)."""
     wal, shm = Path(str(path) + "-wal"), Path(str(path) + "-shm")
     m = _RANK_DB.match(path.name)
     live = m is not None and writer_is_open(path.parent, int(m.group(1)))
@@ -452,8 +453,9 @@ def _probe(conn: sqlite3.Connection, path: Path, wal_missing: bool) -> int:
 def open_for_reading(path: Path) -> tuple[sqlite3.Connection, int, str | None]:
     """Open a rank database for reading; returns the connection, its schema version and a note.
 
-    Never writes into the run folder, not even SQLite's scratch files: a closed run is opened
-    ``mode=ro``; a live run's WAL is shared with its writer; a killed writer's WAL is read with
+    Never writes into a closed run's folder, not even SQLite's scratch files: a closed run is opened
+    ``mode=ro``; a live run's WAL is shared with its writer (its -wal and -shm opened read-write, as
+    WAL mode needs: readers keep their read marks in the -shm; no file is created); a killed writer's WAL is read with
     ``readonly_shm`` (its -shm is not rebuilt); a -wal without its -shm is read from a private copy
     (cost: one copy of the file); a WAL-mode file without a -wal is read ``immutable``. When the
     folder cannot be opened that way (read-only media), an ``immutable`` read is tried, and the note

@@ -32,6 +32,8 @@ from . import _compact, _rollup, _validate, _vectors
 from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
+#: Seconds between two commits at the least when steps, not the clock, wake the writer thread.
+_MIN_COMMIT_GAP = 0.25
 _CLOSE_STATUSES = ("finished", "failed")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -193,6 +195,7 @@ class _Core:
     ) -> None:
         self.conn = conn
         self.commit_steps = commit_steps
+        self.last_commit = time.monotonic()  # the writer thread's last wake-up
         self.keep_recent = keep_recent  # steps kept whole at the end; None: never compact
         self.compacted_to = _compact.compacted_to(conn)
         self.max_step = -1
@@ -241,6 +244,7 @@ class _Core:
         while True:
             self.wake.wait(self.flush_interval)
             self.wake.clear()
+            self.last_commit = time.monotonic()
             with self.lock:
                 target = self.flush_requested
                 low, self.low = self.low, deque()
@@ -905,7 +909,11 @@ class RunWriter:
         self._last_step = step
         if step >= self._wake_step:
             self._wake_step = step + self._core.commit_steps
-            self._core.wake.set()
+            core = self._core
+            # not more often than every _MIN_COMMIT_GAP: a loop logging one value per step as fast
+            # as it can would otherwise commit 32 rows at a time and fight the writer for the GIL
+            if time.monotonic() - core.last_commit >= _MIN_COMMIT_GAP:
+                core.wake.set()
 
     def flush(self) -> None:
         """Block until everything queued before this call is committed.
@@ -980,8 +988,8 @@ def create_run(
         batch_size: low-priority records that wake the writer thread before its timer.
         flush_interval: the most seconds between commits (a killed process loses at most these).
         commit_steps: steps between commits: the writer thread commits when a record of a step this
-            many past the last wake-up arrives, so a fast loop commits once per ``commit_steps``
-            steps (~5 M instructions each on a small model) instead of once per clock tick.
+            many past the last wake-up arrives (at most every 0.25 s), so a loop commits once per
+            ``commit_steps`` steps (~5 M instructions each on a small model) whatever the host's speed.
         keep_recent: steps at the end of the run kept at full resolution (default 20,000); older
             per-step rows are compacted into rollups except near events and anomalies (see the
             architecture doc's run store contract). None: never compact.

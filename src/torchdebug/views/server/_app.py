@@ -402,6 +402,17 @@ def create_app(
             return _json({"error": refused[1]}, refused[0])
         return await call_next(request)
 
+    # added last, so it runs outermost: every answer, refusals included, forbids framing by another
+    # page (clickjacking: the level and clear buttons); the pages load nothing from elsewhere, and
+    # this policy restricts nothing but framing
+    @app.middleware("http")
+    async def _no_frames(request: Request, call_next: Any) -> Response:
+        response: Response = await call_next(request)
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers["Content-Security-Policy"] = "frame-ancestors 'none'"
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
+
     if guard.origins:  # CORS only when asked, for exactly these origins
         from starlette.middleware.cors import CORSMiddleware
 
