@@ -34,7 +34,7 @@ from typing import Any
 
 FLIGHT_FILE = "flight_rank{rank}.json"
 # a record keeps the ring's last 256 entries (of 2000 by default): the hang is at the end of every
-# rank's sequence, and each entry's frames cost ~0.6 ms to read on a busy CPU (all 2000: 1.3 s)
+# rank's sequence
 _MAX_ENTRIES = 256
 _SKIP_DIRS = (f"{os.sep}torch{os.sep}", f"{os.sep}torchdebug{os.sep}", f"{os.sep}multiprocessing{os.sep}")
 _SKIP_FILES = ("threading.py", "<string>")
@@ -85,7 +85,8 @@ def normalize(dump: dict[str, Any]) -> list[dict[str, Any]]:
 def flight_entries(frames: bool = True) -> tuple[list[dict[str, Any]], str | None]:
     """This process's Flight Recorder entries (:func:`normalize`) and ``None``, or ``[]`` and why not.
     ``frames=False`` leaves out the calling lines (``where``: "an unknown line"): reading them
-    symbolizes every entry's stack, 1.8 s for a full ring of 2000 on a busy CPU."""
+    symbolizes every entry's stack, 2 s for a full ring on a busy CPU
+    (``benchmarks/flight_record_cost.py``)."""
     try:
         import torch
 
