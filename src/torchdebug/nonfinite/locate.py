@@ -402,6 +402,23 @@ class _DispatchLayer(TorchDispatchMode):
         return out
 
 
+def _state_owners(opt: Any, param_names: dict[Any, str]) -> dict[Any, tuple[str, str]]:
+    """Storage of each optimizer state tensor -> (its parameter's name, the state's key): read at an
+    event (rare), when the state exists (Adam makes it inside its first step)."""
+    out: dict[Any, tuple[str, str]] = {}
+    if opt is None:
+        return out
+    with contextlib.suppress(Exception):
+        for p, st in opt.state.items():
+            name = param_names.get(_storage_key(p)) if isinstance(p, torch.Tensor) else None
+            if name is None:
+                continue
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:  # not a shared scalar step count
+                    out.setdefault(_storage_key(v), (name, str(k)))
+    return out
+
+
 class Tracer:
     """Op-level tracing of one step of ``model``; the first symptom and its origin land in ``.symptom``.
 
@@ -766,7 +783,7 @@ class Tracer:
         """The parameter an optimizer op's output ``t`` belongs to, and which of its state it is (``""``:
         the parameter itself): by storage (the parameter, or a tensor of its optimizer state), else
         for a multi-tensor (``_foreach_*``) op by the list element at the same position."""
-        owners = self._state_owners()
+        owners = _state_owners(self.optimizer, self._param_names)
         cands = [t]
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
         if lists and out_idx < len(lists[0]):
@@ -784,23 +801,6 @@ class Tracer:
         if out_idx < len(with_grad):
             return self._param_names.get(_storage_key(with_grad[out_idx])), ""
         return None, ""
-
-    def _state_owners(self) -> dict[Any, tuple[str, str]]:
-        """Storage of each optimizer state tensor -> (its parameter's name, the state's key): read at
-        an event (rare), when the state exists (Adam makes it inside its first step)."""
-        out: dict[Any, tuple[str, str]] = {}
-        opt = self.optimizer
-        if opt is None:
-            return out
-        with contextlib.suppress(Exception):
-            for p, st in opt.state.items():
-                name = self._param_names.get(_storage_key(p)) if isinstance(p, torch.Tensor) else None
-                if name is None:
-                    continue
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.numel() > 1:  # not a shared scalar step count
-                        out.setdefault(_storage_key(v), (name, str(k)))
-        return out
 
     def propagate(self, args: Any, out: Any) -> None:
         root = next(

@@ -226,8 +226,7 @@ class Monitor(Controls, Recording, SeveralModels):
         """Step protocol: the training step ended. Call once per step, after ``optimizer.step()``.
 
         Reads what the step produced (one host transfer, unless the update already did), records it and
-        returns the step's :class:`StepRecord`; ``mon.global_step`` then counts one more.
-        """
+        returns the step's :class:`StepRecord`; ``mon.global_step`` then counts one more."""
         if self._closed or not self._entered:
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
         record = self.stepper.end()
@@ -237,7 +236,8 @@ class Monitor(Controls, Recording, SeveralModels):
             changes, self._pending_changes = self._pending_changes, {}
             self._apply_level(level if level is not None else self.config.level, **changes)
         self.global_step += 1
-        self.stepper.state = self.stepper.state.next()
+        (transfer := self.stepper.state.transfer).reset()  # ``StepState.next``, inlined (every step)
+        self.stepper.state = StepState(transfer)  # a new state for the next step
         hub = self._hub
         if hub is not None and hub.pending:
             hub.warn()  # a sink was switched off (on its thread): say it here, once

@@ -353,8 +353,15 @@ class Step:
         mon, st = self.mon, self.state
         if self.grads.held is not None:
             self.grads.flush_measure()
-        transfer = st.transfer
-        items = self.items()
+        transfer, s = st.transfer, mon.sentinel
+        # the step's device numbers (``items``, inlined: every step): its own, the sentinel's probes, the
+        # hyperparameters held on an accelerator (none for Python floats), every instrument's
+        items: Items = transfer.items(mon.scaler)
+        if st.edit_probe is not None or st.clips or s.deferred:
+            items += s.items(st)
+        if mon.hyperparams.staged is not None:  # device-held hyperparameters (rare)
+            items += mon.hyperparams.items()
+        items += self.collect()
         transfer.synced = True
         if any([t.is_meta for _, t in items]):
             # a model on the meta device computes shapes only: there are no values to read or check
