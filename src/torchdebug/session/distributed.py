@@ -254,6 +254,7 @@ class Coordinator:
         self._main = threading.get_ident()
         self._stop = threading.Event()
         self._hung = False
+        self._flight_hang = False  # a hang's flight record was written (see session.hangs)
         self._thread: threading.Thread | None = None
         if self.sharded and mon.config.replay:
             # a replay re-runs the forward, whose all-gathers the other ranks would not join
@@ -576,6 +577,8 @@ class Coordinator:
 
     def remove(self, mon: Session) -> None:
         self._stop.set()
+        if self.collective and not self._flight_hang and mon.run_dir is not None:
+            self._flight(mon, "exit")  # where this rank left: a rank still waiting names it
         self._work = self._vec = None  # never waited for at exit: the other rank may have left
         t = self._thread
         if t is not None and t is not threading.current_thread():
@@ -770,6 +773,19 @@ class Coordinator:
             mon.writer.log_event(step, "hang", "error", msg, evidence)
             mon.writer.flush()
         print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # one line; the job is never killed
+        if self.collective and mon.run_dir is not None:
+            self._flight_hang = True  # kept at exit: the hang's record, not the exit's
+            self._flight(mon, "hang")
+
+    def _flight(self, mon: Session, reason: str) -> None:
+        """This rank's flight record into the run folder (``session.hangs``); never raises."""
+        from . import hangs
+
+        try:
+            rec = hangs.capture(self.rank, reason, self._phase, self._last_step, self._main)
+            hangs.write_record(mon.run_dir, rec)  # type: ignore[arg-type]
+        except Exception as exc:  # a record that fails must not take the job down
+            print(f"torchdebug: the flight record could not be written ({exc!r})", file=sys.stderr)
 
 
 def _thread_stacks(main: int | None) -> tuple[dict[str, list[str]], str]:

@@ -131,6 +131,7 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 def _show(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
+    from ..session.hangs import verdict_of_run
     from ..store.ranks import rank_overview
     from ..store.reader import open_run
     from .verdict import verdict
@@ -142,9 +143,11 @@ def _show(args: argparse.Namespace) -> int:
         last = run.last_values()
         anomalies = run.anomalies()
         overview = rank_overview(run) if len(summary["ranks"]) > 1 else None
+        hang = verdict_of_run(path, run.meta.get("world_size")) if Path(path).is_dir() else None
         if args.json:
             if overview is not None:
                 summary["all_ranks"] = overview
+            summary["hang_verdict"] = hang.to_dict() if hang is not None else None
             summary["meta"] = run.meta
             summary["last_values"] = {k: {"step": s, "value": v} for k, (s, v) in last.items()}
             summary["anomaly_list"] = anomalies
@@ -155,6 +158,7 @@ def _show(args: argparse.Namespace) -> int:
             return 0
         meta = run.meta
         out = [
+            *([f"hang: {hang}"] if hang is not None else []),  # across ranks, from the flight records
             judged["text"],  # the verdict first: status and the most important finding
             f"run        {run.name}  (id {run.run_id})",
             f"path       {path}",

@@ -136,6 +136,8 @@ def build_report(
         - ``records_lost`` (only when the writer could not store some records: disk full ...):
           ``count``, ``from_step``, ``error``; the run is incomplete.
         - ``ranks`` (only for a run with several ranks): ``torchdebug.store.rank_overview``.
+        - ``hang_verdict`` (only when a rank's hang watchdog wrote a flight record):
+          ``torchdebug.session.hangs.HangVerdict.to_dict()``, the line is its ``text``.
         - ``verdict``: ``status``, ``level`` (ok | running | warning | error), ``text`` (the one
           sentence every view leads with), ``anomaly_steps`` and ``groups`` (repeated anomalies
           folded by origin or symptom: ``summary``, ``count``, ``first_step``, ``last_step``), see
@@ -257,6 +259,11 @@ def build_report(
         from ...store.ranks import rank_overview
 
         report["ranks"] = rank_overview(run)
+        from ...session.hangs import verdict_of_run
+
+        hang = verdict_of_run(run.path, run.meta.get("world_size"))  # the ranks' flight records
+        if hang is not None:
+            report["hang_verdict"] = hang.to_dict()
     return report
 
 

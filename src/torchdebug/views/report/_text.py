@@ -115,6 +115,8 @@ def render_text(report: Mapping[str, Any]) -> str:
         from ..ranks import overview_lines
 
         out += [_RULE, *overview_lines(report["ranks"])]
+        if report.get("hang_verdict"):
+            out.append(f"hang verdict: {report['hang_verdict']['text']}")
     if report.get("segments"):
         out += [_RULE, "History segments"]
         out += [f"  #{g['id']} from step {g['start_step']}: {g['label'] or '-'}" for g in report["segments"]]
