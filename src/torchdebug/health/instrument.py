@@ -1160,7 +1160,7 @@ class GradientHealth:
                     ),
                 )
 
-    def _tensor_history(self, mon: Any, step: int) -> None:
+    def _tensor_history(self, mon: SessionView, step: int) -> None:
         """The expert level's tensor history: statistics of the first ``HISTORY_TENSORS`` trainable
         weights and their gradients as ``tensor_stats`` rows (``<param>`` and ``<param>.grad``).
 

@@ -462,7 +462,7 @@ class TimingInstrument:
             self.wait_clock = self._run_queue.read
         self._begin(mon.global_step)
 
-    def _watch_loaders(self, mon: Any) -> None:
+    def _watch_loaders(self, mon: SessionView) -> None:
         """Time every DataLoader batch (``_BaseDataLoaderIter.__next__``, the one method every
         DataLoader iterator shares; restored when the session ends): the input_bound rule then says
         "waiting for data" only about a DataLoader, not about an actor-critic's rollout or a
