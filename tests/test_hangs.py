@@ -23,8 +23,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchdebug as td
-from torchdebug.session import hangs
+from torchdebug.session import hangs as records
 from torchdebug.store import open_run
+from torchdebug.views import hangs
 
 TIMEOUT = pytest.mark.timeout(180)
 SRC = Path(__file__).read_text().splitlines()
@@ -279,7 +280,7 @@ def test_a_gloo_dump_with_an_empty_default_group_key_normalizes_without_error():
             {"process_group": ("1", "tp"), "profiling_name": "nccl:all_gather", "collective_seq_id": 1},
         ],
     }
-    assert hangs.normalize(dump) == [
+    assert records.normalize(dump) == [
         {
             "group": "default",
             "seq": 3,

@@ -131,9 +131,9 @@ def _anomaly_line(a: dict[str, Any]) -> str:
 
 def _show(args: argparse.Namespace) -> int:
     from ..cli import default_runs_dir
-    from ..session.hangs import verdict_of_run
     from ..store.ranks import rank_overview
     from ..store.reader import open_run
+    from .hangs import verdict_of_run
     from .verdict import verdict
 
     path = resolve_run(args.run, args.runs or default_runs_dir())

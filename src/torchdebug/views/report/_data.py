@@ -259,7 +259,7 @@ def build_report(
         from ...store.ranks import rank_overview
 
         report["ranks"] = rank_overview(run)
-        from ...session.hangs import verdict_of_run
+        from ..hangs import verdict_of_run
 
         hang = verdict_of_run(run.path, run.meta.get("world_size"))  # the ranks' flight records
         if hang is not None:
