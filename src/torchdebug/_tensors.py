@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import operator
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -414,6 +414,28 @@ def unwrap_optimizer(opt: Any) -> Any:
             return opt
         opt = inner
     return opt
+
+
+def optimizer_state_tensors(
+    optimizers: Iterable[Any], names: dict[int, str]
+) -> list[tuple[Any, str, str, torch.Tensor]]:
+    """``(optimizer, parameter name, state key, tensor)`` of every floating, non-empty, non-meta state
+    tensor of ``optimizers`` (framework wrappers unwrapped), in parameter-group order; ``names`` maps
+    ``id(parameter)`` to its name (``"?"`` when absent). A Python walk of the state: not for a per-step
+    path (callers cache it, or run it on a rare path)."""
+    out: list[tuple[Any, str, str, torch.Tensor]] = []
+    for opt in map(unwrap_optimizer, optimizers):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                for key, t in opt.state.get(p, {}).items():
+                    if (
+                        isinstance(t, torch.Tensor)
+                        and t.is_floating_point()
+                        and t.numel()
+                        and local(t).device.type != "meta"
+                    ):
+                        out.append((opt, names.get(id(p), "?"), str(key), t))
+    return out
 
 
 def entries(values: dict[str, float], name: str, n: int) -> list[float]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._step import SessionView
-from .._tensors import foreach_norms, local, unwrap_optimizer
+from .._tensors import foreach_norms, local, optimizer_state_tensors, unwrap_optimizer
 from ..events import RuleEvent
 from ..nonfinite.startup import state_effect
 
@@ -44,14 +44,7 @@ class OptimizerState:
         key = tuple((id(o.state), len(o.state)) for o in opts)
         if key != self._key:  # state created lazily at the first step, or replaced by a load
             names = {id(p): n for p, n in zip(mon.params, mon.param_names)}
-            self._entries = [
-                (o, names.get(id(p), "?"), k, t)
-                for o in opts
-                for g in o.param_groups
-                for p in g["params"]
-                for k, t in o.state.get(p, {}).items()
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and k != "step"
-            ]
+            self._entries = [e for e in optimizer_state_tensors(opts, names) if e[2] != "step"]
             self._key = key
         return self._entries
 

@@ -10,12 +10,11 @@ post-hook on the model (``session/verdicts.py``: ``Verdicts.check_weights``).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from .._step import SessionView
-from .._tensors import finite_probe, local, stored_values, unwrap_optimizer
+from .._tensors import finite_probe, local, optimizer_state_tensors, stored_values
 from ..events import Anomaly, Phase
 from ..stats import analyze_tensor
 
@@ -86,19 +85,7 @@ def loaded_state_anomaly(mon: SessionView, when: str = "when the session started
     flagged entry, in parameter order, is named with its parameter and key.
     """
     names = {id(p): n for p, n in zip(mon.params, mon.param_names)}
-    entries: list[tuple[Any, str, str, torch.Tensor]] = []  # (optimizer, parameter, key, tensor)
-    for opt in mon.optimizers:
-        opt = unwrap_optimizer(opt)
-        for g in opt.param_groups:
-            for p in g["params"]:
-                for key, t in opt.state.get(p, {}).items():
-                    if (
-                        isinstance(t, torch.Tensor)
-                        and t.is_floating_point()
-                        and t.numel()
-                        and local(t).device.type != "meta"
-                    ):
-                        entries.append((opt, names.get(id(p), "?"), key, t))
+    entries = optimizer_state_tensors(mon.optimizers, names)  # (optimizer, parameter, key, tensor)
     if not entries:
         return None
     with torch.no_grad():
