@@ -187,8 +187,8 @@ class DivergenceRule:
             message=(
                 f"loss diverged from the start: {_fmt(now)} (median of the last {len(self.recent)} "
                 f"steps) is {now / self.first:.0f}x its first value {_fmt(self.first)} and did not come "
-                f"down since step {above[0]}. Likely cause: the learning rate is far too high: lower it "
-                "(by 10x to start) or add warm-up."
+                f"down since step {above[0]}. A learning rate far too high does this: check it first "
+                "(lower it by 10x to start, or add warm-up), then the data."
             ),
             severity="warning",
             evidence={

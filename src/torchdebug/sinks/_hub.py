@@ -130,10 +130,7 @@ class _Worker:
         try:
             sink.start()
         except Exception as exc:
-            with self.cond:
-                self.off = True
-                self.queue.clear()
-            self.hub.note(sink, f"could not start: {exc!r}")
+            self._switch_off(f"could not start: {exc!r}")
             return
         while True:
             with self.cond:
@@ -154,11 +151,15 @@ class _Worker:
                     sink.finish(end)
                 return
             except Exception as exc:
-                with self.cond:
-                    self.off = True
-                    self.queue.clear()
-                self.hub.note(sink, f"failed: {exc!r}")
+                self._switch_off(f"failed: {exc!r}")
                 return
+
+    def _switch_off(self, why: str) -> None:
+        """The sink failed: drop what it still had queued and say so once (on the training thread)."""
+        with self.cond:
+            self.off = True
+            self.queue.clear()
+        self.hub.note(self.sink, why)
 
 
 class SinkHub:
