@@ -102,6 +102,41 @@ class ModuleFrame:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+CAUSES = ("model", "compiler", "kernel_backend", "hardware", "unknown")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Whose fault an anomaly is, with the evidence the verdict rests on.
+
+    ``verdict`` is one of ``CAUSES``: ``"model"`` (an eager replay reproduces it: the model, its data
+    or its loss code), ``"compiler"`` (compiled code makes it, eager code does not), ``"kernel_backend"``
+    (one kernel backend makes it, another does not: ``backend`` names it), ``"hardware"`` (a replay on
+    another rank came out finite and the fault stays on ``rank``), ``"unknown"`` (nothing tried
+    reproduced it; ``tried`` says what was tried). ``evidence`` is one sentence of what was replayed
+    where and what differed; ``compiles`` and ``replays`` count the work it took.
+    """
+
+    verdict: str
+    evidence: str
+    tried: tuple[str, ...] = ()
+    compiles: int = 0
+    replays: int = 0
+    module: str | None = None  # compiler: the first module whose compiled output is non-finite
+    location: str | None = None  # the source line of that module's op, when known
+    backend: str | None = None  # kernel_backend: the backend that made it; compiler: backend/subsystem
+    rank: int | None = None  # hardware: the rank whose replay stays non-finite
+    host: str | None = None
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdict not in CAUSES:
+            raise ValueError(f"verdict must be one of {CAUSES}, got {self.verdict!r}")
+
+    def __str__(self) -> str:
+        return f"{self.verdict}: {self.evidence}"
+
+
 @dataclass(frozen=True)
 class Anomaly:
     """Where the first non-finite value was born.
@@ -143,6 +178,7 @@ class Anomaly:
     # Whether replaying the failing step made the same non-finite values: None when no replay ran.
     reproducible: bool | None = None
     world_size: int = 1  # ranks in the run; > 1: ``rank`` is the rank of birth and the summary names it
+    cause: Cause | None = None  # whose fault: the model, the compiler, a kernel backend, the hardware
 
     @property
     def where(self) -> str:
@@ -206,6 +242,8 @@ class Anomaly:
             lines.append(f"  became    {self.noticed.kind} in {self.noticed.site()}")
         if self.reproducible is False:
             lines.append("  replay    did not reproduce it (replayed twice, same batch, weights and RNG)")
+        if self.cause is not None:
+            lines.append(f"  cause     {self.cause}")
         if self.hint:
             lines.append(f"  hint      {self.hint}")
         if self.tensor is not None:
@@ -237,13 +275,16 @@ class Anomaly:
             rows.append(("rank", f"{self.rank} of {self.world_size}"))
         if self.symptom:
             rows.append(("noticed", self.symptom))
+        if self.cause is not None:
+            rows.append(("cause", str(self.cause)))
         if self.hint:
             rows.append(("hint", self.hint))
         return html_table(self.summary(), _HTML_COLOUR["error"], rows, "torchdebug-anomaly")
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        for key in ("noticed", "reproducible"):  # newer fields: absent when unset, as in older documents
+        # newer fields: absent when unset, as in older documents
+        for key in ("noticed", "reproducible", "cause"):
             if d[key] is None:
                 del d[key]
         if self.world_size == 1:
