@@ -1165,6 +1165,7 @@ class StepCapture:
     loss_grad: torch.Tensor | None = None
     module: nn.Module | None = None  # the module whose forward was captured; None: the watched model
     batch: Any = None  # the whole batch as a framework driver saw it (names tensors the loss alone used)
+    untaped: str = ""  # why the loss code was not recorded whole (tape_complete False), in words
 
     @staticmethod
     def take(args: tuple, kwargs: dict, uses_cuda: bool) -> StepCapture:
@@ -1333,7 +1334,8 @@ def replay_capture(
     flowed into the model's outputs in the real step is fed back.
     """
     tracer = Tracer(model, frames=frames, names=names)
-    tracer.check_inputs(cap.args, cap.kwargs)
+    # the batch of every forward the micro-step made (a second view's too), not what a forward made
+    tracer.check_inputs(unmade_inputs([cap], set()) if cap.tape_complete else (cap.args, cap.kwargs), {})
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer
@@ -1363,8 +1365,35 @@ def replay_capture(
                 if i in cap.out_grads and n.requires_grad
             ]
             if pairs:
+                taint_fed(tracer, cap, [g for _, g in pairs])
                 torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
     return tracer
+
+
+def taint_fed(tracer: Tracer, cap: StepCapture, grads: list[torch.Tensor]) -> None:
+    """The replay feeds the gradients seen at the model's outputs (the loss code was not replayed). One
+    already non-finite was made after that output: by the loss code or another forward the replay did
+    not rebuild, or by the model's own backward from another of its outputs (a loss it returns). It is
+    tainted with an origin that says so, ordered after every op the replay sees: a NaN the model's
+    backward makes still names its op, and no op that merely carries the fed NaN is blamed."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        for g in grads:
+            if not (_checkable(g) and (f := _flags(g)).bad):
+                continue
+            in_loss = cap.loss is not None and _checkable(cap.loss) and _flags(cap.loss).bad
+            root = type(tracer.model).__name__ if tracer.model is not None else ""
+            phase = Phase.FORWARD.value if in_loss else Phase.BACKWARD.value
+            ev = tracer._event(phase, "", root, "", None, (), f.kind, g, [])
+            tracer.events.remove(ev)
+            ev.seq = sys.maxsize  # after every op of the replay (``_root`` takes the earliest)
+            why = cap.untaped or "the loss code was not recorded"
+            made = "the loss" if in_loss else "the gradient reaching the model's outputs"
+            ev.hint = (
+                f"{made} already held {_KIND_WORD[f.kind]} in the step, made after the model's forward (by "
+                f"the loss code, another model or another call of this one), which the replay could not "
+                f"rebuild: {why}"
+            )
+            tracer.taint.put(g, _storage_key(g), ev)
 
 
 def _rerun_tape(
@@ -1377,7 +1406,15 @@ def _rerun_tape(
     sub = lambda t: mapping.get(id(t), t)  # noqa: E731
     user = user_storages([cap])
     try:
-        for func, _types, args, kwargs, raw, res in cap.tape:
+        for func, kind, args, kwargs, raw, res in cap.tape:
+            if kind in (FORWARD, FORWARD_NO_GRAD):  # the model called again (a second view): its ops traced
+                with torch.set_grad_enabled(kind == FORWARD and torch.is_grad_enabled()):
+                    new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+                for o, n in zip(tensor_leaves(res), tensor_leaves(new)):
+                    mapping[id(o)] = n
+                if tracer.symptom is not None:
+                    break
+                continue
             _check_loss_inputs(cap, args, kwargs, mapping, raw, tracer)
             if tracer.symptom is not None:
                 break
@@ -1395,6 +1432,21 @@ def _rerun_tape(
         tracer.internal_errors.append(f"loss tape replay failed: {exc!r}")
         return None
     return mapping.get(id(cap.loss))  # None: the loss was not made by recorded calls
+
+
+def unmade_inputs(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor, ...]:
+    """The inputs of the recorded forwards (each capture's first, unless in ``tape_only``, and the
+    forwards on its tape) that no earlier recorded call made: the batch, not G's output fed to D."""
+    made: set[int] = set()
+    keep: list[torch.Tensor] = []
+    for j, cap in enumerate(caps):
+        calls = [] if j in tape_only else [(True, cap.args, cap.kwargs, cap.outputs)]
+        calls += [(e[1] in (FORWARD, FORWARD_NO_GRAD), e[2], e[3], e[5]) for e in cap.tape]
+        for forward, args, kwargs, out in calls:  # in the order they ran: D(fake.detach()) after detach
+            if forward:
+                keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
+            made |= {id(t) for t in tensor_leaves(out)}
+    return tuple(keep)
 
 
 def _check_loss_inputs(
@@ -1474,6 +1526,23 @@ def _batch_path(batch: Any, t: torch.Tensor, path: str = "batch", depth: int = 0
 
 
 _ACCESSORS = ("__get__", "__set__", "__delete__")
+# tensor properties that are views of the tensor (``z @ z.T``): recorded, so a replay takes the view of
+# its own tensor (``.grad`` and ``.data`` reads are not the loss's making)
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+# a tape entry that is a model's forward called again in the micro-step (a second view, a watched
+# model of several), with or without grad: its own ops are traced when it is replayed
+FORWARD = "forward"
+FORWARD_NO_GRAD = "forward-no-grad"
+
+
+def _view_property(func: Any) -> bool:
+    """``func`` is the getter of a tensor property that is a view (``Tensor.T.__get__``)."""
+    owner = getattr(func, "__self__", None)
+    return getattr(owner, "__name__", None) in _VIEW_PROPERTIES and getattr(owner, "__objclass__", None) in (
+        torch.Tensor,
+        torch._C.TensorBase,
+    )
 
 
 class LossTape(TorchFunctionMode):
@@ -1493,7 +1562,7 @@ class LossTape(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         res = func(*args, **(kwargs or {}))
-        if not self.recording or getattr(func, "__name__", "") in _ACCESSORS:
+        if not self.recording or (getattr(func, "__name__", "") in _ACCESSORS and not _view_property(func)):
             return res
         if not (isinstance(res, torch.Tensor) or (isinstance(res, (tuple, list)) and tensor_leaves(res))):
             return res
@@ -1504,6 +1573,7 @@ class LossTape(TorchFunctionMode):
             self.recording = False
         elif len(cap.tape) >= self.limit:
             cap.tape_complete = False
+            cap.untaped = f"the loss code made more than {self.limit} torch calls (the tape's limit)"
             self.recording = False
         else:
             # the innermost user frame only, raw: formatting (relpath) waits for a replay that needs it

@@ -22,6 +22,8 @@ from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, Phase
 from .ledger import window_hint
 from .locate import (
+    FORWARD,
+    FORWARD_NO_GRAD,
     StepCapture,
     Tracer,
     _autocast,
@@ -29,13 +31,11 @@ from .locate import (
     _preserved_state,
     apart_from_user,
     replay_capture,
+    taint_fed,
+    unmade_inputs,
     user_storages,
     writes_apart,
 )
-
-# a tape entry that is a watched model's forward (several models), with or without grad
-FORWARD = "forward"
-FORWARD_NO_GRAD = "forward-no-grad"
 
 
 class Replaying(Protocol):
@@ -156,7 +156,9 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
                 # measured after code changed the gradients, and backward() is clean when re-run: that
                 # code made them non-finite
                 return gradient_edit_anomaly(mon, micro)
-            return symptom_anomaly(mon, micro, losses_bad, reproduced=False)
+            a = symptom_anomaly(mon, micro, losses_bad, reproduced=False)
+            gap = replay_gap(mon.state.captures[idx], tracer)
+            return dataclasses.replace(a, hint=f"{a.hint}; {gap}") if gap else a
         except Exception as exc:
             mon.warn_once(
                 "replay",
@@ -176,6 +178,22 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
     elif first_replay:
         why = "the failing micro-step was not captured"
     return symptom_anomaly(mon, micro, losses_bad, why=why)
+
+
+def replay_gap(cap: StepCapture, tracer: Tracer) -> str:
+    """What of the micro-step the replay could not rebuild, in words (``""``: nothing it knows of): the
+    loss code it did not record, or the recorded call it stopped at."""
+    failed = next(
+        (e for e in tracer.internal_errors if e.startswith(("loss tape", "replay of the step"))), ""
+    )
+    if failed:
+        return f"the replay of the loss code stopped: {failed}"
+    if cap.loss is not None and not cap.tape_complete:
+        why = cap.untaped or "it was not recorded"
+        return (
+            f"the loss code was not replayed: {why}; the replay fed the gradient seen at the model's outputs"
+        )
+    return ""
 
 
 def gradient_edit_anomaly(mon: SessionView, micro: int | None, kind: str | None = None) -> Anomaly:
@@ -317,7 +335,7 @@ def replay_in_order(mon: SessionView, idx: int) -> Tracer:
     st = mon.state
     caps = st.captures[: idx + 1]
     tracer = Tracer(mon.model, frames=mon.config.frames, names=mon.names)
-    tracer.check_inputs(_unmade(caps, st.tape_only), {})  # the batch, not what a model made
+    tracer.check_inputs(unmade_inputs(caps, st.tape_only), {})  # the batch, not what a model made
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer
@@ -353,6 +371,7 @@ def replay_in_order(mon: SessionView, idx: int) -> Tracer:
                         if i in cap.out_grads and n.requires_grad
                     ]
                     if pairs:
+                        taint_fed(tracer, cap, [g for _, g in pairs])
                         torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
     return tracer
 
@@ -388,18 +407,3 @@ def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer, user
         tracer.internal_errors.append(f"replay of the step failed: {exc!r}")
         return False
     return True
-
-
-def _unmade(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor, ...]:
-    """The inputs of the step's recorded forwards that no earlier recorded call made (the batch, not
-    G's output fed to D)."""
-    made: set[int] = set()
-    keep: list[torch.Tensor] = []
-    for j, cap in enumerate(caps):
-        calls = [] if j in tape_only else [(True, cap.args, cap.kwargs, cap.outputs)]
-        calls += [(e[1] in (FORWARD, FORWARD_NO_GRAD), e[2], e[3], e[5]) for e in cap.tape]
-        for forward, args, kwargs, out in calls:  # in the order they ran: D(fake.detach()) after detach
-            if forward:
-                keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
-            made |= {id(t) for t in tensor_leaves(out)}
-    return tuple(keep)

@@ -60,8 +60,7 @@ from ..events import Anomaly
 from . import replay
 from .edits import EditCheck, item_numbers, lift_mode
 from .ledger import UpdateLedger, nonfinite_params
-from .locate import LossTape, StepCapture
-from .replay import FORWARD, FORWARD_NO_GRAD
+from .locate import FORWARD, FORWARD_NO_GRAD, LossTape, StepCapture
 from .startup import loaded_anomaly
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
@@ -199,8 +198,9 @@ class Sentinel:
         self.pop_tape()
         if cap is None or not cap.tape_complete or len(cap.tape) >= _MAX_TAPE:
             st.entry = -1  # not recorded: the replay starts from what it has
-            if cap is not None:
+            if cap is not None and cap.tape_complete:
                 cap.tape_complete = False
+                cap.untaped = f"the micro-step made more than {_MAX_TAPE} torch calls and forwards"
             return
         st.entry = len(cap.tape)
         cap.tape.append((module, FORWARD if grad else FORWARD_NO_GRAD, args, kwargs, (), None))
@@ -254,7 +254,11 @@ class Sentinel:
         self.open_tape(st.cap)
 
     def open_tape(self, cap: StepCapture) -> None:
-        if self.config.trace_loss and threading.current_thread() is self.thread:
+        if not self.config.trace_loss:
+            cap.untaped = "trace_loss is off (config.trace_loss=False)"
+        elif threading.current_thread() is not self.thread:
+            cap.untaped = "the forward ran in another thread than the loop (its loss code is not recorded)"
+        else:
             cap.tape_complete = True
             self.tape = LossTape(cap)
             self.tape.__enter__()

@@ -69,7 +69,15 @@ class Step:
         if mon.roots is not None:
             self.root_started(module, args, kwargs)
             return
-        if s.replaying or not torch.is_grad_enabled() or (mon._plain.in_compiled_call and not outside):
+        if s.replaying or (mon._plain.in_compiled_call and not outside):
+            return
+        st = self.state
+        if st.phase is StepPhase.FORWARD and st.cap is not None and st.entry is None:
+            # the model called again in the micro-step (SimCLR's second view, a pseudo-label under
+            # no_grad): an entry of its tape, replayed as a forward (not a boundary)
+            s.later_forward(st, module, args, kwargs, grad=torch.is_grad_enabled())
+            return
+        if not torch.is_grad_enabled():
             return
         if s.tape is not None:
             s.pop_tape()
@@ -94,12 +102,10 @@ class Step:
         if mon.roots is not None:
             self.root_done(module, output)
             return
-        if (
-            mon.sentinel.replaying
-            or not torch.is_grad_enabled()
-            or (mon._plain.in_compiled_call and not outside)
-        ):
+        if mon.sentinel.replaying or (mon._plain.in_compiled_call and not outside):
             return
+        if mon.sentinel.forward_entry_done(self.state, output) or not torch.is_grad_enabled():
+            return  # (a later call of the model in the micro-step: its output kept on the tape)
         mon.sentinel.on_forward_end(self.state, output)
         self.each("on_forward_end", module, output)
 
