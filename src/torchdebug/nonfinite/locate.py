@@ -273,6 +273,7 @@ class _Event:
     parameter: str | None = None
     hint: str = ""
     evidence: Evidence | None = None  # what the hint is derived from (hints.py)
+    said: str = ""  # the symptom's words when this event is the origin (an input's: which input, rows)
 
 
 @dataclass
@@ -815,7 +816,7 @@ class Tracer:
             if ev.cause is not None:  # the value became NaN here; the overflow before it is the origin
                 self.noticed, ev = ev, ev.cause
             self.symptom = ev
-            self.symptom_text = text
+            self.symptom_text = ev.said or text
 
     # -- symptoms outside ops ----------------------------------------------------------------------
     def on_backward_call(self, loss: Any) -> None:
@@ -947,23 +948,21 @@ class Tracer:
         self.pre_inputs = None
 
     def check_inputs(self, args: Any, kwargs: Any) -> None:
+        """A NaN/Inf input gets an ``input`` origin: the anomaly if it reaches a symptom, nothing if the
+        model replaces it before use (``torch.nan_to_num(x)``, a masked fill)."""
         for i, t in enumerate(tensor_leaves((args, kwargs))):
-            if self.symptom is not None:
-                return
-            if _checkable(t):
-                f = _flags(t)
-                if f.bad:
-                    root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
-                    ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
-                    ev.op = ""
-                    rows = bad_rows(t)
-                    at = f" in {rows}" if rows else ""
-                    ev.hint = (
-                        f"the batch already holds {_KIND_WORD[f.kind]}: input #{i} "
-                        f"({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf){at}; check the data pipeline"
-                        + (" (those samples)" if rows else "")
-                    )
-                    self._set_symptom(ev, f"{f.kind} in input #{i}" + (f", {rows}" if rows else ""))
+            if not (_checkable(t) and (f := _flags(t)).bad):
+                continue
+            root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
+            ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
+            rows = bad_rows(t)
+            at = f" in {rows}" if rows else ""
+            ev.hint = (
+                f"the batch already holds {_KIND_WORD[f.kind]}: input #{i} ({f.nan} NaN, {f.posinf} +Inf, "
+                f"{f.neginf} -Inf){at}; check the data pipeline" + (" (those samples)" if rows else "")
+            )
+            ev.said = f"{f.kind} in input #{i}" + (f", {rows}" if rows else "")
+            self.taint.put(t, _storage_key(t), ev)
 
     def _check_params(self, when: str) -> None:
         if self.model is None:
@@ -1284,7 +1283,9 @@ def writes_apart(
 
 
 @contextlib.contextmanager
-def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
+def _preserved_state(
+    model: nn.Module, uses_cuda: bool, start: Mapping[int, torch.Tensor] | None = None
+) -> Iterator[None]:
     """Leave the user's grads, buffers and RNG exactly as they were after the replay.
 
     The replay runs on copies of the buffers (a BatchNorm's running statistics, its
@@ -1292,6 +1293,8 @@ def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
     tensor after, never written. A copy back into the user's tensor would bump its version, and a
     graph of the user's still waiting for its backward (a GAN's ``fake = G(z)``, used again after D's
     update) saved those tensors: its ``backward()`` would raise. Cost: one copy of the buffers.
+    ``start``: id(buffer) -> its value as the step began (a buffer the step's forward wrote), copied
+    instead of the buffer's value now.
     """
     params = list(model.parameters())
     grads = [p.grad for p in params]
@@ -1305,7 +1308,7 @@ def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
         with torch.no_grad():
             for m, k, b in slots:
                 if id(b) not in copies:
-                    copies[id(b)] = b.clone()
+                    copies[id(b)] = (start or {}).get(id(b), b).clone()
                 m._buffers[k] = copies[id(b)]
         yield
     finally:
@@ -1325,25 +1328,28 @@ def replay_capture(
     names: dict[nn.Module, str],
     frames: int = 16,
     uses_cuda: bool = False,
+    buffers: Mapping[int, torch.Tensor] | None = None,
 ) -> Tracer:
     """Re-run a captured micro-step (forward, loss, backward) under the tracer; returns the tracer.
 
     The user's parameters are untouched (the sentinel replays before the optimizer update); grads,
     buffers and RNG are restored afterwards. The loss is recomputed from the recorded tape of torch
     calls made between the model's forward and ``backward`` when complete, else the gradient that
-    flowed into the model's outputs in the real step is fed back.
+    flowed into the model's outputs in the real step is fed back. ``buffers``: the values the buffers
+    the step wrote held as it began (the replay starts from them).
     """
     tracer = Tracer(model, frames=frames, names=names)
-    # the batch of every forward the micro-step made (a second view's too), not what a forward made
-    tracer.check_inputs(unmade_inputs([cap], set()) if cap.tape_complete else (cap.args, cap.kwargs), {})
-    tracer.check_parameters()
-    if tracer.symptom is not None:
-        return tracer
     made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
     params = {id(p) for p in model.parameters()}
     apart_from_user((cap.args, cap.kwargs, [(e[2], e[3]) for e in cap.tape]), params, made)
     sub = lambda t: made.get(id(t), t)  # noqa: E731
-    with _preserved_state(model, uses_cuda):
+    with _preserved_state(model, uses_cuda, buffers):
+        # the batch of every forward the micro-step made (a second view's too), not what a forward
+        # made; the weights and the buffers the replay starts from
+        tracer.check_inputs(unmade_inputs([cap], set()) if cap.tape_complete else (cap.args, cap.kwargs), {})
+        tracer.check_parameters()
+        if tracer.symptom is not None:
+            return tracer
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
