@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .._errors import TorchDebugWarning
 from .._frames import format_frames, raw_user_frames, user_location, user_stack
 from .._installs import optimizer_hooks
 from .._tensors import stored_values
@@ -1096,7 +1099,14 @@ def locate_nonfinite(
         Whatever ``fn`` raises, unless a non-finite origin was found before the error (then the anomaly
         is returned: the NaN is the likelier cause).
 
-    Cost: every op's outputs are reduced and read on the host: 2-4x one plain step on CPU.
+    A compiled callable (``torch.compile``'d, or calling a compiled ``model``) is traced eagerly, whose
+    numerics may differ: it is first run compiled, untraced, and what that run changed is undone (the
+    weights, gradients, buffers, RNG and the state of every optimizer that stepped). When the compiled
+    run is finite and the eager trace is not, a :class:`TorchDebugWarning` says that eager and compiled
+    disagree and ``None`` is returned: the eager symptom is not what trains.
+
+    Cost: every op's outputs are reduced and read on the host: 2-4x one plain step on CPU; a compiled
+    callable runs once more, compiled.
 
     Example::
 
@@ -1115,6 +1125,10 @@ def locate_nonfinite(
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer.anomaly()
+    compiled_finite = None
+    if _compiled(fn, model):  # the compiled run is what trains: judged first, then undone
+        with _undone(_uncompiled(model)):
+            compiled_finite = _finite_run(fn(*args, **kwargs), _uncompiled(model))
     try:
         with _eager(), tracer:
             result = fn(*args, **kwargs)
@@ -1123,7 +1137,82 @@ def locate_nonfinite(
     except Exception:
         if tracer.symptom is None:
             raise
-    return tracer.anomaly()
+    found = tracer.anomaly()
+    if found is not None and compiled_finite:
+        warnings.warn(
+            f"torchdebug: locate_nonfinite ran the compiled callable eagerly to trace it, and the eager "
+            f"run made {found.kind} ({found.op or found.phase} at {found.location or 'an unknown line'}), "
+            "but the compiled run is finite: eager and compiled numerics differ here, and the compiled "
+            "run is the one that trains; nothing to locate",
+            TorchDebugWarning,
+            stacklevel=2,
+        )
+        return None
+    return found
+
+
+def _compiled(fn: Any, model: nn.Module | None) -> bool:
+    """``fn`` is a ``torch.compile``'d function or module, or calls ``model``, which is compiled."""
+    if hasattr(fn, "_torchdynamo_orig_callable") or type(fn).__name__ == "OptimizedModule":
+        return True
+    return model is not None and (
+        _uncompiled(model) is not model or getattr(model, "_compiled_call_impl", None) is not None
+    )
+
+
+def _finite_run(result: Any, model: nn.Module | None) -> bool:
+    """What a run left is finite: its returned tensors, and the model's weights and gradients."""
+    ts = tensor_leaves(result)
+    if model is not None:
+        ps = list(model.parameters())
+        ts += ps + [p.grad for p in ps if p.grad is not None]
+    with torch.no_grad():
+        return all(bool(torch.isfinite(stored_values(t.detach())).all()) for t in ts if _checkable(t))
+
+
+@contextlib.contextmanager
+def _undone(model: nn.Module | None) -> Iterator[None]:
+    """Run a step, then put back what it changed: the model's weights, gradients and buffers, the RNG,
+    and the state and weights of every optimizer that stepped (kept by a pre-hook as its step began).
+    Cost: a copy of each; rare path (``locate_nonfinite`` of a compiled callable)."""
+    params = list(model.parameters()) if model is not None else []
+    with torch.no_grad():
+        kept = [(p, p.detach().clone()) for p in params]
+        grads = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in params]
+        buffers = [(b, b.clone()) for b in model.buffers()] if model is not None else []
+    rng = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    opts: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        if id(opt) not in opts:
+            opts[id(opt)] = (opt, copy.deepcopy(opt.state_dict()))
+            with torch.no_grad():
+                mine = {id(p) for p, _ in kept}
+                kept.extend(
+                    (p, p.detach().clone())
+                    for g in opt.param_groups
+                    for p in g["params"]
+                    if id(p) not in mine
+                )
+
+    handle = optimizer_hooks(pre, lambda *a: None)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for p, v in kept:
+                p.copy_(v)
+            for b, v in buffers:
+                b.copy_(v)
+        for p, g in grads:
+            p.grad = g
+        for opt, sd in opts.values():
+            opt.load_state_dict(sd)
+        torch.set_rng_state(rng)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state_all(rng_cuda)
 
 
 def _uncompiled(model: nn.Module | None) -> nn.Module | None:
