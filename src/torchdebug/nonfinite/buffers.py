@@ -57,8 +57,12 @@ class WrittenBuffers:
                 and not b.is_meta
                 and b.numel() > 0
             ]
-            with torch.no_grad():  # once: a buffer holding +-Inf from the start is a mask, not watched
-                found = [(n, b) for n, b in found if bool(torch.isfinite(b).all())]
+            with torch.no_grad():  # once, one read: a buffer holding +-Inf from the start is a mask
+                dev = found[0][1].device if found else None
+                ok = (
+                    torch.stack([torch.isfinite(b).all().to(dev) for _, b in found]).tolist() if found else []
+                )
+                found = [nb for nb, fine in zip(found, ok) if fine]
                 self.names = [n for n, _ in found]
                 self.tensors = [b for _, b in found]
                 self.copies = [b.clone() for b in self.tensors]
@@ -67,12 +71,10 @@ class WrittenBuffers:
             return
         if not self.settled:  # after the first step: keep the buffers it wrote
             self.settled = True
-            with torch.no_grad():
-                keep = [
-                    i
-                    for i, (b, c) in enumerate(zip(self.tensors, self.copies))
-                    if not torch.equal(b, c)  # once, on the host
-                ]
+            with torch.no_grad():  # once, one read: which the first step changed (NaN counts as changed)
+                dev = self.tensors[0].device
+                changed = torch.stack([(b != c).any().to(dev) for b, c in zip(self.tensors, self.copies)])
+                keep = [i for i, x in enumerate(changed.tolist()) if x]
             self.names = [self.names[i] for i in keep]
             self.tensors = [self.tensors[i] for i in keep]
             self.copies = [self.copies[i] for i in keep]
