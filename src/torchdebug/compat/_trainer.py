@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -150,9 +151,10 @@ class OptimizedTrainer:
             "loss (or an object with .loss) from the model"
         )
 
-    def _epoch(self, mon: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
-        total = torch.zeros(())
-        finite = torch.zeros((), dtype=torch.long)
+    def _epoch(self, mon: Any) -> tuple[float, int, int]:
+        """One pass: (sum of the finite losses, how many were finite, batches run)."""
+        total: torch.Tensor | None = None
+        finite: torch.Tensor | None = None
         batches = 0
         for batch in self.train_loader:
             self.optimizer.zero_grad(set_to_none=True)
@@ -161,12 +163,14 @@ class OptimizedTrainer:
             self.optimizer.step()
             if mon is not None:
                 mon.step()
-            d = loss.detach().float().cpu() if loss.device.type != "cpu" else loss.detach().float()
-            ok = torch.isfinite(d)  # a skipped NaN batch stays out of the mean, on the device
-            total += torch.where(ok, d, torch.zeros(()))
-            finite += ok
+            d = loss.detach().float().reshape(())
+            ok = torch.isfinite(d)  # a skipped NaN batch stays out of the mean; summed on the loss's device
+            total = torch.where(ok, d, 0.0) + (total if total is not None else 0.0)
+            finite = ok.long() + (finite if finite is not None else 0)
             batches += 1
-        return total, finite, batches
+        if total is None or finite is None:
+            return 0.0, 0, 0
+        return float(total), int(finite), batches  # the epoch's host reads (two scalars)
 
     def train(self) -> dict[str, Any]:
         """Train ``config.epochs`` epochs; the results.
@@ -189,26 +193,17 @@ class OptimizedTrainer:
         losses: list[float | None] = []
         steps = 0
         mon: Any = None
-        if self.config.enable_pytorch_debugging:
-            mode = self.debug_config.anomaly_detection_mode
-            cfg = self.debug_config.to_debug_config(policy="raise" if mode == "raise" else "skip")
-            run: Any = self.run_dir if self.run_dir is not None else None
-            self.monitor = mon = td.watch(self.model, self.optimizer, config=cfg, run=run)
-            mon.__enter__()
-        try:
+        with contextlib.ExitStack() as stack:  # the session closes on any exception (a failed run)
+            if self.config.enable_pytorch_debugging:
+                mode = self.debug_config.anomaly_detection_mode
+                cfg = self.debug_config.to_debug_config(policy="raise" if mode == "raise" else "skip")
+                mon = stack.enter_context(td.watch(self.model, self.optimizer, config=cfg, run=self.run_dir))
+                self.monitor = mon
             for _ in range(self.config.epochs):
                 total, finite, batches = self._epoch(mon)
                 steps += batches
-                n = int(finite)  # one host read per epoch
-                losses.append(float(total) / n if n else None)
-        except BaseException as exc:
-            if mon is not None and not mon.__exit__(type(exc), exc, exc.__traceback__):
-                raise
-            raise
-        report = None
-        if mon is not None:
-            mon.__exit__(None, None, None)
-            report = self._report(mon)
+                losses.append(total / finite if finite else None)
+        report = self._report(mon) if mon is not None else None
         return {
             "epochs": self.config.epochs,
             "steps": steps,
