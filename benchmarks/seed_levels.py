@@ -10,11 +10,12 @@ on, as users get it) and prints the cost per step:
 - ``--measure instructions``: instructions per step under valgrind's ``callgrind`` with
   instrumentation off except for a window of steps ``[N1, N2)`` (default ``[16, 26)``: warm, one
   detail step, step 20, inside), switched by client requests from a small C shim (``gcc`` and
-  valgrind's headers); the run store's writer is flushed at both ends, so its thread's work for
-  the window's steps is counted too. One process per loop runs every variant in turn (a fresh model,
-  optimizer and session each), each window dumped apart: torch is imported once under valgrind,
-  and start-up and imports are never counted. Instructions do not move with the machine's load;
-  CPU time does.
+  valgrind's headers). One process per loop runs every variant in turn (a fresh model, optimizer
+  and session each), each window dumped apart: torch is imported once under valgrind, and start-up
+  and imports are never counted. Callgrind's client-request dump covers the calling thread only, so
+  these are the TRAINING THREAD's instructions: the run store's writer thread is left out (for the
+  whole process, ``benchmarks/host_instructions.py`` counts it). Instructions do not move with the
+  machine's load; CPU time does.
 
 Variants: ``plain`` (no torchdebug); the four levels under ``td.watch`` (mode ``full_debug``);
 ``memory`` (``mode="memory_profiling"``, seed 000's "memory debugging") and ``anomaly``
@@ -273,24 +274,19 @@ def measure_instructions(loops: list[str], variants: list[str], n1: int, n2: int
             lp = futures[f]
             got[lp] = f.result()
             print(
-                f"# {lp}: " + ", ".join(f"{v} {c['total'] / n:,.0f}" for v, c in got[lp].items()), flush=True
+                f"# {lp}: " + ", ".join(f"{v} {c['main'] / n:,.0f}" for v, c in got[lp].items()), flush=True
             )
     print(
-        f"\ninstructions per step over steps [{n1}, {n2}), writer flushed at both ends; callgrind, 1 torch thread"
+        f"\ninstructions per step over steps [{n1}, {n2}), the training thread only (the run store's "
+        "writer thread is not counted); callgrind, 1 torch thread"
     )
     for lp in loops:
-        plain = got[lp]["plain"]["total"] / n
-        print(
-            f"\n{lp}\n| variant | instructions/step | ratio | added/step | training thread | other threads |"
-            "\n|---|---|---|---|---|---|"
-        )
+        plain = got[lp]["plain"]["main"] / n
+        print(f"\n{lp}\n| variant | instructions/step | ratio | added/step |\n|---|---|---|---|")
         for v in variants:
-            c = got[lp][v]
-            per = c["total"] / n
+            per = got[lp][v]["main"] / n
             added = "-" if v == "plain" else f"{per - plain:+,.0f}"
-            print(
-                f"| {v} | {per:,.0f} | {per / plain:.3f}x | {added} | {c['main'] / n:,.0f} | {c['others'] / n:,.0f} |"
-            )
+            print(f"| {v} | {per:,.0f} | {per / plain:.3f}x | {added} |")
 
 
 def main() -> None:
