@@ -304,7 +304,7 @@ class DebugConfig:
       cause_budget [300.0 seconds, > 0: the most the search for whose fault it is (the compiler's
       module-by-module compiles) may take; what it tried by then is reported]; compiler_bisect
       [False: True also runs torch's CompilerBisector on the module the compiler made it in, naming
-      the backend, subsystem and pass; about 20 more compiles].
+      the backend, subsystem and pass; some 20 more compiles].
     - sync "blocking"|"async"|"auto" ["auto"]: when the step's numbers are read. "blocking" reads
       them once per step as the update starts (one device-to-host sync); "async" copies them without
       blocking and reads them one step later while a fused optimizer skips a bad update on the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import re
 import sys
 import time
@@ -194,6 +195,17 @@ def unknown_cause(tried: list[str], replays: int, compiles: int = 0) -> Cause:
 # -- compiler --------------------------------------------------------------------------------------
 
 
+def compiled_inside(model: nn.Module) -> bool:
+    """A module of ``model`` runs compiled: a ``torch.compile`` wrapper held as a submodule
+    (``self.net = torch.compile(net)``) or ``module.compile()`` in place. Rare path: one walk."""
+    return any(
+        [
+            type(m).__name__ == "OptimizedModule" or m.__dict__.get("_compiled_call_impl") is not None
+            for m in model.modules()
+        ]
+    )
+
+
 def _graphs() -> int:
     """Graphs Dynamo has compiled in this process (each one a compile)."""
     from torch._dynamo.utils import counters
@@ -299,7 +311,8 @@ def _record_calls(mon: SessionView, cap: StepCapture) -> list[_Call]:
     forward and a copy of every module's inputs (the step's activations, once)."""
     model = mon.model
     calls: dict[nn.Module, _Call] = {}
-    names = {m: n for n, m in model.named_modules()}
+    # a torch.compile wrapper held as a submodule is its ``_orig_mod``'s twin: that one is tried
+    names = {m: n for n, m in model.named_modules() if type(m).__name__ != "OptimizedModule"}
 
     def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
         if m not in calls and m in names:
@@ -488,9 +501,17 @@ def compiler_cause(mon: SessionView, idx: int, replays: int, tried: list[str]) -
     confirm = f"replayed through the compiled model, {what} went non-finite; the eager replays were finite"
     tried.append(f"a replay through the compiled model: {what} non-finite")
     bisect: str | None = None
-    hit, suspect, notes = localise(mon, cap, budget)
-    if hit is not None and mon.config.compiler_bisect and budget.left():
-        bisect = bisect_compiler(hit.call, mon, budget)
+    try:
+        hit, suspect, notes = localise(mon, cap, budget)
+    except Exception as exc:  # the verdict stands on the replay; only the module stays unnamed
+        hit, suspect, notes = None, None, [f"localising it failed ({exc!r})"]
+    if hit is not None and mon.config.compiler_bisect:
+        if budget.left():
+            bisect, note = bisect_compiler(hit.call, mon, budget)
+        else:
+            note = f"CompilerBisector not run: cause_budget of {budget.seconds:g} s spent"
+        if note:
+            notes.append(note)
     where = suspect if suspect is not None else hit
     if hit is None:
         evidence = (
@@ -527,10 +548,11 @@ def compiler_cause(mon: SessionView, idx: int, replays: int, tried: list[str]) -
     )
 
 
-def bisect_compiler(c: _Call, mon: SessionView, budget: Budget) -> str | None:
+def bisect_compiler(c: _Call, mon: SessionView, budget: Budget) -> tuple[str | None, str]:
     """``CompilerBisector`` with the module's compiled call from its eager inputs as the test: the
     backend, subsystem and pass (or lowering) that makes it non-finite, e.g. ``inductor / lowerings /
-    relu``. Cost: one compile per bisection step (about 20 for a one-op bug)."""
+    relu``, and a note when it named nothing. Cost: one compile per bisection step (about 20 for a
+    one-op bug)."""
     from torch._inductor.compiler_bisector import CompilerBisector
 
     def finite() -> bool:
@@ -545,13 +567,16 @@ def bisect_compiler(c: _Call, mon: SessionView, budget: Budget) -> str | None:
         return not _nonfinite(out)
 
     try:
-        result = CompilerBisector.do_bisect(finite)
-    except Exception:
-        return None
-    if result is None or budget.spent:
-        return None
+        with contextlib.redirect_stdout(io.StringIO()):  # the bisector narrates each step on stdout
+            result = CompilerBisector.do_bisect(finite)
+    except Exception as exc:
+        return None, f"CompilerBisector failed ({exc!r})"
+    if budget.spent:
+        return None, f"CompilerBisector stopped: cause_budget of {budget.seconds:g} s spent"
+    if result is None:
+        return None, "CompilerBisector found no backend, subsystem or pass that changes it"
     parts = [result.backend, result.subsystem, result.debug_info]
-    return " / ".join(str(p) for p in parts if p)
+    return " / ".join(str(p) for p in parts if p), ""
 
 
 def replay_once(

@@ -194,12 +194,13 @@ def _unreproduced(
     replay on another rank (several ranks: the coordinator's), else unknown with what was tried."""
     tried = [cause.EAGER_TRIED]
     found: Cause | None = None
-    if mon.compiled and mon.roots is None:
+    compiled = mon.compiled or cause.compiled_inside(mon.model)
+    if compiled and mon.roots is None:
         try:
             found = cause.compiler_cause(mon, idx, 2, tried)
         except Exception as exc:
             tried.append(f"a replay through the compiled model failed ({exc!r})")
-    elif mon.compiled:
+    elif compiled:
         tried.append("no replay through the compiled models (several models)")
     if found is None and mon.world_size > 1 and flag.replica is not None:
         found = flag.replica(mon, idx)
@@ -207,7 +208,7 @@ def _unreproduced(
         return compiler_anomaly(mon, micro, losses_bad, found)
     if found is None:
         # two eager replays, and one through the compiled model when it was tried
-        found = cause.unknown_cause(tried, replays=2 + (mon.compiled and mon.roots is None))
+        found = cause.unknown_cause(tried, replays=2 + (compiled and mon.roots is None))
     return symptom_anomaly(mon, micro, losses_bad, reproduced=False, found=found)
 
 
@@ -239,7 +240,7 @@ def compiler_anomaly(mon: SessionView, micro: int | None, losses_bad: list[int],
             + (
                 f"; the bisector names {found.backend}"
                 if found.backend
-                else "; compiler_bisect=True names the compiler pass"
+                else ("" if mon.config.compiler_bisect else "; compiler_bisect=True names the compiler pass")
             )
         ),
         reproducible=True,
