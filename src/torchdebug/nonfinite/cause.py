@@ -25,7 +25,7 @@ import re
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ from .locate import (
     _preserved_state,
     _rerun_tape,
     apart_from_user,
-    replay_capture,
 )
 
 # The distributed coordinator's replay of the failing micro-step on another rank: given the session
@@ -246,10 +245,16 @@ def _nonfinite(x: Any) -> bool:
     )
 
 
-def replay_through(mon: SessionView, cap: StepCapture, call: Callable[..., Any]) -> str | None:
+def replay_through(
+    mon: SessionView,
+    cap: StepCapture,
+    call: Callable[..., Any],
+    start: Mapping[int, torch.Tensor] | None = None,
+) -> str | None:
     """Re-run the captured micro-step through ``call`` (the compiled model), untraced: what came out
     non-finite (``"the loss"``, ``"the gradients of fc1.weight"``, ``"the output"``) or None.
-    The user's grads, buffers and RNG are restored after."""
+    ``start``: the buffers the step wrote, as it began. The user's grads, buffers and RNG are
+    restored after."""
     model = mon.model
     tracer = Tracer(model, frames=1, names=mon.names)  # not entered: the loss tape's bookkeeping only
     made: dict[int, torch.Tensor] = {}
@@ -257,7 +262,7 @@ def replay_through(mon: SessionView, cap: StepCapture, call: Callable[..., Any])
     apart_from_user((cap.args, cap.kwargs, [(e[2], e[3]) for e in cap.tape]), {id(p) for p in params}, made)
     sub = lambda t: made.get(id(t), t)  # noqa: E731
     names = {id(p): n for n, p in model.named_parameters()}
-    with _preserved_state(model, mon.uses_cuda):
+    with _preserved_state(model, mon.uses_cuda, start):
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
@@ -306,7 +311,9 @@ def _copy(x: Any) -> Any:
     return map_tensors(x, one)
 
 
-def _record_calls(mon: SessionView, cap: StepCapture) -> list[_Call]:
+def _record_calls(
+    mon: SessionView, cap: StepCapture, start: Mapping[int, torch.Tensor] | None
+) -> list[_Call]:
     """Run the captured forward eagerly and keep each module's inputs of its first call. Cost: one
     forward and a copy of every module's inputs (the step's activations, once)."""
     model = mon.model
@@ -324,7 +331,7 @@ def _record_calls(mon: SessionView, cap: StepCapture) -> list[_Call]:
     apart_from_user((cap.args, cap.kwargs, []), {id(p) for p in model.parameters()}, made)
     sub = lambda t: made.get(id(t), t)  # noqa: E731
     try:
-        with _preserved_state(model, mon.uses_cuda), mon.eager(), _eager():
+        with _preserved_state(model, mon.uses_cuda, start), mon.eager(), _eager():
             torch.set_rng_state(cap.rng_cpu)
             with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
                 model(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
@@ -448,11 +455,11 @@ def _where(t: _Try) -> str | None:
 
 
 def localise(
-    mon: SessionView, cap: StepCapture, budget: Budget
+    mon: SessionView, cap: StepCapture, budget: Budget, start: Mapping[int, torch.Tensor] | None = None
 ) -> tuple[_Try | None, _Try | None, list[str]]:
     """(the first candidate whose compiled output is non-finite while its eager output is finite, the
     first leaf inside it whose compiled output differs from eager, notes on what was tried)."""
-    calls = _record_calls(mon, cap)
+    calls = _record_calls(mon, cap, start)
     tried: list[_Try] = []
     notes: list[str] = []
     failed = 0
@@ -486,14 +493,21 @@ def localise(
     return None, None, notes
 
 
-def compiler_cause(mon: SessionView, idx: int, replays: int, tried: list[str]) -> Cause | None:
+def compiler_cause(
+    mon: SessionView,
+    idx: int,
+    replays: int,
+    tried: list[str],
+    start: Mapping[int, torch.Tensor] | None = None,
+) -> Cause | None:
     """The model runs compiled and the eager replay was finite: replay through the compiled callable,
-    then localise. None (with ``tried`` extended) when the compiled replay is finite too."""
+    then localise. None (with ``tried`` extended) when the compiled replay is finite too. ``start``:
+    the buffers the step wrote, as it began (the first micro-step's replay starts from them)."""
     call = mon.called
     cap = mon.state.captures[idx]
     budget = Budget(mon.config.cause_budget)
     with budget.counting():
-        what = replay_through(mon, cap, call)
+        what = replay_through(mon, cap, call, start)
     replays += 1
     if what is None:
         tried.append(f"a replay through the compiled model: finite ({budget.compiles} compiles)")
@@ -502,7 +516,7 @@ def compiler_cause(mon: SessionView, idx: int, replays: int, tried: list[str]) -
     tried.append(f"a replay through the compiled model: {what} non-finite")
     bisect: str | None = None
     try:
-        hit, suspect, notes = localise(mon, cap, budget)
+        hit, suspect, notes = localise(mon, cap, budget, start)
     except Exception as exc:  # the verdict stands on the replay; only the module stays unnamed
         hit, suspect, notes = None, None, [f"localising it failed ({exc!r})"]
     if hit is not None and mon.config.compiler_bisect:
@@ -577,21 +591,3 @@ def bisect_compiler(c: _Call, mon: SessionView, budget: Budget) -> tuple[str | N
         return None, "CompilerBisector found no backend, subsystem or pass that changes it"
     parts = [result.backend, result.subsystem, result.debug_info]
     return " / ".join(str(p) for p in parts if p), ""
-
-
-def replay_once(
-    mon: SessionView, idx: int, replay_in_order: Callable[[SessionView, int], Tracer], micro: int | None
-) -> Anomaly | None:
-    """The eager replay of the failing micro-step under the tracer: its anomaly, or None when finite."""
-    with mon.eager():
-        if mon.roots is not None:
-            tracer = replay_in_order(mon, idx)
-        else:
-            tracer = replay_capture(
-                mon.model,
-                mon.state.captures[idx],
-                names=mon.names,
-                frames=mon.config.frames,
-                uses_cuda=mon.uses_cuda,
-            )
-    return tracer.anomaly(step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel")
