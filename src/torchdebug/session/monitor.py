@@ -323,6 +323,12 @@ class Monitor(Controls, Recording, SeveralModels):
         inside it)."""
         return is_compiled([self._called, *(self.roots or {}).values()])
 
+    @property
+    def called(self) -> nn.Module:
+        """The module the loop calls: a ``torch.compile`` wrapper, else the model (``model.compile()``
+        compiles it in place)."""
+        return self._called
+
     def accepts_backward(self) -> bool:
         return not self.sentinel.replaying and not self._closed
 
