@@ -238,9 +238,9 @@ def symptom_anomaly(
             hint=(
                 f"not reproducible: in the step, {observed} held NaN/Inf; replayed twice with the same "
                 "batch, weights, buffers and RNG state, the loss and every gradient came out finite. "
-                "Likely a one-off fault: hardware or silent data corruption, a nondeterministic "
-                "kernel or race, a hook or state that changed between the step and the replay, or "
-                "loss code the replay did not capture"
+                "A fault that does not repeat; check first: hardware or silent data corruption, a "
+                "nondeterministic kernel or race, a hook or state that changed between the step and "
+                "the replay, or loss code the replay did not capture"
             ),
             reproducible=False,
         )
