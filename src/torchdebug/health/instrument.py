@@ -40,6 +40,11 @@ EARLY_RATIO = 10.0
 FREEZE = 50
 # Floor of the loss sigma relative to |median loss| (a flat loss is not a license to flag 0.1 % bumps).
 LOSS_REL_FLOOR = 1e-2
+# A spike also rises at least this share of |median loss| above the median: once a loss has converged
+# its noise is small, so an unusual but healthy batch is 10 sigmas of it while only 10-30 % above the
+# level; a bad batch or a too-high rate multiplies the loss (the spikes of benchmarks/rule_margins.py's
+# word_language_model-style Transformer at lr 20 clip 0.25 are 2-3x its median).
+LOSS_MIN_RISE = 0.5
 TOP_K = 3
 # the expert level's tensor history: the first this many trainable parameters (weight and gradient
 # statistics each) on each detail step; each is one analyze_tensor (about 20 passes, one host read)
@@ -292,6 +297,8 @@ class LossSpikeRule:
     """Loss spike: the loss jumps more than ``mads`` robust sigmas above its running median.
 
     Sigma is 1.4826 MAD of the last ``window`` losses, floored at ``LOSS_REL_FLOOR * |median|``;
+    the loss must also rise at least ``min_rise`` x ``|median|`` above the median (1.5x a positive
+    median by default: a bump of a converged loss is many sigmas of its tiny noise, and healthy);
     only upward jumps count, after ``warmup`` finite losses; once per episode. ``count`` counts
     spiking steps. Non-finite losses are ignored (the non-finite sentinel reports them).
 
@@ -303,9 +310,12 @@ class LossSpikeRule:
         'loss_spike'
     """
 
-    def __init__(self, mads: float = 10.0, warmup: int = 20, window: int = WINDOW) -> None:
+    def __init__(
+        self, mads: float = 10.0, warmup: int = 20, window: int = WINDOW, min_rise: float = LOSS_MIN_RISE
+    ) -> None:
         self.mads = float(mads)
         self.warmup = int(warmup)
+        self.min_rise = float(min_rise)
         self.history = RunningMedian(window)
         self.active = False
         self.count = 0
@@ -319,7 +329,7 @@ class LossSpikeRule:
         if len(self.history) >= max(self.warmup, 1):
             med = self.history.median()
             z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
-            fire = z > self.mads
+            fire = z > self.mads and loss - med >= self.min_rise * abs(med)
         self.history.push(loss)
         if not fire:
             self.active = False
