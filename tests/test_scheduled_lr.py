@@ -82,4 +82,6 @@ def test_the_tail_of_a_real_decay_is_healthy() -> None:
     assert _loop("linear") == []
     # a rate that is tiny from the start: said
     (said,) = _loop("tiny")
-    assert said.endswith("Check first that their learning rate is the one intended and that they get a gradient")
+    assert said.endswith(
+        "Check first that their learning rate is the one intended and that they get a gradient"
+    )
