@@ -414,7 +414,8 @@ class Monitor(Controls, Recording, SeveralModels):
         self._plain.remove()
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self.stepper.next()
-        self._close_store("finished" if exc is None else "failed")
+        self._end_status = "finished" if exc is None else "failed"  # what verdict() and the store say
+        self._close_store(self._end_status)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (at the user's line) once per ``key`` in this session."""
