@@ -220,9 +220,9 @@ def test_backward_nan_on_rank1_is_named_rank1(runs):
         assert (a["rank"], a["phase"], a["module"], a["op"]) == (1, "backward", "feat", "SqrtBackward0")
         assert a["location"].endswith(f"test_distributed.py:{SQRT_LINE}")
         assert "born on rank 1 of 2" in a["symptom"]
-        # rank 0 replayed rank 1's micro-step: Inf there too (the data's), not rank 1's device
+        # rank 0 replayed rank 1's micro-step: -Inf there too (the data's), not rank 1's device
         assert a["cause"]["verdict"] == "model"
-        assert a["cause"]["tried"][-1].endswith("on rank 1 and on rank 0: inf on both")
+        assert a["cause"]["tried"][-1].endswith("on rank 1 and on rank 0: -inf on both")
 
 
 @TIMEOUT

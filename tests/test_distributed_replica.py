@@ -4,6 +4,7 @@ dispatch mode on rank 1 standing in for a faulty device; each test under a timeo
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import warnings
 from pathlib import Path
@@ -16,9 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchdebug as td
 from tests.test_distributed import run_pairs
+from torchdebug.session import replica
 from torchdebug.store import open_run
 
-TIMEOUT = pytest.mark.timeout(120)  # a hang fails the test; the first test pays for the 2-process fixture
+# a hang fails a test; the first one pays for starting 2 processes (minutes on a loaded machine)
+TIMEOUT = pytest.mark.timeout(600)
 FAULT_STEP = 3  # rank 1's device goes bad from this step's forward
 STEPS = 6
 
@@ -197,3 +200,38 @@ def test_the_hash_is_off_by_default(runs):
     for r in runs["hash_off"]:
         assert r["checks"] is None and r["events"] == [] and r["warnings"] == []
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 0}
+
+
+# -- the pure parts, in one process ---------------------------------------------------------------------
+
+
+def test_the_parameter_hash_is_equal_for_equal_weights_and_moves_with_one_element():
+    a = [torch.full((4, 8), 0.5), torch.arange(6.0)]
+    b = [t.clone() for t in a]
+    assert int(replica.parameter_hash(a)) == int(replica.parameter_hash(b))
+    b[1][2] += 0.25  # 2.0 -> 2.25: one element's bits
+    assert int(replica.parameter_hash(a)) != int(replica.parameter_hash(b))
+    assert 0 <= int(replica.parameter_hash(b)) < 2**24  # 24 bits: exact in the float32 all-reduce
+
+
+@pytest.mark.parametrize(
+    ("hashes", "moved", "named", "how"),
+    [
+        ([7, 7, 9], [False, False, False], [2], "2 of 3 ranks agree"),
+        ([7, 9], [False, True], [1], "changed after the last update"),
+        ([7, 9], [False, False], [], "no majority"),
+        ([7, 9], [True, True], [], "no majority"),
+    ],
+    ids=["majority-of-3", "two-ranks-moved", "two-ranks-unknown", "both-moved"],
+)
+def test_the_diverged_rank_is_named_by_majority_else_by_a_write_outside_its_update(hashes, moved, named, how):
+    got, why = replica._odd_ones(hashes, moved)
+    assert got == named and why.startswith(how)
+
+
+def test_a_cause_travels_between_ranks_as_a_dict():
+    c = td.Anomaly(phase="forward", module="m", op="aten.mm", location=None, kind="nan", step=3, rank=1)
+    cause = replica.Cause("hardware", "persistent fault", ("a", "b"), replays=3, rank=1, collectives=2)
+    d = dataclasses.replace(c, cause=cause).to_dict()
+    assert replica.cause_from(d["cause"]) == cause
+    assert replica.cause_from(None) is None and replica.cause_from({"verdict": "bogus"}) is None

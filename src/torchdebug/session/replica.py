@@ -11,7 +11,7 @@ not all, and its local replay ran (reproduced or not), that rank sends the faili
 batch, RNG states and loss code; one ``broadcast_object_list``) to the next rank that saw nothing, and
 both replay it (the wrapped module under ``no_sync``: no DDP collective); one tiny all-reduce shares what
 each saw. NaN on both: software (the model, its data or its loss code: the verdict the replay path gave
-stands). NaN on the rank of birth again and finite on its neighbour: a persistent fault of that rank's
+stands; a ``compiler`` or ``kernel_backend`` verdict, confirmed through that code, is kept without it). NaN on the rank of birth again and finite on its neighbour: a persistent fault of that rank's
 device (``hardware``, naming rank, host and device). Finite on both: a transient fault no replay can
 point at (``unknown``, saying what was tried). Cost: two replays and two collectives, once.
 
@@ -49,6 +49,8 @@ def cross_check(coord: Any, mon: Session, a: Anomaly, births: list[int], own: bo
     world = coord.world
     if a.reproducible is None or coord.crossed or not coord._ddp_fast:
         return a  # no replay ran (replay off, or not the session's first): nothing to compare
+    if a.cause is not None and a.cause.verdict not in ("model", "unknown"):
+        return a  # the compiler or a kernel backend, confirmed by a replay through it: software
     if own and len(births) == world and a.reproducible is False:
         # every rank replayed its own micro-step and none reproduced it: a transient fault whose rank
         # the all-reduce hides (no neighbour replay would say more)
@@ -79,7 +81,10 @@ def cross_check(coord: Any, mon: Session, a: Anomaly, births: list[int], own: bo
         outcome[2, coord.rank] = float(failed is not None)
     dist.all_reduce(outcome, op=dist.ReduceOp.MAX)  # rare path: what each replay saw
     ran, bad_row, failed_row = outcome.tolist()
-    replays = _local_replays(a) + int(sum(ran))
+    # the rank of birth's replays of its own step; with ``own`` every rank replayed its own (the other
+    # ranks of birth once, as they reproduced it; the rest twice), then the sent micro-step's replays
+    others = len(births) - 1 + 2 * (world - len(births)) if own else 0
+    replays = _local_replays(a) + others + int(sum(ran))
     where = f"rank {src}'s micro-step (its batch, RNG state and loss code, the same weights)"
     if "error" in sent or any(failed_row):
         why = sent.get("error") or "a replay of the sent micro-step failed"
