@@ -69,6 +69,8 @@ EXPECTED_DEFAULTS = {
     "sync": "auto",
     "replay": True,
     "frames": 16,
+    "cause_budget": 300.0,
+    "compiler_bisect": False,
     "run_dir": "runs",
     "run_name": None,
     "store": True,

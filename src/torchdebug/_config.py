@@ -300,7 +300,11 @@ class DebugConfig:
       debug_backward_pass, debug_device_placement, debug_mixed_precision, debug_data_loading,
       debug_validation, debug_early_stopping, debug_lr_scheduling.
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
-      step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
+      step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000);
+      cause_budget [300.0 seconds, > 0: the most the search for whose fault it is (the compiler's
+      module-by-module compiles) may take; what it tried by then is reported]; compiler_bisect
+      [False: True also runs torch's CompilerBisector on the module the compiler made it in, naming
+      the backend, subsystem and pass; some 20 more compiles].
     - sync "blocking"|"async"|"auto" ["auto"]: when the step's numbers are read. "blocking" reads
       them once per step as the update starts (one device-to-host sync); "async" copies them without
       blocking and reads them one step later while a fused optimizer skips a bad update on the
@@ -387,6 +391,8 @@ class DebugConfig:
     sync: Sync = "auto"
     replay: bool = True
     frames: int = _opt(16, ge=0, le=10_000)
+    cause_budget: float = _opt(300.0, gt=0)
+    compiler_bisect: bool = False
     # engine: run store and exports
     run_dir: str = _opt("runs", path=True)
     run_name: str | None = _opt(None, plain_name=True)

@@ -213,6 +213,9 @@ class Anomaly:
         what = f"{self.kind} born in {self.phase}"
         where = self.parameter if self.parameter else self.where
         s = f"{what} of {where}"
+        if self.cause is not None and self.cause.verdict == "compiler":
+            # compiled code made it, not an op the eager trace saw: the module whose compiled code is wrong
+            s = f"{self.kind} from compiled {where}"
         if self.op:
             s += f": {self.op}"
         if self.location:

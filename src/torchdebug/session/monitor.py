@@ -251,6 +251,7 @@ class Monitor:
         run_dir: Path | None
         level_overrides: list[str]
         lr_labels: list[str] | None
+        called: nn.Module
         replaying: bool
         closed: bool
         grad_norm_host: float | None
@@ -283,6 +284,11 @@ class Monitor:
             doc="The distributed coordinator (several ranks, or a hang timeout), or None.",
         )
         closed = property(attrgetter("_closed"), doc="True once the session has exited.")
+        called = property(
+            attrgetter("_called"),
+            doc="The module the loop calls: a ``torch.compile`` wrapper, else the model (``model.compile()``"
+            " compiles it in place).",
+        )
         replaying = property(
             attrgetter("sentinel.replaying"),
             doc="True while the sentinel replays a failing micro-step (drivers ignore what it does).",
