@@ -323,7 +323,7 @@ class DebugConfig:
       peak_flops [None: FLOP/s for utilisation, > 0].
     - gradient rules: explode_mads [10.0], explode_abs [1e4], explode_warmup [20 steps],
       vanish_threshold [1e-8], vanish_patience [5], dead_unit_fraction [0.95, in (0, 1]],
-      update_ratio_min [1e-5] < update_ratio_max [1e-1]; clip_on_spike [None: max norm to clip
+      update_ratio_min [1e-5] < update_ratio_max [1.0]; clip_on_spike [None: max norm to clip
       to on a spike].
     - loss rules: loss_spike_mads [10.0], loss_plateau_window [200, 2..10000], loss_plateau_rel [1e-4].
     - loss spikes (docs/spikes.md): on_spike "warn"|"rollback"|"raise"|"off" ["warn": every spike gets a
@@ -425,7 +425,7 @@ class DebugConfig:
     rollback_lr_steps: int = _opt(0, ge=0)
     dead_unit_fraction: float = _opt(0.95, gt=0, le=1)
     update_ratio_min: float = _opt(1e-5, ge=0)
-    update_ratio_max: float = _opt(1e-1, gt=0)
+    update_ratio_max: float = _opt(1.0, gt=0)
     scale_floor: float = _opt(1.0, gt=0)
     scale_shrink_steps: int = _opt(5, ge=1)
     input_bound_fraction: float = _opt(0.3, gt=0, le=1)

@@ -90,15 +90,18 @@ def describe(
 
 def describe_html(
     model: str,
+    said: dict[str, Any],
     status: str,
     step: int,
     anomalies: list[Anomaly],
     events: Iterable[RuleEvent],
     run_dir: Path | None,
 ) -> str:
-    """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
+    """The session in a notebook: its verdict (``said``: :func:`verdict`'s), status, step, the first
+    anomaly, the warnings so far, the run folder."""
     n, warned = len(anomalies), [e for e in events if e.severity != "info"]
     rows: list[tuple[str, Any]] = [
+        ("verdict", said["text"]),
         ("status", status),
         ("step", step),
         ("anomalies", n if n == 0 else f"{n}, first: {anomalies[0].summary()}"),
@@ -108,8 +111,45 @@ def describe_html(
         ),
         ("run folder", run_dir if run_dir is not None else "none"),
     ]
-    colour = "#c0392b" if n else ("#b9770e" if warned else "#1e8449")
+    level = said["level"]
+    colour = "#c0392b" if level == "error" else ("#b9770e" if level == "warning" else "#1e8449")
     return html_table(f"torchdebug watch of {model}", colour, rows, "torchdebug-monitor")
 
 
-__all__ = ["Controls", "describe", "describe_html"]
+def verdict(status: str, step: int, anomalies: list[Anomaly], events: Iterable[RuleEvent]) -> dict[str, Any]:
+    """A session's verdict, ranked as ``torchdebug show`` ranks a run's (the same function,
+    :func:`torchdebug.views.verdict.judge`, over the session's anomalies and rule events).
+
+    Returns:
+        ``judge``'s dict: ``"text"`` (one sentence: ``"running: step 12, no anomalies so far"``,
+        ``"finished: 30 steps, no anomalies"``, ``"failed at step 6: nan born in ..."``),
+        ``"level"`` (ok | running | warning | error) and ``"findings"`` ranked.
+
+    Example:
+        >>> import torch, torchdebug as td
+        >>> model = torch.nn.Linear(2, 1)
+        >>> with td.watch(model, run=False, announce=False) as mon:
+        ...     for _ in range(2):
+        ...         model(torch.ones(1, 2)).sum().backward()
+        ...         _ = mon.step()
+        >>> mon.verdict()["text"]
+        'finished: 2 steps, no anomalies'
+    """
+    from ..views.verdict import judge
+
+    found = [{**a.to_dict(), "step": a.step} for a in anomalies]
+    said = [
+        {
+            "kind": e.kind,
+            "severity": e.severity,
+            "message": e.message,
+            "step": e.step,
+            "data": {"modules": list(e.modules), "evidence": dict(e.evidence)},
+        }
+        for e in events
+    ]
+    last = step - 1 if step else None
+    return judge(status, steps=step, last_step=last, anomalies=found, events=said)
+
+
+__all__ = ["Controls", "describe", "describe_html", "verdict"]

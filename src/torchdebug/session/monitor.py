@@ -62,7 +62,7 @@ from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
 from . import runtime
-from .control import Controls, describe, describe_html
+from .control import Controls, describe, describe_html, verdict
 from .deferred import DeferredReads, reads_for
 from .driver import PlainLoopDriver
 from .models import Models
@@ -412,9 +412,8 @@ class Monitor:
         self._plain.remove()
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self.stepper.next()
-        self.recording.close(
-            "finished" if exc is None else "failed", self.global_step - 1 if self.global_step else None
-        )
+        self._end_status = "finished" if exc is None else "failed"  # what verdict() and the store say
+        self.recording.close(self._end_status, self.global_step - 1 if self.global_step else None)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (at the user's line) once per ``key`` in this session."""
@@ -553,8 +552,7 @@ class Monitor:
         state = self.state
         if self.global_step or self.micro_step or state.phase is StepPhase.FORWARD or state.captures:
             return False  # a step began: its names and captures stay as they are
-        # the one model so far, as the loop calls it (a torch.compile wrapper: that)
-        called = self._called if _compiled_orig(self._called) is self.model else self.model
+        called = self._called if _compiled_orig(self._called) is self.model else self.model  # as called
         self._regroup(self.models.joined(model, called, caller))
         return True
 
@@ -584,20 +582,15 @@ class Monitor:
 
     def set_level(self, level: str | DebugLevel) -> DebugLevel:
         """Switch the debug level of the live session; instruments follow at the end of the next step.
-
-        Safe to call from another thread (the dashboard's): the switch itself happens on the training
-        thread inside ``mon.step()``. Raises ``ValueError`` for an unknown level, listing the allowed.
-        """
+        Safe from another thread (the dashboard's): it is applied on the training thread inside
+        ``mon.step()``. Raises ``ValueError`` for an unknown level, listing the allowed."""
         return self.controls.set_level(level, self.writer, self.global_step)
 
     def reconfigure(self, **changes: Any) -> DebugConfig:
-        """Change options of the live session; instruments follow at the end of the next step.
-
-        Validated now (``ConfigError`` naming the option), applied on the training thread inside
-        ``mon.step()`` like ``set_level``, and recorded as a ``config_change`` event. Returns the
-        config the session will run with. Runtime switches of the seed-era names:
-        ``enable_debugging`` / ``disable_debugging`` / ``get_debugging_status``.
-        """
+        """Change options of the live session; instruments follow at the end of the next step. Validated
+        now (``ConfigError`` naming the option), applied on the training thread inside ``mon.step()``
+        like ``set_level``, recorded as a ``config_change`` event. Returns the config the session will
+        run with. The seed-era names: ``enable_debugging`` / ``disable_debugging`` / ``get_debugging_status``."""
         return self.controls.reconfigure(self.config, changes, self.writer, self.global_step)
 
     def enable_debugging(self, options: Any = None) -> dict[str, Any]:
@@ -633,12 +626,10 @@ class Monitor:
         return self.controls.summary(self.global_step, self.counters["anomalous_steps"], kinds)
 
     def run_step(self, step_fn: Callable[[Any], Any], batch: Any) -> Any:
-        """Run ``step_fn(batch)`` (forward + loss + backward; returns the loss) with the OOM policy.
-
-        With ``on_oom="retry_half"`` an out-of-memory error re-runs the step on halves of the batch
-        with gradients scaled so they equal the full-batch gradients (gradient accumulation), and
-        records an ``oom_retry`` event. Call ``optimizer.step()`` and ``mon.step()`` after it.
-        """
+        """Run ``step_fn(batch)`` (forward + loss + backward; returns the loss) with the OOM policy: with
+        ``on_oom="retry_half"`` an out-of-memory error re-runs the step on halves of the batch, gradients
+        scaled to equal the full batch's, and records an ``oom_retry`` event. Then call
+        ``optimizer.step()`` and ``mon.step()``."""
         if not callable(step_fn):
             raise TypeError(
                 f"run_step(step_fn, batch): step_fn must be callable, got {type(step_fn).__name__}"
@@ -670,13 +661,22 @@ class Monitor:
             return "not started"
         return "closed" if self._closed else "active"
 
+    def verdict(self) -> dict[str, Any]:
+        """The session's verdict, ranked as ``torchdebug show`` ranks a run's: ``"text"``, ``"level"``,
+        ``"findings"`` (see :func:`torchdebug.session.control.verdict`)."""
+        status = "running" if not self._closed else getattr(self, "_end_status", None) or "finished"
+        return verdict(status, self.global_step, self.anomalies, self.events)
+
     def __repr__(self) -> str:
         return describe(self.status, self.global_step, self.anomalies, self.events, self.run_dir)
 
     def _repr_html_(self) -> str:
-        """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
+        """The session in a notebook: the verdict first (as ``torchdebug show`` says it), then status,
+        step, the first anomaly, the warnings so far, the run folder."""
         model = type(self.model).__name__
-        return describe_html(model, self.status, self.global_step, self.anomalies, self.events, self.run_dir)
+        return describe_html(
+            model, self.verdict(), self.status, self.global_step, self.anomalies, self.events, self.run_dir
+        )
 
 
 def _caller() -> Any:
