@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from .._errors import ConfigError
 from ..health.inspection import call_model
 from ._seedconfig import PyTorchDebugConfig
 from ._training import _cuda_info, _model_info
+
+if TYPE_CHECKING:
+    from ..session.monitor import Monitor
 
 
 @dataclass
@@ -151,7 +154,7 @@ class OptimizedTrainer:
             "loss (or an object with .loss) from the model"
         )
 
-    def _epoch(self, mon: Any) -> tuple[float, int, int]:
+    def _epoch(self, mon: Monitor | None) -> tuple[float, int, int]:
         """One pass: (sum of the finite losses, how many were finite, batches run)."""
         total: torch.Tensor | None = None
         finite: torch.Tensor | None = None
@@ -187,17 +190,17 @@ class OptimizedTrainer:
                 (raised before its update; the run folder is closed as failed).
             ConfigError: no ``loss_fn`` and the model returns no loss (at the first batch).
         """
-        import torchdebug as td
+        from ..session.monitor import watch
 
         t0 = time.perf_counter()
         losses: list[float | None] = []
         steps = 0
-        mon: Any = None
+        mon: Monitor | None = None
         with contextlib.ExitStack() as stack:  # the session closes on any exception (a failed run)
             if self.config.enable_pytorch_debugging:
                 mode = self.debug_config.anomaly_detection_mode
                 cfg = self.debug_config.to_debug_config(policy="raise" if mode == "raise" else "skip")
-                mon = stack.enter_context(td.watch(self.model, self.optimizer, config=cfg, run=self.run_dir))
+                mon = stack.enter_context(watch(self.model, self.optimizer, config=cfg, run=self.run_dir))
                 self.monitor = mon
             for _ in range(self.config.epochs):
                 total, finite, batches = self._epoch(mon)
@@ -216,7 +219,7 @@ class OptimizedTrainer:
             "debug_report": report,
         }
 
-    def _report(self, mon: Any) -> dict[str, Any]:
+    def _report(self, mon: Monitor) -> dict[str, Any]:
         from ..views.report import render_report
 
         if mon.run_dir is not None:

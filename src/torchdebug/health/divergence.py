@@ -111,6 +111,7 @@ class DivergenceRule:
         self.threshold = math.nan
         self.since: int | None = None
         self.count = 0
+        self._pushed = 0  # finite losses pushed into the baseline: its length until it is full
 
     def update(self, step: int, loss: float) -> RuleEvent | None:
         """Feed the loss of ``step``; an event when a divergence is established or ends."""
@@ -130,10 +131,12 @@ class DivergenceRule:
             old = self.recent[0][1]
             if not self.active:  # the baseline stands still while the loss is off
                 self.baseline.push(old)
+                self._pushed += 1
                 self.last.append(old)
         self.recent.append((step, loss))
         event = None
-        if self.active or len(self.baseline) >= (self.recent.maxlen or 0):
+        # a counter, not len(self.baseline): no Python call per step
+        if self.active or self._pushed >= (self.recent.maxlen or 0):
             event = self._level(step)  # active: an episode from the start ends on the recent median too
         if (
             event is None
@@ -272,6 +275,7 @@ class NormShiftRule:
         self.before = math.nan  # log10 of the level before the episode
         self.since: int | None = None
         self.count = 0
+        self._pushed = 0  # values pushed into the baseline (finite logs): its length until it is full
 
     def update(self, step: int, norm: float) -> RuleEvent | None:
         """Feed the total gradient norm of ``step``; an event when a shift is established or ends."""
@@ -279,8 +283,9 @@ class NormShiftRule:
             return None
         if len(self.recent) == self.recent.maxlen and not self.active:
             self.baseline.push(self.recent[0][1])  # frozen while the episode lasts
+            self._pushed += 1
         self.recent.append((step, math.log10(norm)))
-        if len(self.baseline) < (self.recent.maxlen or 0):
+        if self._pushed < (self.recent.maxlen or 0):  # a counter, not len(): no Python call per step
             return None
         now = statistics.median(v for _, v in self.recent)
         if self.active:

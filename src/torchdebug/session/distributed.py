@@ -51,11 +51,11 @@ from torch import nn
 
 from .._step import Readout
 from .._tensors import dtensor_type, finite_probe, foreach_norms
-from ..events import Anomaly, RuleEvent
-from ..health.stragglers import RankTimes, StragglerRule
-from ..perf.timing import RunQueueClock
+from ..events import Anomaly
+from ..health.stragglers import StragglerRule
 from . import replica
 from .protocol import Session
+from .steptimes import FIELDS, StepClock, straggler_event
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
 _HANG_STEPS = 20.0  # ... or 20 x the median step time, whichever is longer
@@ -64,6 +64,10 @@ _MAX_STACK = 40  # frames kept per thread in a hang record
 # each rank its column, see health.stragglers): forward, data wait, backward, the wait in the backward,
 # the previous step's wall time, the training thread's time on a CPU and waiting for one
 _ROW_FORWARD, _ROW_DATA, _ROW_BACKWARD, _ROW_WAIT, _ROW_STEP, _ROW_CPU, _ROW_CPU_WAIT = 1, 2, 4, 5, 6, 7, 8
+_ROWS = dict(
+    zip(FIELDS, (_ROW_FORWARD, _ROW_DATA, _ROW_BACKWARD, _ROW_WAIT, _ROW_STEP, _ROW_CPU, _ROW_CPU_WAIT))
+)
+_TIME_ROWS = tuple(_ROWS[f] for f in FIELDS)
 _ROW_PARAM = 3  # each rank's parameter probe of the last update (its share under DDP), summed
 _ROW_GRAD = 9  # FSDP2 only, a 10th row: each rank's weighted norm of its gradient shards (-1: none)
 
@@ -245,32 +249,12 @@ class Coordinator:
         self._verdict: tuple[int, bool] | None = None  # (step, decision) of the exact round
         self._exact: list[list[float]] = []
         self._phase = "data"
-        self._step_start = time.perf_counter()
-        self._t_forward: float | None = None  # the step's first forward began
-        self._t_backward: float | None = None  # the step's first backward began
-        # this step's times so far (seconds): forwards, backwards up to the first parameter's gradient,
-        # the rest of the backwards (DDP: waiting in the gradient all-reduce); see health.stragglers
-        self._fwd_s = self._bwd_s = self._wait_s = 0.0
-        self._t_micro: float | None = None  # the current micro-step's forward (then backward) began
-        self._t_grad: float | None = None  # the first parameter's gradient was accumulated
-        self._prev_step_s = 0.0
-        # the training thread's run-queue delay (opened here, on that thread): one pread a step, ~3 us
-        self._runq = RunQueueClock() if self.collective else None
-        self._runq_start = self._runq.read_both() if self._runq is not None else (math.nan, math.nan)
+        # the straggler rule's times: only when there are ranks to compare
+        self.clock = StepClock(next((p for p in mon.params if p.requires_grad), None), self.collective)
         self._last_done = time.monotonic()
         self._last_step: int | None = None
         self._durations: deque[float] = deque(maxlen=200)
         self._stragglers = StragglerRule(world, float(mon.config.slowdown_factor))
-        # one Python call per backward: the time the session's first parameter's gradient is
-        # accumulated, which in a chain of layers comes last in the backward (its own compute, before
-        # waiting for the other ranks). Only when there are ranks to compare.
-        self._grad_hook: Any = None
-        first = next((p for p in mon.params if p.requires_grad), None)
-        if self.collective and first is not None and hasattr(first, "register_post_accumulate_grad_hook"):
-            try:
-                self._grad_hook = first.register_post_accumulate_grad_hook(self._on_grad)
-            except RuntimeError:
-                self._grad_hook = None  # e.g. a parameter whose gradient a wrapper assigns: no backward split
         self._main = threading.get_ident()
         self._stop = threading.Event()
         self._hung = False
@@ -301,37 +285,21 @@ class Coordinator:
     # -- the step protocol ----------------------------------------------------------------------
     def on_forward_start(self, mon: Session, module: Any, args: Any, kwargs: Any) -> None:
         if self._phase != "forward":  # a micro-step's first forward
-            now = time.perf_counter()
-            if self._t_forward is None:
-                self._t_forward = now
-            self._t_micro = now
+            self.clock.forward_start()
         self._phase = "forward"
         if self._ddp_fast and _ddp_syncs_now(self.ddp):
             self._sync_pending = True
 
     def on_backward_start(self, mon: Session, loss: Any) -> None:
-        now = time.perf_counter()
-        if self._t_backward is None:
-            self._t_backward = now
-        if self._t_micro is not None and self._phase == "forward":
-            self._fwd_s += now - self._t_micro
-        self._t_micro, self._t_grad = now, None
+        self.clock.backward_start(self._phase == "forward")
         self._phase = "backward"
         self._cur_sync, self._sync_pending = self._sync_pending, False
         if self._reduced and (mon.roots is not None or len(mon.optimizers) > 1):  # another update's read
             self._reduced = self._fast = False  # comes: its own all-reduce and verdict, on every rank
             self._verdict, self._exact = None, []
 
-    def _on_grad(self, _param: Any) -> None:
-        self._t_grad = time.perf_counter()
-
     def on_backward_end(self, mon: Session) -> None:
-        if self._t_micro is not None and self._phase == "backward":
-            now = time.perf_counter()
-            grad = self._t_grad if self._t_grad is not None and self._t_grad >= self._t_micro else now
-            self._bwd_s += grad - self._t_micro
-            self._wait_s += now - grad
-            self._t_micro = None
+        self.clock.backward_end(self._phase == "backward")
         while len(self._micro_sync) < len(mon.transfer.micro_bad):
             self._micro_sync.append(self._cur_sync)
         if self._cur_sync and self._work is None and not self._reduced and self._live():
@@ -341,28 +309,6 @@ class Coordinator:
     def before_optimizer_step(self, mon: Session) -> None:
         self._phase = "optimizer"
 
-    def _timings(self, now: float) -> list[tuple[int, float]]:
-        """This step's times so far, as (row, seconds): forward, data wait, backward, the wait in the
-        backward, the previous step's wall time. Host clock: launch time on GPUs."""
-        t_fwd = self._t_forward if self._t_forward is not None else now
-        return [
-            (_ROW_FORWARD, self._fwd_s),
-            (_ROW_DATA, max(t_fwd - self._step_start, 0.0)),
-            (_ROW_BACKWARD, self._bwd_s),
-            (_ROW_WAIT, self._wait_s),
-            (_ROW_STEP, self._prev_step_s),
-            *zip((_ROW_CPU, _ROW_CPU_WAIT), self._cpu()),
-        ]
-
-    def _cpu(self) -> tuple[float, float]:
-        """The training thread's seconds on a CPU and waiting for one this step; -1 where unknown (no
-        schedstat): never NaN, which would read as a non-finite flag in a SUM."""
-        if self._runq is None:
-            return -1.0, -1.0
-        run, q = self._runq.read_both()
-        run, q = run - self._runq_start[0], q - self._runq_start[1]
-        return (run, q) if math.isfinite(run) and math.isfinite(q) else (-1.0, -1.0)
-
     def _vector(self, mon: Session, now: float, probes: bool = True) -> torch.Tensor:
         """``(4, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
         losses, the micro-steps' gradient flags and (``probes``) the other deferred probes known now
@@ -370,7 +316,7 @@ class Coordinator:
         exact round then clears it), busy seconds, data wait seconds, the sum of the last update's
         parameter probe (:meth:`param_share`); under FSDP2 a 5th row, the weighted norm of the rank's
         gradient shards. A few small ops: it runs on every step."""
-        times = self._timings(now)
+        times = zip(_TIME_ROWS, self.clock.times(now))
         vals = [lv.detach().reshape(-1) for lv in mon.transfer.loss_vals]
         deferred = self.deferred
         if probes:
@@ -598,7 +544,7 @@ class Coordinator:
         self._fast = False
         if (
             self._ddp_fast
-            and self._t_forward is None
+            and self.clock.t_forward is None
             and not mon.transfer.loss_vals
             and not mon.transfer.micro_bad
         ):
@@ -624,9 +570,11 @@ class Coordinator:
 
     def on_step_end(self, mon: Session, record: Any, values: Any) -> None:
         now = time.perf_counter()
-        self._durations.append(now - self._step_start)
         if self.collective and len(mon.transfer.readout.dist) > _ROW_STEP * self.world:
-            self._straggler_rule(mon, int(record.step))  # on every rank: the same numbers, the same decision
+            # on every rank: the same numbers, the same decision
+            ev = straggler_event(self._stragglers, lambda f: self._row(mon, _ROWS[f]), int(record.step))
+            if ev is not None:
+                mon.emit(ev)
         hashes = self.hashes
         if hashes is not None and self._live():
             hashes.check(mon, int(record.step), self.world)
@@ -640,23 +588,14 @@ class Coordinator:
         self._micro_sync = []
         self._verdict = None
         self._exact = []
-        self._prev_step_s = now - self._step_start
-        self._step_start = now
-        if self._runq is not None:
-            self._runq_start = self._runq.read_both()
-        self._t_forward = self._t_backward = self._t_micro = self._t_grad = None
-        self._fwd_s = self._bwd_s = self._wait_s = 0.0
+        self._durations.append(self.clock.step_end(now))
 
     def on_exit(self, mon: Session) -> None:
         self.remove(mon)
 
     def remove(self, mon: Session) -> None:
         self._stop.set()
-        if self._grad_hook is not None:
-            self._grad_hook.remove()
-            self._grad_hook = None
-        if self._runq is not None:
-            self._runq.close()
+        self.clock.remove()
         if self.collective and not self._flight_hang and mon.run_dir is not None:
             self._flight(mon, "exit")  # where this rank left: a rank still waiting names it
         self._work = self._vec = None  # never waited for at exit: the other rank may have left
@@ -778,23 +717,6 @@ class Coordinator:
             )
 
     # -- stragglers -------------------------------------------------------------------------------
-    def _straggler_rule(self, mon: Session, step: int) -> None:
-        """One event per episode when one rank's work stays above the others' (health.stragglers):
-        which rank, in which phase, and what a step would cost if it matched the others."""
-        times = RankTimes(
-            data=self._row(mon, _ROW_DATA),
-            forward=self._row(mon, _ROW_FORWARD),
-            backward=self._row(mon, _ROW_BACKWARD),
-            wait=self._row(mon, _ROW_WAIT),
-            step=self._row(mon, _ROW_STEP),
-            cpu=self._row(mon, _ROW_CPU),
-            cpu_wait=self._row(mon, _ROW_CPU_WAIT),
-        )
-        found = self._stragglers.update(times)
-        if found is not None:  # a busy host is information: the rank's own work is not the cause
-            severity = "info" if found.kind == "contended" else "warning"
-            mon.emit(RuleEvent("straggler", step, found.message(), severity, evidence=found.evidence()))
-
     # -- hang watchdog ------------------------------------------------------------------------
     def hang_timeout(self, mon: Session) -> float:
         """``config.hang_timeout``, else max(5 min, 20 x the median step time)."""

@@ -1,0 +1,110 @@
+"""Each rank's step times for the straggler rule (health.stragglers), taken on the host clock: the data
+wait, the forwards, each backward up to the first parameter's gradient, the rest of the backward (under
+DDP: waiting for the other ranks), the previous step, the training thread's time on and waiting for a
+CPU. The distributed coordinator holds one and carries its numbers in the step's all-reduce."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..events import RuleEvent
+from ..health.stragglers import RankTimes, StragglerRule
+from ..perf.timing import RunQueueClock
+
+# the order of :meth:`StepClock.times` and of the rows the coordinator gives them
+FIELDS = ("forward", "data", "backward", "wait", "step", "cpu", "cpu_wait")
+
+
+class StepClock:
+    """The times of the step now running. ``first`` is the session's first trainable parameter: a
+    post-accumulate-grad hook on it (one Python call per backward) marks the end of this rank's own
+    backward compute, since in a chain of layers its gradient comes last. Host clock: launch time on
+    GPUs. ``on=False`` (one rank): no hook, no schedstat reads."""
+
+    def __init__(self, first: Any, on: bool) -> None:
+        self.step_start = time.perf_counter()
+        self.t_forward: float | None = None  # the step's first forward began
+        self.t_backward: float | None = None  # the step's first backward began
+        self._fwd = self._bwd = self._wait = 0.0
+        self._t_micro: float | None = None  # the current micro-step's forward (then backward) began
+        self._t_grad: float | None = None  # the first parameter's gradient was accumulated
+        self._prev = 0.0
+        # the training thread's run-queue delay (opened here, on that thread): one pread a step, ~3 us
+        self._runq = RunQueueClock() if on else None
+        self._runq_start = self._runq.read_both() if self._runq is not None else (math.nan, math.nan)
+        self._hook: Any = None
+        if on and first is not None and hasattr(first, "register_post_accumulate_grad_hook"):
+            try:
+                self._hook = first.register_post_accumulate_grad_hook(self._on_grad)
+            except RuntimeError:
+                self._hook = None  # e.g. a parameter whose gradient a wrapper assigns: no backward split
+
+    def forward_start(self) -> None:
+        """A micro-step's first forward began."""
+        now = time.perf_counter()
+        if self.t_forward is None:
+            self.t_forward = now
+        self._t_micro = now
+
+    def backward_start(self, after_forward: bool) -> None:
+        now = time.perf_counter()
+        if self.t_backward is None:
+            self.t_backward = now
+        if self._t_micro is not None and after_forward:
+            self._fwd += now - self._t_micro
+        self._t_micro, self._t_grad = now, None
+
+    def _on_grad(self, _param: Any) -> None:
+        self._t_grad = time.perf_counter()
+
+    def backward_end(self, in_backward: bool) -> None:
+        if self._t_micro is None or not in_backward:
+            return
+        now = time.perf_counter()
+        grad = self._t_grad if self._t_grad is not None and self._t_grad >= self._t_micro else now
+        self._bwd += grad - self._t_micro
+        self._wait += now - grad
+        self._t_micro = None
+
+    def times(self, now: float) -> tuple[float, ...]:
+        """This step's times so far (seconds), in the order of :data:`FIELDS`; the CPU times are -1
+        where unknown (no schedstat): never NaN, which would read as a non-finite flag in a SUM."""
+        t_fwd = self.t_forward if self.t_forward is not None else now
+        cpu, q = -1.0, -1.0
+        if self._runq is not None:
+            run, wait = self._runq.read_both()
+            run, wait = run - self._runq_start[0], wait - self._runq_start[1]
+            if math.isfinite(run) and math.isfinite(wait):
+                cpu, q = run, wait
+        return (self._fwd, max(t_fwd - self.step_start, 0.0), self._bwd, self._wait, self._prev, cpu, q)
+
+    def step_end(self, now: float) -> float:
+        """The step ended: its wall time; the clock starts the next."""
+        took = now - self.step_start
+        self._prev, self.step_start = took, now
+        if self._runq is not None:
+            self._runq_start = self._runq.read_both()
+        self.t_forward = self.t_backward = self._t_micro = self._t_grad = None
+        self._fwd = self._bwd = self._wait = 0.0
+        return took
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._runq is not None:
+            self._runq.close()
+
+
+def straggler_event(rule: StragglerRule, row: Callable[[str], list[float]], step: int) -> RuleEvent | None:
+    """Feed ``rule`` every rank's times (``row(field)``: one per rank, from the all-reduced vector);
+    a ``straggler`` event when an episode starts. A busy host is information: the rank's own work is
+    not the cause."""
+    found = rule.update(RankTimes(**{f: row(f) for f in FIELDS}))
+    if found is None:
+        return None
+    severity = "info" if found.kind == "contended" else "warning"
+    return RuleEvent("straggler", step, found.message(), severity, evidence=found.evidence())
