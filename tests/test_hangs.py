@@ -6,6 +6,7 @@ sequence number and line. Then the matcher alone on the records those runs wrote
 from __future__ import annotations
 
 import datetime
+import html
 import json
 import os
 import pickle
@@ -207,6 +208,59 @@ def test_the_report_carries_the_hang_verdict_in_json_and_text(runs):
     assert f"hang verdict: {v}" in td.render_report(run, "text").splitlines()
 
 
+@TIMEOUT
+def test_each_ranks_hang_event_carries_the_verdict_line(runs):
+    _, run = runs["skip"]
+    v = hangs.verdict_of_run(run, 2)
+    for rank in (0, 1):  # each watchdog waited for the other's record, then matched both
+        with open_run(run, rank=rank) as rec:
+            (ev,) = rec.events("hang")
+        head, line = ev["message"].split("\n")
+        assert head.startswith(f"rank {rank} stuck in ")
+        assert line == f"hang verdict: {v}"
+        assert ev["data"]["verdict"] == v.to_dict()
+
+
+@TIMEOUT
+def test_the_dashboard_serves_the_hang_verdict_in_the_api_and_the_run_page(runs):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from torchdebug.views.server import serve
+
+    _, run = runs["skip"]
+    v = hangs.verdict_of_run(run, 2)
+    handle = serve(run.parent, port=0)
+    try:
+        with httpx.Client(base_url=handle.url, timeout=30) as c:
+            ov = c.get(f"/api/runs/{run.name}/ranks").json()
+            assert ov["hang_verdict"] == v.to_dict()
+            assert [h["rank"] for h in ov["hangs"]] == [0, 1]
+            page = c.get(f"/runs/{run.name}").text
+    finally:
+        handle.stop()
+    text = html.escape(str(v), quote=True)
+    assert f'<p id="rank-hang-verdict"><strong>hang verdict:</strong> {text}</p>' in page
+
+
+@TIMEOUT
+def test_tensorboard_shows_the_hang_verdict_in_the_hang_event(runs, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchdebug.sinks import export_tensorboard
+
+    _, run = runs["skip"]
+    v = hangs.verdict_of_run(run, 2)
+    with open_run(run, rank=0) as rec:
+        export_tensorboard(rec, tmp_path)
+    ea = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    ea.Reload()
+    (text,) = [
+        e.tensor_proto.string_val[0].decode() for e in ea.Tensors("torchdebug/events/hang/text_summary")
+    ]
+    assert f"hang verdict: {v}" in text
+
+
 # -- the matcher alone, on the records the runs above wrote ----------------------------------------
 
 
@@ -329,7 +383,8 @@ SIGNAL_STEP = 1  # rank 0 signals rank 1 after this step
 
 
 def _signal_worker(rank: int, port: int, out: str) -> None:
-    """Rank 0 sends SIGUSR1 to rank 1 after step 1; rank 1 waits for its record, then both finish."""
+    """Rank 0 sends SIGUSR1 to rank 1 once rank 1 finished step 1 and waits for its record; then both
+    finish."""
     import signal
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -355,9 +410,13 @@ def _signal_worker(rank: int, port: int, out: str) -> None:
                 loss.backward()  # signalled
                 opt.step()
                 mon.step()
+                ready = Path(out, "rank1_after_step")
                 if step == SIGNAL_STEP and rank == 0:
+                    while not ready.exists():  # rank 1 finished the step: it waits in the loop below
+                        time.sleep(0.05)
                     os.kill(pids[1], signal.SIGUSR1)
                 if step == SIGNAL_STEP and rank == 1:
+                    ready.write_text("")
                     deadline = time.monotonic() + 60.0
                     while not flight.exists():  # the watchdog thread writes it
                         assert time.monotonic() < deadline
