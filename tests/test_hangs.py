@@ -424,6 +424,16 @@ def _signal_worker(rank: int, port: int, out: str) -> None:
                     res["record"] = json.loads(flight.read_text())
                     res["others"] = sorted(p.name for p in mon.run_dir.glob("flight_rank*.json"))
             res["steps"] = mon.global_step
+            # rank 0 blocked inside a collective (C++ waits, Python runs no handler): rank 1 signals it
+            # and joins only once rank 0's record is there, so the record must come from the watchdog
+            blocked = mon.run_dir / "flight_rank0.json"
+            if rank == 1:
+                os.kill(pids[0], signal.SIGUSR1)
+                deadline = time.monotonic() + 30.0
+                while not blocked.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                res["blocked_record"] = json.loads(blocked.read_text()) if blocked.exists() else None
+            dist.all_reduce(torch.ones(1))  # blocked on rank 0
         res["handler_after_is_users"] = signal.getsignal(signal.SIGUSR1) is users
         res["wakeup_fd_after"] = signal.set_wakeup_fd(-1)
         res["user_handler_calls"] = list(calls)
@@ -459,7 +469,12 @@ def test_sigusr1_writes_the_flight_record_now_and_training_finishes(tmp_path):
     assert rec["where"] in {f"test_hangs.py:{n} in _signal_worker" for n in polling}  # rank 1 waits there
     assert r1["others"] == ["flight_rank1.json"]  # only the signalled rank wrote one
     assert r1["user_handler_calls"] == [signal.SIGUSR1]  # chained: the user's handler ran too
-    assert r0["user_handler_calls"] == []
+    assert r0["user_handler_calls"] == [signal.SIGUSR1]  # once its all_reduce returned
+    blocked = r1["blocked_record"]
+    assert blocked is not None, "rank 0 wrote no record while blocked in all_reduce"
+    line = f"test_hangs.py:{_line('dist.all_reduce(torch.ones(1))  # blocked')} in _signal_worker"
+    assert (blocked["reason"], blocked["last_step"], blocked["where"]) == ("signal", STEPS - 1, line)
+    assert blocked["entries"][-1]["sizes"] == [[1]] and blocked["entries"][-1]["where"] == line
     run = Path(r0["run_dir"])
     recs = hangs.read_records(run)  # at exit every rank wrote its exit record over any earlier one
     assert (recs[0]["reason"], recs[1]["reason"]) == ("exit", "exit")
