@@ -1,31 +1,48 @@
-"""Each rule's margin on long healthy runs of tiny real models: how far a healthy run stays from firing.
+"""Each rule's margin on long healthy runs of real models: how far a healthy run stays from firing.
 
-Trains the healthy cases of tests/fixtures/divergence_models.py (a word_language_model-style
-Transformer, an MLP and a CNN under SGD, SGD with momentum and Adam) and two with a cosine decay to
-1e-5 of the rate, each for ``--steps`` steps under ``td.watch`` (no run folder), and prints per run:
+Runs, each for ``--steps`` steps under ``td.watch`` (no run folder; ``detail_every`` 10):
 
-- ``level``: the divergence rule's largest (recent median - baseline median) / its threshold
-  (fires above 1);
-- ``start``: the largest recent median / first loss, over the rule's 20x (fires at 1);
+- the healthy cases of tests/fixtures/divergence_models.py (a word_language_model-style Transformer,
+  an MLP and a CNN under SGD, SGD with momentum and Adam; ``--all``, else four of them), two of them
+  with a cosine decay to 1e-5 of the rate;
+- the standard recipes of tests/fixtures/recipe_models.py: ResNet-18 as torchvision writes it under
+  SGD lr 0.1 momentum 0.9 (``--resnet-width`` channels at the stem, 64 is torchvision's), pytorch/
+  examples word_language_model's LSTM (SGD lr 20, clip 0.25, truncated BPTT), a small GPT under AdamW
+  with warm-up then cosine, and an actor-critic whose loss is negative or near zero;
+
+and prints per run (a margin below 1 is inside the rule, 1 fires):
+
+- ``level``: the loss divergence rule's largest (recent median - baseline median) / its threshold;
+- ``start``: the largest median of 10 losses / (20 x the first loss) over the first 200 steps ("-":
+  the loss changed sign, the rule does not judge it);
 - ``growth``: the largest robust growth rate (x a step, 4-step windows) of the loss and of the
-  gradient norm, over the growth rule's 3x (fires at 1, with 100x growth to a new high too);
-- ``ratio``: the smallest and largest update/weight ratio of a matrix (every 10 steps) against the
-  band [1e-5, 0.1] (below 1 at either end is inside);
+  gradient norm, over the growth rule's 3x;
+- ``gshift``: the gradient-norm level rule's largest log10 shift over its threshold;
+- ``spike``: the loss spike rule's margin: the largest min(z-score / 10 robust sigmas, rise / half
+  the running median); ``z``: the z-score part alone (the rule before it asked for the rise);
+- ``ratio lo`` / ``ratio hi``: 1e-5 over the smallest, and the largest over 1, of the update/weight
+  ratio of a matrix (every 10 steps; the low end is not judged once a schedule lowered the rate);
 - ``slow``: the largest median of 9 steps' own time (wall time minus the wait for a CPU, the
   kernel's run-queue delay) over the median of the steps before, over the slowdown rule's 1.5x;
 - ``warned``: the warning events torchdebug raised on the run (a healthy run: none).
 
-    PYTHONPATH=src:. python benchmarks/rule_margins.py [--steps 600]
+The header prints the machine's load average: the numbers are taken on whatever machine runs it,
+loaded or not (the slowdown rule's subject).
+
+    PYTHONPATH=src:. python benchmarks/rule_margins.py [--steps 600] [--all] [--only NAME]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,18 +50,26 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.fixtures import recipe_models as R
 from tests.fixtures.divergence_models import HEALTHY, Case
 
 import torchdebug as td
+from torchdebug._robust import RunningMedian
 from torchdebug.health.divergence import GROWTH_RATE, repeated_median
 from torchdebug.perf.timing import RunQueueClock
 
-RECENT, WINDOW, START = 25, 200, 20.0  # DivergenceRule's defaults
+RECENT, WINDOW = 25, 200  # DivergenceRule's and NormShiftRule's windows
+START, START_RECENT, START_HORIZON = 20.0, 10, 200  # the from-start check
+SHIFT = 1.0  # NormShiftRule: log10(10x)
+SPIKE_MADS, SPIKE_WARMUP, SPIKE_FLOOR, SPIKE_RISE = 10.0, 20, 1e-2, 0.5  # LossSpikeRule's defaults
+RATIO_LO, RATIO_HI = 1e-5, 1.0  # UpdateRatioRule's defaults
 SLOW_RECENT, SLOW_FACTOR = 9, 1.5  # SlowdownRule's
 
 
 def level_margin(losses: list[float]) -> float:
     """max (recent median - baseline median) / threshold, as DivergenceRule computes them."""
+    if len(losses) < 2 * RECENT:
+        return math.nan
     start = statistics.median(losses[:RECENT])
     best = 0.0
     for i in range(2 * RECENT - 1, len(losses)):
@@ -58,9 +83,13 @@ def level_margin(losses: list[float]) -> float:
 
 
 def start_margin(losses: list[float]) -> float:
-    return max(statistics.median(losses[i - RECENT + 1 : i + 1]) for i in range(RECENT - 1, len(losses))) / (
-        START * losses[0]
-    )
+    """max median of START_RECENT losses / (START x first), over the first START_HORIZON losses."""
+    head = losses[:START_HORIZON]
+    if any(v <= 0 for v in head) or not head:
+        return math.nan  # a loss that changes sign: not judged
+    return max(
+        statistics.median(head[i - START_RECENT + 1 : i + 1]) for i in range(START_RECENT - 1, len(head))
+    ) / (START * head[0])
 
 
 def growth_margin(values: list[float]) -> float:
@@ -72,6 +101,34 @@ def growth_margin(values: list[float]) -> float:
     return best
 
 
+def shift_margin(norms: list[float]) -> float:
+    """max log10 shift of the recent median norm over NormShiftRule's threshold."""
+    logs = [math.log10(v) for v in norms if 0 < v < math.inf]
+    best = 0.0
+    for i in range(2 * RECENT - 1, len(logs)):
+        base = logs[max(0, i - RECENT + 1 - WINDOW) : i - RECENT + 1]
+        med = statistics.median(base)
+        sigma = 1.4826 * statistics.median(abs(v - med) for v in base)
+        best = max(best, (statistics.median(logs[i - RECENT + 1 : i + 1]) - med) / max(SHIFT, 10 * sigma))
+    return best
+
+
+def spike_margin(losses: list[float]) -> tuple[float, float]:
+    """LossSpikeRule fires when a loss is both 10 robust sigmas and 0.5 x |median| above its running
+    median: the largest of min(z / 10, rise / (0.5 |median|)) over the run, and the largest z / 10
+    alone (what the rule said before it asked for the rise)."""
+    hist = RunningMedian(200)
+    best = z_only = 0.0
+    for v in losses:
+        if len(hist) >= SPIKE_WARMUP:
+            med = hist.median()
+            z = hist._zscore_at(med, v, rel_floor=SPIKE_FLOOR, abs_floor=1e-12) / SPIKE_MADS
+            rise = (v - med) / (SPIKE_RISE * abs(med)) if med else math.inf
+            best, z_only = max(best, min(z, rise)), max(z_only, z)
+        hist.push(v)
+    return best, z_only
+
+
 def slow_margin(own: list[float]) -> float:
     best = 0.0
     for i in range(SLOW_RECENT + 10, len(own)):
@@ -81,78 +138,171 @@ def slow_margin(own: list[float]) -> float:
     return best
 
 
-def run(case: Case, steps: int, cosine: bool) -> dict[str, object]:
-    torch.manual_seed(0)
-    model = case.model()
-    opt = case.optimizer(list(model.parameters()))
-    sched = (
-        torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: max(1e-5, 0.5 * (1 + math.cos(math.pi * min(s, steps // 2) / (steps // 2))))
+class Recorder:
+    """A ``wrap`` for the recipe loops: ``td.watch`` plus what the margins need, measured beside it
+    (the loss and the gradient norm as torchdebug read them, update ratios every 10 steps around the
+    optimizer's step, each step's own time)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.ratios: list[tuple[float, bool]] = []  # (ratio, the lr was lowered on purpose then)
+        self.own: list[float] = []
+        self.events: list[str] = []
+        self.python_warnings = 0
+
+    @contextlib.contextmanager
+    def __call__(self, model: nn.Module, opt: torch.optim.Optimizer) -> Iterator[Callable[[float], None]]:
+        mats = [p for p in model.parameters() if p.dim() >= 2]
+        before: list[torch.Tensor] = []
+        lr_peak = [0.0]
+        calls = [0]
+
+        def pre(o: object, args: object, kwargs: object) -> None:
+            if calls[0] % 10 == 0:
+                before[:] = [p.detach().clone() for p in mats]
+
+        def post(o: object, args: object, kwargs: object) -> None:
+            lr = max(g["lr"] for g in opt.param_groups)
+            lr_peak[0] = max(lr_peak[0], lr)
+            if before:
+                low = lr <= 0.5 * lr_peak[0]
+                self.ratios += [
+                    (float((p.detach() - b).norm() / b.norm()), low)
+                    for p, b in zip(mats, before)
+                    if b.norm() > 0
+                ]
+                before.clear()
+            calls[0] += 1
+
+        handles = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+        queue = RunQueueClock()
+        mark = [time.perf_counter(), queue.read()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with td.watch(model, opt, run=False, config={"detail_every": 10}) as mon:
+
+                    def on_step(loss: float) -> None:
+                        record = mon.step()
+                        now, waited = time.perf_counter(), queue.read()
+                        self.own.append(now - mark[0] - (waited - mark[1]))
+                        mark[:] = [now, waited]
+                        self.losses.append(record.loss if record.loss is not None else loss)
+                        self.norms.append(record.grad_norm if record.grad_norm is not None else math.nan)
+
+                    yield on_step
+            finally:
+                for h in handles:
+                    h.remove()
+                queue.close()
+        self.events = sorted({f"{e.kind}@{e.step}" for e in mon.events if e.severity != "info"})
+        self.python_warnings = len(caught)
+
+    def margins(self) -> dict[str, object]:
+        live = [(r, low) for r, low in self.ratios if r > 0]
+        judged_lo = [r for r, low in live if not low]
+        return {
+            "level": level_margin(self.losses),
+            "start": start_margin(self.losses),
+            "growth": max(growth_margin(self.losses), growth_margin(self.norms)),
+            "gshift": shift_margin(self.norms),
+            "spike": spike_margin(self.losses)[0],
+            "spike_z": spike_margin(self.losses)[1],
+            "ratio_lo": RATIO_LO / min(judged_lo) if judged_lo else math.nan,
+            "ratio_hi": max(r for r, _ in live) / RATIO_HI if live else math.nan,
+            "slow": slow_margin(self.own) if self.own and not math.isnan(self.own[0]) else math.nan,
+            "warned": ",".join(self.events) or "-",
+        }
+
+
+def case_run(case: Case, cosine: bool) -> Callable[[int, R.Wrap], object]:
+    """A divergence_models case as a recipe loop (zero_grad, forward, backward, clip, step, schedule)."""
+
+    def run(steps: int, wrap: R.Wrap) -> None:
+        torch.manual_seed(0)
+        model = case.model()
+        opt = case.optimizer(list(model.parameters()))
+        half = max(1, steps // 2)
+        sched = (
+            torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: max(1e-5, 0.5 * (1 + math.cos(math.pi * min(s, half) / half)))
+            )
+            if cosine
+            else None
         )
-        if cosine
-        else None
-    )
-    data = case.batches()
-    mats = [p for p in model.parameters() if p.dim() >= 2]
-    losses: list[float] = []
-    norms: list[float] = []
-    ratios: list[float] = []
-    own: list[float] = []
-    queue = RunQueueClock()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with td.watch(model, opt, run=False, config={"detail_every": 10}) as mon:
+        data = case.batches()
+        with wrap(model, opt) as on_step:
             for i in range(steps):
-                t0, w0 = time.perf_counter(), queue.read()
                 opt.zero_grad()
                 loss = case.loss(model, data[i % len(data)])
                 loss.backward()
-                norm = nn.utils.clip_grad_norm_(model.parameters(), case.clip or math.inf)
-                before = [p.detach().clone() for p in mats] if i % 10 == 0 else None
+                if case.clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), case.clip)
                 opt.step()
                 if sched is not None:
                     sched.step()
-                mon.step()
-                if before is not None:
-                    ratios += [float((p - b).norm() / b.norm()) for p, b in zip(mats, before) if b.norm() > 0]
-                losses.append(float(loss))
-                norms.append(float(norm))
-                own.append(time.perf_counter() - t0 - (queue.read() - w0))
-    queue.close()
-    warned = sorted({e.kind for e in mon.events if e.severity != "info"})
-    live = [r for r in ratios if r > 0]
-    return {
-        "level": level_margin(losses),
-        "start": start_margin(losses),
-        "growth": max(growth_margin(losses), growth_margin(norms)),
-        "ratio_lo": 1e-5 / min(live) if live else math.nan,
-        "ratio_hi": max(live) / 0.1 if live else math.nan,
-        "slow": slow_margin(own) if not math.isnan(own[0]) else math.nan,
-        "warned": ",".join(warned) or "-",
-        "python_warnings": len(caught),
-    }
+                on_step(float(loss.detach()))
+
+    return run
+
+
+def recipes(all_cases: bool, resnet_width: int) -> list[tuple[str, Callable[[int, R.Wrap], object]]]:
+    """The standard recipes first, then the divergence_models cases (``all_cases``: every healthy one)."""
+    out: list[tuple[str, Callable[[int, R.Wrap], object]]] = [
+        (
+            f"resnet18 w{resnet_width} sgd 0.1 m0.9",
+            lambda steps, wrap: R.resnet_run(steps, wrap, width=resnet_width),
+        ),
+        ("word LM lstm sgd 20 clip 0.25", lambda steps, wrap: R.word_lm_run(steps, wrap, bptt=20, batch=10)),
+        ("gpt adamw 1e-3 warmup+cosine", R.gpt_run),
+        ("actor-critic adam 1e-2", R.actor_critic_run),
+    ]
+    out += [
+        (c.name + " cosine", case_run(c, True)) for c in HEALTHY if c.name in ("mlp sgd 0.1", "cnn adam 1e-3")
+    ]
+    picked = HEALTHY if all_cases else [c for c in HEALTHY if c.name in _SOME]
+    return out + [(c.name, case_run(c, False)) for c in picked]
+
+
+_SOME = ("transformer sgd lr20 clip0.25", "mlp sgd 0.1", "cnn sgd 0.05 momentum", "transformer adam 1e-3")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--all", action="store_true", help="every healthy case of divergence_models")
+    ap.add_argument("--only", default="", help="only the runs whose name contains this")
+    ap.add_argument(
+        "--resnet-width", type=int, default=16, help="ResNet-18's stem channels (64: torchvision's)"
+    )
     args = ap.parse_args()
-    cases = [(c, False) for c in HEALTHY] + [
-        (c, True) for c in HEALTHY if c.name in ("mlp sgd 0.1", "cnn adam 1e-3")
-    ]
-    print(f"{args.steps} steps each; a margin below 1 is inside the rule (healthy), 1 fires")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    print(
+        f"{args.steps} steps each; load average {load:.1f} on {os.cpu_count()} CPUs; a margin below 1 is "
+        "inside the rule (healthy), 1 fires"
+    )
     head = (
-        f"{'run':<36}{'level':>7}{'start':>7}{'growth':>8}{'ratio lo':>10}{'ratio hi':>10}{'slow':>7}  warned"
+        f"{'run':<34}{'level':>7}{'start':>7}{'growth':>8}{'gshift':>8}{'spike':>7}{'z':>6}{'ratio lo':>10}"
+        f"{'ratio hi':>10}{'slow':>7}  warned"
     )
     print(head)
     print("-" * len(head))
-    for case, cosine in cases:
-        r = run(case, args.steps, cosine)
-        name = case.name + (" cosine" if cosine else "")
+    for name, run in recipes(args.all, args.resnet_width):
+        if args.only and args.only not in name:
+            continue
+        rec = Recorder()
+        run(args.steps, rec)
+        r = rec.margins()
         print(
-            f"{name:<36}{r['level']:>7.2f}{r['start']:>7.2f}{r['growth']:>8.2f}{r['ratio_lo']:>10.2g}"
-            f"{r['ratio_hi']:>10.2g}{r['slow']:>7.2f}  {r['warned']}"
+            f"{name:<34}{r['level']:>7.2f}{_num(r['start']):>7}{r['growth']:>8.2f}{r['gshift']:>8.2f}"
+            f"{r['spike']:>7.2f}{r['spike_z']:>6.2f}{r['ratio_lo']:>10.2g}{r['ratio_hi']:>10.2g}{r['slow']:>7.2f}  {r['warned']}",
+            flush=True,
         )
+
+
+def _num(x: object) -> str:
+    return "-" if isinstance(x, float) and math.isnan(x) else f"{x:.2f}"
 
 
 if __name__ == "__main__":

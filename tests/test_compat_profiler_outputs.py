@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,13 @@ def test_tensorboard_profiler_writes_the_plugins_trace(tmp_path: Path) -> None:
             opt.step()
             mon.step()
     (trace,) = (Path(mon.run_dir) / "tb_profiler").iterdir()
-    # torch.profiler.tensorboard_trace_handler's name: <worker>.<ns>.pt.trace.json.gz
-    assert trace.name.endswith(".pt.trace.json.gz")
+    # torch.profiler.tensorboard_trace_handler's name, <host>_<pid>.<ns>.pt.trace.json.gz, as the
+    # plugin (torch-tb-profiler 0.4.3, consts.WORKER_PATTERN) splits it into worker and span
+    plugin = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(?:\.gz)?$")
+    m = plugin.match(trace.name)
+    assert m is not None and trace.name.endswith(".gz")
+    assert m.group(1) == f"{socket.gethostname()}_{os.getpid()}"
+    assert m.group(2) is not None and int(m.group(2)[1:]) > 0  # the span: time.time_ns()
     events = _events(trace)
     names = {e.get("name") for e in events}
     assert {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"} <= names  # the 3 profiled steps

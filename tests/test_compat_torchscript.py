@@ -74,3 +74,46 @@ def test_an_untraced_block_says_once_that_it_is_unguarded(monkeypatch: pytest.Mo
         nn.functional.mse_loss(model(data), target).backward()
         optimizer.step()
     assert [i.error for i in debugger.debug_history] == [None, None]
+
+
+def test_watch_refuses_a_scripted_model_naming_the_fix() -> None:
+    model = _scripted()
+    with pytest.raises(td.ConfigError) as err:
+        td.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), run=False)
+    text = str(err.value)
+    assert "the model is a TorchScript module (RecursiveScriptModule" in text
+    assert "Watch the eager module instead: train the nn.Module under td.watch(model)" in text
+    assert "torch.compile(model)" in text and "DebugMode.FULL_DEBUG" in text
+
+
+def test_watch_refuses_a_traced_model_among_several() -> None:
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace is deprecated in torch
+        traced = torch.jit.trace(nn.Linear(4, 1), torch.randn(2, 4))
+    with pytest.raises(td.ConfigError, match=r"model 'head' is a TorchScript module \(TopLevelTracedModule"):
+        td.watch({"body": eager, "head": traced}, run=False)
+    assert not eager._forward_hooks and not eager._forward_pre_hooks  # nothing was installed
+
+
+def test_the_fix_works_watch_the_eager_model_then_script_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data, target, bad = _batches()
+    with (
+        pytest.warns(td.TorchDebugWarning, match="skipped by policy"),
+        td.watch(model, optimizer, run=False, policy="skip") as mon,
+    ):
+        for x in (data, bad, data):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), target).backward()
+            optimizer.step()
+            mon.step()
+    assert [(a.step, a.phase) for a in mon.anomalies] == [(1, "input")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated in torch
+        scripted = torch.jit.script(model)
+    assert all(a is b for a, b in zip(model.parameters(), scripted.parameters()))  # the trained weights
+    assert torch.equal(scripted(data), model(data))

@@ -69,6 +69,8 @@ EXPECTED_DEFAULTS = {
     "sync": "auto",
     "replay": True,
     "frames": 16,
+    "cause_budget": 300.0,
+    "compiler_bisect": False,
     "run_dir": "runs",
     "run_name": None,
     "store": True,
@@ -94,7 +96,7 @@ EXPECTED_DEFAULTS = {
     "rollback_lr_steps": 0,
     "dead_unit_fraction": 0.95,
     "update_ratio_min": 1e-5,
-    "update_ratio_max": 1e-1,
+    "update_ratio_max": 1.0,
     "scale_floor": 1.0,
     "scale_shrink_steps": 5,
     "input_bound_fraction": 0.3,
@@ -289,7 +291,7 @@ def test_seed_flags_that_default_true_switch_nothing_on():
         ),
         ({"input_bound_fraction": 1.5}, r"input_bound_fraction=1.5 is out of range"),
         ({"slowdown_factor": 1.0}, r"slowdown_factor=1.0 is out of range; expected a finite number > 1"),
-        ({"update_ratio_min": 0.5}, r"update_ratio_min \(0.5\) must be below update_ratio_max \(0.1\)"),
+        ({"update_ratio_min": 2.0}, r"update_ratio_min \(2.0\) must be below update_ratio_max \(1.0\)"),
         (
             {"policy": "explode"},
             r"policy='explode' \(str\) is not valid; expected one of 'raise', 'warn', 'skip'",
@@ -334,7 +336,7 @@ def test_assignment_is_validated_and_a_failed_one_changes_nothing():
     with pytest.raises(ConfigError, match="out of range"):
         cfg.detail_every = 0
     with pytest.raises(ConfigError, match="must be below update_ratio_max"):
-        cfg.update_ratio_min = 0.5
+        cfg.update_ratio_min = 2.0
     assert cfg.detail_every == 10 and cfg.update_ratio_min == 1e-5
     with pytest.raises(ConfigError, match="did you mean 'detail_every'"):
         cfg.detial_every = 3  # type: ignore[attr-defined]
@@ -344,7 +346,7 @@ def test_replace_returns_a_validated_copy():
     cfg = DebugConfig(policy="warn")
     new = cfg.replace(update_ratio_min=0.2, update_ratio_max=0.5, level="basic")
     assert (new.update_ratio_min, new.update_ratio_max, new.level, new.policy) == (0.2, 0.5, "basic", "warn")
-    assert cfg.update_ratio_max == 0.1  # original untouched
+    assert cfg.update_ratio_max == 1.0  # original untouched
     with pytest.raises(ConfigError, match="did you mean 'policy'"):
         cfg.replace(polcy="skip")
     with pytest.raises(ConfigError, match="out of range"):

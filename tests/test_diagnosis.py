@@ -480,8 +480,12 @@ def test_one_off_corruption_is_reported_as_not_reproducible() -> None:
     assert a.hint.startswith(
         f"not reproducible: in the step, the loss (nan) and the gradients of {names} held NaN/Inf; "
         "replayed twice with the same batch, weights, buffers and RNG state, the loss and every "
-        "gradient came out finite."
+        "gradient came out finite. Nothing tried reproduced it: a nondeterministic kernel or race, a "
+        "hook or state that changed between the step and the replay, or loss code the replay did not "
+        "capture"
     )
+    assert "hardware" not in a.hint  # said only by a replay on another rank
+    assert a.cause is not None and a.cause.verdict == "unknown" and a.cause.replays == 2
     assert a.summary().startswith("nan not reproducible: ")
     text = str(a)
     assert "origin not traced" not in text and "module    no traced origin" in text

@@ -113,8 +113,10 @@ def test_loss_spike_waits_for_its_warmup_and_ignores_nonfinite_and_falls() -> No
     assert flat.update(5, math.nan) is None and flat.update(6, math.inf) is None and len(flat.history) == 5
     assert flat.update(7, 0.5) is None  # only a rise counts
     # flat window: MAD 0, sigma floored at LOSS_REL_FLOOR x |median| = 0.02; 2.1 is 5 sigmas, 2.3 is 15
+    # but only 1.15x the median (a spike rises at least 0.5 x |median|: to 3.0), 3.5 is 75 sigmas
     assert flat.update(8, 2.1) is None
-    spike = flat.update(9, 2.3)
+    assert flat.update(9, 2.3) is None
+    spike = flat.update(10, 3.5)
     assert spike is not None and spike.message.startswith(
-        "loss 2.3 is 15 robust sigmas above its running median 2."
+        "loss 3.5 is 75 robust sigmas above its running median 2."
     )

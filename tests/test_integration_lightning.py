@@ -101,11 +101,11 @@ def batches(n: int, fault: str | None = None) -> list[tuple[torch.Tensor, ...]]:
 
 def fit(lit: Lit, cb: TorchDebugCallback, n: int = 5, fault: str | None = None, **trainer_kw: object) -> None:
     torch.manual_seed(0)
+    trainer_kw.setdefault("logger", False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=1,
-        logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -167,6 +167,28 @@ def test_clean_run_warns_nothing_and_records_every_step(tmp_path):
     assert [r.step for r in mon.records] == [0, 1, 2, 3, 4] and mon.anomalies == []
     assert all(r.micro_steps == 1 and not r.skipped and math.isfinite(r.loss) for r in mon.records)
     assert meta(cb)["status"] == "finished"
+    assert_clean_exit()
+
+
+def test_the_tensorboard_verdict_counts_the_steps_of_a_clean_run(tmp_path):
+    # the TensorBoardLogger gets the scalars through log_metrics and the findings and verdict through
+    # torchdebug's sink: the verdict's step count is the session's (30), not the sink's scalars (none)
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cb = TorchDebugCallback(run=tmp_path / "runs")
+    tb = TensorBoardLogger(tmp_path / "tb", name="", version=0, default_hp_metric=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning of ours on a healthy run is a failure
+        fit(Lit(), cb, n=30, logger=tb, log_every_n_steps=10)
+    ea = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    ea.Reload()
+    texts = {
+        e.step: e.tensor_proto.string_val[0].decode() for e in ea.Tensors("torchdebug/verdict/text_summary")
+    }
+    run_dir = cb.monitor.run_dir
+    assert texts == {29: f"**finished: 30 steps, no anomalies**  \nrun folder: `{run_dir}`"}
     assert_clean_exit()
 
 

@@ -95,6 +95,24 @@ def test_monitor_repr_follows_the_session(tmp_path: Path) -> None:
     assert "torchdebug watch of Linear" in html and "<code>closed</code>" in html
     assert "<code>1, first: nan born in input of Linear (step 1)</code>" in html
     assert f"<code>{mon.run_dir}</code>" in html
+    # the verdict leads, worded and ranked as `torchdebug show` words the stored run
+    said = mon.verdict()
+    assert said["level"] == "error" and said["text"].startswith("finished, but non-finite values at step 1: ")
+    assert html.index(f"<code>{said['text']}</code>") < html.index("<code>closed</code>")
+    assert "color:#c0392b" in html
+
+
+def test_a_healthy_session_is_green_in_a_notebook() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with td.watch(model, opt, run=False, announce=False) as mon:
+        _train(mon, model, opt, 3, None)
+        assert mon.verdict()["text"] == "running: step 2, no anomalies so far"
+    assert mon.verdict()["findings"] == [] and mon.verdict()["level"] == "ok"
+    assert mon.verdict()["text"] == "finished: 3 steps, no anomalies"
+    html = mon._repr_html_()
+    assert "<code>finished: 3 steps, no anomalies</code>" in html and "color:#1e8449" in html
 
 
 @pytest.fixture

@@ -278,7 +278,29 @@ def test_long_run_charts_are_downsampled_without_losing_the_spike(tmp_path: Path
     assert _trace(_fig(figs, "grad_norm"), "grad_norm NAN")["x"] == [777]
 
 
-def test_png_is_the_2x2_figure(run: Any, tmp_path: Path) -> None:
+def test_png_loss_axis_leaves_a_lone_spike_out() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from torchdebug.views.report._png import _robust_ylim, spikes
+
+    # a loss falling from 2.0 by 0.01 a step, one spike of 500 at step 50: the spike's residual to its
+    # neighbours' median (~1.5) is ~498.5, far over 20 x the median residual (0.05) and half the
+    # 10-90 % spread (0.4); the axis spans the rest: 1.01 .. 2.0, padded by 5 % of 0.99
+    ys = [2.0 - 0.01 * s for s in range(100)]
+    ys[50] = 500.0
+    assert spikes(ys) == {50}
+    ax = Figure().add_subplot()
+    ax.plot(range(100), ys)
+    assert _robust_ylim(ax, ys) == 1
+    lo, hi = ax.get_ylim()
+    assert lo == pytest.approx(1.01 - 0.0495) and hi == pytest.approx(2.0 + 0.0495)
+    # a level that lasts (a divergence, 30 steps at 500) is data, not a spike: the axis is matplotlib's
+    lasting = [2.0] * 70 + [500.0] * 30
+    assert spikes(lasting) == set() and _robust_ylim(Figure().add_subplot(), lasting) == 0
+
+
+def test_png_is_the_analysis_figure(run: Any, tmp_path: Path) -> None:
     png = render_report(run, "png", path=tmp_path / "debug_analysis.png")
     assert isinstance(png, bytes) and png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])  # IHDR

@@ -613,3 +613,30 @@ def test_exit_restores_everything_when_a_warning_at_exit_is_an_error(tmp_path) -
     assert nn.Module.__getstate__ is not None and not getattr(
         nn.Module.__getstate__, "__torchdebug_wrapper__", False
     )
+
+
+def test_a_later_nan_that_is_not_replayed_names_no_birthplace() -> None:
+    # a NaN in the batch at steps 2 and 5 under skip: the first is replayed and named as the input;
+    # the second is not replayed, so the summary must not say where it was born
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.TorchDebugWarning)
+        with td.watch(m, opt, policy="skip", run=False) as mon:
+            for step in range(7):
+                x, y = torch.randn(16, 4), torch.randn(16, 1)
+                if step in (2, 5):
+                    x[3, 1] = float("nan")
+                loss = nn.functional.mse_loss(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                mon.step()
+    first, second = mon.anomalies
+    assert first.summary() == "nan born in input of Sequential (step 2)"
+    assert second.detected_by == "sentinel (no replay)"
+    assert (
+        second.summary()
+        == "nan in the forward, origin not traced: non-finite loss (+3 more parameters) (step 5)"
+    )

@@ -300,7 +300,11 @@ class DebugConfig:
       debug_backward_pass, debug_device_placement, debug_mixed_precision, debug_data_loading,
       debug_validation, debug_early_stopping, debug_lr_scheduling.
     - on a non-finite value: policy "raise"|"warn"|"skip" ["raise"]; replay [True] (re-run the
-      step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000).
+      step under op-level tracing to find the origin); frames [16] (module calls kept, 0..10000);
+      cause_budget [300.0 seconds, > 0: the most the search for whose fault it is (the compiler's
+      module-by-module compiles) may take; what it tried by then is reported]; compiler_bisect
+      [False: True also runs torch's CompilerBisector on the module the compiler made it in, naming
+      the backend, subsystem and pass; some 20 more compiles].
     - sync "blocking"|"async"|"auto" ["auto"]: when the step's numbers are read. "blocking" reads
       them once per step as the update starts (one device-to-host sync); "async" copies them without
       blocking and reads them one step later while a fused optimizer skips a bad update on the
@@ -319,7 +323,7 @@ class DebugConfig:
       peak_flops [None: FLOP/s for utilisation, > 0].
     - gradient rules: explode_mads [10.0], explode_abs [1e4], explode_warmup [20 steps],
       vanish_threshold [1e-8], vanish_patience [5], dead_unit_fraction [0.95, in (0, 1]],
-      update_ratio_min [1e-5] < update_ratio_max [1e-1]; clip_on_spike [None: max norm to clip
+      update_ratio_min [1e-5] < update_ratio_max [1.0]; clip_on_spike [None: max norm to clip
       to on a spike].
     - loss rules: loss_spike_mads [10.0], loss_plateau_window [200, 2..10000], loss_plateau_rel [1e-4].
     - loss spikes (docs/spikes.md): on_spike "warn"|"rollback"|"raise"|"off" ["warn": every spike gets a
@@ -387,6 +391,8 @@ class DebugConfig:
     sync: Sync = "auto"
     replay: bool = True
     frames: int = _opt(16, ge=0, le=10_000)
+    cause_budget: float = _opt(300.0, gt=0)
+    compiler_bisect: bool = False
     # engine: run store and exports
     run_dir: str = _opt("runs", path=True)
     run_name: str | None = _opt(None, plain_name=True)
@@ -419,7 +425,7 @@ class DebugConfig:
     rollback_lr_steps: int = _opt(0, ge=0)
     dead_unit_fraction: float = _opt(0.95, gt=0, le=1)
     update_ratio_min: float = _opt(1e-5, ge=0)
-    update_ratio_max: float = _opt(1e-1, gt=0)
+    update_ratio_max: float = _opt(1.0, gt=0)
     scale_floor: float = _opt(1.0, gt=0)
     scale_shrink_steps: int = _opt(5, ge=1)
     input_bound_fraction: float = _opt(0.3, gt=0, le=1)

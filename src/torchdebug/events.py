@@ -206,13 +206,23 @@ class Anomaly:
 
     def summary(self) -> str:
         """One line: ``nan born in forward of blocks.1.attn (Attention): aten.log at model.py:41 (step 7)``;
-        on several ranks it ends ``(step 7, born on rank 1 of 2)`` on every rank."""
+        on several ranks it ends ``(step 7, born on rank 1 of 2)`` on every rank. A forward or backward
+        NaN seen without a replay names no birthplace: ``nan in the forward, origin not traced: ...``."""
         if self.reproducible is False:
             s = f"{self.kind} not reproducible: {self.symptom or 'non-finite values'}, finite on replay"
             return s + self._when()
+        if self.detected_by.endswith("(no replay)") and self.phase in ("forward", "backward") and not self.op:
+            # seen, not traced: where it was noticed is not where it was born
+            return (
+                f"{self.kind} in the {self.phase}, origin not traced: {self.symptom or 'non-finite values'}"
+                + (self._when())
+            )
         what = f"{self.kind} born in {self.phase}"
         where = self.parameter if self.parameter else self.where
         s = f"{what} of {where}"
+        if self.cause is not None and self.cause.verdict == "compiler":
+            # compiled code made it, not an op the eager trace saw: the module whose compiled code is wrong
+            s = f"{self.kind} from compiled {where}"
         if self.op:
             s += f": {self.op}"
         if self.location:

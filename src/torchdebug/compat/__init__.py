@@ -34,6 +34,7 @@ from ._diffusion import DiffusionModelDebugger
 from ._inputs import detect_model_anomalies, prediction_problems, validate_model_input
 from ._optimize import OptimizationMetrics, PyTorchOptimizer, optimize_model
 from ._seedconfig import PyTorchDebugConfig
+from ._trainer import OptimizedTrainer, TrainingConfig
 from ._training import GradientDebugger, ModelDebugger, PyTorchDebugManager, TrainingDebugger, step_numbers
 
 __all__ = [
@@ -46,12 +47,14 @@ __all__ = [
     "ModelDebugger",
     "OptimizationMetrics",
     "OptimizationMode",
+    "OptimizedTrainer",
     "PyTorchDebugConfig",
     "PyTorchDebugManager",
     "PyTorchDebugger",
     "PyTorchMemoryDebugger",
     "PyTorchOptimizer",
     "TensorInfo",
+    "TrainingConfig",
     "TrainingDebugger",
     "TrainingPhase",
     "check_gradient_anomalies",

@@ -1,5 +1,6 @@
 """The divergence rules (host side, once per episode): a run that grows by orders of magnitude from its
-first steps (:class:`GrowthRule`), and a sustained upward level shift of the loss (:class:`DivergenceRule`).
+first steps (:class:`GrowthRule`), a sustained upward level shift of the loss (:class:`DivergenceRule`)
+and of the gradient norm (:class:`NormShiftRule`).
 
 A spike is one bad step (``LossSpikeRule``); a divergence is the loss moving to a new, much higher
 level and staying there: 0.018 -> ~18 after a learning-rate spike that training never recovers
@@ -11,6 +12,7 @@ upward shift counts.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -50,10 +52,14 @@ class DivergenceRule:
     when it recovered, and the rule can fire again.
 
     From the start: a rate so high that the loss never comes down leaves no good level to compare
-    with (the baseline fills with diverged losses). So the rule also compares the recent median with
-    the first finite loss: at least ``start_factor`` times it, with ``share`` of the recent losses
-    too, is a divergence from step 0 (resnet18 at lr 2.0 sits near 30x its first loss; training
-    brings a loss down from its first value, it does not multiply it).
+    with (the baseline fills with diverged losses). So the rule also compares the median of the last
+    ``start_recent`` losses with the first finite loss: at least ``start_factor`` times it, with
+    ``share`` of them too, is a divergence from step 0 (GPT-2 under AdamW at lr 1 sits 25-35x its
+    first loss from step 1: named at step ``start_recent - 1``; training brings a loss down from its
+    first value, it does not multiply it). Judged only over the first ``start_horizon`` losses (a
+    value loss that grows over thousands of steps as an agent's returns grow is not a start), and
+    never once a loss was zero or negative (a policy-gradient or GAN loss changes sign: its first
+    value is no scale).
 
     Non-finite losses are skipped (the NaN/Inf sentinel reports them).
 
@@ -78,6 +84,8 @@ class DivergenceRule:
         progress: float = 0.5,
         share: float = 0.8,
         start_factor: float = 20.0,
+        start_recent: int = 10,
+        start_horizon: int = 200,
     ) -> None:
         if recent < 2 or window < recent:
             raise ValueError(f"need recent >= 2 and window >= recent, got recent={recent}, window={window}")
@@ -91,6 +99,10 @@ class DivergenceRule:
             float(share),
         )
         self.start_factor = float(start_factor)
+        self.start_recent = min(int(start_recent), recent)
+        self.start_horizon = int(start_horizon)
+        self.seen = 0  # finite losses fed
+        self.signed = False  # a loss <= 0 was seen: the first loss is no scale
         self.first = math.nan  # the first finite loss
         self.start: float | None = None  # median of the first `recent` losses
         self._first: list[float] = []
@@ -104,6 +116,9 @@ class DivergenceRule:
         """Feed the loss of ``step``; an event when a divergence is established or ends."""
         if not math.isfinite(loss):
             return None
+        self.seen += 1
+        if loss <= 0:
+            self.signed = True
         if self.first != self.first:  # NaN: not set yet
             self.first = loss
         if self.start is None:
@@ -117,12 +132,16 @@ class DivergenceRule:
                 self.baseline.push(old)
                 self.last.append(old)
         self.recent.append((step, loss))
-        if len(self.recent) < (self.recent.maxlen or 0):
-            return None
         event = None
-        if len(self.baseline) >= (self.recent.maxlen or 0):
-            event = self._level(step)
-        if event is None and not self.active and self.first > 0:
+        if self.active or len(self.baseline) >= (self.recent.maxlen or 0):
+            event = self._level(step)  # active: an episode from the start ends on the recent median too
+        if (
+            event is None
+            and not self.active
+            and not self.signed
+            and self.first > 0
+            and self.start_recent <= self.seen <= self.start_horizon
+        ):
             event = self._from_start(step)  # no good level to compare with: the first loss
         return event
 
@@ -171,10 +190,11 @@ class DivergenceRule:
     def _from_start(self, step: int) -> RuleEvent | None:
         """The recent losses sit at least ``start_factor`` x the first loss: diverged from the start."""
         bar = self.start_factor * self.first
-        above = [s for s, v in self.recent if v >= bar]
-        if len(above) < self.share * len(self.recent):
+        last = list(itertools.islice(reversed(self.recent), self.start_recent))[::-1]
+        above = [s for s, v in last if v >= bar]
+        if len(above) < self.share * len(last):
             return None
-        now = statistics.median(v for _, v in self.recent)
+        now = statistics.median(v for _, v in last)
         if now < bar:
             return None
         self.active = True
@@ -185,10 +205,10 @@ class DivergenceRule:
             kind=KIND,
             step=above[0],
             message=(
-                f"loss diverged from the start: {_fmt(now)} (median of the last {len(self.recent)} "
+                f"loss diverged from the start: {_fmt(now)} (median of the last {len(last)} "
                 f"steps) is {now / self.first:.0f}x its first value {_fmt(self.first)} and did not come "
-                f"down since step {above[0]}. A learning rate far too high does this: check it first "
-                "(lower it by 10x to start, or add warm-up), then the data."
+                f"down since step {above[0]}. Check first the learning rate (try 10x lower, or a "
+                "warm-up), then the data."
             ),
             severity="warning",
             evidence={
@@ -198,6 +218,112 @@ class DivergenceRule:
                 "since_step": above[0],
                 "factor": now / self.first,
             },
+        )
+
+
+class NormShiftRule:
+    """Gradient-norm divergence: the total gradient norm moves up ``factor`` x (an order of magnitude by
+    default) and stays there: the median of the last ``recent`` norms against the median of the
+    ``window`` before them, in log10.
+
+    The loss can hide a divergence the gradient shows (a classifier whose logits blow up saturates
+    its loss; a clipped run keeps its updates bounded while its raw gradients grew 10x), and the
+    explosion rule speaks once, at the jump, then adapts its range. This rule says whether the new
+    level stayed: the shift ``log10(recent median / baseline median)`` must exceed the larger of
+    ``log10(factor)`` and ``mads`` robust sigmas of the baseline (in log10), with ``share`` of the
+    recent norms above it too. The baseline is lagged (the norms leaving the recent window) and frozen
+    during the episode, so a slow healthy drift (a norm rising 2-5x over a schedule's tail, BatchNorm
+    weights shrinking under weight decay) moves with it and never fires. One ``divergence`` event
+    (warning, ``evidence["metric"] == "grad_norm"``) at the start of an episode; ``divergence_end``
+    (info) once the recent median is back within ``sqrt(factor)`` x the level before.
+
+    Non-finite and zero norms are skipped (the sentinel reports NaN/Inf; a zero gradient is the
+    vanishing rule's). Cost per step: one ``log10``, one insert into a sorted window (O(window)) and a
+    median of ``recent`` values.
+
+    Example:
+        >>> rule = NormShiftRule(recent=4, window=8)
+        >>> [rule.update(s, 1.0) for s in range(12)].count(None)
+        12
+        >>> events = [rule.update(12 + s, 50.0) for s in range(4)]
+        >>> events[-1].kind, events[-1].evidence["since_step"], events[-1].evidence["metric"]
+        ('divergence', 12, 'grad_norm')
+    """
+
+    def __init__(
+        self,
+        *,
+        recent: int = 25,
+        window: int = 200,
+        factor: float = 10.0,
+        mads: float = 10.0,
+        share: float = 0.8,
+    ) -> None:
+        if recent < 2 or window < recent or factor <= 1:
+            raise ValueError(
+                f"need recent >= 2, window >= recent and factor > 1, got recent={recent}, window={window}, "
+                f"factor={factor}"
+            )
+        self.recent: deque[tuple[int, float]] = deque(maxlen=recent)  # (step, log10 norm)
+        self.baseline = RunningMedian(window)
+        self.orders = math.log10(factor)
+        self.factor, self.mads, self.share = float(factor), float(mads), float(share)
+        self.active = False
+        self.before = math.nan  # log10 of the level before the episode
+        self.since: int | None = None
+        self.count = 0
+
+    def update(self, step: int, norm: float) -> RuleEvent | None:
+        """Feed the total gradient norm of ``step``; an event when a shift is established or ends."""
+        if not 0.0 < norm < math.inf:  # NaN too
+            return None
+        if len(self.recent) == self.recent.maxlen and not self.active:
+            self.baseline.push(self.recent[0][1])  # frozen while the episode lasts
+        self.recent.append((step, math.log10(norm)))
+        if len(self.baseline) < (self.recent.maxlen or 0):
+            return None
+        now = statistics.median(v for _, v in self.recent)
+        if self.active:
+            if now - self.before >= 0.5 * self.orders:
+                return None
+            since, self.active = self.since, False
+            return RuleEvent(
+                kind=KIND_END,
+                step=step,
+                message=(
+                    f"gradient norm back to {_fmt(10**now)} (median of the last {len(self.recent)} steps), "
+                    f"{step - (since or step)} steps after it rose"
+                ),
+                severity="info",
+                evidence={
+                    "metric": "grad_norm",
+                    "before": 10**self.before,
+                    "after": 10**now,
+                    "since_step": since,
+                },
+            )
+        med = self.baseline.median()
+        threshold = max(self.orders, self.mads * self.baseline.sigma(abs_floor=1e-12))
+        if now - med <= threshold:
+            return None
+        above = [s for s, v in self.recent if v - med > threshold]
+        if len(above) < self.share * len(self.recent):
+            return None
+        self.active, self.before, self.since = True, med, above[0]
+        self.count += 1
+        before, after = 10**med, 10**now
+        return RuleEvent(
+            kind=KIND,
+            step=above[0],
+            message=(
+                f"gradient norm rose at step {above[0]} and stayed: {_fmt(before)} -> {_fmt(after)} (median "
+                f"of the last {len(self.recent)} steps, {after / before:.0f}x the median of the "
+                f"{len(self.baseline)} steps before) and did not come back within {step - above[0] + 1} "
+                "steps. Check first the learning rate and the data around that step; restart from a "
+                "checkpoint before it."
+            ),
+            severity="warning",
+            evidence={"metric": "grad_norm", "before": before, "after": after, "since_step": above[0]},
         )
 
 
@@ -296,8 +422,8 @@ class GrowthRule:
     fresh init stays far below 100x.
 
     When either metric grows, one ``divergence`` event (warning) names what grew, from what to what,
-    how fast (x a step), since which step (the last value within 1.5x of the window's lowest), and the likely
-    cause with ``cause`` (the caller's text, such as the learning rates). The episode lasts until every
+    how fast (x a step), since which step (the last value within 1.5x of the window's lowest), and what
+    to check first with ``cause`` (the caller's text, such as the learning rates). The episode lasts until every
     metric that grew is back within ``END_FACTOR`` (10x) of its value at onset; then a
     ``divergence_end`` event (info), and the rule can fire again. Cost per step: the pairwise slopes of
     ``window`` points (12 for the default 4).
@@ -330,7 +456,7 @@ class GrowthRule:
         self, step: int, loss: float | None, grad_norm: float | None, cause: str | Callable[[], str] = ""
     ) -> RuleEvent | None:
         """Feed the loss and total gradient norm of ``step`` (None: not measured); an event when a
-        divergence starts or ends. ``cause``: what the event says is the likely cause, or a callable
+        divergence starts or ends. ``cause``: what the event says to check first, or a callable
         returning it (called only when the event fires)."""
         losses, norms = self._loss, self._norm
         if loss is not None:
@@ -361,10 +487,7 @@ class GrowthRule:
         cause = cause() if callable(cause) else cause
         message = (
             f"diverging since step {since}: {' and '.join(parts)} in {steps} step{'s' if steps != 1 else ''}. "
-            + (
-                cause
-                or "Likely cause: the learning rate is too high: lower it or clip gradients (clip_grad_norm_)"
-            )
+            + (cause or "Check first the learning rate, then clip gradients (clip_grad_norm_)")
         )
         return RuleEvent(
             kind=KIND,
@@ -414,5 +537,6 @@ __all__ = [
     "KIND_END",
     "DivergenceRule",
     "GrowthRule",
+    "NormShiftRule",
     "repeated_median",
 ]

@@ -22,7 +22,7 @@ from .._step import SessionView, StepPhase
 from .._tensors import foreach_norms  # the hot path (fused), the general one for odd tensors
 from ..events import RuleEvent, training_summary
 from .divergence import KIND as DIVERGENCE
-from .divergence import DivergenceRule, GrowthRule
+from .divergence import DivergenceRule, GrowthRule, NormShiftRule
 from .optnorms import OptimizerNorms
 from .optstate import ITEM as STATE_ITEM
 from .optstate import OptimizerState
@@ -40,6 +40,11 @@ EARLY_RATIO = 10.0
 FREEZE = 50
 # Floor of the loss sigma relative to |median loss| (a flat loss is not a license to flag 0.1 % bumps).
 LOSS_REL_FLOOR = 1e-2
+# A spike also rises at least this share of |median loss| above the median: once a loss has converged
+# its noise is small, so an unusual but healthy batch is 10 sigmas of it while only 10-30 % above the
+# level; a bad batch or a too-high rate multiplies the loss (the spikes of benchmarks/rule_margins.py's
+# word_language_model-style Transformer at lr 20 clip 0.25 are 2-3x its median).
+LOSS_MIN_RISE = 0.5
 TOP_K = 3
 # the expert level's tensor history: the first this many trainable parameters (weight and gradient
 # statistics each) on each detail step; each is one analyze_tensor (about 20 passes, one host read)
@@ -292,6 +297,8 @@ class LossSpikeRule:
     """Loss spike: the loss jumps more than ``mads`` robust sigmas above its running median.
 
     Sigma is 1.4826 MAD of the last ``window`` losses, floored at ``LOSS_REL_FLOOR * |median|``;
+    the loss must also rise at least ``min_rise`` x ``|median|`` above the median (1.5x a positive
+    median by default: a bump of a converged loss is many sigmas of its tiny noise, and healthy);
     only upward jumps count, after ``warmup`` finite losses; once per episode. ``count`` counts
     spiking steps. Non-finite losses are ignored (the non-finite sentinel reports them).
 
@@ -303,9 +310,12 @@ class LossSpikeRule:
         'loss_spike'
     """
 
-    def __init__(self, mads: float = 10.0, warmup: int = 20, window: int = WINDOW) -> None:
+    def __init__(
+        self, mads: float = 10.0, warmup: int = 20, window: int = WINDOW, min_rise: float = LOSS_MIN_RISE
+    ) -> None:
         self.mads = float(mads)
         self.warmup = int(warmup)
+        self.min_rise = float(min_rise)
         self.history = RunningMedian(window)
         self.active = False
         self.count = 0
@@ -319,7 +329,7 @@ class LossSpikeRule:
         if len(self.history) >= max(self.warmup, 1):
             med = self.history.median()
             z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
-            fire = z > self.mads
+            fire = z > self.mads and loss - med >= self.min_rise * abs(med)
         self.history.push(loss)
         if not fire:
             self.active = False
@@ -676,21 +686,28 @@ class UpdateRatioRule:
     0.15 of a small Linear(2304, 32) weight, 0.05 ten steps later; Adam's first steps are
     ``lr * sign(g)``). Once per parameter per episode.
 
+    Too large: healthy standard recipes move their matrices by far more than the 1e-3 of the folk
+    rule: ResNet-18 under SGD lr 0.1 momentum 0.9 by 0.18-0.28 of their norm a step in its first
+    checks, word_language_model's LSTM (SGD lr 20, clip 0.25) by up to 0.4, a small GPT under AdamW
+    warm-up by ~0.1 (benchmarks/rule_margins.py prints them). So ``hi`` defaults to 1: an update at
+    least as large as the weight itself, twice in a row, rewrites the parameter every step (AdamW at
+    lr 1 on GPT-2's N(0, 0.02) weights: ~50).
+
     A learning rate lowered on purpose: fed the step's learning rates (:meth:`see_lr`), the rule
     keeps their peak; once the largest group's rate is at most ``lowered`` x that peak (the tail of a
     cosine or linear decay, a step schedule's drops, a plateau scheduler's cuts, or the user's own
-    code lowering it), small updates are what the schedule asks for: "may be too low" is not said
+    code lowering it), small updates are what the schedule asks for: "too small" is not said
     then. Too-large updates are said at any learning rate.
 
     Example:
-        >>> rule = UpdateRatioRule(1e-5, 1e-1)
-        >>> rule.update(0, {"fc.weight": 0.5}, {"fc.weight": 2}) is None
+        >>> rule = UpdateRatioRule(1e-5, 1.0)
+        >>> rule.update(0, {"fc.weight": 5.0}, {"fc.weight": 2}) is None
         True
-        >>> rule.update(10, {"fc.weight": 0.5}, {"fc.weight": 2}).kind
+        >>> rule.update(10, {"fc.weight": 5.0}, {"fc.weight": 2}).kind
         'update_ratio'
     """
 
-    def __init__(self, lo: float = 1e-5, hi: float = 1e-1, patience: int = 2, lowered: float = 0.5) -> None:
+    def __init__(self, lo: float = 1e-5, hi: float = 1.0, patience: int = 2, lowered: float = 0.5) -> None:
         self.lo, self.hi = float(lo), float(hi)
         self.patience = int(patience)
         self.lowered = float(lowered)
@@ -731,15 +748,18 @@ class UpdateRatioRule:
         self.count += len(fired)
         high = [n for n, r in fired.items() if r > self.hi]
         listed = ", ".join(f"{k} {v:.3g}" for k, v in fired.items())
-        advice = (
-            "the learning rate is too high for them"
+        seen = f"{self.patience} detail checks in a row"
+        said = (
+            f"each update was larger than {self.hi:g}x the weight itself at {seen}. Check first the "
+            "learning rate these parameters get, then the gradient's scale (clip_grad_norm_)"
             if high
-            else "they barely move: the learning rate may be too low"
+            else f"each update moved them by less than {self.lo:g} of their norm at {seen}. Check first "
+            "that their learning rate is the one intended and that they get a gradient"
         )
         return RuleEvent(
             "update_ratio",
             step,
-            f"update/weight ratio outside [{self.lo:g}, {self.hi:g}]: {listed}; {advice}",
+            f"update/weight ratio outside [{self.lo:g}, {self.hi:g}]: {listed}; {said}",
             "warning",
             modules=tuple(dict.fromkeys(owner(n) for n in fired)),
             evidence={"ratios": dict(fired), "min": self.lo, "max": self.hi},
@@ -863,7 +883,8 @@ class GradientHealth:
         self.plateau = LossPlateauRule(cfg.loss_plateau_window, cfg.loss_plateau_rel)
         self.divergence = DivergenceRule()
         self.growth = GrowthRule()
-        # one warning per episode across the explosion and the two divergence rules: the rules whose
+        self.norm_shift = NormShiftRule()
+        # one warning per episode across the explosion and the divergence rules: the rules whose
         # start was not emitted because another had named the episode (their end is not emitted either)
         self._muted: set[str] = set()
         self.lr_rule = LRRule()
@@ -1303,6 +1324,11 @@ class GradientHealth:
         event = self.growth.update(step, loss, norm, cause=functools.partial(_cause, lrs))
         if event is not None:
             self._emit_episode(mon, "growth", event, self.explosion.active or self.divergence.active)
+        # the norm's new level stayed: said even after the explosion named its jump (that it did not
+        # come back is the news), muted when a divergence of the loss already named the episode
+        event = self.norm_shift.update(step, norm)
+        if event is not None:
+            self._emit_episode(mon, "norm", event, self.growth.active or self.divergence.active)
 
     def _emit_episode(self, mon: SessionView, rule: str, event: RuleEvent, named: bool) -> None:
         """A divergence rule's start or end: its start is muted when ``named`` (another rule already
@@ -1359,8 +1385,7 @@ def _lrs(mon: SessionView) -> str:
 def _cause(lrs: Callable[[], str]) -> str:
     text = lrs()
     return (
-        f"Likely cause: the learning rate is too high{f' ({text})' if text else ''}: lower it, or clip "
-        "gradients (clip_grad_norm_)"
+        f"Check first the learning rate{f' ({text})' if text else ''}, then clip gradients (clip_grad_norm_)"
     )
 
 

@@ -190,7 +190,7 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
                 self._hub.put(list(late))
         hub, self._hub = self._hub, None
         if hub is not None:
-            hub.close(status, end.last_step)
+            hub.close(status, end.last_step, steps=mon.global_step)  # its scalars went through log_metrics
         fields = {"torchdebug/status": end.status, "torchdebug/verdict": end.verdict}
         if end.path is not None:
             fields["torchdebug/run_folder"] = str(end.path)

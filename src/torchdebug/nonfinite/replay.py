@@ -19,7 +19,8 @@ from .._frames import format_frames
 from .._step import Found, Measure, SessionView
 from .._tensors import local
 from .._trees import map_tensors, tensor_leaves
-from ..events import Anomaly, Phase
+from ..events import Anomaly, Cause, Phase
+from . import cause
 from .buffers import WrittenBuffers
 from .ledger import window_hint
 from .locate import (
@@ -40,11 +41,13 @@ from .locate import (
 
 
 class Replaying(Protocol):
-    """Who holds the "a replay is running" flag (the sentinel), and the buffers the step's forward
-    writes as they were when it began."""
+    """Who holds the "a replay is running" flag (the sentinel), the buffers the step's forward
+    writes as they were when it began, and the replay on another rank that the distributed
+    coordinator gives it (None: one rank, or not given)."""
 
     replaying: bool
     buffers: WrittenBuffers
+    replica: cause.ReplicaCheck | None
 
 
 def optimizer_anomaly(
@@ -137,33 +140,25 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
         flag.replaying = True
         try:
             # A fault that does not come back when the step is re-run is information (a one-off
-            # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
-            for _ in range(2):
-                start = flag.buffers.start_values()  # the buffers the step wrote, as it began
-                with mon.eager():
-                    if mon.roots is not None:  # several models: the step's micro-steps, in order
-                        tracer = replay_in_order(mon, idx, start)
-                    else:
-                        tracer = replay_capture(
-                            mon.model,
-                            mon.state.captures[idx],
-                            names=mon.names,
-                            frames=mon.config.frames,
-                            uses_cuda=mon.uses_cuda,
-                            buffers=start if idx == 0 else None,
-                        )
-                a = tracer.anomaly(
-                    step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel"
-                )
+            # fault, a nondeterministic kernel, compiled code, state that changed): a second replay
+            # confirms it.
+            for replays in (1, 2):
+                a, tracer = _replay_once(mon, flag, idx, micro)
                 if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
                     return consequence(mon, a, mon.anomalies[0])
                 if a is not None:
-                    return dataclasses.replace(a, reproducible=True)
+                    found = _reproduced_cause(mon, flag, idx, micro, a, replays)
+                    hint = a.hint
+                    if found.verdict == "kernel_backend":
+                        hint = (
+                            f"{hint}; {cause.backend_remedy(found)}" if hint else cause.backend_remedy(found)
+                        )
+                    return dataclasses.replace(a, reproducible=True, cause=found, hint=hint)
             if mon.state.measure is Measure.AFTER_EDIT and mon.state.edit_bad and not losses_bad:
                 # measured after code changed the gradients, and backward() is clean when re-run: that
                 # code made them non-finite
                 return gradient_edit_anomaly(mon, micro)
-            a = symptom_anomaly(mon, micro, losses_bad, reproduced=False)
+            a = _unreproduced(mon, flag, idx, micro, losses_bad)
             gap = replay_gap(mon.state.captures[idx], tracer)
             return dataclasses.replace(a, hint=f"{a.hint}; {gap}") if gap else a
         except Exception as exc:
@@ -185,6 +180,103 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
     elif first_replay:
         why = "the failing micro-step was not captured"
     return symptom_anomaly(mon, micro, losses_bad, why=why)
+
+
+def _replay_once(
+    mon: SessionView, flag: Replaying, idx: int, micro: int | None
+) -> tuple[Anomaly | None, Tracer]:
+    """The eager replay of the failing micro-step under the tracer, from the buffers the step wrote as
+    it began: its anomaly (None when finite) and the tracer."""
+    start = flag.buffers.start_values()  # the buffers the step wrote, as it began
+    with mon.eager():
+        if mon.roots is not None:  # several models: the step's micro-steps, in order
+            tracer = replay_in_order(mon, idx, start)
+        else:
+            tracer = replay_capture(
+                mon.model,
+                mon.state.captures[idx],
+                names=mon.names,
+                frames=mon.config.frames,
+                uses_cuda=mon.uses_cuda,
+                buffers=start if idx == 0 else None,
+            )
+    a = tracer.anomaly(step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel")
+    return a, tracer
+
+
+def _reproduced_cause(
+    mon: SessionView, flag: Replaying, idx: int, micro: int | None, a: Anomaly, replays: int
+) -> Cause:
+    """The eager replay made ``a``: the model's fault, unless another kernel of its op is finite."""
+    if mon.roots is not None:
+        return cause.model_cause(a, replays)
+    try:
+        return cause.backend_cause(a, lambda: _replay_once(mon, flag, idx, micro)[0], mon.uses_cuda, replays)
+    except Exception as exc:
+        c = cause.model_cause(a, replays)
+        return dataclasses.replace(c, tried=(*c.tried, f"other kernels of {a.op}: failed ({exc!r})"))
+
+
+def _unreproduced(
+    mon: SessionView, flag: Replaying, idx: int, micro: int | None, losses_bad: list[int]
+) -> Anomaly:
+    """Two eager replays were finite: the compiled model replayed (it made it: the compiler), then a
+    replay on another rank (several ranks: the coordinator's), else unknown with what was tried."""
+    tried = [cause.EAGER_TRIED]
+    found: Cause | None = None
+    compiled = mon.compiled or cause.compiled_inside(mon.model)
+    if compiled and mon.roots is None:
+        try:
+            start = flag.buffers.start_values() if idx == 0 else None  # as the eager replays began
+            found = cause.compiler_cause(mon, idx, 2, tried, start)
+        except Exception as exc:
+            tried.append(f"a replay through the compiled model failed ({exc!r})")
+    elif compiled:
+        tried.append("no replay through the compiled models (several models)")
+    if found is None and mon.world_size > 1 and flag.replica is not None:
+        found = flag.replica(mon, idx)
+    if found is not None and found.verdict == "compiler":
+        return compiler_anomaly(mon, micro, losses_bad, found)
+    if found is None:
+        # two eager replays, and one through the compiled model when it was tried
+        found = cause.unknown_cause(tried, replays=2 + (compiled and mon.roots is None))
+    return symptom_anomaly(mon, micro, losses_bad, reproduced=False, found=found)
+
+
+def compiler_anomaly(mon: SessionView, micro: int | None, losses_bad: list[int], found: Cause) -> Anomaly:
+    """The compiled model made it and the eager model does not: named by the module the compiler
+    made it in (its forward) and that module's line, else the model."""
+    per = mon.transfer.grad_norms or []
+    losses = mon.transfer.readout.losses
+    nan = any(math.isnan(losses[i]) for i in losses_bad if i < len(losses)) or any(math.isnan(x) for x in per)
+    module = found.module if found.module is not None else ""
+    mod = mon.model.get_submodule(module) if module else mon.model
+    seen = "the loss" if losses_bad else "the gradients"
+    return Anomaly(
+        phase=Phase.FORWARD.value if found.module is not None or losses_bad else Phase.BACKWARD.value,
+        module=module,
+        op=None,
+        location=found.location,
+        kind="nan" if nan else "inf",
+        step=mon.global_step,
+        rank=mon.rank,
+        module_type=type(mod).__name__,
+        micro_step=micro,
+        symptom=f"{seen} held NaN/Inf in the step; the eager replays were finite",
+        detected_by="sentinel",
+        hint=(
+            "torch.compile made it: eager code computes the same step finite. Keep this module out of "
+            "the compiled region (torch.compiler.disable) to train on, and report it to PyTorch with "
+            "its inputs"
+            + (
+                f"; the bisector names {found.backend}"
+                if found.backend
+                else ("" if mon.config.compiler_bisect else "; compiler_bisect=True names the compiler pass")
+            )
+        ),
+        reproducible=True,
+        cause=found,
+    )
 
 
 def consequence(mon: SessionView, a: Anomaly, first: Anomaly) -> Anomaly:
@@ -238,7 +330,7 @@ def buffer_anomaly(mon: SessionView, flag: Replaying, bad: list[str]) -> Anomaly
                 tracer = replay_in_order(mon, len(caps) - 1, flag.buffers.start_values())
             a = tracer.anomaly(step=mon.global_step, rank=mon.rank, detected_by="sentinel")
             if a is not None:
-                return dataclasses.replace(a, reproducible=True)
+                return dataclasses.replace(a, reproducible=True, cause=cause.model_cause(a, 1))
             why = "replayed from the buffers as the step began, the step left every buffer finite"
         except Exception as exc:
             why = f"the replay failed ({exc!r})"
@@ -300,9 +392,15 @@ def gradient_edit_anomaly(mon: SessionView, micro: int | None, kind: str | None 
 
 
 def symptom_anomaly(
-    mon: SessionView, micro: int | None, losses_bad: list[int], reproduced: bool | None = None, why: str = ""
+    mon: SessionView,
+    micro: int | None,
+    losses_bad: list[int],
+    reproduced: bool | None = None,
+    why: str = "",
+    found: Cause | None = None,
 ) -> Anomaly:
-    """What was seen, without an origin: the replay did not run, failed, or found everything finite."""
+    """What was seen, without an origin: the replay did not run, failed, or found everything finite
+    (``found``: whose fault it is then, unknown or a rank's hardware)."""
     per = mon.transfer.grad_norms or []
     bad = [mon.param_names[i] for i, x in enumerate(per) if not math.isfinite(x)]
     loss_bad = bool(losses_bad)
@@ -322,6 +420,19 @@ def symptom_anomaly(
             more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
             seen.append(f"the gradients of {', '.join(bad[:4])}{more}")
         observed = " and ".join(seen) or "a non-finite value"
+        if found is None:
+            found = cause.unknown_cause([cause.EAGER_TRIED], replays=2)
+        if found.verdict == "unknown":
+            hint = (
+                f"not reproducible: in the step, {observed} held NaN/Inf; replayed twice with the same "
+                "batch, weights, buffers and RNG state, the loss and every gradient came out finite"
+                + "".join(f"; {t}" for t in found.tried if t != cause.EAGER_TRIED)
+                + ". Nothing tried reproduced it: a nondeterministic kernel or race, a hook or state "
+                "that changed between the step and the replay, or loss code the replay did not capture"
+                + ("; a replay on another rank tells a faulty rank apart" if mon.world_size > 1 else "")
+            )
+        else:
+            hint = f"not reproducible on this rank: in the step, {observed} held NaN/Inf; {found.evidence}"
         return Anomaly(
             phase=Phase.FORWARD.value if loss_bad else Phase.BACKWARD.value,
             module=None,
@@ -333,14 +444,9 @@ def symptom_anomaly(
             micro_step=micro,
             symptom=f"{observed} held NaN/Inf in the step",
             detected_by="sentinel",
-            hint=(
-                f"not reproducible: in the step, {observed} held NaN/Inf; replayed twice with the same "
-                "batch, weights, buffers and RNG state, the loss and every gradient came out finite. "
-                "Likely a one-off fault: hardware or silent data corruption, a nondeterministic "
-                "kernel or race, a hook or state that changed between the step and the replay, or "
-                "loss code the replay did not capture"
-            ),
+            hint=hint,
             reproducible=False,
+            cause=found,
         )
     first = bad[0] if bad else None
     symptom = "non-finite loss" if loss_bad else f"non-finite gradient of {first}"

@@ -59,6 +59,7 @@ from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
 from .buffers import WrittenBuffers
+from .cause import ReplicaCheck
 from .edits import EditCheck, item_numbers, lift_mode
 from .ledger import UpdateLedger, nonfinite_params
 from .locate import FORWARD, FORWARD_NO_GRAD, LossTape, StepCapture
@@ -82,6 +83,9 @@ class Sentinel:
         self.holder: Any = None
         self.active = False
         self.replaying = False
+        # several ranks: the distributed coordinator's replay of a step on another rank (whose fault:
+        # a rank's hardware), asked when every replay on this rank came out finite
+        self.replica: ReplicaCheck | None = None
         self.manual = False  # the loop updates by hand (no optimizer object): checked at each backward end
         # check at the end of every backward(), also with an optimizer (the seed facades' step blocks:
         # a NaN raises out of backward() as torch.autograd.detect_anomaly did); costs a second read

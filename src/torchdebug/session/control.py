@@ -205,12 +205,51 @@ class Controls:
             f"{len(warned)} warning{'' if len(warned) == 1 else 's'}{where}>"
         )
 
+    def verdict(self) -> dict[str, Any]:
+        """The session's verdict, ranked as ``torchdebug show`` ranks a run's (the same function,
+        :func:`torchdebug.views.verdict.judge`, over this session's anomalies and rule events).
+
+        Returns:
+            ``judge``'s dict: ``"text"`` (one sentence: ``"running: step 12, no anomalies so far"``,
+            ``"finished: 30 steps, no anomalies"``, ``"failed at step 6: nan born in ..."``),
+            ``"level"`` (ok | running | warning | error) and ``"findings"`` ranked.
+
+        Example:
+            >>> import torch, torchdebug as td
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with td.watch(model, run=False, announce=False) as mon:
+            ...     for _ in range(2):
+            ...         model(torch.ones(1, 2)).sum().backward()
+            ...         _ = mon.step()
+            >>> mon.verdict()["text"]
+            'finished: 2 steps, no anomalies'
+        """
+        from ..views.verdict import judge
+
+        status = "running" if not self._closed else getattr(self, "_end_status", None) or "finished"
+        anomalies = [{**a.to_dict(), "step": a.step} for a in self.anomalies]
+        events = [
+            {
+                "kind": e.kind,
+                "severity": e.severity,
+                "message": e.message,
+                "step": e.step,
+                "data": {"modules": list(e.modules), "evidence": dict(e.evidence)},
+            }
+            for e in self.events
+        ]
+        last = self.global_step - 1 if self.global_step else None
+        return judge(status, steps=self.global_step, last_step=last, anomalies=anomalies, events=events)
+
     def _repr_html_(self) -> str:
-        """The session in a notebook: status, step, the first anomaly, the warnings so far, the run folder."""
+        """The session in a notebook: the verdict first (as ``torchdebug show`` says it), then status,
+        step, the first anomaly, the warnings so far, the run folder."""
         from ..events import html_table
 
         n, warned = self._findings()
+        said = self.verdict()
         rows: list[tuple[str, Any]] = [
+            ("verdict", said["text"]),
             ("status", self.status),
             ("step", self.global_step),
             ("anomalies", n if n == 0 else f"{n}, first: {self.anomalies[0].summary()}"),
@@ -222,7 +261,8 @@ class Controls:
             ),
             ("run folder", self.run_dir if self.run_dir is not None else "none"),
         ]
-        colour = "#c0392b" if n else ("#b9770e" if warned else "#1e8449")
+        level = said["level"]
+        colour = "#c0392b" if level == "error" else ("#b9770e" if level == "warning" else "#1e8449")
         title = f"torchdebug watch of {type(self.model).__name__}"
         return html_table(title, colour, rows, "torchdebug-monitor")
 

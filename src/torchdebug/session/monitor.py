@@ -323,6 +323,12 @@ class Monitor(Controls, Recording, SeveralModels):
         inside it)."""
         return is_compiled([self._called, *(self.roots or {}).values()])
 
+    @property
+    def called(self) -> nn.Module:
+        """The module the loop calls: a ``torch.compile`` wrapper, else the model (``model.compile()``
+        compiles it in place)."""
+        return self._called
+
     def accepts_backward(self) -> bool:
         return not self.sentinel.replaying and not self._closed
 
@@ -408,7 +414,8 @@ class Monitor(Controls, Recording, SeveralModels):
         self._plain.remove()
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self.stepper.next()
-        self._close_store("finished" if exc is None else "failed")
+        self._end_status = "finished" if exc is None else "failed"  # what verdict() and the store say
+        self._close_store(self._end_status)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (at the user's line) once per ``key`` in this session."""

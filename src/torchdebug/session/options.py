@@ -99,7 +99,7 @@ def gather_models(
 
     Several models: a list or tuple (named after the caller's variables holding them, else their
     class names), a dict or an ``nn.ModuleDict`` (named by its keys). One model in a list is one model.
-    Raises TypeError / ValueError naming the fix.
+    Raises TypeError / ValueError naming the fix; ConfigError for a TorchScript model (no hooks).
     """
     roots: dict[str, nn.Module] | None = None
     if isinstance(model, nn.ModuleDict):
@@ -123,6 +123,9 @@ def gather_models(
             model = model[0]
     elif not isinstance(model, nn.Module):
         raise TypeError(f"watch(model, ...): model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, m in (roots or {"": model}).items():
+        if isinstance(m, torch.jit.ScriptModule):
+            raise ConfigError(_scripted_message(name, m))
     if roots is not None:
         if len({id(m) for m in roots.values()}) < len(roots):
             raise ValueError("watch([models]): the same model is given twice; give each model once")
@@ -137,6 +140,19 @@ def gather_models(
     if len({id(o) for o in optimizers}) < len(optimizers):
         raise ValueError("watch(..., [optimizers]): the same optimizer is given twice; give each once")
     return model, roots, optimizers
+
+
+def _scripted_message(name: str, model: nn.Module) -> str:
+    """Why a TorchScript model cannot be watched, and the three ways that work."""
+    what = f"model {name!r}" if name else "the model"
+    return (
+        f"watch(): {what} is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
+        "torch.jit.trace), and torch allows no Python hooks on one, which watch needs. Watch the eager "
+        "module instead: train the nn.Module under td.watch(model) and script it once training is done "
+        "(a scripted copy shares its parameters); or use torch.compile(model), which watch supports; or "
+        "trace a block op by op, which works on a scripted model: "
+        "with td.PyTorchDebugger(debug_mode=td.DebugMode.FULL_DEBUG).debug_context('step'): ..."
+    )
 
 
 def _names(models: list[nn.Module], caller: Any) -> list[str]:

@@ -238,15 +238,21 @@ class SinkHub:
         for w in self._workers:
             w.put(items)
 
-    def close(self, status: str, last_step: int | None = None, lost: int = 0) -> RunEnd:
+    def close(
+        self, status: str, last_step: int | None = None, lost: int = 0, steps: int | None = None
+    ) -> RunEnd:
         """Send how the run ended, wait for the sinks (``CLOSE_TIMEOUT`` in all), release them, warn.
 
         ``last_step``: the session's last step, when no record reached this far; ``lost``: records
-        the run writer could not store (the verdict then says the run is incomplete, as ``show`` does).
+        the run writer could not store (the verdict then says the run is incomplete, as ``show`` does);
+        ``steps``: the steps that stored metrics, when the scalars went another way (a framework's
+        own ``log_metrics``: the hub saw findings only, and would count 0 steps).
         """
         tally = self.tally
         if last_step is not None and (tally.last_step is None or last_step > tally.last_step):
             tally.last_step = last_step
+        if steps is not None:
+            tally.steps = max(tally.steps, steps)
         tally.lost = max(tally.lost, lost)
         end = tally.end(status, self.run.path)
         if self._closed:

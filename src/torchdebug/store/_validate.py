@@ -105,6 +105,15 @@ ANOMALY_FIELDS: dict[str, tuple[type, ...]] = {
     "micro_step": _INT,
     "rank": _INT,
     "world_size": _INT,
+    "cause": (dict,),
+}
+CAUSE_FIELDS: dict[str, tuple[type, ...]] = {
+    "verdict": (str,),
+    "evidence": (str,),
+    "tried": (list,),
+    "compiles": _INT,
+    "replays": _INT,
+    "rank": _INT,
 }
 FRAME_FIELDS: dict[str, tuple[type, ...]] = {
     "input_abs_min": _NUM,
@@ -206,4 +215,6 @@ def anomaly(text: Any, where: str) -> dict[str, Any]:
         if not isinstance(frame, dict):
             raise RunStoreError(f"{where}: frames[{i}] must be a JSON object, found {_kind(frame)}")
         check_fields(frame, FRAME_FIELDS, f"{where} frames[{i}]")
+    if doc.get("cause") is not None:
+        check_fields(doc["cause"], CAUSE_FIELDS, f"{where} cause")
     return doc

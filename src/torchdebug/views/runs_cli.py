@@ -134,6 +134,7 @@ def _show(args: argparse.Namespace) -> int:
     from ..store.ranks import rank_overview
     from ..store.reader import open_run
     from .hangs import verdict_of_run
+    from .report._format import cause_text
     from .verdict import verdict
 
     path = resolve_run(args.run, args.runs or default_runs_dir())
@@ -208,6 +209,9 @@ def _show(args: argparse.Namespace) -> int:
             if g["count"] > 1:
                 line += f"  [{g['count']}x, steps {g['first_step']}-{g['last_step']}]"
             out.append(line)
+            why = cause_text(g["anomaly"])
+            if why:
+                out.append(f"    cause {why}")
         if len(groups) > _MAX_ANOMALIES:
             out.append(f"  ... and {len(groups) - _MAX_ANOMALIES} more groups")
         if not anomalies:

@@ -94,7 +94,17 @@ def anomaly_rows(a: Mapping[str, Any]) -> list[tuple[str, Any]]:
         rows.append(("became", f"{noticed.get('kind')} in {noticed.get('site')}"))
     if a.get("reproducible") is False:
         rows.append(("reproducible", "no: finite when the step was replayed twice"))
+    rows.append(("cause", cause_text(a)))
     return rows
+
+
+def cause_text(a: Mapping[str, Any]) -> str | None:
+    """``compiler: replayed through the compiled model ...``: whose fault and its evidence (None:
+    the document does not say, as in runs written before the verdict existed)."""
+    c = a.get("cause")
+    if not isinstance(c, Mapping) or not c.get("verdict"):
+        return None
+    return f"{c['verdict']}: {c.get('evidence') or ''}".rstrip(": ")
 
 
 def fmt_num(x: Any) -> str:

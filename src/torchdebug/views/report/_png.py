@@ -1,4 +1,4 @@
-"""The seed's 2x2 ``debug_analysis.png`` (step time, memory, gradient norm, anomalies) via matplotlib Agg."""
+"""The seed's ``debug_analysis.png`` (loss, gradient norm, step time, memory, anomalies) via matplotlib Agg."""
 
 from __future__ import annotations
 
@@ -16,23 +16,78 @@ def _finite(pts: Mapping[str, Any], scale: float = 1.0) -> tuple[list[int], list
     return list(pts["steps"]), ys
 
 
-def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
-    """PNG bytes of the 2x2 analysis figure from ``collect_data``'s dict.
+def spikes(ys: list[float]) -> set[int]:
+    """Indexes of lone spikes in ``ys``, as the HTML report's robust axis leaves them out: a value
+    more than 20 median residuals (each value's distance to the median of its 11 neighbours) and
+    half the series' 10-90 % spread from its neighbours' median. A level that lasts 6 points or more
+    becomes the local median and is no spike; NaN/Inf are skipped.
 
-    Non-finite gradient norms are drawn as red crosses on the top edge (a line plot would drop them).
-    Uses ``matplotlib.figure.Figure`` with the Agg canvas directly: no pyplot, no global state, safe
-    from any thread. Cost: about 0.3 s.
+    Example:
+        >>> spikes([1.0, 1.1, 0.9, 1.0, 1.05, 50.0, 1.0, 0.95, 1.1, 1.0, 1.0])
+        {5}
+    """
+    idx = [i for i, v in enumerate(ys) if is_finite(v)]
+    vals = [ys[i] for i in idx]
+    n = len(vals)
+    if n < 3:
+        return set()
+    res = []
+    for k, v in enumerate(vals):
+        w = min(5, k, n - 1 - k)
+        res.append(abs(v - sorted(vals[k - w : k + w + 1])[w]))
+    scale = sorted(res)[n >> 1]
+    vs = sorted(vals)
+    spread = vs[int((n - 1) * 0.9)] - vs[int((n - 1) * 0.1)]
+    limit = max(20 * scale, 0.5 * spread)
+    return {idx[k] for k, r in enumerate(res) if r > limit and r > 0}
+
+
+def _robust_ylim(ax: Any, ys: list[float]) -> int:
+    """Fit the y axis to ``ys`` without their lone spikes (:func:`spikes`), 5 % padding; the number left
+    off the axis (0: the axis is matplotlib's own)."""
+    out = spikes(ys)
+    kept = [v for i, v in enumerate(ys) if is_finite(v) and i not in out]
+    if not out or not kept:
+        return 0
+    lo, hi = min(kept), max(kept)
+    pad = (hi - lo) * 0.05 or abs(hi) * 0.05 or 1.0
+    ax.set_ylim(lo - pad, hi + pad)
+    return len(out)
+
+
+def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
+    """PNG bytes of the analysis figure from ``collect_data``'s dict: loss and gradient norm on top,
+    step time, memory and anomalies below.
+
+    The loss axis leaves lone spikes out, as the HTML report's default does (one spike must not
+    flatten the curve); the title says how many are off the axis. Non-finite gradient norms are drawn
+    as red crosses on the top edge (a line plot would drop them). Uses ``matplotlib.figure.Figure``
+    with the Agg canvas directly: no pyplot, no global state, safe from any thread. Cost: about 0.3 s.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(15, 10))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
+    grid = fig.add_gridspec(2, 6)
+    loss_ax, norm_ax = fig.add_subplot(grid[0, :3]), fig.add_subplot(grid[0, 3:])
+    time_ax, mem_ax, anomaly_ax = (fig.add_subplot(grid[1, 2 * k : 2 * k + 2]) for k in range(3))
     fig.suptitle(f"PyTorch Debug Analysis: {title}", fontsize=16)
     timings, memory, series = data["timings"], data["memory"], data["series"]
 
-    ax = axes[0, 0]
+    ax = loss_ax
+    loss_title = "Loss"
+    if "loss" in series:
+        xs, ys = _finite(series["loss"])
+        ax.plot(xs, ys, color="tab:blue", label="loss")
+        if len(xs) == 1:
+            ax.plot(xs, ys, "o", color="tab:blue")  # a lone point is drawn, not lost
+        off = _robust_ylim(ax, ys)
+        if off:
+            loss_title += f" ({off} spike{'s' if off != 1 else ''} off the axis)"
+    ax.set(title=loss_title, xlabel="step", ylabel="Loss")
+
+    ax = time_ax
     if "total" in timings:
         ax.plot(*_finite(timings["total"]), "b-", label="step")
     for phase, color in (("forward", "tab:green"), ("backward", "tab:orange"), ("data", "tab:gray")):
@@ -40,7 +95,7 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
             ax.plot(*_finite(timings[phase]), color=color, lw=0.8, label=phase)
     ax.set(title="Execution Time", xlabel="step", ylabel="Time (seconds)")
 
-    ax = axes[0, 1]
+    ax = mem_ax
     mib = 1.0 / 2**20
     for key, style in (
         ("rss", "g-"),
@@ -52,7 +107,7 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
             ax.plot(*_finite(memory[key], mib), style, label=key)
     ax.set(title="Memory Usage", xlabel="step", ylabel="Memory (MiB)")
 
-    ax = axes[1, 0]
+    ax = norm_ax
     if "grad_norm" in series:
         g = series["grad_norm"]
         xs, ys = _finite(g)
@@ -73,7 +128,7 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
             )
     ax.set(title="Gradient Norm", xlabel="step", ylabel="Gradient Norm")
 
-    ax = axes[1, 1]
+    ax = anomaly_ax
     an = [a["step"] for a in data["anomalies"] if isinstance(a.get("step"), int)]
     if an:
         ax.scatter(an, [1.0] * len(an), color="red", alpha=0.8, marker="x", s=80, label="anomaly")
@@ -89,7 +144,7 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
             ax.scatter(ev, [y] * len(ev), color=color, alpha=0.8, label=f"{sev} event")
     ax.set(title="Anomaly Detection", xlabel="step", ylabel="Anomalies / events", ylim=(0, 1.15))
 
-    for ax in axes.flat:
+    for ax in fig.axes:
         ax.grid(True)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
