@@ -13,7 +13,10 @@ tiny C shim compiled on first use (``gcc`` and valgrind's headers, ``apt-get ins
 
 Variants: ``plain`` (no torchdebug), ``watch`` (the default ``torchdebug.watch``, run store on, as
 users get it), ``sentinel`` (mode="anomaly_detection", store on), ``watch_norun`` (the default with
-``run=False``: the store left out, a labelled extra). Workloads: ``tests/fixtures/launch_models.py``
+``run=False``: the store left out, a labelled extra), ``hash`` (the plain loop plus the work
+``parameter_hash_every=1`` adds to each DDP rank's step, ``session.replica.ReplicaHash``: the hash of
+every parameter for the step's all-reduce, its check, and the hash after the update; one process, so
+the all-reduce itself, which it rides in, is not counted). Workloads: ``tests/fixtures/launch_models.py``
 plus ``many2000`` (2,000 parameter tensors; ``--steps 20,21`` counts its detail step alone).
 
 Instructions are not time (a memory-bound copy costs more per instruction than Python does), but
@@ -38,9 +41,10 @@ import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("plain", "watch", "sentinel", "watch_norun")
+VARIANTS = ("plain", "watch", "sentinel", "watch_norun", "hash")
 _SHIM = r"""
 #include <valgrind/callgrind.h>
 void td_window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
@@ -88,6 +92,9 @@ def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
             train_step(w, model, opt, batches[i % 4])
         lib.td_window_stop()
         return
+    if variant == "hash":
+        _hash_child(w, model, opt, batches, n1, n2, lib)
+        return
     config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()  # type: ignore[arg-type]
     run = False if variant.endswith("_norun") else tempfile.mkdtemp(prefix="td-instr-")
     with td.watch(model, opt, run=run, config=config) as mon:
@@ -104,6 +111,31 @@ def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
         lib.td_window_stop()
     if isinstance(run, str):
         shutil.rmtree(run, ignore_errors=True)
+
+
+def _hash_child(w: Any, model: Any, opt: Any, batches: list, n1: int, n2: int, lib: Any) -> None:
+    """The plain loop plus what ``parameter_hash_every=1`` adds to a DDP rank's step (rank 0 of 2)."""
+    from types import SimpleNamespace
+
+    import torch
+    from tests.fixtures.launch_models import train_step
+
+    from torchdebug.session.replica import ReplicaHash
+
+    hashes = ReplicaHash(1)
+    view = SimpleNamespace(params=list(model.parameters()), global_step=0)  # what ReplicaHash reads
+    for i in range(n2):
+        if i == n1:
+            lib.td_window_start()
+        train_step(w, model, opt, batches[i % 4])
+        view.global_step = i
+        vec = hashes.entries(view, 0, 2, torch.device("cpu"))  # type: ignore[arg-type]
+        got = vec.tolist()  # in the session: part of the step's one host read
+        got[1], got[3] = got[0], got[2]  # rank 1's column: the same weights (a healthy run)
+        hashes.read(i, got, 2)
+        hashes.check(view, i, 2)  # type: ignore[arg-type]
+        hashes.after_update(view, i + 1)  # type: ignore[arg-type]
+    lib.td_window_stop()
 
 
 def count(workload: str, variant: str, n1: int, n2: int, shim: Path) -> dict[str, int]:

@@ -115,6 +115,7 @@ EXPECTED_DEFAULTS = {
     "peak_flops": None,
     "rank": None,
     "hang_timeout": None,
+    "parameter_hash_every": None,
 }
 
 

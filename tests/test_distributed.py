@@ -195,6 +195,10 @@ def test_forward_nan_on_rank1_stops_both_ranks_at_step_7_naming_rank1(runs):
         assert "born on rank 1 of 2" in a["symptom"]
     assert r0["anomaly"]["detected_by"] == "rank 1 (its replay found the origin)"
     assert r1["anomaly"]["detected_by"] == "sentinel"
+    for r in (r0, r1):  # rank 0 replayed rank 1's micro-step: NaN there too, the data's fault
+        c = r["anomaly"]["cause"]
+        assert c["verdict"] == "model" and c["collectives"] == 2
+        assert c["tried"][-1].endswith("on rank 1 and on rank 0: nan on both")
     assert r0["run_dir"] == r1["run_dir"]
     run = Path(r0["run_dir"])
     assert sorted(p.name for p in run.glob("rank*.sqlite")) == ["rank0.sqlite", "rank1.sqlite"]
@@ -216,6 +220,9 @@ def test_backward_nan_on_rank1_is_named_rank1(runs):
         assert (a["rank"], a["phase"], a["module"], a["op"]) == (1, "backward", "feat", "SqrtBackward0")
         assert a["location"].endswith(f"test_distributed.py:{SQRT_LINE}")
         assert "born on rank 1 of 2" in a["symptom"]
+        # rank 0 replayed rank 1's micro-step: -Inf there too (the data's), not rank 1's device
+        assert a["cause"]["verdict"] == "model"
+        assert a["cause"]["tried"][-1].endswith("on rank 1 and on rank 0: -inf on both")
 
 
 @TIMEOUT

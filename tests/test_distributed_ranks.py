@@ -102,9 +102,11 @@ def test_every_rank_raises_an_error_naming_the_rank_of_birth(runs):
     for r in runs["raise"]:
         assert r["step"] == BAD_STEP and r["warnings"] == []
         assert r["summary"] == summary
-        # the same head on both ranks (rank 0 did not replay: rank 1 sent what it found; rank 1's
-        # error goes on with the tensors its replay saw)
-        assert r["error"].splitlines()[:9] == [
+        # the same head on both ranks (rank 1 sent what it found; rank 1's error goes on with the
+        # tensors its replay saw); rank 0 replayed rank 1's micro-step too: NaN there as well, so the
+        # cause is the model's (its data), not rank 1's device
+        lines = r["error"].splitlines()
+        assert lines[:8] == [
             f"torchdebug: {summary}",
             "  phase     forward",
             "  module    feat (Feat)",
@@ -113,8 +115,11 @@ def test_every_rank_raises_an_error_naming_the_rank_of_birth(runs):
             f"  step      {BAD_STEP}",
             "  rank      1 of 2",
             "  noticed   nan in the loss; born on rank 1 of 2",
-            "  hint      sqrt of negative input (min -0.993)",  # x[3, 0] = -1 times w after 7 updates
         ]
+        (cause,) = [x for x in lines if x.startswith("  cause     ")]
+        assert cause.startswith("  cause     model: ")
+        # x[3, 0] = -1 times w after 7 updates
+        assert "  hint      sqrt of negative input (min -0.993)" in lines
     run = Path(runs["raise"][0]["run_dir"])
     for k in (0, 1):  # each rank's store keeps the rank of birth and the world size
         with open_run(run, rank=k) as rec:

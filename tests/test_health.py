@@ -356,6 +356,32 @@ def test_update_ratio_and_weight_norm_match_the_real_update(tmp_path) -> None:  
     )
 
 
+def test_update_ratio_of_a_big_tensor_matches_the_real_update(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # 256 x 256 = 65,536 weights: over the plan's SMALL, so its norms come from one dot, not segments
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(hm.D_IN, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, hm.D_OUT)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    snap: dict[str, torch.Tensor] = {}
+
+    def before(step: int) -> None:
+        if step == 5:
+            snap.update({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    with watch(model, opt, config=CFG, run=tmp_path) as mon:
+        hm.train(mon, model, opt, 6, before_step=before)
+    run = open_run(mon.run_dir)
+    for name in ("2.weight", "2.bias", "4.weight"):
+        w = model.get_parameter(name).detach()
+        expected = (torch.linalg.vector_norm(w - snap[name]) / torch.linalg.vector_norm(w)).item()
+        assert run.series(f"update_ratio/{name}").steps == [0, 5]
+        assert run.series(f"update_ratio/{name}").values[-1] == pytest.approx(expected, rel=1e-5)
+        assert run.series(f"weight_norm/{name}").values[-1] == pytest.approx(
+            torch.linalg.vector_norm(w).item()
+        )
+
+
 def test_explosion_named_at_the_fault_step_and_layer() -> None:
     torch.manual_seed(0)
     model = hm.ExplodingNet(blowup=1e4)

@@ -88,6 +88,27 @@ def test_plan_norms_and_sums_match_one_call_per_tensor() -> None:
     torch.testing.assert_close(plan.segment_norms(flat), ref_norms, rtol=1e-5, atol=1e-6)
 
 
+def test_plan_segment_norms_read_big_tensors_alone() -> None:
+    ts = _mixed()
+    plan = Plan.build(ts)
+    assert plan is not None
+    # runs of small tensors (one segment_reduce each) and each big tensor alone (one dot), list order:
+    # 15 | SMALL + 1 | 0 + 7 | 40,000 | SMALL elements
+    got = [(off, k, None if n is None else n.tolist()) for off, k, n in plan.spans]
+    assert got == [
+        (0, 15, [15]),
+        (15, SMALL + 1, None),
+        (SMALL + 16, 7, [0, 7]),
+        (SMALL + 23, 40_000, None),
+        (SMALL + 40_023, SMALL, [SMALL]),
+    ]
+    flat = plan.flatten(ts)
+    flat[SMALL + 16 + 3] = math.nan  # the float64 tensor's fourth value
+    norms = plan.segment_norms(flat).tolist()
+    assert [i for i, x in enumerate(norms) if not math.isfinite(x)] == [3]
+    assert norms[2] == 0.0
+
+
 @pytest.mark.parametrize("k", [0, 1, 3, 4, 5], ids=["small", "big", "float64", "big-2d", "small-edge"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_plan_flags_exactly_the_non_finite_tensor(k: int, value: float) -> None:

@@ -53,7 +53,9 @@ def test_a_foreign_origin_cannot_change_the_live_session(live: tuple[Any, Any]) 
     r = httpx.post(f"{h.url}/training-logs/debug/clear", headers={"Origin": "null"})  # sandboxed page
     assert r.status_code == 403
     # the live session is unchanged: no level pending, no override, no new history segment
-    assert mon._pending_level is None and mon.level_overrides == [] and mon._segment_start == 0
+    assert (
+        mon.controls.pending_level is None and mon.level_overrides == [] and mon.controls.segment_start == 0
+    )
     assert mon.config.level.value == "intermediate"
 
 

@@ -9,7 +9,8 @@ whether the house got simpler. Measured on this loop: 271 calls and 31 call-back
 reached the step through the session (``mon.transfer``, ``sentinel.st``), 179 and 4 since the step is
 handed over. The static half pins what keeps it so: the sentinel holds no session, the coordinator
 never calls the sentinel, the step state has no flags, and no class of the core is over 600 lines with
-the bases it inherits from the package.
+the bases it inherits from the package (the session holds its parts as members: ``Step``, ``Models``,
+``Recording``, ``Controls``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from tests._imports import ROOT
 
 MAX_CALLS = 180  # torchdebug's Python calls in one ordinary step of the loop below
 MAX_CALL_BACKS = 10  # calls into a file already on the stack, in that step
-MAX_CLASS_LINES = 600
-MONITOR_WITH_BASES = 856  # Monitor with the bases it still inherits (see the last test)
+MAX_CLASS_LINES = 600  # a class of session/, nonfinite/ or _step.py, with the bases it inherits from them
 
 
 def _trace_step(tmp_path: Path, index: int = 3) -> tuple[int, int, list[str]]:
@@ -132,15 +132,18 @@ def test_no_class_of_the_core_is_over_600_lines_with_its_package_bases() -> None
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef):
                 lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                classes[node.name] = (lines, [ast.unparse(b) for b in node.bases])
+                # two classes of one name (in two files): the larger one is measured
+                classes[node.name] = max(
+                    classes.get(node.name, (0, [])), (lines, [ast.unparse(b) for b in node.bases])
+                )
 
     def size(name: str) -> int:
         lines, bases = classes[name]
         return lines + sum(size(b) for b in bases if b in classes and b != name)
 
-    assert {"Monitor", "Sentinel", "Step", "StepState", "Coordinator"} <= set(classes)
-    assert classes["Sentinel"][1] == [] and classes["Step"][1] == []  # members, not mixins
-    over = {k: size(k) for k in classes if size(k) > MAX_CLASS_LINES}
-    # the session: the step's path is a member (Step); its other parts are still bases sharing its
-    # ``self`` (Controls, Recording, SeveralModels), pinned here until they are members
-    assert set(over) <= {"Monitor"} and over.get("Monitor", 0) <= MONITOR_WITH_BASES
+    assert {"Monitor", "Sentinel", "Step", "StepState", "Coordinator", "Models", "Controls"} <= set(classes)
+    # the session holds its parts (members, not mixins): none of its bases is a class of the package
+    assert {
+        k: b for k in ("Monitor", "Sentinel", "Step") if (b := [x for x in classes[k][1] if x in classes])
+    } == {}
+    assert {k: size(k) for k in classes if size(k) > MAX_CLASS_LINES} == {}

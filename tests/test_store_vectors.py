@@ -7,7 +7,9 @@ import sqlite3
 import time
 from pathlib import Path
 
-from torchdebug.store import create_run, open_run
+import numpy as np
+
+from torchdebug.store import _vectors, create_run, open_run
 from torchdebug.store._aggregate import metric_stats
 
 NAMES = ["grad_norm/a", "grad_norm/b"]
@@ -94,12 +96,12 @@ def test_a_run_written_before_vectors_reads_and_resumes(tmp_path: Path) -> None:
         assert run.series("grad_norm/a").values == [1.0, 0.5, 0.1]
         assert run.at_step(10)["scalars"] == {"grad_norm/a": 0.5, "grad_norm/b": 2.0}
         assert metric_stats(run)["grad_norm/a"]["sum"] == 1.6
-    # resumed by a writer of today: migrated to v5, the same names now arrive as a vector
+    # resumed by a writer of today: migrated to v6, the same names now arrive as a vector
     w2 = create_run(path=w.path)
     w2.log_vector(30, NAMES, [0.25, 4.0])
     w2.close()
     with open_run(w.path) as run:
-        assert run.schema_version == 5
+        assert run.schema_version == 6
         assert run.series("grad_norm/a").steps == [0, 10, 20, 30]
         assert run.series("grad_norm/a").values == [1.0, 0.5, 0.1, 0.25]
         st = metric_stats(run)["grad_norm/a"]
@@ -140,3 +142,77 @@ def test_the_writer_commits_every_commit_steps_steps(tmp_path: Path) -> None:
         assert got[:4] == [0, 1, 2, 3]
     finally:
         w.close()
+
+
+def test_a_compressible_vector_is_stored_compressed_and_read_back_exactly(tmp_path: Path) -> None:
+    # norms of one model share their sign-and-exponent bytes: 1 + i/64 (float32-exact, all in [1, 2))
+    # compress; full-range float32 bit patterns do not and stay raw (4 bytes a value)
+    names = [f"grad_norm/p{i}" for i in range(64)]
+    norms = [1.0 + i / 64 for i in range(64)]
+    wide = [0.1 * (1 + i / 64) for i in range(64)]  # not float32-exact: float64, compressed
+    bits = np.random.default_rng(0).integers(0, 0x7F000000, 64, dtype=np.uint32)  # finite, any exponent
+    noise = bits.view(np.float32).astype(float).tolist()
+    w = create_run(root=tmp_path, name="z")
+    w.log_vector(0, names, norms)
+    w.log_vector(10, names, wide)
+    w.log_vector(20, names, noise)
+    w.log_vector(30, names, [math.nan, math.inf, -math.inf, -0.0, *norms[4:]])
+    w.close()
+    con = _db(w.path)
+    try:
+        rows = con.execute(
+            "SELECT step, length(data), substr(data, 1, 1) FROM vectors ORDER BY step"
+        ).fetchall()
+    finally:
+        con.close()
+    small = {step: (n, head) for step, n, head in rows}
+    assert small[20] == (4 * 64, bytes(noise_head(noise)))  # raw float32, unchanged
+    for step in (0, 10, 30):
+        assert small[step][0] < 4 * 64 and small[step][1] == bytes([_vectors.CODEC_SHUFFLED_ZLIB])
+    with open_run(w.path) as run:
+        assert run.series("grad_norm/p5").values[:3] == [norms[5], wide[5], noise[5]]
+        assert run.at_step(0)["scalars"] == dict(zip(names, norms))
+        assert run.at_step(10)["scalars"] == dict(zip(names, wide))  # float64 exactly
+        assert run.at_step(20)["scalars"] == dict(zip(names, noise))
+        last = run.at_step(30)["scalars"]
+        stats = metric_stats(run)
+    assert math.isnan(last["grad_norm/p0"]) and last["grad_norm/p1"] == math.inf
+    assert last["grad_norm/p2"] == -math.inf and math.copysign(1.0, last["grad_norm/p3"]) == -1.0
+    assert [last[n] for n in names[4:]] == norms[4:]
+    # p9: 1 + 9/64 (steps 0 and 30), 0.1 * (1 + 9/64), noise[9]; p0: NaN at step 30 is bad
+    p9 = [norms[9], wide[9], noise[9], norms[9]]
+    assert stats["grad_norm/p9"]["sum"] == sum(p9) and stats["grad_norm/p9"]["max"] == max(p9)
+    assert (stats["grad_norm/p0"]["points"], stats["grad_norm/p0"]["bad"]) == (4, 1)
+
+
+def noise_head(values: list[float]) -> list[int]:
+    """The first byte of ``values`` packed raw as little-endian float32."""
+    return [np.asarray(values[:1], dtype="<f4").tobytes()[0]]
+
+
+def test_pack_round_trips_every_form_exactly() -> None:
+    cases = {
+        "short": [0.5, 0.25],
+        "float32": [2.0 + i / 8 for i in range(100)],
+        "float64": [1 / 3 + i for i in range(100)],
+        "special": [
+            math.nan,
+            math.inf,
+            -math.inf,
+            -0.0,
+            0.0,
+            2.0**-149,
+            2.0**127,
+            1.0,
+            1.0,
+            1.0,
+        ],  # float32-exact
+    }
+    for case, values in cases.items():
+        data = _vectors.pack(values)
+        back = _vectors.unpack(data, len(values))
+        assert np.array_equal(back, np.asarray(values), equal_nan=True), case
+        assert [math.copysign(1.0, x) for x in back] == [math.copysign(1.0, x) for x in values], case
+    assert len(_vectors.pack(cases["short"])) == 8  # under 8 values: always raw
+    # 100 values in [2, 3): 400 bytes raw, far less compressed; the special values compress too
+    assert len(_vectors.pack(cases["float32"])) < 200 and len(_vectors.pack(cases["special"])) < 40

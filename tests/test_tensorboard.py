@@ -127,7 +127,7 @@ def test_live_instrument_writes_each_step(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     tb = tmp_path / "tb"
     with td.watch(model, opt, run=tmp_path / "runs", tensorboard=str(tb)) as mon:
-        assert [type(s) for s in mon._hub.sinks] == [TensorBoardSink]
+        assert [type(s) for s in mon.recording.hub.sinks] == [TensorBoardSink]
         records = _train(mon, model, opt, 4)
     ea = _load(tb)
     loss = _scalars(ea, "torchdebug/loss")

@@ -341,7 +341,11 @@ class DebugConfig:
       tokens_per_step [None: tokens per step for tokens/s, else inferred from (B, T) integer input];
       on_oom "raise"|"retry_half" ["raise"]; rank [None: from torch.distributed / RANK].
     - distributed: hang_timeout [None: seconds without a completed step before the hang watchdog
-      records every thread's stack; None = max(300 s, 20 x the median step time), > 0].
+      records every thread's stack; None = max(300 s, 20 x the median step time), > 0];
+      parameter_hash_every [None: off; N >= 1: every N steps each DDP replica's parameters are hashed
+      (``torch.hash_tensor``, on the device) and the hashes ride in the step's all-reduce, two numbers
+      per rank; a rank whose weights silently diverged is named in a ``replica_divergence`` event.
+      Costs one small kernel per parameter tensor on the checked step and the step before it].
 
     Floats must be finite; integers fit 64 bits. Mutating a field validates it
     (``config.policy = "warn"``); change several related fields at once with ``replace``.
@@ -440,6 +444,7 @@ class DebugConfig:
     on_oom: OnOOM = "raise"
     rank: int | None = _opt(None, ge=0)
     hang_timeout: float | None = _opt(None, gt=0)
+    parameter_hash_every: int | None = _opt(None, ge=1)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DebugConfig:
         # before the generated __init__, so a typo raises ConfigError with a suggestion, not TypeError

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ._config import DebugConfig
-from ._tensors import alone, grad_of, version_of, versions_of
+from ._tensors import Items, Reduced, alone, grad_of, version_of, versions_of
 from .events import Anomaly, RuleEvent
 
 
@@ -392,6 +392,7 @@ class TransferView(Protocol):
     scale_used: torch.Tensor | None
     grad_norm: float | None
     grad_norms: list[float] | None
+    reduced: Reduced | None  # the last backward's gradients reduced on the device, not read yet
 
     def plan(self, params: list[torch.Tensor]) -> tuple[Any, list[int]]: ...
     def fill_shares(self, whole: list[float]) -> None: ...
@@ -400,6 +401,8 @@ class TransferView(Protocol):
     def micro_flagged(self) -> bool: ...
     def first_bad_micro(self) -> int | None: ...
     def reset(self) -> None: ...
+    def per_tensor_items(self) -> Items: ...  # the last backward's per-parameter numbers, for the read
+    def norms_later(self) -> Callable[[], list[float] | None]: ...  # ``grad_norms``, read if called
 
 
 class CoordinatorView(Protocol):
@@ -454,7 +457,7 @@ class SessionView(Protocol):
     uses_cuda: bool
 
     @property
-    def transfer(self) -> Any: ...
+    def transfer(self) -> TransferView: ...  # the step's device numbers and their one read
     @property
     def coordinator(self) -> CoordinatorView | None: ...
     @property

@@ -209,6 +209,20 @@ class Plan:
         self.empty = self.n - len(self.small) - len(stacked) - len(self.big)
         self.inverse = None if order == list(range(self.n)) else torch.tensor(inverse, dtype=torch.long)
         self.lengths_all = torch.tensor(numel, dtype=torch.long, device=self.device)
+        # segment_norms' pieces of a flat buffer in list order, (offset, numel, lengths): each run
+        # of small tensors one segment_reduce (a scalar loop over its elements), each big tensor one
+        # BLAS dot (lengths None): ~10x faster than segment_reduce over 1 M elements
+        self.spans: list[tuple[int, int, torch.Tensor | None]] = []
+        off = i = 0
+        while i < self.n:
+            j = i + 1
+            if numel[i] <= SMALL:
+                while j < self.n and numel[j] <= SMALL:
+                    j += 1
+            k = sum(numel[i:j])
+            big = numel[i] > SMALL
+            self.spans.append((off, k, None if big else torch.tensor(numel[i:j], dtype=torch.long)))
+            off, i = off + k, j
 
     @staticmethod
     def build(tensors: Sequence[torch.Tensor]) -> Plan | None:
@@ -295,7 +309,16 @@ class Plan:
         """Per-tensor L2 norms (float32) of a buffer laid out as :meth:`flatten` lays the list out."""
         with torch.no_grad():
             f = flat.float()
-            return torch.segment_reduce(f * f, "sum", lengths=self.lengths_all).sqrt()
+            if not self.cpu:
+                return torch.segment_reduce(f * f, "sum", lengths=self.lengths_all).sqrt()
+            parts = []
+            for off, k, lengths in self.spans:  # 2 x (big tensors) + 1 pieces at most
+                v = f.narrow(0, off, k)
+                if lengths is None:
+                    parts.append(torch.dot(v, v).reshape(1))
+                else:
+                    parts.append(torch.segment_reduce(v * v, "sum", lengths=lengths))
+            return (torch.cat(parts) if len(parts) > 1 else parts[0]).sqrt()
 
     def reduce(self, tensors: Sequence[torch.Tensor], square: bool) -> Reduced:
         """The list reduced for the step's read: one float32 total on the device now (the sum of every

@@ -114,7 +114,8 @@ class Cause:
     (one kernel backend makes it, another does not: ``backend`` names it), ``"hardware"`` (a replay on
     another rank came out finite and the fault stays on ``rank``), ``"unknown"`` (nothing tried
     reproduced it; ``tried`` says what was tried). ``evidence`` is one sentence of what was replayed
-    where and what differed; ``compiles`` and ``replays`` count the work it took.
+    where and what differed; ``compiles``, ``replays`` and ``collectives`` (those the cross-rank replay
+    added) count the work it took.
     """
 
     verdict: str
@@ -128,6 +129,7 @@ class Cause:
     rank: int | None = None  # hardware: the rank whose replay stays non-finite
     host: str | None = None
     device: str | None = None
+    collectives: int = 0  # collectives the verdict took across ranks (the micro-step sent, the outcomes)
 
     def __post_init__(self) -> None:
         if self.verdict not in CAUSES:

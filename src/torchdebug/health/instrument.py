@@ -995,7 +995,8 @@ class GradientHealth:
             if isinstance(before, torch.Tensor):  # the plan's flat copy: a few torch calls in all
                 plan = _plan(mon)
                 now = plan.flatten(mon.params)  # type: ignore[union-attr]
-                delta = plan.segment_norms(now - before)  # type: ignore[union-attr]
+                # the update into the snapshot's own buffer: no second buffer of the model's size
+                delta = plan.segment_norms(torch.sub(now, before, out=before))  # type: ignore[union-attr]
                 weight = plan.segment_norms(now)  # type: ignore[union-attr]
             else:
                 params = list(mon.params)

@@ -225,7 +225,7 @@ class DeferredReads:
         s.edits.probe_edits(
             mon.state, opt, mon.scaler, mon.optimizer
         )  # device work: gradients changed since backward()
-        items = mon._step_items()
+        items = mon.stepper.items()
         if not items or any([t.is_meta for _, t in items]):
             return False  # nothing to read, or a meta model: the blocking path says so
         spec, flat = _stack(items)
@@ -328,7 +328,7 @@ class DeferredReads:
             self.resolve(block=True)  # a blocking step after async ones: theirs come first
             return None
         self.staged = None
-        more = mon._collect()  # numbers made after the update (detail steps)
+        more = mon.stepper.collect()  # numbers made after the update (detail steps)
         if more:
             spec, flat = _stack(more)
             p.spec += spec
@@ -425,7 +425,7 @@ class DeferredReads:
         s.grads_gone = True  # the step's gradients may be gone: a flagged one is not confirmed
         try:
             mon.transfer.unpack(p.spec[2:], host[2:])
-            mon._decode_read()  # the sentinel's readers, the numbers (may raise: the last update's probe)
+            mon.stepper.decode()  # the sentinel's readers, the numbers (may raise: the last update's probe)
             # the verdict (may replay), then recorded and the policy applied (may raise)
             mon.stepper.judge(at_optimizer=True, opt=p.opt)
             if halt > 0 and not mon.state.skipped:
@@ -442,11 +442,11 @@ class DeferredReads:
                 )  # the anomaly (or the earlier one) was said already
             if bad > 0:
                 _drop_bad_grads(p.opts, live[0])
-            record = p.record = mon._record(lr=p.lr, time_s=p.time_s)
+            record = p.record = mon.stepper.record(lr=p.lr, time_s=p.time_s)
             mon.verdicts.say_skips()
             s.after_step_end(mon.state, False, mon.driver)
-            mon._each("on_step_end", record, record.values)
-            mon._keep(record)
+            mon.stepper.each("on_step_end", record, record.values)
+            mon.stepper.keep(record)
         finally:
             mon.verdicts.update_held = mon.verdicts.skipped_on_device = s.grads_gone = False
             t = mon.transfer

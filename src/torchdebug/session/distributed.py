@@ -54,6 +54,7 @@ from .._tensors import dtensor_type, finite_probe, foreach_norms
 from ..events import Anomaly, RuleEvent
 from ..health.stragglers import RankTimes, StragglerRule
 from ..perf.timing import RunQueueClock
+from . import replica
 from .protocol import Session
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
@@ -275,6 +276,19 @@ class Coordinator:
         self._hung = False
         self._flight_hang = False  # a hang's flight record was written (see session.hangs)
         self._thread: threading.Thread | None = None
+        self.crossed = False  # the cross-rank replay ran (once per session, as replays do)
+        self.hashes: replica.ReplicaHash | None = None  # the replicas' parameter hash (opt-in)
+        every = mon.config.parameter_hash_every
+        if every is not None and self.collective:
+            if self._ddp_fast:
+                self.hashes = replica.ReplicaHash(int(every))
+            else:
+                mon.warn_once(
+                    "parameter_hash",
+                    "torchdebug: parameter_hash_every compares replicated parameters "
+                    "(DistributedDataParallel without ignored parameters); this model's ranks hold "
+                    "different ones (FSDP2 shards, no DDP), so no hash is compared",
+                )
         if self.sharded and mon.config.replay:
             # a replay re-runs the forward, whose all-gathers the other ranks would not join
             mon.config = mon.config.replace(replay=False)
@@ -402,6 +416,9 @@ class Coordinator:
                 vec = self._per_param(mon, vec, idx, (t.norms.float() * w).square())  # type: ignore[union-attr]
             else:
                 vec = self._per_param(mon, vec, (), None)  # zeros: the same length on every rank
+        hashes = self.hashes
+        if hashes is not None and hashes.due(mon.global_step):  # every N steps: two numbers per rank
+            vec = torch.cat([vec.reshape(-1), hashes.entries(mon, self.rank, self.world, dev)])
         return vec
 
     def _per_param(
@@ -614,6 +631,10 @@ class Coordinator:
         self._durations.append(now - self._step_start)
         if self.collective and len(mon.transfer.readout.dist) > _ROW_STEP * self.world:
             self._straggler_rule(mon, int(record.step))  # on every rank: the same numbers, the same decision
+        hashes = self.hashes
+        if hashes is not None and self._live():
+            hashes.check(mon, int(record.step), self.world)
+            hashes.after_update(mon, int(record.step) + 1)
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
         self._hung = False
@@ -664,6 +685,8 @@ class Coordinator:
         as one on every rank (the GradScaler's "non-finite loss" rule sees the same answer).
         """
         readout.agreed = _decide(self, mon, readout, mine)
+        if self.hashes is not None:
+            self.hashes.read(mon.global_step, readout.dist, self.world)
         return readout
 
     def births(self) -> list[int]:
@@ -692,7 +715,8 @@ class Coordinator:
         births = self.births()
         loss, local, grads = self._exact
         mine: Anomaly | None = None
-        if self._ddp_fast and not any(loss) and not any(local) and any(grads):
+        own = self._ddp_fast and not any(loss) and not any(local) and any(grads)
+        if own:
             mine = self._replay(mon, build)
             found = torch.zeros(self.world, device=self._dev)
             found[self.rank] = float(mine.reproducible is True)
@@ -709,7 +733,13 @@ class Coordinator:
         where = "rank " + ", ".join(str(r) for r in births)
         born = f"born on {where} of {self.world}"
         if self.rank == src:
-            return _with(a, rank=src, world_size=self.world, symptom=_join(a.symptom, born))
+            a = _with(a, rank=src, world_size=self.world, symptom=_join(a.symptom, born))
+        else:
+            a = self._received(mon, d, src, born)
+        return replica.cross_check(self, mon, a, births, own)  # whose fault: the hardware leg
+
+    def _received(self, mon: Session, d: dict[str, Any], src: int, born: str) -> Anomaly:
+        """The anomaly rank ``src`` built and broadcast, as this rank records it."""
         return Anomaly(
             phase=str(d.get("phase", "forward")),
             module=d.get("module"),  # None: no origin traced
@@ -731,6 +761,7 @@ class Coordinator:
             stack=tuple(d.get("stack") or ()),
             parameter=d.get("parameter"),
             reproducible=d.get("reproducible"),
+            cause=replica.cause_from(d.get("cause")),
         )
 
     def _replay(self, mon: Session, build: Callable[[], Anomaly]) -> Anomaly:

@@ -111,7 +111,7 @@ def _leaves(fn: Any) -> set[int]:
 def _scaler_step_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        mons = [m for m in _ACTIVE if m.owns_optimizer(optimizer)]
+        mons = [m for m in _ACTIVE if m.models.owns_optimizer(optimizer)]
         for m in mons:
             m.stepper.scaler_step_started(self)
         try:
@@ -351,7 +351,7 @@ class PlainLoopDriver:
     # -- optimizer hooks: update starting / done -----------------------------------------------------
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
-        if mon.sentinel.replaying or not mon.owns_optimizer(opt):
+        if mon.sentinel.replaying or not mon.models.owns_optimizer(opt):
             return
         if mon.state.update is Update.IN_SCALER:
             mon.sentinel.update_not_skipped(
@@ -362,7 +362,8 @@ class PlainLoopDriver:
 
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
-        if mon.sentinel.replaying or mon.driver is not None or not mon.owns_optimizer(opt):
+        # the pre-hook's update_starting(opt) named it (``state.updating``) if it is ours: not asked again
+        if mon.sentinel.replaying or mon.driver is not None or mon.state.updating is not opt:
             return
         mon.stepper.update_done(opt)
 

@@ -1,46 +1,52 @@
 """Several models and optimizers in one session: the step's roots and each optimizer's learning rates.
 
-A base class of :class:`~torchdebug.session.monitor.Monitor`. With several models (``watch([G, D],
-...)``) each model's forward is a root of the step: every one is recorded in order for the replay (a
-frozen model's under ``no_grad`` too); with several optimizers each has its learning rates, named
-after the model it steps (``lr/D/0``)."""
+A member of :class:`~torchdebug.session.monitor.Monitor` (``mon.models``). With several models
+(``watch([G, D], ...)``) each model's forward is a root of the step: every one is recorded in order for
+the replay (a frozen model's under ``no_grad`` too); with several optimizers each has its learning
+rates, named after the model it steps (``lr/D/0``). It holds the roots and the optimizers; what it
+needs of the step (the learning rates each update used) is handed in."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._step import StepPhase, StepState
 from .._tensors import unwrap_optimizer
-from ..nonfinite.sentinel import Sentinel
 from .options import _names
-from .wrappers import _compiled_orig
 
 
-class SeveralModels:
-    """The session's several roots and optimizers (see above)."""
+class Models:
+    """The session's roots and optimizers (see above).
 
-    # the session's attributes these methods use (set in Monitor.__init__)
-    model: nn.Module
-    _called: nn.Module
-    roots: dict[str, nn.Module] | None
-    optimizers: list[torch.optim.Optimizer]
-    state: StepState
-    sentinel: Sentinel
-    global_step: int
-    micro_step: int
-    _lr_names: tuple[tuple[int, ...], list[str]]
-    _bare_optimizer: Any
-    _given: bool
-    _adopted: set[int]
-    _param_ids: set[int]
+    Args:
+        roots: several models, each by name (the modules the loop calls); None: one model.
+        optimizers: the optimizers given to ``watch`` (none: each optimizer of ``param_ids`` is adopted
+            as it first steps).
+        param_ids: ``id`` of every parameter of the session's models.
+    """
 
-    def step_lrs(self) -> tuple[float, ...]:
-        """Every optimizer's learning rates (param group order), as each update of the step used them."""
-        used = self.state.lr_used
+    def __init__(
+        self,
+        roots: dict[str, nn.Module] | None,
+        optimizers: list[torch.optim.Optimizer],
+        param_ids: set[int],
+    ) -> None:
+        self.roots = roots
+        # every optimizer of the session: those given, else those adopted (in the order they first stepped)
+        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
+        self.given = bool(optimizers)
+        self.bare = optimizers[0] if optimizers else None  # ``owns_optimizer``'s shortcut
+        self.param_ids = param_ids
+        self.adopted: set[int] = set()
+        self._lr_names: tuple[tuple[int, ...], list[str]] = ((-1,), [])
+
+    def step_lrs(self, used: Mapping[int, tuple[float, ...]]) -> tuple[float, ...]:
+        """Every optimizer's learning rates (param group order), as each update of the step used them
+        (``used``: by optimizer id, what the step's updates read as they started)."""
         out: list[float] = []
         for o in self.optimizers:
             got = used.get(id(o))
@@ -85,44 +91,41 @@ class SeveralModels:
 
     def owns_optimizer(self, opt: Any) -> bool:
         """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
-        if opt is self._bare_optimizer and opt is not None:
+        if opt is self.bare and opt is not None:
             return True  # twice a step (the optimizer hooks): the session's own, unwrapped optimizer
         opt = unwrap_optimizer(opt)
-        if self._given:
+        if self.given:
             return any([opt is o for o in self.optimizers])
-        if id(opt) in self._adopted:
+        if id(opt) in self.adopted:
             return True
         for g in getattr(opt, "param_groups", []):
             for p in g["params"]:
-                if id(p) in self._param_ids:
-                    self._adopted.add(id(opt))
+                if id(p) in self.param_ids:
+                    self.adopted.add(id(opt))
                     self.optimizers.append(opt)  # every optimizer of these parameters, as it first steps
                     return True
                 break
         return False
 
-    def watch_also(
-        self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, caller: Any = None
-    ) -> bool:
-        """Watch one more model and/or optimizer, before the session's first forward (``torchdebug run``
-        watches every optimizer the script creates). A model not watched yet makes the session one of
-        several models (names gain the model's name: ``G.main.0``). False when it is too late (a step began)."""
-        if optimizer is not None and not any([optimizer is o for o in self.optimizers]):
-            self.optimizers.append(optimizer)
-            self._given = True
-        if model is None or any([model is m for m in self.model.modules()]):
-            return True
-        state = self.state
-        if self.global_step or self.micro_step or state.phase is StepPhase.FORWARD or state.captures:
-            return False  # a step began: its names and captures stay as they are
+    def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """One more optimizer to watch (``watch_also``): given, so none is adopted from now on."""
+        if not any([opt is o for o in self.optimizers]):
+            self.optimizers.append(opt)
+            self.given = True
+
+    def joined(self, model: nn.Module, called: nn.Module, caller: Any) -> dict[str, nn.Module]:
+        """The roots with ``model`` added (``called``: the one model so far, as the loop calls it),
+        each named after the caller's variables; a name already taken gets ``_2``."""
         current = dict(self.roots) if self.roots is not None else {}
-        if not current:  # the one model so far, as the loop calls it (a torch.compile wrapper: that)
-            called = self._called if _compiled_orig(self._called) is self.model else self.model
+        if not current:
             current = {_names([called], caller)[0]: called}
         both = _names([*current.values(), model], caller)
-        roots = {**current, both[-1] if both[-1] not in current else f"{both[-1]}_2": model}
-        self._regroup(roots)
-        return True
+        return {**current, both[-1] if both[-1] not in current else f"{both[-1]}_2": model}
 
-    def _regroup(self, roots: dict[str, nn.Module]) -> None:
-        raise NotImplementedError
+    def regroup(self, roots: dict[str, nn.Module], container: nn.Module) -> None:
+        """The session watches these models now (``container``: their ModuleDict)."""
+        self.roots = roots
+        self.param_ids = {id(p) for p in container.parameters()}
+
+
+__all__ = ["Models"]

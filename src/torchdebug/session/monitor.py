@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,32 +51,38 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._config import DebugLevel
+from .._config import DebugConfig, DebugLevel
 from .._errors import LossSpikeError, NonFiniteError, TorchDebugWarning
 from .._frames import warn_at_user
 from .._installs import Installs
-from .._step import Instrument, StepState
+from .._instruments import REGISTRY, spec
+from .._step import Instrument, StepPhase, StepState
 from ..events import Anomaly, RuleEvent, StepRecord
 from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
 from . import distributed as _distributed
-from .control import Controls
-from .deferred import reads_for
+from . import runtime
+from .control import Controls, describe, describe_html, verdict
+from .deferred import DeferredReads, reads_for
 from .driver import PlainLoopDriver
-from .models import SeveralModels
+from .models import Models
 from .options import check_options, gather_models
 from .recording import Recording
 from .rollback import SpikeGuard
 from .step import Step
-from .transfer import Items, Transfer
+from .transfer import Transfer
 from .verdicts import Verdicts
-from .wrappers import is_compiled, split_models
+from .wrappers import _compiled_orig, is_compiled, split_models
 
 _MAX_EVENTS = 10_000
 
 
-class Monitor(Controls, Recording, SeveralModels):
-    """A watch session over one model. Create it with :func:`watch`; see there."""
+class Monitor:
+    """A watch session over one model. Create it with :func:`watch`; see there.
+
+    It keeps the lifecycle (install, the instruments, teardown) and holds its parts: ``stepper`` (the
+    step now running and the step protocol), ``models`` (the roots and optimizers), ``recording`` (the
+    run folder and the trackers), ``controls`` (live switches, history segments)."""
 
     def __init__(
         self,
@@ -98,8 +104,8 @@ class Monitor(Controls, Recording, SeveralModels):
     ) -> None:
         # several models (a list, dict or ModuleDict) are watched as one ModuleDict whose models are the
         # step's roots; several optimizers (a list) are each checked before their update
-        model, self.roots, optimizers = gather_models(model, optimizer, _caller())
-        self.config, self._sink_objects = check_options(
+        model, roots, optimizers = gather_models(model, optimizer, _caller())
+        self.config, sink_objects = check_options(
             model,
             None,
             policy,
@@ -115,8 +121,7 @@ class Monitor(Controls, Recording, SeveralModels):
             on_spike,
         )  # TypeError / ValueError / ConfigError / ImportError naming the fix, before anything is installed
         optimizer = optimizers[0] if optimizers else None
-        self._hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
-        self._ddp, model, self.roots = split_models(model, self.roots)  # DDP, compile: the wrapped modules
+        self._ddp, model, roots = split_models(model, roots)  # DDP, compile: the wrapped modules
         # torch.compile(model) wraps the module: the root hooks go on the module that is called, while
         # names, parameters and the instruments see the original (no "_orig_mod." prefix anywhere)
         self._called: nn.Module = model
@@ -125,14 +130,10 @@ class Monitor(Controls, Recording, SeveralModels):
             model = orig
         self.model = model
         self.optimizer = optimizer  # the first optimizer given (None: adopted as they step)
-        # every optimizer of the session: those given, else those adopted (in the order they first stepped)
-        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
-        self._given = bool(optimizers)
-        self._lr_names: tuple[tuple[int, ...], list[str]] = ((-1,), [])
-        self._bare_optimizer = optimizer  # ``owns_optimizer``'s shortcut
         self.scaler = scaler
         self.early_stopping = early_stopping
-        self._run_arg = run
+        self.recording = Recording(run, sink_objects)  # the run folder and the trackers
+        self.controls = Controls()  # live switches (any thread), applied at the end of a step
         # everything the session and its instruments install: taken off in _teardown, whatever failed
         self.installs = Installs()
         self.thread = threading.current_thread()  # modes are entered only here (see _installs.py)
@@ -140,7 +141,7 @@ class Monitor(Controls, Recording, SeveralModels):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.param_names: list[str] = [n for n, _ in named]
         self.params: list[torch.Tensor] = [p for _, p in named]
-        self._param_ids = {id(p) for p in model.parameters()}
+        self.models = Models(roots, list(optimizers), {id(p) for p in model.parameters()})
         self.rank, self.world_size, self._has_pg = _distributed.detect(self.config)
         self._coord: Any = None  # the distributed coordinator (world_size > 1 or a hang_timeout)
         self.global_step: int = 0  # completed steps; mon.step() completes one
@@ -149,8 +150,6 @@ class Monitor(Controls, Recording, SeveralModels):
         # a framework adapter sets its name and calls update_starting()/update_done() itself
         self.driver: str | None = None
         self.batch: Any = None  # a driver's current batch; kept (a reference) with the micro-step's capture
-        self.writer: Any = None
-        self.run_dir: Path | None = None
         self.step_scalars: dict[str, float] = {}  # the last step's own scalars, as stored
         self.instruments: list[Instrument] = []
         self.anomalies: list[Anomaly] = []
@@ -160,13 +159,7 @@ class Monitor(Controls, Recording, SeveralModels):
         self.records: deque[StepRecord] = deque(maxlen=1000)
         # anomaly_steps: steps with a NaN/Inf record; anomalous_steps: ``events.is_anomalous`` steps
         # (a NaN/Inf or a warning-level event), what every seed-era summary counts
-        self.counters: dict[str, int] = {
-            "anomaly_steps": 0,
-            "anomalous_steps": 0,
-            "skipped_steps": 0,
-            "replays": 0,
-        }
-        self.level_overrides: list[str] = []
+        self.counters = dict.fromkeys(("anomaly_steps", "anomalous_steps", "skipped_steps", "replays"), 0)
         self._enabled = self.config.instruments()
         self.sentinel = Sentinel(self.params, self.param_names, self.config)
         self.stepper = Step(self)  # the step now running (its state) and the step protocol's boundaries
@@ -177,16 +170,12 @@ class Monitor(Controls, Recording, SeveralModels):
         # sync="async" (or "auto" where it fits): the step's numbers read one step later
         # (session/deferred.py); None: blocking
         self._async = reads_for(self)
-        self._plain = PlainLoopDriver(self, self._called, self.model, list((self.roots or {}).values()))
+        self._plain = PlainLoopDriver(self, self._called, self.model, list((roots or {}).values()))
         self._entered = False
         self._closed = False
         self._warned: set[str] = set()
         self.uses_cuda = any(p.is_cuda for p in self.params)
         self._last_step_end = time.perf_counter()
-        self._adopted: set[int] = set()
-        self._segment_start = 0  # the step the current history segment (dashboard "clear") began
-        self._pending_level: DebugLevel | None = None  # set_level() from any thread, applied in step()
-        self._pending_changes: dict[str, Any] = {}  # reconfigure() from any thread, applied in step()
 
     # -- the step protocol: the Step's (session/step.py); these are its public names ------------------
     def forward_started(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
@@ -231,41 +220,22 @@ class Monitor(Controls, Recording, SeveralModels):
             raise RuntimeError("mon.step() called outside its `with td.watch(...)` block")
         record = self.stepper.end()
         # the step is over: live changes applied, counted, a new state for the next step
-        if self._pending_level is not None or self._pending_changes:
-            level, self._pending_level = self._pending_level, None
-            changes, self._pending_changes = self._pending_changes, {}
+        controls = self.controls
+        if controls.pending_level is not None or controls.pending_changes:
+            level, changes = controls.take()
             self._apply_level(level if level is not None else self.config.level, **changes)
         self.global_step += 1
         (transfer := self.stepper.state.transfer).reset()  # ``StepState.next``, inlined (every step)
         self.stepper.state = StepState(transfer)  # a new state for the next step
-        hub = self._hub
+        hub = self.recording.hub
         if hub is not None and hub.pending:
             hub.warn()  # a sink was switched off (on its thread): say it here, once
         self._last_step_end = time.perf_counter()
         return record
 
-    # the async reads re-run the blocking path's pieces one step later (session/deferred.py)
     def sync(self) -> None:
         """The step's ONE host transfer: its own numbers, the sentinel's probes, every instrument's."""
         self.stepper.sync()
-
-    def _decode_read(self) -> None:
-        self.stepper.decode()
-
-    def _collect(self) -> Items:
-        return self.stepper.collect()
-
-    def _step_items(self) -> Items:
-        return self.stepper.items()
-
-    def _record(self, lr: tuple[float, ...] | None = None, time_s: float | None = None) -> StepRecord:
-        return self.stepper.record(lr, time_s)
-
-    def _keep(self, record: StepRecord) -> None:
-        self.stepper.keep(record)
-
-    def _each(self, method: str, *args: Any) -> None:
-        self.stepper.each(method, *args)
 
     def _set_state(self, state: StepState) -> None:
         self.stepper.state = state
@@ -275,6 +245,13 @@ class Monitor(Controls, Recording, SeveralModels):
         state: StepState
         transfer: Transfer
         coordinator: Any
+        roots: dict[str, nn.Module] | None
+        optimizers: list[torch.optim.Optimizer]
+        writer: Any
+        run_dir: Path | None
+        level_overrides: list[str]
+        lr_labels: list[str] | None
+        called: nn.Module
         replaying: bool
         closed: bool
         grad_norm_host: float | None
@@ -286,11 +263,32 @@ class Monitor(Controls, Recording, SeveralModels):
         transfer = property(
             attrgetter("stepper.state.transfer"), doc="The step's device numbers and their one read."
         )
+        roots = property(
+            attrgetter("models.roots"), doc="Several models: each by name (``model`` is their ModuleDict)."
+        )
+        optimizers = property(
+            attrgetter("models.optimizers"),
+            doc="Every optimizer of the session: those given, else those adopted as they first stepped.",
+        )
+        writer = property(attrgetter("recording.writer"), doc="The run writer, or None (no run folder).")
+        run_dir = property(attrgetter("recording.run_dir"), doc="The run folder, or None.")
+        level_overrides = property(
+            attrgetter("controls.level_overrides"), doc="Every level ``set_level`` was asked for, in order."
+        )
+        lr_labels = property(
+            attrgetter("models.lr_labels"),
+            doc="What the learning-rate events call each entry of ``step_lrs()`` (None: ``param group <g>``).",
+        )
         coordinator = property(
             attrgetter("_coord"),
             doc="The distributed coordinator (several ranks, or a hang timeout), or None.",
         )
         closed = property(attrgetter("_closed"), doc="True once the session has exited.")
+        called = property(
+            attrgetter("_called"),
+            doc="The module the loop calls: a ``torch.compile`` wrapper, else the model (``model.compile()``"
+            " compiles it in place).",
+        )
         replaying = property(
             attrgetter("sentinel.replaying"),
             doc="True while the sentinel replays a failing micro-step (drivers ignore what it does).",
@@ -308,7 +306,7 @@ class Monitor(Controls, Recording, SeveralModels):
     @property
     def adopted(self) -> bool:
         """True once an optimizer of the session's parameters was adopted (``watch`` got none)."""
-        return bool(self._adopted)
+        return bool(self.models.adopted)
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -323,12 +321,6 @@ class Monitor(Controls, Recording, SeveralModels):
         inside it)."""
         return is_compiled([self._called, *(self.roots or {}).values()])
 
-    @property
-    def called(self) -> nn.Module:
-        """The module the loop calls: a ``torch.compile`` wrapper, else the model (``model.compile()``
-        compiles it in place)."""
-        return self._called
-
     def accepts_backward(self) -> bool:
         return not self.sentinel.replaying and not self._closed
 
@@ -340,14 +332,20 @@ class Monitor(Controls, Recording, SeveralModels):
             )
         self._entered = True
         self.thread = self.sentinel.thread = self.sentinel.edits.thread = threading.current_thread()
+        name = type(self.model).__name__.lower()
         try:
-            self._open_store()
+            self.recording.open(self.config, name, self.rank, self.world_size, self._has_pg)
             self._install()
-            self._open_sinks()
+            self.recording.open_sinks(self.config, name, self.rank)
         except BaseException:
             self._teardown(None)
             raise
-        if self.run_dir is not None and self.config.announce and self.rank == 0 and self._owns_writer:
+        if (
+            self.run_dir is not None
+            and self.config.announce
+            and self.rank == 0
+            and self.recording.owns_writer
+        ):
             # one quiet line, once: where to look (the same folder on every rank, so rank 0 says it)
             print(f"torchdebug: recording to {self.run_dir}", file=sys.stderr, flush=True)
         self.verdicts.check_weights(
@@ -415,7 +413,7 @@ class Monitor(Controls, Recording, SeveralModels):
         self.installs.close()  # what an instrument's remove() missed (a failed install, another thread)
         self.stepper.next()
         self._end_status = "finished" if exc is None else "failed"  # what verdict() and the store say
-        self._close_store(self._end_status)
+        self.recording.close(self._end_status, self.global_step - 1 if self.global_step else None)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn (at the user's line) once per ``key`` in this session."""
@@ -468,7 +466,217 @@ class Monitor(Controls, Recording, SeveralModels):
             raise TypeError("observe(name, value): name must be a non-empty string")
         value = float(value)
         self.log_scalars({f"observe/{name}": value})
-        self._each("on_observe", name, value)
+        self.stepper.each("on_observe", name, value)
+
+    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
+        """Record scalars in the run folder at ``step`` (default: the current step)."""
+        self.recording.log_scalars(self.global_step if step is None else step, values)
+
+    def flush_store(self) -> None:
+        """Flush the run store (before raising: what led to the error is on disk)."""
+        self.recording.flush()
+
+    # -- the instruments, built for the level -------------------------------------------------------
+    def _wanted(self) -> set[str]:
+        # an instrument recorded within another that runs (GradientHealth's activations and details:
+        # one set of hooks) is not built on its own
+        return {n for n in self._enabled if spec(n).within not in self._enabled}
+
+    def _build_instrument(self, name: str) -> None:
+        entry = spec(name)
+        if not entry.built:
+            return  # the session holds it from its start (the sentinel)
+        try:
+            cls = entry.load()
+        except (ImportError, AttributeError):
+            return  # not available in this build, or its extra is not installed
+        if any(type(i) is cls for i in self.instruments):
+            return
+        try:
+            inst = cls()
+        except Exception as exc:
+            self._disable(cls, exc)
+            return
+        self.instruments.append(inst)
+        self._call(inst, "install")
+
+    def _apply_level(self, level: DebugLevel, **changes: Any) -> None:
+        """Switch the instruments to a new level and options (on the training thread, between steps)."""
+        self.config = self.config.replace(level=level, **changes)
+        self._enabled = self.config.instruments()
+        self.sentinel.config = self.config
+        self.sentinel.active = "nonfinite" in self._enabled
+        sync, reads = self.config.sync, self._async
+        # switched live ("auto" keeps what the session chose as it started; "async" replaces its choice)
+        if (sync == "blocking" and reads is not None) or (sync == "async" and (reads is None or reads.auto)):
+            if reads is not None:
+                reads.finish()  # the steps in flight are judged now (may raise)
+            self._async = DeferredReads(self) if sync == "async" else None
+        ours = {entry.cls for entry in REGISTRY if entry.built}
+        for inst in [i for i in self.instruments if type(i).__name__ in ours]:
+            self.instruments.remove(inst)  # rebuilt below: their depth follows the level
+            with contextlib.suppress(Exception):
+                if hasattr(inst, "remove"):
+                    inst.remove(self)
+        for name in sorted(self._wanted()):
+            self._build_instrument(name)
+        self._plain.guard_module_hooks()
+
+    # -- several models and optimizers (``mon.models``) -----------------------------------------------
+    def step_lrs(self) -> tuple[float, ...]:
+        """Every optimizer's learning rates (param group order), as each update of the step used them."""
+        return self.models.step_lrs(self.state.lr_used)
+
+    def lr_names(self) -> list[str]:
+        """The scalar names of :meth:`step_lrs` (``lr/<group>``; several optimizers: ``lr/<model>/<group>``)."""
+        return self.models.lr_names()
+
+    def optimizer_label(self, opt: Any, k: int = 0) -> str:
+        """The model an optimizer steps (several models: its name), else ``opt<k>``."""
+        return self.models.optimizer_label(opt, k)
+
+    def owns_optimizer(self, opt: Any) -> bool:
+        """True for this session's optimizer; without one, the first optimizer of its parameters is adopted."""
+        return self.models.owns_optimizer(opt)
+
+    def watch_also(
+        self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, caller: Any = None
+    ) -> bool:
+        """Watch one more model and/or optimizer, before the session's first forward (``torchdebug run``
+        watches every optimizer the script creates). A model not watched yet makes the session one of
+        several models (names gain the model's name: ``G.main.0``). False when it is too late (a step began)."""
+        if optimizer is not None:
+            self.models.add_optimizer(optimizer)
+        if model is None or any([model is m for m in self.model.modules()]):
+            return True
+        state = self.state
+        if self.global_step or self.micro_step or state.phase is StepPhase.FORWARD or state.captures:
+            return False  # a step began: its names and captures stay as they are
+        called = self._called if _compiled_orig(self._called) is self.model else self.model  # as called
+        self._regroup(self.models.joined(model, called, caller))
+        return True
+
+    def _regroup(self, roots: dict[str, nn.Module]) -> None:
+        """The session watches these models now (as one ModuleDict, each by name): names, parameters,
+        root hooks and instruments again. ``roots``: the modules the loop calls; a ``torch.compile``
+        wrapper among them is named and watched as the module it compiles (no ``_orig_mod.``), its root
+        hooks stay on the wrapper that is called."""
+        container = nn.ModuleDict({n: _compiled_orig(m) or m for n, m in roots.items()})
+        self.model = self._called = container
+        self.models.regroup(roots, container)
+        self.names = {m: n for n, m in container.named_modules()}
+        named = [(n, p) for n, p in container.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.uses_cuda = any(p.is_cuda for p in self.params)
+        self.sentinel.reindex(self.params, self.param_names)
+        self._plain.model = self._plain.root = container
+        self._plain.hook_roots(list(roots.values()))
+        self._apply_level(self.config.level)  # the instruments again, over every model
+
+    # -- live control (``mon.controls``: held from any thread, applied at the end of the next step) ---
+    @property
+    def reads_late(self) -> bool:
+        """The step's numbers are read one step later (``sync="async"``, or "auto" where it fits)."""
+        return self._async is not None
+
+    def set_level(self, level: str | DebugLevel) -> DebugLevel:
+        """Switch the debug level of the live session; instruments follow at the end of the next step.
+        Safe from another thread (the dashboard's): it is applied on the training thread inside
+        ``mon.step()``. Raises ``ValueError`` for an unknown level, listing the allowed."""
+        return self.controls.set_level(level, self.writer, self.global_step)
+
+    def reconfigure(self, **changes: Any) -> DebugConfig:
+        """Change options of the live session; instruments follow at the end of the next step. Validated
+        now (``ConfigError`` naming the option), applied on the training thread inside ``mon.step()``
+        like ``set_level``, recorded as a ``config_change`` event. Returns the config the session will
+        run with. The seed-era names: ``enable_debugging`` / ``disable_debugging`` / ``get_debugging_status``."""
+        return self.controls.reconfigure(self.config, changes, self.writer, self.global_step)
+
+    def enable_debugging(self, options: Any = None) -> dict[str, Any]:
+        """Seed 000's runtime switch; see ``torchdebug.compat.enable_debugging``."""
+        return runtime.enable_debugging(self, options)
+
+    def disable_debugging(self, options: Any = None) -> dict[str, Any]:
+        """Seed 000's runtime switch; see ``torchdebug.compat.disable_debugging``."""
+        return runtime.disable_debugging(self, options)
+
+    def get_debugging_status(self) -> dict[str, Any]:
+        """Seed 000's status; see ``torchdebug.compat.get_debugging_status``."""
+        return runtime.get_debugging_status(self)
+
+    def clear(self) -> None:
+        """Start a new history segment (the dashboard's "clear"); nothing stored is deleted."""
+        self.events.clear()
+        self.records.clear()
+        self.counters = dict.fromkeys(self.counters, 0)
+        for inst in self.instruments:
+            c = getattr(inst, "counters", None)
+            if isinstance(c, dict):
+                for k in c:
+                    c[k] = 0
+        self.controls.new_segment(self.writer, self.global_step)
+
+    def training_summary(self) -> dict[str, Any]:
+        """The seed-era training summary (counts and rates since the last ``clear()``).
+
+        ``anomaly_steps`` counts the steps ``events.is_anomalous`` calls anomalous (a NaN/Inf, or a
+        warning-level event), as every seed-era summary does; the rule counts are ``rule_counts``."""
+        kinds = [e.kind for e in self.events]
+        return self.controls.summary(self.global_step, self.counters["anomalous_steps"], kinds)
+
+    def run_step(self, step_fn: Callable[[Any], Any], batch: Any) -> Any:
+        """Run ``step_fn(batch)`` (forward + loss + backward; returns the loss) with the OOM policy: with
+        ``on_oom="retry_half"`` an out-of-memory error re-runs the step on halves of the batch, gradients
+        scaled to equal the full batch's, and records an ``oom_retry`` event. Then call
+        ``optimizer.step()`` and ``mon.step()``."""
+        if not callable(step_fn):
+            raise TypeError(
+                f"run_step(step_fn, batch): step_fn must be callable, got {type(step_fn).__name__}"
+            )
+        from ..memory.recovery import run_step_with_oom_retry
+
+        def new_micro_step(_piece: Any) -> None:
+            self.state.phase = StepPhase.START  # the failed attempt never reached its backward
+
+        def record(retry: Any) -> None:
+            evidence = retry.to_dict() if hasattr(retry, "to_dict") else {}
+            self.emit(RuleEvent("oom_retry", self.global_step, str(retry), "warning", evidence=evidence))
+
+        return run_step_with_oom_retry(
+            step_fn,
+            batch,
+            on_oom=self.config.on_oom,
+            optimizer=self.optimizer,
+            params=self.params,
+            before_attempt=new_micro_step,
+            on_retry=record,
+        )
+
+    # -- how a session reads in a notebook or a debugger -----------------------------------------------
+    @property
+    def status(self) -> str:
+        """``"not started"`` (before ``with``), ``"active"``, or ``"closed"`` (after ``with``)."""
+        if not self._entered:
+            return "not started"
+        return "closed" if self._closed else "active"
+
+    def verdict(self) -> dict[str, Any]:
+        """The session's verdict, ranked as ``torchdebug show`` ranks a run's: ``"text"``, ``"level"``,
+        ``"findings"`` (see :func:`torchdebug.session.control.verdict`)."""
+        status = "running" if not self._closed else getattr(self, "_end_status", None) or "finished"
+        return verdict(status, self.global_step, self.anomalies, self.events)
+
+    def __repr__(self) -> str:
+        return describe(self.status, self.global_step, self.anomalies, self.events, self.run_dir)
+
+    def _repr_html_(self) -> str:
+        """The session in a notebook: the verdict first (as ``torchdebug show`` says it), then status,
+        step, the first anomaly, the warnings so far, the run folder."""
+        model = type(self.model).__name__
+        return describe_html(
+            model, self.verdict(), self.status, self.global_step, self.anomalies, self.events, self.run_dir
+        )
 
 
 def _caller() -> Any:

@@ -1,6 +1,7 @@
 """Where a watch session records: its run folder (the run store's writer) and the trackers of
-``report_to``, opened as the session starts and closed as it ends. A base class of
-:class:`~torchdebug.session.monitor.Monitor`; the attributes it uses are the session's."""
+``report_to``, opened as the session starts and closed as it ends. A member of
+:class:`~torchdebug.session.monitor.Monitor` (``mon.recording``); what it needs of the session (the
+config, the rank, the step) is handed in."""
 
 from __future__ import annotations
 
@@ -17,29 +18,27 @@ from . import distributed as _distributed
 
 
 class Recording:
-    """The session's run writer and trackers (see above)."""
+    """The session's run writer and trackers (see above).
 
-    # the session's attributes these methods use (set in Monitor.__init__)
-    config: DebugConfig
-    model: Any
-    rank: int
-    world_size: int
-    global_step: int
-    writer: Any
-    run_dir: Path | None
-    _has_pg: bool
-    _run_arg: Any
-    _owns_writer: bool
-    _hub: Any
-    _sink_objects: list[Any]
+    Args:
+        run: ``watch``'s ``run``: None (a new run folder under ``config.run_dir``), a folder, an open
+            run writer, or False (no store).
+        sink_objects: the sink objects given in ``report_to`` (the names are in the config).
+    """
 
-    def warn_once(self, key: str, message: str) -> None:
-        raise NotImplementedError
+    def __init__(self, run: Any, sink_objects: list[Any]) -> None:
+        self.run = run
+        self.sink_objects = sink_objects
+        self.writer: Any = None  # the run writer (the session's, or one the caller opened), or None
+        self.run_dir: Path | None = None
+        self.owns_writer = False  # the session opened the writer (and closes it)
+        self.hub: Any = None  # the sinks' hub (report_to), fed by the run writer's thread
 
-    def _open_store(self) -> None:
-        run = self._run_arg
-        self._owns_writer = False
-        if run is False or (run is None and not self.config.store):
+    def open(self, config: DebugConfig, name: str, rank: int, world_size: int, has_pg: bool) -> None:
+        """Open the run folder (``name``: the run's name unless the config gives one); a folder that
+        cannot be created is a warning, and the session records nothing."""
+        run = self.run
+        if run is False or (run is None and not config.store):
             return
         if run is not None and hasattr(run, "log_scalars"):
             self.writer = run
@@ -48,12 +47,10 @@ class Recording:
                 from ..store import create_run
             except ImportError:
                 return
-            root = os.fspath(run) if run is not None else self.config.run_dir
-            name = self.config.run_name or type(self.model).__name__.lower()
-            cfg = self.config.to_dict()
+            root = os.fspath(run) if run is not None else config.run_dir
             try:
                 self.writer = _distributed.create_run_for(
-                    create_run, root, name, cfg, self.rank, self.world_size, self._has_pg
+                    create_run, root, config.run_name or name, config.to_dict(), rank, world_size, has_pg
                 )
             except (OSError, RunStoreError) as exc:
                 # recording is a convenience: training goes on without a run folder
@@ -64,52 +61,56 @@ class Recording:
                     )
                 )
                 return
-            self._owns_writer = True
+            self.owns_writer = True
         self.run_dir = Path(self.writer.path) if getattr(self.writer, "path", None) is not None else None
 
-    def _open_sinks(self) -> None:
+    def open_sinks(self, config: DebugConfig, name: str, rank: int) -> None:
         """Start the trackers of ``report_to`` / ``tensorboard``: they hear the run writer's batches."""
-        cfg = self.config
-        if not (cfg.report_to or cfg.tensorboard or self._sink_objects) or self.rank != 0:
+        if not (config.report_to or config.tensorboard or self.sink_objects) or rank != 0:
             return  # rank 0 reports the run; the other ranks' records stay in their run files
         if self.writer is None or not hasattr(self.writer, "add_listener"):
-            self.warn_once("sinks", "torchdebug: no run folder, so report_to sends nothing this session")
+            warn_at_user(
+                TorchDebugWarning("torchdebug: no run folder, so report_to sends nothing this session")
+            )
             return
         from ..sinks import RunInfo, SinkHub, build_sinks
 
         info = RunInfo(
-            name=str(getattr(self.writer, "name", None) or type(self.model).__name__.lower()),
+            name=str(getattr(self.writer, "name", None) or name),
             run_id=getattr(self.writer, "run_id", None),
             path=self.run_dir,
-            config=cfg.to_dict(),
+            config=config.to_dict(),
         )
-        hub = SinkHub(build_sinks(cfg.report_to, self._sink_objects, cfg.tensorboard), info)
+        hub = SinkHub(build_sinks(config.report_to, self.sink_objects, config.tensorboard), info)
         self.writer.add_listener(hub.feed)
-        self._hub = hub
+        self.hub = hub
         if hub.pending:
             hub.warn(stacklevel=5)  # a tracker that could not start
 
-    def _close_store(self, status: str) -> None:
+    def close(self, status: str, last_step: int | None) -> None:
         """The session ends: the run folder and the trackers get its status (never raises)."""
-        if self.writer is not None and self._owns_writer:
+        if self.writer is not None and self.owns_writer:
             with contextlib.suppress(Exception):
                 self.writer.close(status=status)
-        if self._hub is not None:
-            hub, self._hub = self._hub, None
-            if not self._owns_writer:
+        if self.hub is not None:
+            hub, self.hub = self.hub, None
+            if not self.owns_writer:
                 with contextlib.suppress(Exception):
                     self.writer.flush()  # the listener has what was logged
                 self.writer.remove_listener(hub.feed)
             with contextlib.suppress(Exception):
                 lost = getattr(self.writer, "lost", 0)  # records the store could not write
-                hub.close(status, self.global_step - 1 if self.global_step else None, lost)
+                hub.close(status, last_step, lost)
 
-    def flush_store(self) -> None:
+    def flush(self) -> None:
         """Flush the run store (before raising: what led to the error is on disk)."""
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 self.writer.flush()
 
-    def log_scalars(self, values: Mapping[str, float], step: int | None = None) -> None:
+    def log_scalars(self, step: int, values: Mapping[str, float]) -> None:
         if self.writer is not None:
-            self.writer.log_scalars(self.global_step if step is None else step, dict(values))
+            self.writer.log_scalars(step, dict(values))
+
+
+__all__ = ["Recording"]

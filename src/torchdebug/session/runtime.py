@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from .._config import INSTRUMENTS_BY_SWITCH, DebugMode
+from .control import Controls
 
 # Seed 000's option names (``engine.enable_debugging(['memory_usage', 'gradient_norms'])``) and the
 # DebugConfig switch each one is. ``enable_debugging()`` with no names turns on the debug_* ten.
@@ -37,6 +38,7 @@ class Reconfigurable(Protocol):
 
     config: Any
     instruments: list[Any]
+    controls: Controls  # the changes asked for and not yet applied
 
     def reconfigure(self, **changes: Any) -> Any: ...
 
@@ -103,7 +105,7 @@ def get_debugging_status(mon: Reconfigurable) -> dict[str, Any]:
         ``{"memory_usage": bool, ..., "autograd_anomaly": bool, ..., "mode": str, "level": str,
         "instruments": [names the config runs], "running": [names running now], "pending": bool}``.
     """
-    pending = dict(getattr(mon, "_pending_changes", {}))
+    pending = dict(mon.controls.pending_changes)
     cfg = mon.config.replace(**pending) if pending else mon.config
     status: dict[str, Any] = {name: bool(getattr(cfg, field)) for name, field in _ALL.items()}
     status.update(

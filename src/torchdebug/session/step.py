@@ -205,20 +205,8 @@ class Step:
             several = mon.roots is not None or len(mon.optimizers) > 1
             if s.before_update(st, opt, mon.scaler, several, mon.optimizer):
                 self.sync()  # the step's one read (a second optimizer in the step reuses it)
-            if s.active:  # the verdict (``judge``, inlined: every update)
-                if mon._coord is not None:  # the decision every rank takes, before the verdict
-                    mon._coord.agree(mon, st.transfer.readout, s.grads_bad(st))
-                verdict = s.judge(
-                    st,
-                    st.transfer.readout,
-                    at_optimizer=True,
-                    opt=opt,
-                    scaler=mon.scaler,
-                    driver=mon.driver,
-                    has_optimizer=mon.optimizer is not None or mon.adopted,
-                )
-                if verdict.kind != "ok":
-                    mon.verdicts.apply(verdict if not verdict.replay else self.built(verdict))  # may raise
+            if s.active:
+                self.judge(at_optimizer=True, opt=opt)  # may raise or skip
         verdict = mon.hyperparams.judge(mon, s.active)  # lr, eps, betas ...
         if verdict.kind != "ok":
             mon.verdicts.apply(verdict)
@@ -458,7 +446,7 @@ class Step:
         now = time.perf_counter()
         v = {k: x for k, x in st.transfer.values.items() if not k.startswith("_")}
         if lr is None:
-            lr = mon.step_lrs()
+            lr = mon.models.step_lrs(st.lr_used)
         record = StepRecord(
             step=mon.global_step,
             micro_steps=len(st.transfer.micro_bad) or len(st.captures),
@@ -475,7 +463,7 @@ class Step:
         )
         scalars = {k: x for k, x in v.items() if k in _SCALARS or k.startswith("grad_norm/")}  # optnorms.py
         scalars["skipped"] = 1.0 if st.skip_reason else 0.0
-        for name, x in zip(mon.lr_names(), lr):
+        for name, x in zip(mon.models.lr_names(), lr):
             scalars[name] = x
         mon.step_scalars = scalars  # what the run folder gets for this step (framework callbacks forward it)
         if mon.writer is not None:

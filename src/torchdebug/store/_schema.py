@@ -19,7 +19,7 @@ from ._validate import regular
 
 #: Version of the database layout this torchdebug writes. Stored in ``PRAGMA user_version`` and in the
 #: ``meta`` table. Bump it, and add a step to ``MIGRATIONS``, whenever a table or column changes.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Invariant of v1: SQLite stores a bound NaN as NULL, and every value column is NOT NULL in spirit
 # (the writer refuses None), so a NULL value always means NaN. +-Inf are stored as real floats.
@@ -142,7 +142,7 @@ VECTORS_CREATE = (
     names_id INTEGER NOT NULL REFERENCES vector_names(id),
     step INTEGER NOT NULL,
     wall_time REAL NOT NULL,
-    data BLOB NOT NULL          -- little-endian float32 when every value is exact in it, else float64
+    data BLOB NOT NULL          -- little-endian float32 when exact, else float64; v6: maybe compressed
 )""",
     "CREATE INDEX IF NOT EXISTS vectors_by_names ON vectors(names_id, step)",
     "CREATE INDEX IF NOT EXISTS vectors_by_step ON vectors(step)",
@@ -156,6 +156,13 @@ def _add_vectors_v5(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+def _compressed_vectors_v6(conn: sqlite3.Connection) -> None:
+    # v6: a ``vectors`` row may be compressed (see _vectors.py: a row shorter than its float32 bytes);
+    # no table changes, the rows a v5 writer left read as before. The bump keeps a v5 reader, which
+    # would take a compressed row for raw floats, off these files.
+    return None
+
+
 #: ``MIGRATIONS[v]`` upgrades a database from version ``v`` to ``v + 1`` inside the caller's
 #: transaction. Version 0 is an empty file, so creating a database is migrating it from 0.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
@@ -164,6 +171,7 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     2: _add_last_v3,
     3: _add_timing_rollups_v4,
     4: _add_vectors_v5,
+    5: _compressed_vectors_v6,
 }
 
 _UPGRADE = "it was written by a newer torchdebug: upgrade with pip install -U torchdebug"
