@@ -231,10 +231,13 @@ def test_dashboard_shows_every_rank_and_switches_charts_by_rank(runs, browser):
                     h["data"]["phase"],
                     "1",
                     h["data"]["where"],
-                    h["message"],
+                    h["message"].split("\n")[0],  # the rank's own line; the verdict is shown once above
                 ]
                 for h in (hang0, hang1)
             ]
+            verdict = hang0["message"].split("\n")[1]
+            assert verdict.startswith("hang verdict: rank 1 never entered all_reduce #")
+            assert page.inner_text("#rank-hang-verdict") == verdict
             assert hang1["data"]["phase"] == "forward" and hang1["step"] == 2
             # the selector: rank 0's charts first, then rank 1's
             assert page.inner_text("#rank-select a[aria-current=page]") == "rank 0"

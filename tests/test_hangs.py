@@ -6,7 +6,9 @@ sequence number and line. Then the matcher alone on the records those runs wrote
 from __future__ import annotations
 
 import datetime
+import html
 import json
+import os
 import pickle
 import socket
 import subprocess
@@ -206,6 +208,59 @@ def test_the_report_carries_the_hang_verdict_in_json_and_text(runs):
     assert f"hang verdict: {v}" in td.render_report(run, "text").splitlines()
 
 
+@TIMEOUT
+def test_each_ranks_hang_event_carries_the_verdict_line(runs):
+    _, run = runs["skip"]
+    v = hangs.verdict_of_run(run, 2)
+    for rank in (0, 1):  # each watchdog waited for the other's record, then matched both
+        with open_run(run, rank=rank) as rec:
+            (ev,) = rec.events("hang")
+        head, line = ev["message"].split("\n")
+        assert head.startswith(f"rank {rank} stuck in ")
+        assert line == f"hang verdict: {v}"
+        assert ev["data"]["verdict"] == v.to_dict()
+
+
+@TIMEOUT
+def test_the_dashboard_serves_the_hang_verdict_in_the_api_and_the_run_page(runs):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from torchdebug.views.server import serve
+
+    _, run = runs["skip"]
+    v = hangs.verdict_of_run(run, 2)
+    handle = serve(run.parent, port=0)
+    try:
+        with httpx.Client(base_url=handle.url, timeout=30) as c:
+            ov = c.get(f"/api/runs/{run.name}/ranks").json()
+            assert ov["hang_verdict"] == v.to_dict()
+            assert [h["rank"] for h in ov["hangs"]] == [0, 1]
+            page = c.get(f"/runs/{run.name}").text
+    finally:
+        handle.stop()
+    text = html.escape(str(v), quote=True)
+    assert f'<p id="rank-hang-verdict"><strong>hang verdict:</strong> {text}</p>' in page
+
+
+@TIMEOUT
+def test_tensorboard_shows_the_hang_verdict_in_the_hang_event(runs, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchdebug.sinks import export_tensorboard
+
+    _, run = runs["skip"]
+    v = hangs.verdict_of_run(run, 2)
+    with open_run(run, rank=0) as rec:
+        export_tensorboard(rec, tmp_path)
+    ea = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    ea.Reload()
+    (text,) = [
+        e.tensor_proto.string_val[0].decode() for e in ea.Tensors("torchdebug/events/hang/text_summary")
+    ]
+    assert f"hang verdict: {v}" in text
+
+
 # -- the matcher alone, on the records the runs above wrote ----------------------------------------
 
 
@@ -320,3 +375,107 @@ def test_one_process_without_a_group_writes_its_hang_but_no_flight_record(tmp_pa
         assert len(rec.events("hang")) == 1
     assert list(mon.run_dir.glob("flight_rank*.json")) == []
     assert hangs.verdict_of_run(mon.run_dir) is None
+
+
+# -- SIGUSR1: a flight record now, training goes on --------------------------------------------------
+
+SIGNAL_STEP = 1  # rank 0 signals rank 1 after this step
+
+
+def _signal_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0 sends SIGUSR1 to rank 1 once rank 1 finished step 1 and waits for its record; then both
+    finish."""
+    import signal
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    pids: list = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    calls: list[int] = []
+    users = lambda signum, frame: calls.append(signum)  # noqa: E731 - the user's own handler
+    signal.signal(signal.SIGUSR1, users)
+    res: dict = {"rank": rank}
+    try:
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with td.watch(model, opt, config=td.DebugConfig(run_dir=str(Path(out, "runs")))) as mon:
+            res["run_dir"] = str(mon.run_dir)
+            res["handler_inside_is_users"] = signal.getsignal(signal.SIGUSR1) is users
+            flight = mon.run_dir / "flight_rank1.json"
+            for step in range(STEPS):
+                g = torch.Generator().manual_seed(10 * rank + step)
+                x, y = torch.rand(8, 4, generator=g), torch.rand(8, 1, generator=g)
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()  # signalled
+                opt.step()
+                mon.step()
+                ready = Path(out, "rank1_after_step")
+                if step == SIGNAL_STEP and rank == 0:
+                    while not ready.exists():  # rank 1 finished the step: it waits in the loop below
+                        time.sleep(0.05)
+                    os.kill(pids[1], signal.SIGUSR1)
+                if step == SIGNAL_STEP and rank == 1:
+                    ready.write_text("")
+                    deadline = time.monotonic() + 60.0
+                    while not flight.exists():  # the watchdog thread writes it
+                        assert time.monotonic() < deadline
+                        time.sleep(0.05)  # polled
+                    res["record"] = json.loads(flight.read_text())
+                    res["others"] = sorted(p.name for p in mon.run_dir.glob("flight_rank*.json"))
+            res["steps"] = mon.global_step
+            # rank 0 blocked inside a collective (C++ waits, Python runs no handler): rank 1 signals it
+            # and joins only once rank 0's record is there, so the record must come from the watchdog
+            blocked = mon.run_dir / "flight_rank0.json"
+            if rank == 1:
+                os.kill(pids[0], signal.SIGUSR1)
+                deadline = time.monotonic() + 30.0
+                while not blocked.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                res["blocked_record"] = json.loads(blocked.read_text()) if blocked.exists() else None
+            dist.all_reduce(torch.ones(1))  # blocked on rank 0
+        res["handler_after_is_users"] = signal.getsignal(signal.SIGUSR1) is users
+        res["wakeup_fd_after"] = signal.set_wakeup_fd(-1)
+        res["user_handler_calls"] = list(calls)
+    except BaseException:
+        res["crash"] = traceback.format_exc()
+    Path(out, f"result{rank}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+@TIMEOUT
+def test_sigusr1_writes_the_flight_record_now_and_training_finishes(tmp_path):
+    import signal
+
+    mp.spawn(_signal_worker, args=(_free_ports(1)[0], str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2))
+    for r in (r0, r1):
+        assert "crash" not in r, r["crash"]
+        assert r["steps"] == STEPS  # training went on to the end
+        assert r["handler_inside_is_users"] is False  # ours, inside watch()
+        assert r["handler_after_is_users"] is True  # the user's back after exit
+        assert r["wakeup_fd_after"] == -1  # the wakeup fd put back too
+    rec = r1["record"]
+    assert (rec["rank"], rec["reason"], rec["last_step"]) == (1, "signal", SIGNAL_STEP)
+    assert rec["error"] is None
+    # DDP's all-reduce of each step's gradients (one bucket) and torchdebug's all-reduce of the step's
+    # numbers: both in the default group, all_reduce, each with its calling line
+    # steps 0 and 1 in the ring: DDP's one bucket of 49 gradients (4*8+8 + 8*1+1) and torchdebug's
+    # vector of the step's numbers (22), both all-reduced from the backward
+    backward = f"test_hangs.py:{_line('loss.backward()  # signalled')} in _signal_worker"
+    reduces = [(e["op"], e["sizes"], e["where"]) for e in rec["entries"] if e["op"] == "all_reduce"]
+    assert reduces == [("all_reduce", [[49]], backward), ("all_reduce", [[22]], backward)] * 2
+    polling = {_line("while not flight.exists()"), _line("time.sleep(0.05)  # polled")}
+    assert rec["where"] in {f"test_hangs.py:{n} in _signal_worker" for n in polling}  # rank 1 waits there
+    assert r1["others"] == ["flight_rank1.json"]  # only the signalled rank wrote one
+    assert r1["user_handler_calls"] == [signal.SIGUSR1]  # chained: the user's handler ran too
+    assert r0["user_handler_calls"] == [signal.SIGUSR1]  # once its all_reduce returned
+    blocked = r1["blocked_record"]
+    assert blocked is not None, "rank 0 wrote no record while blocked in all_reduce"
+    line = f"test_hangs.py:{_line('dist.all_reduce(torch.ones(1))  # blocked')} in _signal_worker"
+    assert (blocked["reason"], blocked["last_step"], blocked["where"]) == ("signal", STEPS - 1, line)
+    assert blocked["entries"][-1]["sizes"] == [[1]] and blocked["entries"][-1]["where"] == line
+    run = Path(r0["run_dir"])
+    recs = hangs.read_records(run)  # at exit every rank wrote its exit record over any earlier one
+    assert (recs[0]["reason"], recs[1]["reason"]) == ("exit", "exit")
+    assert hangs.verdict_of_run(run, 2) is None  # a finished run has no hang verdict

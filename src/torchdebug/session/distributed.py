@@ -276,7 +276,11 @@ class Coordinator:
         if self.sharded and mon.config.replay:
             # a replay re-runs the forward, whose all-gathers the other ranks would not join
             mon.config = mon.config.replace(replay=False)
+        self._signal: Any = None  # SIGUSR1: this rank's flight record now (session.hangs.FlightSignal)
         if world > 1 or mon.config.hang_timeout is not None:
+            from .hangs import FlightSignal
+
+            self._signal = FlightSignal(listen=self.collective)  # a record needs collectives to compare
             self._thread = threading.Thread(
                 target=self._watchdog, args=(mon,), name="torchdebug-hang", daemon=True
             )
@@ -600,8 +604,13 @@ class Coordinator:
             self._flight(mon, "exit")  # where this rank left: a rank still waiting names it
         self._work = self._vec = None  # never waited for at exit: the other rank may have left
         t = self._thread
+        if self._signal is not None:
+            self._signal.stop()
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
+        if self._signal is not None and (t is None or not t.is_alive()):
+            self._signal.close()  # the user's SIGUSR1 handler back
+            self._signal = None
 
     # -- agreement -------------------------------------------------------------------------------
     def agree(self, mon: Session, readout: Readout, mine: bool) -> Readout:
@@ -730,8 +739,16 @@ class Coordinator:
     def _watchdog(self, mon: Session) -> None:
         while not self._stop.is_set():
             timeout = self.hang_timeout(mon)
-            if self._stop.wait(min(1.0, timeout / 4)):
+            asked, stop = self._signal.wait(min(1.0, timeout / 4))
+            if stop or self._stop.is_set():
                 return
+            if asked and self.collective and mon.run_dir is not None and not mon.closed:
+                self._flight(mon, "signal")  # SIGUSR1: where this rank is now; training goes on
+                print(
+                    f"torchdebug: rank {self.rank} wrote its flight record on SIGUSR1 to {mon.run_dir}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             stuck = time.monotonic() - self._last_done
             if not self._hung and stuck > timeout and not mon.closed:
                 self._hung = True  # one record per episode: re-armed when a step completes
@@ -756,13 +773,33 @@ class Coordinator:
             "where": where,
             "stacks": stacks,
         }
-        if mon.writer is not None:
-            mon.writer.log_event(step, "hang", "error", msg, evidence)
-            mon.writer.flush()
-        print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # one line; the job is never killed
         if self.collective and mon.run_dir is not None:
             self._flight_hang = True  # kept at exit: the hang's record, not the exit's
             self._flight(mon, "hang")
+            verdict = self._verdict_of_hang(mon, timeout)
+            if verdict is not None:  # the event (and every tracker) carries the line across ranks
+                msg += f"\nhang verdict: {verdict}"
+                evidence["verdict"] = verdict.to_dict()
+        if mon.writer is not None:
+            mon.writer.log_event(step, "hang", "error", msg, evidence)
+            mon.writer.flush()
+        print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # the job is never killed
+
+    def _verdict_of_hang(self, mon: Session, timeout: float) -> Any:
+        """The verdict across ranks (``views.hangs``) once every rank wrote its flight record, waiting
+        up to ``timeout`` (at most 30 s) for the others' watchdogs; from the records there by then."""
+        from ..views.hangs import match, read_records
+
+        deadline = time.monotonic() + min(float(timeout), 30.0)
+        records = read_records(mon.run_dir)  # type: ignore[arg-type]
+        while len(records) < self.world and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.1)  # the watchdog's own thread: the job waits anyway
+            records = read_records(mon.run_dir)  # type: ignore[arg-type]
+        try:
+            return match(records, self.world)
+        except Exception as exc:  # a verdict that fails must not take the watchdog down
+            print(f"torchdebug: no hang verdict ({exc!r})", file=sys.stderr)
+            return None
 
     def _flight(self, mon: Session, reason: str) -> None:
         """This rank's flight record into the run folder (``session.hangs``); never raises."""

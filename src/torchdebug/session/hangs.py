@@ -1,7 +1,7 @@
 """Which rank, which collective, which line: the hang verdict across ranks.
 
 Each rank writes a *flight record* (``flight_rank{K}.json`` in the run folder) when its hang
-watchdog fires and when it leaves ``watch()``: its phase, the line its main thread is at, and its
+watchdog fires, when it gets ``SIGUSR1`` (:class:`FlightSignal`) and when it leaves ``watch()``: its phase, the line its main thread is at, and its
 Flight Recorder entries (``torch._C._distributed_c10d._dump_fr_trace()``: per process group, the
 collectives with their sequence number, op, sizes and the Python frames that called them; torch
 2.13 records gloo collectives on CPU without any setting, NCCL ones too). :func:`torchdebug.views.hangs.match` reads
@@ -23,10 +23,14 @@ data size doesn't match expected size"): such a mismatch kills the job before an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import select
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -97,7 +101,8 @@ def flight_entries(frames: bool = True) -> tuple[list[dict[str, Any]], str | Non
 
 
 def capture(rank: int, reason: str, phase: str, last_step: int | None, main: int | None) -> dict[str, Any]:
-    """This rank's flight record: ``reason`` (``"hang"``: the watchdog fired, ``"exit"``: it left
+    """This rank's flight record: ``reason`` (``"hang"``: the watchdog fired, ``"signal"``: it got
+    ``SIGUSR1``, ``"exit"``: it left
     ``watch()``: its entries without their calling lines, a fast exit), ``phase``, ``last_step``, ``where`` (the user line its thread ``main`` is at, innermost
     frame outside torch and torchdebug), ``entries`` and ``error`` (:func:`flight_entries`)."""
     where = "an unknown line"
@@ -126,4 +131,89 @@ def write_record(run_dir: str | os.PathLike[str], record: dict[str, Any]) -> Pat
     return path
 
 
-__all__ = ["FLIGHT_FILE", "capture", "normalize", "write_record"]
+_STOP = 0  # the byte that wakes the watchdog to stop (no signal has number 0)
+
+
+class FlightSignal:
+    """``SIGUSR1`` asks a rank for its flight record now: the watchdog thread writes it, training goes on.
+
+    ``listen=False``: only the watchdog's wake-up to stop. Installed from the main thread only (``signal.signal`` works only
+    there; elsewhere :attr:`installed` is False and nothing changes). The handler the user had is
+    called after ours when it is a function (``SIG_DFL`` would end the process: not called; ``SIG_IGN``
+    neither); :meth:`close` puts it back unless the user replaced ours meanwhile.
+
+    A rank stuck in a collective waits inside C++, where Python runs no signal handler until the wait
+    returns; so the signal reaches the watchdog through ``signal.set_wakeup_fd`` (written by the C-level
+    handler at once, on any thread) when no one else (an asyncio loop) holds the wakeup fd, and only
+    through the Python handler otherwise (then a rank blocked in C++ answers when its wait ends).
+    """
+
+    def __init__(self, listen: bool = True) -> None:
+        self._r, self._w = os.pipe()  # the watchdog's wake-up: signal numbers, or _STOP
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self.installed = False
+        self._wakeup = False  # our pipe is the process's wakeup fd
+        self._prev: Any = None
+        main = threading.current_thread() is threading.main_thread()
+        if not (listen and main and hasattr(signal, "SIGUSR1")):
+            return
+        try:
+            self._prev = signal.signal(signal.SIGUSR1, self._on_signal)
+        except (ValueError, OSError):
+            return
+        self.installed = True
+        old = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        if old != -1:  # someone else's (an asyncio loop): theirs stays; the Python handler wakes us
+            signal.set_wakeup_fd(old)
+        else:
+            self._wakeup = True
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self._wakeup:  # else the C-level handler already wrote the number into the pipe
+            self._send(signum)
+        if callable(self._prev):
+            self._prev(signum, frame)
+
+    def _send(self, byte: int) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._w, bytes([byte]))
+
+    def wait(self, timeout: float) -> tuple[bool, bool]:
+        """Wait up to ``timeout`` s: ``(asked, stop)``: ``SIGUSR1`` came, :meth:`stop` was called."""
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        got = b""
+        while ready:
+            try:
+                chunk = os.read(self._r, 512)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                break
+            got += chunk
+        return (signal.SIGUSR1 in got if hasattr(signal, "SIGUSR1") else False), _STOP in got
+
+    def stop(self) -> None:
+        """Wake the watchdog to stop (any thread)."""
+        self._send(_STOP)
+
+    def close(self) -> None:
+        """Put back the wakeup fd and the user's handler (main thread; elsewhere the handler stays and
+        keeps calling the user's), then close the pipe."""
+        if self.installed:
+            if threading.current_thread() is not threading.main_thread():
+                return  # the pipe stays open: the handler (and the wakeup fd) still write to it
+            if self._wakeup:
+                cur = signal.set_wakeup_fd(-1)
+                if cur != self._w:  # set meanwhile by someone else: theirs stays
+                    signal.set_wakeup_fd(cur)
+            if signal.getsignal(signal.SIGUSR1) == self._on_signal:
+                signal.signal(signal.SIGUSR1, self._prev if self._prev is not None else signal.SIG_DFL)
+            self.installed = False
+        for fd in (self._r, self._w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._r = self._w = -1
+
+
+__all__ = ["FLIGHT_FILE", "FlightSignal", "capture", "normalize", "write_record"]

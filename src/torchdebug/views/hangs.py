@@ -1,7 +1,7 @@
 """The hang verdict across ranks, read from the run folder's flight records alone.
 
 Each rank's ``flight_rank{K}.json`` (written by :mod:`torchdebug.session.hangs` when its hang
-watchdog fires and when it leaves ``watch()``) holds its phase, its line and its Flight Recorder
+watchdog fires, on ``SIGUSR1`` and when it leaves ``watch()``) holds its phase, its line and its Flight Recorder
 entries; :func:`match` compares them by process group and sequence number and returns one
 :class:`HangVerdict`: a rank that never entered a collective the others did, or ranks that called
 different collectives at the same sequence number. Files are read as every run reader reads them:
@@ -168,9 +168,10 @@ def match(records: dict[int, dict[str, Any]], world: int | None = None) -> HangV
 
 def verdict_of_run(run_dir: str | os.PathLike[str], world: int | None = None) -> HangVerdict | None:
     """:func:`match` over the flight records in ``run_dir``; ``None`` when no rank hung (no record
-    with ``reason == "hang"``: records written at exit alone are no hang)."""
+    with ``reason`` ``"hang"`` or ``"signal"``: records written at exit alone are no hang; a rank that
+    wrote one on ``SIGUSR1`` and then finished replaced it at exit)."""
     records = read_records(run_dir)
-    if not any(rec.get("reason") == "hang" for rec in records.values()):
+    if not any(rec.get("reason") in ("hang", "signal") for rec in records.values()):
         return None
     return match(records, world)
 

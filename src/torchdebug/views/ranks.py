@@ -75,5 +75,6 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         out += [f"  step {s['step']}: {s['message']}" for s in ov["stragglers"]]
     if ov["hangs"]:
         out.append(f"hangs ({len(ov['hangs'])})")
-        out += [f"  step {h['step']}: {h['message']}" for h in ov["hangs"]]
+        # each rank's own line; the verdict across ranks (the message's second line) is printed first
+        out += [f"  step {h['step']}: {str(h['message']).partition(chr(10))[0]}" for h in ov["hangs"]]
     return out

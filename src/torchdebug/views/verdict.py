@@ -190,7 +190,8 @@ def _event_order(e: Mapping[str, Any]) -> tuple[int, int, float]:
 
 def _event_text(e: Mapping[str, Any]) -> str:
     at = f" at step {e.get('step')}" if e.get("step") is not None else ""
-    return f"{e.get('kind')}{at}: {e.get('message')}"
+    message = "; ".join(str(e.get("message")).splitlines())  # one line (a hang's carries its verdict below)
+    return f"{e.get('kind')}{at}: {message}"
 
 
 def _findings(

@@ -408,7 +408,7 @@ def fragments(views: Mapping[str, Any]) -> dict[str, str]:
         + ("" if views["anomalies"] else render_event_card(views["verdict"], views["events"])),
         "events_html": render_events(views["events"]),
         "meta_html": render_meta(views["meta"]),
-        "ranks_html": render_ranks(views["report"].get("ranks")),  # "" for one rank
+        "ranks_html": render_ranks(views["report"].get("ranks"), views["report"].get("hang_verdict")),
     }
 
 

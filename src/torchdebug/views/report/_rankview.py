@@ -29,9 +29,10 @@ def _table(table_id: str, head: Sequence[str], rows: Sequence[Sequence[Any]], nu
     return f'<table id="{table_id}"><tr>{th}</tr>{body}</table>'
 
 
-def render_ranks(ov: Mapping[str, Any] | None) -> str:
+def render_ranks(ov: Mapping[str, Any] | None, hang: Mapping[str, Any] | None = None) -> str:
     """The "Ranks" section's body from ``rank_overview`` (``build_report(run)["ranks"]``); ``""`` for
-    a run of one rank (``ov`` None): the page then has no such section.
+    a run of one rank (``ov`` None): the page then has no such section. ``hang``: the hang verdict
+    across ranks (``build_report(run)["hang_verdict"]``), shown first as ``#rank-hang-verdict``.
 
     Tables (ids for scripts and tests): ``#rank-table`` (one row per rank: ``RANK_COLUMNS``, cells
     as ``torchdebug show`` prints them), ``#rank-anomalies`` (rank of birth, step, summary, recorded
@@ -41,6 +42,11 @@ def render_ranks(ov: Mapping[str, Any] | None) -> str:
         return ""
     parts = [
         f"<p>{len(ov['ranks'])} of world size {_e(ov.get('world_size'))} ranks recorded.</p>",
+        *(
+            [f'<p id="rank-hang-verdict"><strong>hang verdict:</strong> {_e(hang.get("text"))}</p>']
+            if hang
+            else []
+        ),
         _table("rank-table", RANK_COLUMNS, overview_cells(dict(ov)), _NUMERIC),
     ]
     anomalies = ov.get("anomalies") or []
@@ -75,7 +81,7 @@ def render_ranks(ov: Mapping[str, Any] | None) -> str:
                 h.get("phase"),
                 fmt_num(h.get("last_step")),
                 h.get("where"),
-                h.get("message"),
+                str(h.get("message") or "").split("\n")[0],  # its verdict line is shown once, above
             )
             for h in hangs
         ]

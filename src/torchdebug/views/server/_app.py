@@ -628,11 +628,18 @@ def create_app(
         "/api/runs/{run_id}/ranks", summary="Every rank of a run: per-rank columns, anomalies", tags=["runs"]
     )
     def api_ranks(run_id: str) -> Response:
-        """Per-rank step time, data wait, memory, grad norm; anomalies with their rank; hangs; stragglers."""
+        """Per-rank step time, data wait, memory, grad norm; anomalies with their rank; hangs; stragglers;
+        ``hang_verdict``: the verdict across ranks from their flight records (``HangVerdict.to_dict()``,
+        ``null`` when no rank hung)."""
         from ...store.ranks import rank_overview
+        from ..hangs import verdict_of_run
+
+        def compute(run: Any) -> Any:
+            hang = verdict_of_run(run.path, run.meta.get("world_size"))
+            return json_safe({**rank_overview(run), "hang_verdict": hang.to_dict() if hang else None})
 
         with opened(run_id) as run:
-            ov = views_cache.get(run.path, "ranks", lambda: json_safe(rank_overview(run)))
+            ov = views_cache.get(run.path, "ranks", lambda: compute(run))
         return _json(ov)
 
     @app.get(

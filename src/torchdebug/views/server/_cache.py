@@ -33,10 +33,11 @@ class _Entry:
 
 
 def run_version(path: Path) -> tuple[Any, ...]:
-    """Changes whenever a run's files change: (size, mtime) of meta.json and each rank database + WAL."""
+    """Changes whenever a run's files change: (size, mtime) of meta.json, each rank database + WAL
+    and each rank's flight record (the hang verdict)."""
     out: list[Any] = []
     for p in sorted(path.iterdir()):
-        if p.name == "meta.json" or ".sqlite" in p.name:
+        if p.name == "meta.json" or ".sqlite" in p.name or p.name.startswith("flight_rank"):
             st = p.stat()
             out.append((p.name, st.st_size, st.st_mtime_ns))
     return tuple(out)
