@@ -776,7 +776,9 @@ class Coordinator:
         if self.collective and mon.run_dir is not None:
             self._flight_hang = True  # kept at exit: the hang's record, not the exit's
             self._flight(mon, "hang")
-            verdict = self._verdict_of_hang(mon, timeout)
+            from . import hangs
+
+            verdict = hangs.verdict_across_ranks(mon.run_dir, self.world, timeout, self._stop)
             if verdict is not None:  # the event (and every tracker) carries the line across ranks
                 msg += f"\nhang verdict: {verdict}"
                 evidence["verdict"] = verdict.to_dict()
@@ -785,31 +787,11 @@ class Coordinator:
             mon.writer.flush()
         print(f"torchdebug: {msg}", file=sys.stderr, flush=True)  # the job is never killed
 
-    def _verdict_of_hang(self, mon: Session, timeout: float) -> Any:
-        """The verdict across ranks (``views.hangs``) once every rank wrote its flight record, waiting
-        up to ``timeout`` (at most 30 s) for the others' watchdogs; from the records there by then."""
-        from ..views.hangs import match, read_records
-
-        deadline = time.monotonic() + min(float(timeout), 30.0)
-        records = read_records(mon.run_dir)  # type: ignore[arg-type]
-        while len(records) < self.world and time.monotonic() < deadline and not self._stop.is_set():
-            time.sleep(0.1)  # the watchdog's own thread: the job waits anyway
-            records = read_records(mon.run_dir)  # type: ignore[arg-type]
-        try:
-            return match(records, self.world)
-        except Exception as exc:  # a verdict that fails must not take the watchdog down
-            print(f"torchdebug: no hang verdict ({exc!r})", file=sys.stderr)
-            return None
-
     def _flight(self, mon: Session, reason: str) -> None:
         """This rank's flight record into the run folder (``session.hangs``); never raises."""
         from . import hangs
 
-        try:
-            rec = hangs.capture(self.rank, reason, self._phase, self._last_step, self._main)
-            hangs.write_record(mon.run_dir, rec)  # type: ignore[arg-type]
-        except Exception as exc:  # a record that fails must not take the job down
-            print(f"torchdebug: the flight record could not be written ({exc!r})", file=sys.stderr)
+        hangs.write_flight(mon.run_dir, self.rank, reason, self._phase, self._last_step, self._main)
 
 
 def _thread_stacks(main: int | None) -> tuple[dict[str, list[str]], str]:

@@ -31,6 +31,7 @@ import select
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,35 @@ def write_record(run_dir: str | os.PathLike[str], record: dict[str, Any]) -> Pat
 
 
 _STOP = 0  # the byte that wakes the watchdog to stop (no signal has number 0)
+
+
+def write_flight(
+    run_dir: Any, rank: int, reason: str, phase: str, last_step: int | None, main: int | None
+) -> None:
+    """This rank's flight record into the run folder; never raises (a record that fails must not take
+    the job down)."""
+    try:
+        write_record(run_dir, capture(rank, reason, phase, last_step, main))
+    except Exception as exc:
+        print(f"torchdebug: the flight record could not be written ({exc!r})", file=sys.stderr)
+
+
+def verdict_across_ranks(run_dir: Any, world: int, timeout: float, stop: threading.Event) -> Any:
+    """The verdict across ranks (``views.hangs``) once every rank wrote its flight record, waiting up
+    to ``timeout`` (at most 30 s) for the others' watchdogs; from the records there by then. Runs on
+    the watchdog's thread (the job waits anyway); None when matching fails."""
+    from ..views.hangs import match, read_records
+
+    deadline = time.monotonic() + min(float(timeout), 30.0)
+    records = read_records(run_dir)
+    while len(records) < world and time.monotonic() < deadline and not stop.is_set():
+        time.sleep(0.1)
+        records = read_records(run_dir)
+    try:
+        return match(records, world)
+    except Exception as exc:  # a verdict that fails must not take the watchdog down
+        print(f"torchdebug: no hang verdict ({exc!r})", file=sys.stderr)
+        return None
 
 
 class FlightSignal:
