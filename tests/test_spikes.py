@@ -635,4 +635,8 @@ def test_a_loss_the_replay_cannot_split_says_why() -> None:
         "the loss is neither one of the model's outputs nor made by torch calls after its forward"
     )
     cap.tape_complete = False
-    assert row_losses(model, cap)[3].startswith("the loss code was not recorded (trace_loss off")
+    assert row_losses(model, cap)[3] == "the loss code was not recorded"
+    cap.untaped = "trace_loss is off (config.trace_loss=False)"  # what the sentinel says when it is
+    assert row_losses(model, cap)[3] == (
+        "the loss code was not recorded: trace_loss is off (config.trace_loss=False)"
+    )

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .._errors import TorchDebugWarning
 from .._frames import format_frames, raw_user_frames, user_location, user_stack
 from .._installs import optimizer_hooks
 from .._tensors import stored_values
@@ -273,6 +276,7 @@ class _Event:
     parameter: str | None = None
     hint: str = ""
     evidence: Evidence | None = None  # what the hint is derived from (hints.py)
+    said: str = ""  # the symptom's words when this event is the origin (an input's: which input, rows)
 
 
 @dataclass
@@ -815,7 +819,7 @@ class Tracer:
             if ev.cause is not None:  # the value became NaN here; the overflow before it is the origin
                 self.noticed, ev = ev, ev.cause
             self.symptom = ev
-            self.symptom_text = text
+            self.symptom_text = ev.said or text
 
     # -- symptoms outside ops ----------------------------------------------------------------------
     def on_backward_call(self, loss: Any) -> None:
@@ -947,23 +951,21 @@ class Tracer:
         self.pre_inputs = None
 
     def check_inputs(self, args: Any, kwargs: Any) -> None:
+        """A NaN/Inf input gets an ``input`` origin: the anomaly if it reaches a symptom, nothing if the
+        model replaces it before use (``torch.nan_to_num(x)``, a masked fill)."""
         for i, t in enumerate(tensor_leaves((args, kwargs))):
-            if self.symptom is not None:
-                return
-            if _checkable(t):
-                f = _flags(t)
-                if f.bad:
-                    root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
-                    ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
-                    ev.op = ""
-                    rows = bad_rows(t)
-                    at = f" in {rows}" if rows else ""
-                    ev.hint = (
-                        f"the batch already holds {_KIND_WORD[f.kind]}: input #{i} "
-                        f"({f.nan} NaN, {f.posinf} +Inf, {f.neginf} -Inf){at}; check the data pipeline"
-                        + (" (those samples)" if rows else "")
-                    )
-                    self._set_symptom(ev, f"{f.kind} in input #{i}" + (f", {rows}" if rows else ""))
+            if not (_checkable(t) and (f := _flags(t)).bad):
+                continue
+            root = type(self.model).__name__ if self.model is not None else ""  # "input of Net"
+            ev = self._event(Phase.INPUT.value, "", root, "", None, (), f.kind, t, [])
+            rows = bad_rows(t)
+            at = f" in {rows}" if rows else ""
+            ev.hint = (
+                f"the batch already holds {_KIND_WORD[f.kind]}: input #{i} ({f.nan} NaN, {f.posinf} +Inf, "
+                f"{f.neginf} -Inf){at}; check the data pipeline" + (" (those samples)" if rows else "")
+            )
+            ev.said = f"{f.kind} in input #{i}" + (f", {rows}" if rows else "")
+            self.taint.put(t, _storage_key(t), ev)
 
     def _check_params(self, when: str) -> None:
         if self.model is None:
@@ -1097,7 +1099,14 @@ def locate_nonfinite(
         Whatever ``fn`` raises, unless a non-finite origin was found before the error (then the anomaly
         is returned: the NaN is the likelier cause).
 
-    Cost: every op's outputs are reduced and read on the host: 2-4x one plain step on CPU.
+    A compiled callable (``torch.compile``'d, or calling a compiled ``model``) is traced eagerly, whose
+    numerics may differ: it is first run compiled, untraced, and what that run changed is undone (the
+    weights, gradients, buffers, RNG and the state of every optimizer that stepped). When the compiled
+    run is finite and the eager trace is not, a :class:`TorchDebugWarning` says that eager and compiled
+    disagree and ``None`` is returned: the eager symptom is not what trains.
+
+    Cost: every op's outputs are reduced and read on the host: 2-4x one plain step on CPU; a compiled
+    callable runs once more, compiled.
 
     Example::
 
@@ -1116,6 +1125,10 @@ def locate_nonfinite(
     tracer.check_parameters()
     if tracer.symptom is not None:
         return tracer.anomaly()
+    compiled_finite = None
+    if _compiled(fn, model):  # the compiled run is what trains: judged first, then undone
+        with _undone(_uncompiled(model)):
+            compiled_finite = _finite_run(fn(*args, **kwargs), _uncompiled(model))
     try:
         with _eager(), tracer:
             result = fn(*args, **kwargs)
@@ -1124,7 +1137,82 @@ def locate_nonfinite(
     except Exception:
         if tracer.symptom is None:
             raise
-    return tracer.anomaly()
+    found = tracer.anomaly()
+    if found is not None and compiled_finite:
+        warnings.warn(
+            f"torchdebug: locate_nonfinite ran the compiled callable eagerly to trace it, and the eager "
+            f"run made {found.kind} ({found.op or found.phase} at {found.location or 'an unknown line'}), "
+            "but the compiled run is finite: eager and compiled numerics differ here, and the compiled "
+            "run is the one that trains; nothing to locate",
+            TorchDebugWarning,
+            stacklevel=2,
+        )
+        return None
+    return found
+
+
+def _compiled(fn: Any, model: nn.Module | None) -> bool:
+    """``fn`` is a ``torch.compile``'d function or module, or calls ``model``, which is compiled."""
+    if hasattr(fn, "_torchdynamo_orig_callable") or type(fn).__name__ == "OptimizedModule":
+        return True
+    return model is not None and (
+        _uncompiled(model) is not model or getattr(model, "_compiled_call_impl", None) is not None
+    )
+
+
+def _finite_run(result: Any, model: nn.Module | None) -> bool:
+    """What a run left is finite: its returned tensors, and the model's weights and gradients."""
+    ts = tensor_leaves(result)
+    if model is not None:
+        ps = list(model.parameters())
+        ts += ps + [p.grad for p in ps if p.grad is not None]
+    with torch.no_grad():
+        return all(bool(torch.isfinite(stored_values(t.detach())).all()) for t in ts if _checkable(t))
+
+
+@contextlib.contextmanager
+def _undone(model: nn.Module | None) -> Iterator[None]:
+    """Run a step, then put back what it changed: the model's weights, gradients and buffers, the RNG,
+    and the state and weights of every optimizer that stepped (kept by a pre-hook as its step began).
+    Cost: a copy of each; rare path (``locate_nonfinite`` of a compiled callable)."""
+    params = list(model.parameters()) if model is not None else []
+    with torch.no_grad():
+        kept = [(p, p.detach().clone()) for p in params]
+        grads = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in params]
+        buffers = [(b, b.clone()) for b in model.buffers()] if model is not None else []
+    rng = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    opts: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        if id(opt) not in opts:
+            opts[id(opt)] = (opt, copy.deepcopy(opt.state_dict()))
+            with torch.no_grad():
+                mine = {id(p) for p, _ in kept}
+                kept.extend(
+                    (p, p.detach().clone())
+                    for g in opt.param_groups
+                    for p in g["params"]
+                    if id(p) not in mine
+                )
+
+    handle = optimizer_hooks(pre, lambda *a: None)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for p, v in kept:
+                p.copy_(v)
+            for b, v in buffers:
+                b.copy_(v)
+        for p, g in grads:
+            p.grad = g
+        for opt, sd in opts.values():
+            opt.load_state_dict(sd)
+        torch.set_rng_state(rng)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state_all(rng_cuda)
 
 
 def _uncompiled(model: nn.Module | None) -> nn.Module | None:
@@ -1165,6 +1253,7 @@ class StepCapture:
     loss_grad: torch.Tensor | None = None
     module: nn.Module | None = None  # the module whose forward was captured; None: the watched model
     batch: Any = None  # the whole batch as a framework driver saw it (names tensors the loss alone used)
+    untaped: str = ""  # why the loss code was not recorded whole (tape_complete False), in words
 
     @staticmethod
     def take(args: tuple, kwargs: dict, uses_cuda: bool) -> StepCapture:
@@ -1283,7 +1372,9 @@ def writes_apart(
 
 
 @contextlib.contextmanager
-def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
+def _preserved_state(
+    model: nn.Module, uses_cuda: bool, start: Mapping[int, torch.Tensor] | None = None
+) -> Iterator[None]:
     """Leave the user's grads, buffers and RNG exactly as they were after the replay.
 
     The replay runs on copies of the buffers (a BatchNorm's running statistics, its
@@ -1291,6 +1382,8 @@ def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
     tensor after, never written. A copy back into the user's tensor would bump its version, and a
     graph of the user's still waiting for its backward (a GAN's ``fake = G(z)``, used again after D's
     update) saved those tensors: its ``backward()`` would raise. Cost: one copy of the buffers.
+    ``start``: id(buffer) -> its value as the step began (a buffer the step's forward wrote), copied
+    instead of the buffer's value now.
     """
     params = list(model.parameters())
     grads = [p.grad for p in params]
@@ -1304,7 +1397,7 @@ def _preserved_state(model: nn.Module, uses_cuda: bool) -> Iterator[None]:
         with torch.no_grad():
             for m, k, b in slots:
                 if id(b) not in copies:
-                    copies[id(b)] = b.clone()
+                    copies[id(b)] = (start or {}).get(id(b), b).clone()
                 m._buffers[k] = copies[id(b)]
         yield
     finally:
@@ -1324,24 +1417,28 @@ def replay_capture(
     names: dict[nn.Module, str],
     frames: int = 16,
     uses_cuda: bool = False,
+    buffers: Mapping[int, torch.Tensor] | None = None,
 ) -> Tracer:
     """Re-run a captured micro-step (forward, loss, backward) under the tracer; returns the tracer.
 
     The user's parameters are untouched (the sentinel replays before the optimizer update); grads,
     buffers and RNG are restored afterwards. The loss is recomputed from the recorded tape of torch
     calls made between the model's forward and ``backward`` when complete, else the gradient that
-    flowed into the model's outputs in the real step is fed back.
+    flowed into the model's outputs in the real step is fed back. ``buffers``: the values the buffers
+    the step wrote held as it began (the replay starts from them).
     """
     tracer = Tracer(model, frames=frames, names=names)
-    tracer.check_inputs(cap.args, cap.kwargs)
-    tracer.check_parameters()
-    if tracer.symptom is not None:
-        return tracer
     made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
     params = {id(p) for p in model.parameters()}
     apart_from_user((cap.args, cap.kwargs, [(e[2], e[3]) for e in cap.tape]), params, made)
     sub = lambda t: made.get(id(t), t)  # noqa: E731
-    with _preserved_state(model, uses_cuda):
+    with _preserved_state(model, uses_cuda, buffers):
+        # the batch of every forward the micro-step made (a second view's too), not what a forward
+        # made; the weights and the buffers the replay starts from
+        tracer.check_inputs(unmade_inputs([cap], set()) if cap.tape_complete else (cap.args, cap.kwargs), {})
+        tracer.check_parameters()
+        if tracer.symptom is not None:
+            return tracer
         torch.set_rng_state(cap.rng_cpu)
         if cap.rng_cuda is not None:
             torch.cuda.set_rng_state_all(cap.rng_cuda)
@@ -1363,8 +1460,35 @@ def replay_capture(
                 if i in cap.out_grads and n.requires_grad
             ]
             if pairs:
+                taint_fed(tracer, cap, [g for _, g in pairs])
                 torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
     return tracer
+
+
+def taint_fed(tracer: Tracer, cap: StepCapture, grads: list[torch.Tensor]) -> None:
+    """The replay feeds the gradients seen at the model's outputs (the loss code was not replayed). One
+    already non-finite was made after that output: by the loss code or another forward the replay did
+    not rebuild, or by the model's own backward from another of its outputs (a loss it returns). It is
+    tainted with an origin that says so, ordered after every op the replay sees: a NaN the model's
+    backward makes still names its op, and no op that merely carries the fed NaN is blamed."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        for g in grads:
+            if not (_checkable(g) and (f := _flags(g)).bad):
+                continue
+            in_loss = cap.loss is not None and _checkable(cap.loss) and _flags(cap.loss).bad
+            root = type(tracer.model).__name__ if tracer.model is not None else ""
+            phase = Phase.FORWARD.value if in_loss else Phase.BACKWARD.value
+            ev = tracer._event(phase, "", root, "", None, (), f.kind, g, [])
+            tracer.events.remove(ev)
+            ev.seq = sys.maxsize  # after every op of the replay (``_root`` takes the earliest)
+            why = cap.untaped or "the loss code was not recorded"
+            made = "the loss" if in_loss else "the gradient reaching the model's outputs"
+            ev.hint = (
+                f"{made} already held {_KIND_WORD[f.kind]} in the step, made after the model's forward (by "
+                f"the loss code, another model or another call of this one), which the replay could not "
+                f"rebuild: {why}"
+            )
+            tracer.taint.put(g, _storage_key(g), ev)
 
 
 def _rerun_tape(
@@ -1377,7 +1501,15 @@ def _rerun_tape(
     sub = lambda t: mapping.get(id(t), t)  # noqa: E731
     user = user_storages([cap])
     try:
-        for func, _types, args, kwargs, raw, res in cap.tape:
+        for func, kind, args, kwargs, raw, res in cap.tape:
+            if kind in (FORWARD, FORWARD_NO_GRAD):  # the model called again (a second view): its ops traced
+                with torch.set_grad_enabled(kind == FORWARD and torch.is_grad_enabled()):
+                    new = func(*map_tensors(args, sub), **map_tensors(kwargs, sub))
+                for o, n in zip(tensor_leaves(res), tensor_leaves(new)):
+                    mapping[id(o)] = n
+                if tracer.symptom is not None:
+                    break
+                continue
             _check_loss_inputs(cap, args, kwargs, mapping, raw, tracer)
             if tracer.symptom is not None:
                 break
@@ -1395,6 +1527,21 @@ def _rerun_tape(
         tracer.internal_errors.append(f"loss tape replay failed: {exc!r}")
         return None
     return mapping.get(id(cap.loss))  # None: the loss was not made by recorded calls
+
+
+def unmade_inputs(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor, ...]:
+    """The inputs of the recorded forwards (each capture's first, unless in ``tape_only``, and the
+    forwards on its tape) that no earlier recorded call made: the batch, not G's output fed to D."""
+    made: set[int] = set()
+    keep: list[torch.Tensor] = []
+    for j, cap in enumerate(caps):
+        calls = [] if j in tape_only else [(True, cap.args, cap.kwargs, cap.outputs)]
+        calls += [(e[1] in (FORWARD, FORWARD_NO_GRAD), e[2], e[3], e[5]) for e in cap.tape]
+        for forward, args, kwargs, out in calls:  # in the order they ran: D(fake.detach()) after detach
+            if forward:
+                keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
+            made |= {id(t) for t in tensor_leaves(out)}
+    return tuple(keep)
 
 
 def _check_loss_inputs(
@@ -1474,6 +1621,23 @@ def _batch_path(batch: Any, t: torch.Tensor, path: str = "batch", depth: int = 0
 
 
 _ACCESSORS = ("__get__", "__set__", "__delete__")
+# tensor properties that are views of the tensor (``z @ z.T``): recorded, so a replay takes the view of
+# its own tensor (``.grad`` and ``.data`` reads are not the loss's making)
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+# a tape entry that is a model's forward called again in the micro-step (a second view, a watched
+# model of several), with or without grad: its own ops are traced when it is replayed
+FORWARD = "forward"
+FORWARD_NO_GRAD = "forward-no-grad"
+
+
+def _view_property(func: Any) -> bool:
+    """``func`` is the getter of a tensor property that is a view (``Tensor.T.__get__``)."""
+    owner = getattr(func, "__self__", None)
+    return getattr(owner, "__name__", None) in _VIEW_PROPERTIES and getattr(owner, "__objclass__", None) in (
+        torch.Tensor,
+        torch._C.TensorBase,
+    )
 
 
 class LossTape(TorchFunctionMode):
@@ -1493,7 +1657,7 @@ class LossTape(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         res = func(*args, **(kwargs or {}))
-        if not self.recording or getattr(func, "__name__", "") in _ACCESSORS:
+        if not self.recording or (getattr(func, "__name__", "") in _ACCESSORS and not _view_property(func)):
             return res
         if not (isinstance(res, torch.Tensor) or (isinstance(res, (tuple, list)) and tensor_leaves(res))):
             return res
@@ -1504,6 +1668,7 @@ class LossTape(TorchFunctionMode):
             self.recording = False
         elif len(cap.tape) >= self.limit:
             cap.tape_complete = False
+            cap.untaped = f"the loss code made more than {self.limit} torch calls (the tape's limit)"
             self.recording = False
         else:
             # the innermost user frame only, raw: formatting (relpath) waits for a replay that needs it

@@ -20,8 +20,11 @@ from .._step import Found, Measure, SessionView
 from .._tensors import local
 from .._trees import map_tensors, tensor_leaves
 from ..events import Anomaly, Phase
+from .buffers import WrittenBuffers
 from .ledger import window_hint
 from .locate import (
+    FORWARD,
+    FORWARD_NO_GRAD,
     StepCapture,
     Tracer,
     _autocast,
@@ -29,19 +32,19 @@ from .locate import (
     _preserved_state,
     apart_from_user,
     replay_capture,
+    taint_fed,
+    unmade_inputs,
     user_storages,
     writes_apart,
 )
 
-# a tape entry that is a watched model's forward (several models), with or without grad
-FORWARD = "forward"
-FORWARD_NO_GRAD = "forward-no-grad"
-
 
 class Replaying(Protocol):
-    """Who holds the "a replay is running" flag (the sentinel)."""
+    """Who holds the "a replay is running" flag (the sentinel), and the buffers the step's forward
+    writes as they were when it began."""
 
     replaying: bool
+    buffers: WrittenBuffers
 
 
 def optimizer_anomaly(
@@ -136,9 +139,10 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
             # A fault that does not come back when the step is re-run is information (a one-off
             # fault, a nondeterministic kernel, state that changed): a second replay confirms it.
             for _ in range(2):
+                start = flag.buffers.start_values()  # the buffers the step wrote, as it began
                 with mon.eager():
                     if mon.roots is not None:  # several models: the step's micro-steps, in order
-                        tracer = replay_in_order(mon, idx)
+                        tracer = replay_in_order(mon, idx, start)
                     else:
                         tracer = replay_capture(
                             mon.model,
@@ -146,17 +150,22 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
                             names=mon.names,
                             frames=mon.config.frames,
                             uses_cuda=mon.uses_cuda,
+                            buffers=start if idx == 0 else None,
                         )
                 a = tracer.anomaly(
                     step=mon.global_step, rank=mon.rank, micro_step=micro, detected_by="sentinel"
                 )
+                if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
+                    return consequence(mon, a, mon.anomalies[0])
                 if a is not None:
                     return dataclasses.replace(a, reproducible=True)
             if mon.state.measure is Measure.AFTER_EDIT and mon.state.edit_bad and not losses_bad:
                 # measured after code changed the gradients, and backward() is clean when re-run: that
                 # code made them non-finite
                 return gradient_edit_anomaly(mon, micro)
-            return symptom_anomaly(mon, micro, losses_bad, reproduced=False)
+            a = symptom_anomaly(mon, micro, losses_bad, reproduced=False)
+            gap = replay_gap(mon.state.captures[idx], tracer)
+            return dataclasses.replace(a, hint=f"{a.hint}; {gap}") if gap else a
         except Exception as exc:
             mon.warn_once(
                 "replay",
@@ -176,6 +185,95 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
     elif first_replay:
         why = "the failing micro-step was not captured"
     return symptom_anomaly(mon, micro, losses_bad, why=why)
+
+
+def consequence(mon: SessionView, a: Anomaly, first: Anomaly) -> Anomaly:
+    """The replay found a weight (or buffer) already non-finite as the step began, after the session
+    reported ``first``: the updates (or forwards) that ran since, as the policy let them, carried that
+    anomaly's values in. Said as its consequence, not as a value loaded or written outside the step."""
+    name = a.parameter or ""
+    counts = ""
+    if a.tensor is not None:
+        counts = f" ({a.tensor.nan_count} NaN / {a.tensor.posinf_count + a.tensor.neginf_count} Inf)"
+    since = f"the anomaly of step {first.step} ({first.symptom or first.kind})"
+    if name in mon.param_names:
+        opt = _optimizer_of(mon, name)
+        op = type(opt).__name__ + ".step" if opt is not None else "optimizer.step"
+        phase, writer = Phase.OPTIMIZER.value, f"the updates ({op}) that ran since {since}"
+    else:  # a buffer: the forwards since wrote it
+        op, phase, writer = None, Phase.FORWARD.value, f"the forwards that ran since {since}"
+    return dataclasses.replace(
+        a,
+        phase=phase,
+        op=op,
+        hint=(
+            f"{name} already holds non-finite values{counts} as this step began: {writer} carried them "
+            "in; a consequence of that anomaly, not a new origin"
+        ),
+        detected_by="sentinel",
+    )
+
+
+def buffer_anomaly(mon: SessionView, flag: Replaying, bad: list[str]) -> Anomaly:
+    """A buffer the forward writes (``bad``: those non-finite now) went non-finite in a step whose loss
+    and gradients are finite: the step's micro-steps replayed in order from the buffers as the step
+    began (the first replay of the session), to the op and line that wrote it."""
+    name = bad[0]
+    owner = name.rpartition(".")[0]
+    t = dict(mon.model.named_buffers()).get(name)
+    kind = "nan" if t is not None and bool(torch.isnan(t).any()) else "inf"  # exact: rare path
+    caps = mon.state.captures
+    why = ""
+    if not mon.config.replay:
+        why = "replay is off (config.replay=False)"
+    elif mon.counters["replays"] > 0:
+        why = "only the first anomaly of a session is replayed"
+    elif not caps:
+        why = "the step's forward was not captured"
+    else:
+        mon.counters["replays"] += 1
+        flag.replaying = True
+        try:
+            with mon.eager():
+                tracer = replay_in_order(mon, len(caps) - 1, flag.buffers.start_values())
+            a = tracer.anomaly(step=mon.global_step, rank=mon.rank, detected_by="sentinel")
+            if a is not None:
+                return dataclasses.replace(a, reproducible=True)
+            why = "replayed from the buffers as the step began, the step left every buffer finite"
+        except Exception as exc:
+            why = f"the replay failed ({exc!r})"
+        finally:
+            flag.replaying = False
+    more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])})" if len(bad) > 1 else ""
+    return _untraced(
+        mon,
+        Phase.FORWARD,
+        None,
+        kind=kind,
+        micro=None,
+        symptom=f"{kind} in the buffer {name}{more} after the step",
+        hint=(
+            f"the step's forward wrote {kind} into the buffer {name} (finite as the step began; its loss "
+            f"and gradients are finite); origin not traced: {why}"
+        ),
+        module=owner,
+    )
+
+
+def replay_gap(cap: StepCapture, tracer: Tracer) -> str:
+    """What of the micro-step the replay could not rebuild, in words (``""``: nothing it knows of): the
+    loss code it did not record, or the recorded call it stopped at."""
+    failed = next(
+        (e for e in tracer.internal_errors if e.startswith(("loss tape", "replay of the step"))), ""
+    )
+    if failed:
+        return f"the replay of the loss code stopped: {failed}"
+    if cap.loss is not None and not cap.tape_complete:
+        why = cap.untaped or "it was not recorded"
+        return (
+            f"the loss code was not replayed: {why}; the replay fed the gradient seen at the model's outputs"
+        )
+    return ""
 
 
 def gradient_edit_anomaly(mon: SessionView, micro: int | None, kind: str | None = None) -> Anomaly:
@@ -274,7 +372,7 @@ def _untraced(
     """An anomaly of this step that the sentinel saw but no replay traced to an op (no op, no line):
     named by ``parameter``, the module that owns it (``module`` overrides the name: ``""`` for the loss)
     and that module's type."""
-    owner = parameter.rpartition(".")[0] if parameter else ""
+    owner = parameter.rpartition(".")[0] if parameter else (module or "")
     mod = mon.model.get_submodule(owner) if owner else mon.model
     return Anomaly(
         phase=phase.value,
@@ -303,7 +401,7 @@ def _optimizer_of(mon: SessionView, name: str) -> Any:
     return mon.optimizer
 
 
-def replay_in_order(mon: SessionView, idx: int) -> Tracer:
+def replay_in_order(mon: SessionView, idx: int, buffers: dict[int, torch.Tensor] | None = None) -> Tracer:
     """Several models: re-run the step's micro-steps 0..``idx`` in order under the tracer, each from its
     RNG state, and the backward of micro-step ``idx``.
 
@@ -312,49 +410,65 @@ def replay_in_order(mon: SessionView, idx: int) -> Tracer:
     calls and the other watched models' forwards (a frozen one's under ``no_grad``), as they ran. A
     tensor an earlier call made (G's output fed to D, a critic's value used by the next loss) is
     replaced by its replayed counterpart, so a value born in D's forward called from G's loss is traced
-    to ``D.<module>``. The user's grads, buffers and RNG are restored after.
+    to ``D.<module>``. The user's grads, buffers and RNG are restored after; ``buffers``: the values
+    the buffers the step wrote held as it began (the replay starts from them).
     """
     st = mon.state
     caps = st.captures[: idx + 1]
     tracer = Tracer(mon.model, frames=mon.config.frames, names=mon.names)
-    tracer.check_inputs(_unmade(caps, st.tape_only), {})  # the batch, not what a model made
-    tracer.check_parameters()
-    if tracer.symptom is not None:
-        return tracer
     made: dict[int, torch.Tensor] = {}  # id(tensor of the real step) -> its replayed counterpart
     params = {id(p) for p in mon.model.parameters()}
     apart_from_user([(c.args, c.kwargs, [(e[2], e[3]) for e in c.tape]) for c in caps], params, made)
     user = user_storages(caps)
-    sub = lambda t: made.get(id(t), t)  # noqa: E731
-    with _preserved_state(mon.model, mon.uses_cuda), tracer:
-        for j, cap in enumerate(caps):
-            torch.set_rng_state(cap.rng_cpu)
-            if cap.rng_cuda is not None:
-                torch.cuda.set_rng_state_all(cap.rng_cuda)
-            with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
-                out = None
-                if j not in st.tape_only:
-                    module = cap.module if cap.module is not None else mon.model
-                    out = module(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
-                    _pair(made, cap.outputs, out)
-                    if tracer.symptom is not None:
-                        return tracer
-                if cap.tape_complete and not _rerun(cap, made, tracer, user):
-                    return tracer
-                if j < idx:
-                    continue
-                loss = made.get(id(cap.loss)) if cap.loss is not None else None
-                if loss is not None:
-                    loss.backward(gradient=cap.loss_grad)
-                elif out is not None:
-                    pairs = [
-                        (n, cap.out_grads[i])
-                        for i, n in enumerate(tensor_leaves(out))
-                        if i in cap.out_grads and n.requires_grad
-                    ]
-                    if pairs:
-                        torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
+    with _preserved_state(mon.model, mon.uses_cuda, buffers):
+        tracer.check_inputs(unmade_inputs(caps, st.tape_only), {})  # the batch, not what a model made
+        tracer.check_parameters()  # (and the buffers the replay starts from)
+        if tracer.symptom is None:
+            with tracer:
+                _replay_micro_steps(mon, caps, idx, tracer, made, user)
     return tracer
+
+
+def _replay_micro_steps(
+    mon: SessionView,
+    caps: list[StepCapture],
+    idx: int,
+    tracer: Tracer,
+    made: dict[int, torch.Tensor],
+    user: set[int | None],
+) -> None:
+    """``replay_in_order``'s loop: micro-steps 0..``idx`` forward in order, and the backward of ``idx``
+    (it stops where the tracer found the symptom or the tape failed)."""
+    st = mon.state
+    sub = lambda t: made.get(id(t), t)  # noqa: E731
+    for j, cap in enumerate(caps):
+        torch.set_rng_state(cap.rng_cpu)
+        if cap.rng_cuda is not None:
+            torch.cuda.set_rng_state_all(cap.rng_cuda)
+        with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+            out = None
+            if j not in st.tape_only:
+                module = cap.module if cap.module is not None else mon.model
+                out = module(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
+                _pair(made, cap.outputs, out)
+                if tracer.symptom is not None:
+                    return
+            if cap.tape_complete and not _rerun(cap, made, tracer, user):
+                return
+            if j < idx:
+                continue
+            loss = made.get(id(cap.loss)) if cap.loss is not None else None
+            if loss is not None:
+                loss.backward(gradient=cap.loss_grad)
+            elif out is not None:
+                pairs = [
+                    (n, cap.out_grads[i])
+                    for i, n in enumerate(tensor_leaves(out))
+                    if i in cap.out_grads and n.requires_grad
+                ]
+                if pairs:
+                    taint_fed(tracer, cap, [g for _, g in pairs])
+                    torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
 
 
 def _pair(made: dict[int, torch.Tensor], old: Any, new: Any) -> None:
@@ -388,18 +502,3 @@ def _rerun(cap: StepCapture, made: dict[int, torch.Tensor], tracer: Tracer, user
         tracer.internal_errors.append(f"replay of the step failed: {exc!r}")
         return False
     return True
-
-
-def _unmade(caps: list[StepCapture], tape_only: set[int]) -> tuple[torch.Tensor, ...]:
-    """The inputs of the step's recorded forwards that no earlier recorded call made (the batch, not
-    G's output fed to D)."""
-    made: set[int] = set()
-    keep: list[torch.Tensor] = []
-    for j, cap in enumerate(caps):
-        calls = [] if j in tape_only else [(True, cap.args, cap.kwargs, cap.outputs)]
-        calls += [(e[1] in (FORWARD, FORWARD_NO_GRAD), e[2], e[3], e[5]) for e in cap.tape]
-        for forward, args, kwargs, out in calls:  # in the order they ran: D(fake.detach()) after detach
-            if forward:
-                keep += [t for t in tensor_leaves((args, kwargs)) if id(t) not in made]
-            made |= {id(t) for t in tensor_leaves(out)}
-    return tuple(keep)

@@ -56,15 +56,8 @@ def row_losses(
         return None, [], None, "a batch of one row"
     inside = next((i for i, t in enumerate(tensor_leaves(cap.outputs)) if t is cap.loss), None)
     if inside is None and not cap.tape_complete:
-        return (
-            None,
-            [],
-            None,
-            (
-                "the loss code was not recorded (trace_loss off, more than 64 torch calls, or the forward "
-                "ran in another thread)"
-            ),
-        )
+        why = f": {cap.untaped}" if cap.untaped else ""
+        return None, [], None, f"the loss code was not recorded{why}"
     if inside is None and not cap.tape:
         return (
             None,

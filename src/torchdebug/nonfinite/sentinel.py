@@ -58,10 +58,10 @@ from .._tensors import dtensor_type, finite_probe, local, stored_values
 from .._trees import tensor_leaves
 from ..events import Anomaly
 from . import replay
+from .buffers import WrittenBuffers
 from .edits import EditCheck, item_numbers, lift_mode
 from .ledger import UpdateLedger, nonfinite_params
-from .locate import LossTape, StepCapture
-from .replay import FORWARD, FORWARD_NO_GRAD
+from .locate import FORWARD, FORWARD_NO_GRAD, LossTape, StepCapture
 from .startup import loaded_anomaly
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
@@ -99,6 +99,7 @@ class Sentinel:
         self.grads_gone = False
         self.loaded_bad = False  # weights already non-finite at start or at a load_state_dict: said once
         self.edits = EditCheck()  # what changed the gradients between backward() and the update
+        self.buffers = WrittenBuffers()  # the buffers the forward writes: kept as each step began, probed
         self.reindex(params, names)
 
     def reindex(self, params: list[torch.Tensor], names: list[str]) -> None:
@@ -181,6 +182,10 @@ class Sentinel:
         if cont:  # nothing ran since the last backward: this forward begins the micro-step
             st.tape_only.discard(len(st.captures) - 1)
             st.captures.pop()
+        if not (st.captures or self.buffers.idle) and self.active and self.config.replay:
+            # the step's first forward: the buffers it writes kept (not when judged a step late, or by
+            # one rank alone: buffers.py)
+            self.buffers.begin_step(mon.model, late=mon.reads_late or mon.coordinator is not None)
         if self.active and self.config.replay and len(st.captures) < _MAX_CAPTURES:
             st.cap = StepCapture.take(args, kwargs, mon.uses_cuda)
             if module is not mon.model:
@@ -199,8 +204,9 @@ class Sentinel:
         self.pop_tape()
         if cap is None or not cap.tape_complete or len(cap.tape) >= _MAX_TAPE:
             st.entry = -1  # not recorded: the replay starts from what it has
-            if cap is not None:
+            if cap is not None and cap.tape_complete:
                 cap.tape_complete = False
+                cap.untaped = f"the micro-step made more than {_MAX_TAPE} torch calls and forwards"
             return
         st.entry = len(cap.tape)
         cap.tape.append((module, FORWARD if grad else FORWARD_NO_GRAD, args, kwargs, (), None))
@@ -254,7 +260,11 @@ class Sentinel:
         self.open_tape(st.cap)
 
     def open_tape(self, cap: StepCapture) -> None:
-        if self.config.trace_loss and threading.current_thread() is self.thread:
+        if not self.config.trace_loss:
+            cap.untaped = "trace_loss is off (config.trace_loss=False)"
+        elif threading.current_thread() is not self.thread:
+            cap.untaped = "the forward ran in another thread than the loop (its loss code is not recorded)"
+        else:
             cap.tape_complete = True
             self.tape = LossTape(cap)
             self.tape.__enter__()
@@ -471,7 +481,17 @@ class Sentinel:
         """The sentinel's device numbers for the step's transfer."""
         items = [("_edit", st.edit_probe)] if st.edit_probe is not None else []
         items += [("_clip", flag) for flag, _, _ in st.clips]
+        if self.buffers.fresh and (probe := self.buffers.probe()) is not None:
+            items.append(("_buffers", probe))
         return items + [(f"_def_{k}", v) for k, v in self.deferred.items()]
+
+    def judge_buffers(self, st: StepState, mon: SessionView, value: float | None) -> Verdict:
+        """After the read: a buffer the forward writes went non-finite (``value``: the probe) in a step
+        whose loss and gradients are finite (else the step's own verdict replays it): an anomaly."""
+        bad = self.buffers.judge(value)
+        if not bad or _read_bad(st.transfer):
+            return OK  # the usual answer
+        return Verdict("anomaly", replay.buffer_anomaly(mon, self, bad), late=True)
 
     def read_deferred(
         self, st: StepState, readout: Readout, mon: SessionView, flagged: bool | None

@@ -101,14 +101,19 @@ class RunQueueClock:
             self._fd = None
 
     def read(self) -> float:
+        return self.read_both()[1]
+
+    def read_both(self) -> tuple[float, float]:
+        """(seconds on a CPU, seconds waiting for one) of the thread so far; NaN where unknown."""
         import os
 
         if self._fd is None:
-            return math.nan
+            return math.nan, math.nan
         try:
-            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+            fields = os.pread(self._fd, 128, 0).split()
+            return int(fields[0]) / 1e9, int(fields[1]) / 1e9
         except (OSError, ValueError, IndexError):
-            return math.nan
+            return math.nan, math.nan
 
     def close(self) -> None:
         import os

@@ -52,16 +52,19 @@ from torch import nn
 from .._step import Readout
 from .._tensors import dtensor_type, finite_probe, foreach_norms
 from ..events import Anomaly, RuleEvent
+from ..health.stragglers import RankTimes, StragglerRule
+from ..perf.timing import RunQueueClock
 from .protocol import Session
 
 _HANG_MIN_S = 300.0  # default hang_timeout floor: 5 minutes
 _HANG_STEPS = 20.0  # ... or 20 x the median step time, whichever is longer
-_STRAGGLER_WINDOW = 20  # steps in the straggler rule's window
-_STRAGGLER_MIN = 5  # steps in the window before the rule may fire
-_STRAGGLER_PATIENCE = 5  # consecutive steps above (below) the factor that start (end) an episode
 _MAX_STACK = 40  # frames kept per thread in a hang record
+# the step's vector, (rows, world): row 0 the losses and flags; the straggler rule's times (seconds,
+# each rank its column, see health.stragglers): forward, data wait, backward, the wait in the backward,
+# the previous step's wall time, the training thread's time on a CPU and waiting for one
+_ROW_FORWARD, _ROW_DATA, _ROW_BACKWARD, _ROW_WAIT, _ROW_STEP, _ROW_CPU, _ROW_CPU_WAIT = 1, 2, 4, 5, 6, 7, 8
 _ROW_PARAM = 3  # each rank's parameter probe of the last update (its share under DDP), summed
-_ROW_GRAD = 4  # FSDP2 only, a 5th row: each rank's weighted norm of its gradient shards (-1: none)
+_ROW_GRAD = 9  # FSDP2 only, a 10th row: each rank's weighted norm of its gradient shards (-1: none)
 
 
 def _dist() -> Any:
@@ -214,7 +217,7 @@ class Coordinator:
         mon.transfer.lazy = False  # the step's vector carries per-parameter numbers and flags
         self.collective = pg and world > 1
         self.sharded = is_sharded(mon.model)  # FSDP2: gradient norms are reduced across ranks
-        self._rows = 5 if self.sharded else 4
+        self._rows = _ROW_GRAD + 1 if self.sharded else _ROW_GRAD
         self._grad_weights: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._dev = self._device() if self.collective else torch.device("cpu")  # where the vector lives
         # DDP over replicated parameters: after DDP's all-reduce every rank holds the same gradients,
@@ -242,15 +245,31 @@ class Coordinator:
         self._exact: list[list[float]] = []
         self._phase = "data"
         self._step_start = time.perf_counter()
-        self._t_forward: float | None = None
-        self._t_backward: float | None = None
+        self._t_forward: float | None = None  # the step's first forward began
+        self._t_backward: float | None = None  # the step's first backward began
+        # this step's times so far (seconds): forwards, backwards up to the first parameter's gradient,
+        # the rest of the backwards (DDP: waiting in the gradient all-reduce); see health.stragglers
+        self._fwd_s = self._bwd_s = self._wait_s = 0.0
+        self._t_micro: float | None = None  # the current micro-step's forward (then backward) began
+        self._t_grad: float | None = None  # the first parameter's gradient was accumulated
+        self._prev_step_s = 0.0
+        # the training thread's run-queue delay (opened here, on that thread): one pread a step, ~3 us
+        self._runq = RunQueueClock() if self.collective else None
+        self._runq_start = self._runq.read_both() if self._runq is not None else (math.nan, math.nan)
         self._last_done = time.monotonic()
         self._last_step: int | None = None
         self._durations: deque[float] = deque(maxlen=200)
-        self._busy: deque[list[float]] = deque(maxlen=_STRAGGLER_WINDOW)
-        self._above = 0
-        self._below = 0
-        self._straggling: int | None = None
+        self._stragglers = StragglerRule(world, float(mon.config.slowdown_factor))
+        # one Python call per backward: the time the session's first parameter's gradient is
+        # accumulated, which in a chain of layers comes last in the backward (its own compute, before
+        # waiting for the other ranks). Only when there are ranks to compare.
+        self._grad_hook: Any = None
+        first = next((p for p in mon.params if p.requires_grad), None)
+        if self.collective and first is not None and hasattr(first, "register_post_accumulate_grad_hook"):
+            try:
+                self._grad_hook = first.register_post_accumulate_grad_hook(self._on_grad)
+            except RuntimeError:
+                self._grad_hook = None  # e.g. a parameter whose gradient a wrapper assigns: no backward split
         self._main = threading.get_ident()
         self._stop = threading.Event()
         self._hung = False
@@ -267,8 +286,11 @@ class Coordinator:
 
     # -- the step protocol ----------------------------------------------------------------------
     def on_forward_start(self, mon: Session, module: Any, args: Any, kwargs: Any) -> None:
-        if self._t_forward is None:
-            self._t_forward = time.perf_counter()
+        if self._phase != "forward":  # a micro-step's first forward
+            now = time.perf_counter()
+            if self._t_forward is None:
+                self._t_forward = now
+            self._t_micro = now
         self._phase = "forward"
         if self._ddp_fast and _ddp_syncs_now(self.ddp):
             self._sync_pending = True
@@ -277,13 +299,25 @@ class Coordinator:
         now = time.perf_counter()
         if self._t_backward is None:
             self._t_backward = now
+        if self._t_micro is not None and self._phase == "forward":
+            self._fwd_s += now - self._t_micro
+        self._t_micro, self._t_grad = now, None
         self._phase = "backward"
         self._cur_sync, self._sync_pending = self._sync_pending, False
         if self._reduced and (mon.roots is not None or len(mon.optimizers) > 1):  # another update's read
             self._reduced = self._fast = False  # comes: its own all-reduce and verdict, on every rank
             self._verdict, self._exact = None, []
 
+    def _on_grad(self, _param: Any) -> None:
+        self._t_grad = time.perf_counter()
+
     def on_backward_end(self, mon: Session) -> None:
+        if self._t_micro is not None and self._phase == "backward":
+            now = time.perf_counter()
+            grad = self._t_grad if self._t_grad is not None and self._t_grad >= self._t_micro else now
+            self._bwd_s += grad - self._t_micro
+            self._wait_s += now - grad
+            self._t_micro = None
         while len(self._micro_sync) < len(mon.transfer.micro_bad):
             self._micro_sync.append(self._cur_sync)
         if self._cur_sync and self._work is None and not self._reduced and self._live():
@@ -293,13 +327,27 @@ class Coordinator:
     def before_optimizer_step(self, mon: Session) -> None:
         self._phase = "optimizer"
 
-    def _timings(self, now: float) -> tuple[float, float]:
-        """(busy, data wait) of this step so far: local work until the first backward began (a
-        backward's own compute is not told apart from waiting for the other ranks in DDP's
-        all-reduce), and the time before the first forward. Host clock: launch time on GPUs."""
+    def _timings(self, now: float) -> list[tuple[int, float]]:
+        """This step's times so far, as (row, seconds): forward, data wait, backward, the wait in the
+        backward, the previous step's wall time. Host clock: launch time on GPUs."""
         t_fwd = self._t_forward if self._t_forward is not None else now
-        end = self._t_backward or now
-        return max(end - self._step_start, 0.0), max(t_fwd - self._step_start, 0.0)
+        return [
+            (_ROW_FORWARD, self._fwd_s),
+            (_ROW_DATA, max(t_fwd - self._step_start, 0.0)),
+            (_ROW_BACKWARD, self._bwd_s),
+            (_ROW_WAIT, self._wait_s),
+            (_ROW_STEP, self._prev_step_s),
+            *zip((_ROW_CPU, _ROW_CPU_WAIT), self._cpu()),
+        ]
+
+    def _cpu(self) -> tuple[float, float]:
+        """The training thread's seconds on a CPU and waiting for one this step; -1 where unknown (no
+        schedstat): never NaN, which would read as a non-finite flag in a SUM."""
+        if self._runq is None:
+            return -1.0, -1.0
+        run, q = self._runq.read_both()
+        run, q = run - self._runq_start[0], q - self._runq_start[1]
+        return (run, q) if math.isfinite(run) and math.isfinite(q) else (-1.0, -1.0)
 
     def _vector(self, mon: Session, now: float, probes: bool = True) -> torch.Tensor:
         """``(4, world)`` float32 for a SUM all-reduce, this rank's column filled: the sum of the
@@ -308,7 +356,7 @@ class Coordinator:
         exact round then clears it), busy seconds, data wait seconds, the sum of the last update's
         parameter probe (:meth:`param_share`); under FSDP2 a 5th row, the weighted norm of the rank's
         gradient shards. A few small ops: it runs on every step."""
-        busy, data = self._timings(now)
+        times = self._timings(now)
         vals = [lv.detach().reshape(-1) for lv in mon.transfer.loss_vals]
         deferred = self.deferred
         if probes:
@@ -319,11 +367,13 @@ class Coordinator:
         dev = self._dev
         if dev.type == "cpu":
             rows = [[0.0] * self.world for _ in range(self._rows)]
-            rows[1][self.rank], rows[2][self.rank] = busy, data
+            for row, x in times:
+                rows[row][self.rank] = x
             vec = torch.tensor(rows, dtype=torch.float32)  # one op
         else:  # fills on the device: no host-to-device copy that would wait for the queued work
             vec = torch.zeros(self._rows, self.world, dtype=torch.float32, device=dev)
-            vec[1, self.rank], vec[2, self.rank] = busy, data
+            for row, x in times:  # a host scalar is a kernel argument: no copy, no sync
+                vec[row, self.rank] = x
         if len(vals) == 1 and vals[0].numel() == 1:
             vec[0, self.rank] = vals[0].reshape(())  # the common case: one scalar loss (one op)
         elif vals:
@@ -558,8 +608,8 @@ class Coordinator:
     def on_step_end(self, mon: Session, record: Any, values: Any) -> None:
         now = time.perf_counter()
         self._durations.append(now - self._step_start)
-        if self.collective and self.rank == 0 and len(mon.transfer.readout.dist) > self.world:
-            self._straggler_rule(mon, int(record.step), self._row(mon, 1))
+        if self.collective and len(mon.transfer.readout.dist) > _ROW_STEP * self.world:
+            self._straggler_rule(mon, int(record.step))  # on every rank: the same numbers, the same decision
         self._last_step = int(record.step)
         self._last_done = time.monotonic()
         self._hung = False
@@ -569,14 +619,23 @@ class Coordinator:
         self._micro_sync = []
         self._verdict = None
         self._exact = []
+        self._prev_step_s = now - self._step_start
         self._step_start = now
-        self._t_forward = self._t_backward = None
+        if self._runq is not None:
+            self._runq_start = self._runq.read_both()
+        self._t_forward = self._t_backward = self._t_micro = self._t_grad = None
+        self._fwd_s = self._bwd_s = self._wait_s = 0.0
 
     def on_exit(self, mon: Session) -> None:
         self.remove(mon)
 
     def remove(self, mon: Session) -> None:
         self._stop.set()
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
+        if self._runq is not None:
+            self._runq.close()
         if self.collective and not self._flight_hang and mon.run_dir is not None:
             self._flight(mon, "exit")  # where this rank left: a rank still waiting names it
         self._work = self._vec = None  # never waited for at exit: the other rank may have left
@@ -688,47 +747,22 @@ class Coordinator:
             )
 
     # -- stragglers -------------------------------------------------------------------------------
-    def _straggler_rule(self, mon: Session, step: int, busy: list[float]) -> None:
-        """One event per episode when one rank's busy time is consistently above the others'.
-
-        Robust: per-rank medians over the last 20 steps; the slowest rank's median against the
-        median of the other ranks' medians; ``config.slowdown_factor`` (1.5x) for 5 steps in a row
-        starts an episode, 5 steps below it ends one.
-        """
-        self._busy.append(busy)
-        if len(self._busy) < _STRAGGLER_MIN:
-            return
-        med = [statistics.median(b[r] for b in self._busy) for r in range(self.world)]
-        slow = max(range(self.world), key=lambda r: med[r])
-        others = statistics.median(med[r] for r in range(self.world) if r != slow)
-        ratio = med[slow] / others if others > 0 else math.inf
-        factor = float(mon.config.slowdown_factor)
-        if ratio >= factor:
-            self._above, self._below = self._above + 1, 0
-        else:
-            self._above, self._below = 0, self._below + 1
-        if self._straggling is None and self._above >= _STRAGGLER_PATIENCE:
-            self._straggling = slow
-            ratio_s = f"{ratio:.1f}x" if math.isfinite(ratio) else "far more than"
-            mon.emit(
-                RuleEvent(
-                    "straggler",
-                    step,
-                    f"rank {slow} is the straggler: its step work takes {ratio_s} the other ranks' median "
-                    f"({med[slow] * 1e3:.1f} ms vs {others * 1e3:.1f} ms over the last {len(self._busy)} steps)",
-                    "warning",
-                    evidence={
-                        "rank": slow,
-                        "ratio": ratio,
-                        "busy_s": med[slow],
-                        "others_busy_s": others,
-                        "busy_s_by_rank": med,
-                        "window": len(self._busy),
-                    },
-                )
-            )
-        elif self._straggling is not None and self._below >= _STRAGGLER_PATIENCE:
-            self._straggling = None  # episode over: the next one is a new event
+    def _straggler_rule(self, mon: Session, step: int) -> None:
+        """One event per episode when one rank's work stays above the others' (health.stragglers):
+        which rank, in which phase, and what a step would cost if it matched the others."""
+        times = RankTimes(
+            data=self._row(mon, _ROW_DATA),
+            forward=self._row(mon, _ROW_FORWARD),
+            backward=self._row(mon, _ROW_BACKWARD),
+            wait=self._row(mon, _ROW_WAIT),
+            step=self._row(mon, _ROW_STEP),
+            cpu=self._row(mon, _ROW_CPU),
+            cpu_wait=self._row(mon, _ROW_CPU_WAIT),
+        )
+        found = self._stragglers.update(times)
+        if found is not None:  # a busy host is information: the rank's own work is not the cause
+            severity = "info" if found.kind == "contended" else "warning"
+            mon.emit(RuleEvent("straggler", step, found.message(), severity, evidence=found.evidence()))
 
     # -- hang watchdog ------------------------------------------------------------------------
     def hang_timeout(self, mon: Session) -> float:

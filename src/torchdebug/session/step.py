@@ -69,7 +69,15 @@ class Step:
         if mon.roots is not None:
             self.root_started(module, args, kwargs)
             return
-        if s.replaying or not torch.is_grad_enabled() or (mon._plain.in_compiled_call and not outside):
+        if s.replaying or (mon._plain.in_compiled_call and not outside):
+            return
+        st = self.state
+        if st.phase is StepPhase.FORWARD and st.cap is not None and st.entry is None:
+            # the model called again in the micro-step (SimCLR's second view, a pseudo-label under
+            # no_grad): an entry of its tape, replayed as a forward (not a boundary)
+            s.later_forward(st, module, args, kwargs, grad=torch.is_grad_enabled())
+            return
+        if not torch.is_grad_enabled():
             return
         if s.tape is not None:
             s.pop_tape()
@@ -94,11 +102,11 @@ class Step:
         if mon.roots is not None:
             self.root_done(module, output)
             return
-        if (
-            mon.sentinel.replaying
-            or not torch.is_grad_enabled()
-            or (mon._plain.in_compiled_call and not outside)
-        ):
+        if mon.sentinel.replaying or (mon._plain.in_compiled_call and not outside):
+            return
+        if self.state.entry is not None and mon.sentinel.forward_entry_done(self.state, output):
+            return  # a later call of the model in the micro-step: its output kept on the tape
+        if not torch.is_grad_enabled():
             return
         mon.sentinel.on_forward_end(self.state, output)
         self.each("on_forward_end", module, output)
@@ -359,7 +367,7 @@ class Step:
         items: Items = transfer.items(mon.scaler)
         if self.grads.comparing:  # sync="async" read blocking this step: the merged clip's comparison
             items += self.grads.staged_items()
-        if st.edit_probe is not None or st.clips or s.deferred:
+        if st.edit_probe is not None or st.clips or s.deferred or s.buffers.fresh:
             items += s.items(st)
         if mon.hyperparams.staged is not None:  # device-held hyperparameters (rare)
             items += mon.hyperparams.items()
@@ -386,7 +394,7 @@ class Step:
         own: Items = st.transfer.items(mon.scaler)
         if self.grads.comparing:  # the merged clip's comparison with torch's, read late (async)
             own += self.grads.staged_items()
-        if st.edit_probe is not None or st.clips or s.deferred:
+        if st.edit_probe is not None or st.clips or s.deferred or s.buffers.fresh:
             own += s.items(st)
         if mon.hyperparams.staged is not None:  # device-held hyperparameters (rare)
             own += mon.hyperparams.items()
@@ -417,6 +425,10 @@ class Step:
         verdict = s.read_deferred(st, readout, mon, flagged)  # the last update's probe
         if verdict.kind != "ok":
             mon.verdicts.apply(verdict)  # may raise
+        if s.buffers.fresh:  # the buffers the forward writes (nonfinite/buffers.py)
+            verdict = s.judge_buffers(st, mon, values.pop("_buffers", None))
+            if verdict.kind != "ok":
+                mon.verdicts.apply(verdict)  # may raise
 
     def collect(self) -> Items:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""

@@ -30,7 +30,8 @@ def rank_overview(run: Any) -> dict[str, Any]:
     - ``anomalies``: each anomaly once (the same one is recorded by every rank), with ``rank`` the
       rank where it was born and ``recorded_by`` the ranks whose store holds it.
     - ``hangs``: hang watchdog records (``rank``, ``step``, ``phase``, ``last_step``, ``where``,
-      ``message``); ``stragglers``: straggler events (``rank``, ``ratio``, ``step``, ``message``).
+      ``message``); ``stragglers``: straggler episodes, each once (``rank``, ``ratio``, ``step``,
+      ``kind`` compute or data, ``phase``, ``message``, ``recorded_by``).
 
     Example: ``rank_overview(open_run(path))["per_rank"][1]["step_time_s"]``.
     Cost: per rank, the step and data seconds of its timing samples and an SQL aggregate of its
@@ -40,6 +41,7 @@ def rank_overview(run: Any) -> dict[str, Any]:
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     hangs: list[dict[str, Any]] = []
     stragglers: list[dict[str, Any]] = []
+    seen: dict[tuple[Any, Any], dict[str, Any]] = {}
     for k in run.ranks:
         r = run if k == run.rank else run.open_rank(k)
         try:
@@ -84,14 +86,20 @@ def rank_overview(run: Any) -> dict[str, Any]:
                 )
             for e in r.events("straggler"):
                 ev = (e.get("data") or {}).get("evidence") or {}
-                stragglers.append(
-                    {
-                        "rank": ev.get("rank"),
-                        "ratio": ev.get("ratio"),
-                        "step": e.get("step"),
-                        "message": e.get("message"),
-                    }
-                )
+                episode = (ev.get("rank"), e.get("step"))  # every rank records the same decision
+                if episode in seen:
+                    seen[episode]["recorded_by"].append(k)
+                    continue
+                seen[episode] = {
+                    "rank": ev.get("rank"),
+                    "ratio": ev.get("ratio"),
+                    "step": e.get("step"),
+                    "kind": ev.get("kind"),
+                    "phase": ev.get("phase"),
+                    "message": e.get("message"),
+                    "recorded_by": [k],
+                }
+                stragglers.append(seen[episode])
         finally:
             if r is not run:
                 r.close()
