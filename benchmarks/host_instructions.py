@@ -138,8 +138,9 @@ def _hash_child(w: Any, model: Any, opt: Any, batches: list, n1: int, n2: int, l
     lib.td_window_stop()
 
 
-def count(workload: str, variant: str, n1: int, n2: int, shim: Path) -> dict[str, int]:
-    """Instructions executed in the window, per thread (``total``, ``main``, ``others``)."""
+def count(workload: str, variant: str, n1: int, n2: int, shim: Path, keep: str = "") -> dict[str, int]:
+    """Instructions executed in the window, per thread (``total``, ``main``, ``others``); ``keep``: a
+    folder to copy callgrind's files into (``WORKLOAD-VARIANT.cg.out*``) for ``callgrind_annotate``."""
     with tempfile.TemporaryDirectory(prefix="td-cg-") as tmp:
         out_file = Path(tmp) / "cg.out"
         cmd = [
@@ -169,6 +170,8 @@ def count(workload: str, variant: str, n1: int, n2: int, shim: Path) -> dict[str
             m = re.search(r"^totals:\s+(\d+)", text, re.M)
             thread = re.search(r"^thread:\s+(\d+)", text, re.M)
             per_thread.append((int(thread.group(1)) if thread else 1, int(m.group(1)) if m else 0))
+            if keep:
+                shutil.copy(f, Path(keep) / f"{workload}-{variant}.{f.name}")
     main = sum(n for t, n in per_thread if t == 1)
     total = sum(n for _, n in per_thread)
     return {"total": total, "main": main, "others": total - main}
@@ -180,6 +183,9 @@ def main() -> None:
     ap.add_argument("--variants", default="plain,watch,watch_norun")
     ap.add_argument("--steps", default="16,26", help="N1,N2: the window [N1, N2) of steps counted")
     ap.add_argument("--jobs", type=int, default=2, help="valgrind processes at once")
+    ap.add_argument(
+        "--keep", default="", help="a folder to keep callgrind's files in, for callgrind_annotate"
+    )
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -198,10 +204,12 @@ def main() -> None:
     if "plain" not in variants:
         variants.insert(0, "plain")
     jobs = [(w, v) for w in workloads for v in variants]
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
     n = n2 - n1
     got: dict[tuple[str, str], dict[str, int]] = {}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(count, *j, n1, n2, shim): j for j in jobs}
+        futures = {pool.submit(count, *j, n1, n2, shim, args.keep): j for j in jobs}
         for f in as_completed(futures):  # each count as it lands: a gpt2 job takes minutes
             j = futures[f]
             got[j] = f.result()

@@ -261,3 +261,85 @@ def test_a_clip_over_the_parameters_in_another_order_names_the_right_gradients()
             mon.step()
             got = dict(zip(mon.param_names, mon.grad_norms_host or [], strict=True))
             assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_under_async_the_clip_carries_the_check_in_one_norm_pass(
+    monkeypatch: pytest.MonkeyPatch, copies: list[int]
+) -> None:
+    # sync="async" reads each step one step later; the user's clip still measures the gradients once:
+    # torch's per-tensor norms (one torch._foreach_norm call per step: the clip's), no copy of the
+    # gradients for the session's own measure, and no host read for the check (the bitwise comparison
+    # with torch's total travels with the staged numbers)
+    calls = [0]
+    orig = torch._foreach_norm
+
+    def counted(*args: object, **kwargs: object) -> list[torch.Tensor]:
+        calls[0] += 1
+        return orig(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_foreach_norm", counted)
+    w = WORKLOADS["mlp4"]
+    g = torch.Generator().manual_seed(0)
+    batches = [w.batch(g) for _ in range(3)]
+    torch.manual_seed(0)
+    plain_model = w.build()
+    model = copy.deepcopy(plain_model)
+    runs: dict[str, tuple[list[torch.Tensor], list[int], list[int]]] = {}
+    for name, m in (("plain", plain_model), ("watched", model)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        totals, norms, copied = [], [], []
+        session = td.watch(m, opt, run=False, sync="async") if name == "watched" else contextlib.nullcontext()
+        with session as mon:
+            for i in range(8):
+                before_calls, before_copies = calls[0], copies[0]
+                x, y = batches[i % 3]
+                opt.zero_grad(set_to_none=True)
+                w.loss(m(x), y).backward()
+                totals.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5).clone())
+                opt.step()
+                if mon is not None:
+                    mon.step()
+                norms.append(calls[0] - before_calls)
+                copied.append(copies[0] - before_copies)
+        runs[name] = (totals, norms, copied)
+    totals, norms, copied = runs["watched"]
+    # the clip's totals and the weights: torch's own, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(runs["plain"][0], totals, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), model.parameters(), strict=True))
+    assert runs["plain"][1] == [1] * 8  # torch's clip: one _foreach_norm call a step
+    # step 0 measures after backward (no clip seen yet) and is read blocking (no optimizer state yet);
+    # step 1's clip also runs torch's total once (the bitwise comparison, read with step 1's numbers);
+    # from step 2 on the clip's own norms are the check: one pass, no copy
+    assert norms[2:] == [1] * 6 and copied[2:] == [0] * 6
+    assert [r.step for r in mon.records] == list(range(8))
+    assert [r.grad_norm for r in mon.records][2:] == [float(t) for t in totals[2:]]
+
+
+@pytest.mark.parametrize("sync", ["blocking", "async"])
+def test_a_nan_in_a_clipping_loop_is_named_the_same_read_blocking_or_late(sync: str) -> None:
+    # step 3's input is zero: 0/0 in the forward (ZeroDivNet's ORIGIN:div), NaN gradients into the clip
+    # the session carries its check in; fused AdamW takes the skip flag under async
+    torch.manual_seed(0)
+    model = fx.ZeroDivNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    kept: list[list[torch.Tensor]] = []
+    with (
+        pytest.raises(td.NonFiniteError) as ei,
+        td.watch(model, opt, run=False, config=SENTINEL_ONLY, sync=sync) as mon,
+    ):
+        for i in range(6):
+            kept.append([p.detach().clone() for p in model.parameters()])
+            x = torch.zeros(3, 4) if i == 3 else torch.randn(3, 4)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            mon.step()
+    a = ei.value.anomaly
+    assert (a.step, a.phase, a.module, a.op) == (3, "forward", "", "aten.div")
+    assert a.location == origin_line("div") and a.reproducible
+    assert mon.stepper.grads._clip_checked  # steps 1-2 carried the check in the clip (compared once)
+    # step 3's update never ran: blocking raises before it, async skipped it on the device and raised
+    # at step 4's forward (whose weights are then those before step 3, bit for bit)
+    assert len(kept) == (4 if sync == "blocking" else 5)
+    assert all(torch.equal(a, b) for a, b in zip(kept[3], model.parameters(), strict=True))

@@ -8,7 +8,8 @@ the step's numbers: no read of its own. Only when that number is not finite is t
 host, each tensor confirmed exactly (a sum of large finite norms can overflow) and the first bad entry
 named with its parameter; said once per episode (until the state is finite again).
 
-Cost per detail step: one fused norm over the state tensors (a dot per tensor on CPU) and a sum. The
+Cost per detail step: one reduction of the state tensors (on the CPU one copy of the small tensors
+and a few BLAS calls, whatever their number; elsewhere the fused norm) and a sum. The
 list of state tensors is built once and again only when an optimizer's state gains entries or is
 replaced (``load_state_dict``). Known limitation: a state tensor replaced in place of an entry
 (``opt.state[p]["exp_avg"] = t``) without a new entry is not seen until the list is built again.
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from .._step import SessionView
-from .._tensors import foreach_norms, local, optimizer_state_tensors, unwrap_optimizer
+from .._tensors import Plan, foreach_norms, local, optimizer_state_tensors, unwrap_optimizer
 from ..events import RuleEvent
 from ..nonfinite.startup import state_effect
 
@@ -36,6 +37,10 @@ class OptimizerState:
         self._key: tuple[tuple[int, int], ...] = ()
         # (optimizer, parameter name, state key, tensor) of every floating state tensor
         self._entries: list[tuple[Any, str, str, torch.Tensor]] = []
+        # the state tensors (this rank's shards) and how to reduce them (built with the list); None: the
+        # general path (several dtypes on an accelerator, odd layouts), or state on several devices
+        self._tensors: list[torch.Tensor] = []
+        self._plan: Plan | None = None
         self.active = False  # an episode is running: said once, until the state is finite again
         self.last_ok: int | None = None  # the last detail step whose state was finite
 
@@ -46,6 +51,8 @@ class OptimizerState:
             names = {id(p): n for p, n in zip(mon.params, mon.param_names)}
             self._entries = [e for e in optimizer_state_tensors(opts, names) if e[2] != "step"]
             self._key = key
+            self._tensors = [local(t) for *_, t in self._entries]
+            self._plan = Plan.build(self._tensors)
         return self._entries
 
     def probe(self, mon: SessionView) -> torch.Tensor | None:
@@ -53,7 +60,15 @@ class OptimizerState:
         entries = self._walk(mon)
         if not entries:
             return None
-        tensors = [local(t) for *_, t in entries]
+        tensors, plan = self._tensors, self._plan
+        if plan is not None:
+            try:
+                # the sum of every element: finite iff every one is (an overflow is confirmed in
+                # judge); on the CPU one copy of the small tensors and a few BLAS calls, not a kernel
+                # per state tensor; elsewhere the fused norm
+                return plan.reduce(tensors, square=False).total
+            except (RuntimeError, ValueError):  # a state tensor resized in place: the general path
+                pass
         if len({t.device for t in tensors}) > 1:
             return None  # state on several devices (offloaded): not checked here
         with torch.no_grad():

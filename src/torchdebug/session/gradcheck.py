@@ -42,6 +42,11 @@ class GradientCheck:
         self._clip_checked = False  # the merged clip was compared with torch's once (bitwise)
         self._clip_off = False  # ... and differed, or failed: no merge for the rest of the session
         self._merged: Any = None  # the total of the clip running now, when the session ran it (merged)
+        # sync="async": the first merged clip's comparison with torch's total, a device flag (1: they
+        # differ) staged with the step's numbers (``staged_items``) and read with them (``read_check``):
+        # no host read of its own. Until it is read, each merged clip hands torch's own total on.
+        self._comparison: Any = None
+        self.comparing = False
 
     def measure(self) -> None:
         """After a backward: reduce the gradients now, or hold the measure for the clip that follows."""
@@ -77,12 +82,12 @@ class GradientCheck:
 
     def _may_hold(self) -> bool:
         """The loop may hand its gradient check to the clip: one process, no loss scaler, one model,
-        read as the update starts (blocking), the sentinel not checking each backward on its own."""
+        the sentinel not checking each backward on its own. Read blocking or one step later alike:
+        under ``sync="async"`` the merged total is staged with the step's numbers as the measure is."""
         s = self.mon.sentinel
         return (
             not self._clip_off
             and self.mon._coord is None
-            and self.mon._async is None
             and self.mon.scaler is None
             and self.mon.roots is None
             and not (s.manual or s.check_each_backward or s.replaying)
@@ -164,21 +169,44 @@ class GradientCheck:
         if fits:
             # torch groups the gradients by device and dtype; one group (a plan is one device; a
             # gradient has its parameter's dtype) is a norm of the same norms in the same order
+            late = self.mon._async is not None
             try:
                 if plan is not None and plan.one_dtype:
                     # the gradients are the ones backward() left (checked): no pass to read them again
-                    total, per = _clip_norms(seen.grads, args, first=not self._clip_checked)
+                    total, per, differs = _clip_norms(
+                        seen.grads, args, first=not self._clip_checked, late=late
+                    )
+                    if differs is not None:  # compared on the device: read with the step's numbers
+                        self._comparison, self.comparing = differs, True
             except Exception:  # an odd gradient type: torch's clip, the measure before it
                 total = None
             self._clip_off = total is None  # this session's clip cannot carry the check: not again
         if total is None:
             self.flush_measure()  # the held measure runs before torch's clip
             return None
-        self.held, self._clip_checked, self._merged = None, True, total
+        self.held, self._merged = None, total
+        self._clip_checked = self._clip_checked or not self.comparing
         self.mon.transfer.take(Reduced(plan, True, None, [], total, per, root=True), every, held)  # type: ignore[arg-type]
         with torch.no_grad():  # torch's own scaling, with torch's total (what its clip would raise, raises)
             torch.nn.utils.clip_grads_with_norm_(params, args["max_norm"], total, args.get("foreach"))
         return total
+
+    def staged_items(self) -> list[tuple[str, Any]]:
+        """The merged clip's comparison with torch's total, for this step's read (``sync="async"``)."""
+        got, self._comparison = self._comparison, None
+        return [] if got is None else [("_clip_differs", got)]
+
+    def read_check(self, values: dict[str, float]) -> None:
+        """After a read that carried the comparison: the merge stays on when the totals were equal bit
+        for bit, and is off for the rest of the session where they differed."""
+        differs = values.pop("_clip_differs", None)
+        if differs is None:
+            return  # not this step's read (still in flight, or the step before the first merge)
+        self.comparing = False
+        if differs > 0:
+            self._clip_off = True
+        else:
+            self._clip_checked = True
 
     def clip_done(self, idx: list[int], total: Any, max_norm: Any, norm_type: Any) -> None:
         """The clip returned its total norm: the sentinel reads the factor; ``on_clip`` for instruments."""
@@ -189,17 +217,23 @@ class GradientCheck:
         self.mon.stepper.each("on_clip", total, max_norm, norm_type)
 
 
-def _clip_norms(grads: list[Any], args: dict[str, Any], first: bool) -> tuple[Any, Any]:
+def _clip_norms(
+    grads: list[Any], args: dict[str, Any], first: bool, late: bool = False
+) -> tuple[Any, Any, Any]:
     """The total 2-norm ``clip_grad_norm_(params, max_norm)`` computes, computed as torch computes it,
-    and the per-tensor norms torch's clip makes and drops: ``(total, per-tensor norms)``. ``(None,
-    None)`` where torch's clip would take another path (no foreach kernel for these tensors, a torch
-    without ``clip_grads_with_norm_``); the caller checked that the gradients are one device and dtype.
-    ``first``: compared with ``torch.nn.utils.get_total_norm`` (one host read, once per session); a
-    difference gives ``(None, None)``. Nothing is scaled here."""
+    and the per-tensor norms torch's clip makes and drops: ``(total, per-tensor norms, None)``.
+    ``(None, None, None)`` where torch's clip would take another path (no foreach kernel for these
+    tensors, a torch without ``clip_grads_with_norm_``); the caller checked that the gradients are one
+    device and dtype. Nothing is scaled here.
+
+    ``first``: compared with ``torch.nn.utils.get_total_norm``: blocking, with one host read (once per
+    session), a difference giving ``(None, None, None)``; ``late`` (``sync="async"``, no host read):
+    torch's total is the one returned, with a device flag (1.0: the two differ) as the third item,
+    for the caller to read with the step's numbers."""
     utils = torch.nn.utils
     total_of = getattr(utils, "get_total_norm", None)
     if getattr(utils, "clip_grads_with_norm_", None) is None or total_of is None:
-        return None, None
+        return None, None, None
     from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
     dev = grads[0].device
@@ -207,13 +241,16 @@ def _clip_norms(grads: list[Any], args: dict[str, Any], first: bool) -> tuple[An
     # torch's test is by type, tensor by tensor (a Python loop): asked of one gradient of each type
     one_each = list(dict(zip(map(type, grads), grads)).values())
     if not (_has_foreach_support(one_each, dev) if foreach is None else _device_has_foreach_support(dev)):
-        return None, None
+        return None, None, None
     with torch.no_grad():
         per = torch.stack(torch._foreach_norm(grads, 2.0))
         total = torch.linalg.vector_norm(per, 2.0)
         if first:
-            # one host read per session: the merged clip must give torch's number bit for bit
             ref = total_of(grads, 2.0, False, foreach)
+            if late:  # on the device: the flag travels with the step's staged numbers
+                same = torch.eq(total, ref).logical_or_(torch.isnan(total).logical_and_(torch.isnan(ref)))
+                return ref, per, same.logical_not_().float()
+            # one host read per session: the merged clip must give torch's number bit for bit
             if not (torch.equal(total, ref) or bool(torch.isnan(total) & torch.isnan(ref))):
-                return None, None
-    return total, per
+                return None, None, None
+    return total, per, None

@@ -353,6 +353,8 @@ class Step:
         # the step's device numbers (``items``, inlined: every step): its own, the sentinel's probes, the
         # hyperparameters held on an accelerator (none for Python floats), every instrument's
         items: Items = transfer.items(mon.scaler)
+        if self.grads.comparing:  # sync="async" read blocking this step: the merged clip's comparison
+            items += self.grads.staged_items()
         if st.edit_probe is not None or st.clips or s.deferred or s.buffers.fresh:
             items += s.items(st)
         if mon.hyperparams.staged is not None:  # device-held hyperparameters (rare)
@@ -378,6 +380,8 @@ class Step:
         mon, st = self.mon, self.state
         s = mon.sentinel
         own: Items = st.transfer.items(mon.scaler)
+        if self.grads.comparing:  # the merged clip's comparison with torch's, read late (async)
+            own += self.grads.staged_items()
         if st.edit_probe is not None or st.clips or s.deferred or s.buffers.fresh:
             own += s.items(st)
         if mon.hyperparams.staged is not None:  # device-held hyperparameters (rare)
@@ -396,6 +400,8 @@ class Step:
             s.read_edits(st, readout)
         scaled = mon.scaler is not None and getattr(mon.scaler, "is_enabled", lambda: True)()
         transfer.decode(mon.params, lambda i: s.grad_finite(st, i), scaled, also_bad=st.edit_bad)
+        if self.grads.comparing:
+            self.grads.read_check(values)
         flagged = None
         if coord is not None:
             if "grad_norm" in values:  # FSDP2: the whole gradient's norm, not the shard's
