@@ -427,12 +427,18 @@ def _signal_worker(rank: int, port: int, out: str) -> None:
             # rank 0 blocked inside a collective (C++ waits, Python runs no handler): rank 1 signals it
             # and joins only once rank 0's record is there, so the record must come from the watchdog
             blocked = mon.run_dir / "flight_rank0.json"
+            entering = mon.run_dir / "rank0_enters_all_reduce"
             if rank == 1:
+                while not entering.exists():
+                    time.sleep(0.05)
+                time.sleep(1.0)  # rank 0 is inside the all_reduce's C++ wait by then
                 os.kill(pids[0], signal.SIGUSR1)
                 deadline = time.monotonic() + 30.0
                 while not blocked.exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
                 res["blocked_record"] = json.loads(blocked.read_text()) if blocked.exists() else None
+            else:
+                entering.touch()
             dist.all_reduce(torch.ones(1))  # blocked on rank 0
         res["handler_after_is_users"] = signal.getsignal(signal.SIGUSR1) is users
         res["wakeup_fd_after"] = signal.set_wakeup_fd(-1)
