@@ -63,11 +63,8 @@ _MAX_STACK = 40  # frames kept per thread in a hang record
 # the step's vector, (rows, world): row 0 the losses and flags; the straggler rule's times (seconds,
 # each rank its column, see health.stragglers): forward, data wait, backward, the wait in the backward,
 # the previous step's wall time, the training thread's time on a CPU and waiting for one
-_ROW_FORWARD, _ROW_DATA, _ROW_BACKWARD, _ROW_WAIT, _ROW_STEP, _ROW_CPU, _ROW_CPU_WAIT = 1, 2, 4, 5, 6, 7, 8
-_ROWS = dict(
-    zip(FIELDS, (_ROW_FORWARD, _ROW_DATA, _ROW_BACKWARD, _ROW_WAIT, _ROW_STEP, _ROW_CPU, _ROW_CPU_WAIT))
-)
-_TIME_ROWS = tuple(_ROWS[f] for f in FIELDS)
+_ROWS = {"forward": 1, "data": 2, "backward": 4, "wait": 5, "step": 6, "cpu": 7, "cpu_wait": 8}
+_TIME_ROWS = tuple(_ROWS[f] for f in FIELDS)  # in the order of StepClock.times()
 _ROW_PARAM = 3  # each rank's parameter probe of the last update (its share under DDP), summed
 _ROW_GRAD = 9  # FSDP2 only, a 10th row: each rank's weighted norm of its gradient shards (-1: none)
 
@@ -574,7 +571,7 @@ class Coordinator:
 
     def on_step_end(self, mon: Session, record: Any, values: Any) -> None:
         now = time.perf_counter()
-        if self.collective and len(mon.transfer.readout.dist) > _ROW_STEP * self.world:
+        if self.collective and len(mon.transfer.readout.dist) > max(_TIME_ROWS) * self.world:
             # on every rank: the same numbers, the same decision
             ev = straggler_event(self._stragglers, lambda f: self._row(mon, _ROWS[f]), int(record.step))
             if ev is not None:

@@ -27,7 +27,6 @@ class StepClock:
     def __init__(self, first: Any, on: bool) -> None:
         self.step_start = time.perf_counter()
         self.t_forward: float | None = None  # the step's first forward began
-        self.t_backward: float | None = None  # the step's first backward began
         self._fwd = self._bwd = self._wait = 0.0
         self._t_micro: float | None = None  # the current micro-step's forward (then backward) began
         self._t_grad: float | None = None  # the first parameter's gradient was accumulated
@@ -51,8 +50,6 @@ class StepClock:
 
     def backward_start(self, after_forward: bool) -> None:
         now = time.perf_counter()
-        if self.t_backward is None:
-            self.t_backward = now
         if self._t_micro is not None and after_forward:
             self._fwd += now - self._t_micro
         self._t_micro, self._t_grad = now, None
@@ -87,7 +84,7 @@ class StepClock:
         self._prev, self.step_start = took, now
         if self._runq is not None:
             self._runq_start = self._runq.read_both()
-        self.t_forward = self.t_backward = self._t_micro = self._t_grad = None
+        self.t_forward = self._t_micro = self._t_grad = None
         self._fwd = self._bwd = self._wait = 0.0
         return took
 
