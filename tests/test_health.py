@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from typing import Any
 
 import pytest
 import torch
@@ -335,9 +336,10 @@ def test_healthy_run_raises_no_event(tmp_path, opt_name: str) -> None:  # type: 
     assert "saturated/tanh" in run.metric_names() and "act_std/mid" in run.metric_names()
 
 
-def test_update_ratio_and_weight_norm_match_the_real_update(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    model = hm.HealthyNet()
+def _six_steps_with_a_snapshot_before_the_last(
+    model: nn.Module, tmp_path
+) -> tuple[Any, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """Six SGD steps of ``model`` under ``watch``: the run and the parameters as step 5 began."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     snap: dict[str, torch.Tensor] = {}
 
@@ -347,7 +349,13 @@ def test_update_ratio_and_weight_norm_match_the_real_update(tmp_path) -> None:  
 
     with watch(model, opt, config=CFG, run=tmp_path) as mon:
         hm.train(mon, model, opt, 6, before_step=before)
-    run = open_run(mon.run_dir)
+    return open_run(mon.run_dir), snap
+
+
+def test_update_ratio_and_weight_norm_match_the_real_update(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = hm.HealthyNet()
+    run, snap = _six_steps_with_a_snapshot_before_the_last(model, tmp_path)
     w = model.mid.weight.detach()
     expected = (torch.linalg.vector_norm(w - snap["mid.weight"]) / torch.linalg.vector_norm(w)).item()
     assert run.series("update_ratio/mid.weight").values[-1] == pytest.approx(expected, rel=1e-5)
@@ -362,16 +370,7 @@ def test_update_ratio_of_a_big_tensor_matches_the_real_update(tmp_path) -> None:
     model = nn.Sequential(
         nn.Linear(hm.D_IN, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, hm.D_OUT)
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    snap: dict[str, torch.Tensor] = {}
-
-    def before(step: int) -> None:
-        if step == 5:
-            snap.update({n: p.detach().clone() for n, p in model.named_parameters()})
-
-    with watch(model, opt, config=CFG, run=tmp_path) as mon:
-        hm.train(mon, model, opt, 6, before_step=before)
-    run = open_run(mon.run_dir)
+    run, snap = _six_steps_with_a_snapshot_before_the_last(model, tmp_path)
     for name in ("2.weight", "2.bias", "4.weight"):
         w = model.get_parameter(name).detach()
         expected = (torch.linalg.vector_norm(w - snap[name]) / torch.linalg.vector_norm(w)).item()
