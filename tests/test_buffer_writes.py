@@ -26,6 +26,7 @@ from torch import nn
 
 import torchdebug as td
 from tests.fixtures.models import origin_line
+from tests.fixtures.policy_loops import run_loop
 
 THIS = __file__
 STEPS = 4
@@ -148,31 +149,10 @@ def _run(
     gradients, as ``skip`` does)."""
     torch.manual_seed(0)
     model, step_loss, bad = MODELS[name](fault)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    losses: list[float] = []
-    mon = td.watch(model, opt, policy=policy, run=False) if policy else None
-    with mon if mon is not None else _Plain():
-        for step in range(STEPS):
-            loss = step_loss(model, step, g)
-            opt.zero_grad()
-            loss.backward()
-            if skipping and not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
-                for p in model.parameters():
-                    p.grad = None
-            opt.step()
-            if mon is not None:
-                mon.step()
-            losses.append(loss.item())
-    return mon, losses, [t.detach().clone() for t in [*model.parameters(), *model.buffers()]], bad
-
-
-class _Plain:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    mon, losses, state = run_loop(
+        model, lambda step, g: step_loss(model, step, g), policy, steps=STEPS, lr=1e-3, skipping=skipping
+    )
+    return mon, losses, state, bad
 
 
 def _is_the_origin(name: str, a: td.Anomaly, step: int) -> None:

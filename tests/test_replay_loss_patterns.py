@@ -29,6 +29,7 @@ import torchdebug as td
 from tests.fixtures import gan_script
 from tests.fixtures.gan_script import Fault
 from tests.fixtures.models import origin_line
+from tests.fixtures.policy_loops import run_loop
 
 THIS = __file__
 STEPS, BAD = 4, 2
@@ -142,31 +143,7 @@ def _run(
     torch.manual_seed(0)
     bad = STEPS - 1 if name == "distribution" and policy in ("warn", None) and not skipping else BAD
     model, step_loss = LOOPS[name](fault, bad)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    losses: list[float] = []
-    mon = td.watch(model, opt, policy=policy, run=False, **watch) if policy else None
-    with mon if mon is not None else _Plain():
-        for step in range(STEPS):
-            loss = step_loss(step, g)
-            opt.zero_grad()
-            loss.backward()
-            if skipping and not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
-                for p in model.parameters():
-                    p.grad = None
-            opt.step()
-            if mon is not None:
-                mon.step()
-            losses.append(loss.item())
-    return mon, losses, [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
-
-
-class _Plain:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return run_loop(model, step_loss, policy, steps=STEPS, lr=1e-2, skipping=skipping, **watch)
 
 
 def _bad_step(name: str, policy: str) -> int:
