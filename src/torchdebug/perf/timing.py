@@ -101,6 +101,8 @@ class RunQueueClock:
             self._fd = None
 
     def read(self) -> float:
+        # read_both()'s work for one field, not a call to it: the slowdown rule reads this every step,
+        # and the ordinary step's Python call budget (tests/test_step_path.py) has no room for another
         import os
 
         if self._fd is None:
