@@ -89,7 +89,12 @@ def test_a_compiled_step_function_given_is_replayed_and_the_compiler_named(
     (a,) = mon.anomalies
     c = a.cause
     assert c is not None and c.verdict == "compiler"
-    assert (a.phase, a.module, a.module_type, a.location) == ("forward", "act", "ReluAct", cm.origin_line("relu"))
+    assert (a.phase, a.module, a.module_type, a.location) == (
+        "forward",
+        "act",
+        "ReluAct",
+        cm.origin_line("relu"),
+    )
     assert (c.module, c.location) == ("act", cm.origin_line("relu"))
     # the step function replayed from Dynamo's cache (0 compiles); then fc1, act, fc2 alone (finite),
     # then the root (NaN): 4 compiles. Replays: 2 eager, 1 compiled.
@@ -117,7 +122,9 @@ def test_without_step_fn_nothing_is_replayed_and_the_cause_says_so() -> None:
         "inside compiled code, and Dynamo compiled 1 graph in this process), so neither an eager replay "
         "nor one through the compiled code was tried"
     )
-    assert a.hint.endswith("pass that function as td.watch(..., step_fn=step_fn) to replay the step through it")
+    assert a.hint.endswith(
+        "pass that function as td.watch(..., step_fn=step_fn) to replay the step through it"
+    )
     assert "hardware" not in str(a)
 
 
@@ -174,7 +181,7 @@ def test_a_healthy_compiled_step_with_its_backward_inside_warns_nothing() -> Non
 @pytest.mark.parametrize(
     "bad",
     [
-        pytest.param(lambda: (lambda x: x), id="plain-function"),
+        pytest.param(lambda: lambda x: x, id="plain-function"),
         pytest.param(lambda: torch.compile(nn.Linear(2, 2)), id="compiled-module"),
     ],
 )
@@ -198,7 +205,9 @@ def test_a_compile_only_nan_in_the_backward_names_the_module(relu_bug: None) -> 
     ):
         warnings.simplefilter("ignore", td.TorchDebugWarning)
         # Dynamo's own, as it traces an autograd.Function (torch's, with or without torchdebug)
-        warnings.filterwarnings("ignore", message=r".*should not be instantiated", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message=r".*should not be instantiated", category=DeprecationWarning
+        )
         loss = (called(x) - y).pow(2).mean()
         opt.zero_grad()
         loss.backward()
