@@ -225,3 +225,154 @@ def test_a_compile_only_nan_in_the_backward_names_the_module(relu_bug: None) -> 
         "eager replays were finite; compiled alone from the step's eager inputs and the gradient its output "
         "received, act (GradAct)'s backward made NaN/Inf while its eager gradients are finite"
     )
+
+
+# -- the frameworks ------------------------------------------------------------------------------------
+COMPILER_SAID = (
+    "compiler: replayed through the compiled model, the loss went non-finite; the eager replays were "
+    "finite; compiled alone from the step's eager inputs, {root} made NaN/Inf while its eager output is "
+    "finite; inside it, {act} (ReluAct)'s compiled output differs from eager"
+)
+
+
+@pytest.mark.slow
+def test_torchdebug_run_names_the_compiler(relu_bug: None, tmp_path: Any, capsys: Any) -> None:
+    from torchdebug.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from tests.fixtures.cause_models import SqrtReluNet\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.compile(SqrtReluNet())\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "x, y = torch.randn(16, 4) * 5, torch.randn(16, 1)\n"
+        "loss = (model(x) - y).pow(2).mean()\n"
+        "opt.zero_grad()\n"
+        "loss.backward()\n"
+        "opt.step()\n"
+    )
+    assert main(["run", "--run-dir", str(tmp_path / "runs"), str(script)]) == 3  # found a NaN/Inf
+    err = capsys.readouterr().err
+    assert f"  module    act (ReluAct)\n  line      {cm.origin_line('relu')}\n" in err
+    assert "  cause     " + COMPILER_SAID.format(root="SqrtReluNet", act="act") in err
+    assert "hardware" not in err
+
+
+def _lightning_fit(net: nn.Module, loader: Any, **cb_kw: Any) -> td.Monitor:
+    L = pytest.importorskip("lightning.pytorch")
+    from torchdebug.integrations.lightning import TorchDebugCallback
+
+    class Lit(L.LightningModule):  # type: ignore[name-defined,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return (self.net(x) - y).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = TorchDebugCallback(run=False, policy="warn", config=SENTINEL_ONLY, **cb_kw)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        warnings.simplefilter("ignore", td.TorchDebugWarning)  # policy="warn" says it once
+        trainer.fit(Lit(), loader)
+    assert cb.monitor is not None
+    return cb.monitor
+
+
+def _batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4) * 5, torch.randn(16, 1)
+    return list(zip(x, y))
+
+
+@pytest.mark.slow
+def test_lightning_with_a_compiled_submodule_names_the_compiler(relu_bug: None) -> None:
+    torch.manual_seed(0)
+    net = torch.compile(cm.SqrtReluNet())
+    mon = _lightning_fit(net, torch.utils.data.DataLoader(_batch(), batch_size=16))
+    (a,) = mon.anomalies
+    c = a.cause
+    assert c is not None and c.verdict == "compiler"
+    # named as in the LightningModule's named_modules(): the compile wrapper's _orig_mod
+    assert (a.module, a.location) == ("net._orig_mod.act", cm.origin_line("relu"))
+    assert (c.compiles, c.replays) == (4, 3)
+    assert str(c).startswith(
+        COMPILER_SAID.format(root="net._orig_mod (SqrtReluNet)", act="net._orig_mod.act")
+    )
+
+
+class _Regression(nn.Module):
+    """A model the HF Trainer calls with the batch's keys, returning its loss."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": (self.net(x) - y).pow(2).mean()}
+
+
+def _hf_train(tmp_path: Any, net: nn.Module, **args_kw: Any) -> td.Monitor:
+    transformers = pytest.importorskip("transformers")
+    from torchdebug.integrations.transformers import TorchDebugCallback
+
+    cb = TorchDebugCallback(run=False, policy="warn", config=SENTINEL_ONLY)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=16,
+        max_steps=1,
+        learning_rate=0.1,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        remove_unused_columns=False,
+        seed=0,
+        torch_compile=True,  # accelerate wraps the model in torch.compile after on_train_begin
+        **args_kw,
+    )
+    data = [{"x": x, "y": y} for x, y in _batch()]
+    trainer = transformers.Trainer(model=_Regression(net), args=args, train_dataset=data, callbacks=[cb])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", td.TorchDebugWarning)  # policy="warn" says it once, and the rules
+        trainer.train()
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert cb.monitor is not None
+    return cb.monitor
+
+
+def test_hf_trainer_torch_compile_is_replayed_through_its_wrapper(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    mon = _hf_train(tmp_path, cm.LogNet(), torch_compile_backend="eager")
+    (a,) = mon.anomalies
+    assert (a.module, a.op, a.location) == ("net", "aten.log", cm.origin_line("log"))
+    assert a.cause is not None and a.cause.verdict == "model" and a.reproducible is True
+
+
+@pytest.mark.slow
+def test_hf_trainer_torch_compile_names_the_compiler(relu_bug: None, tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    mon = _hf_train(tmp_path, cm.SqrtReluNet())
+    (a,) = mon.anomalies
+    c = a.cause
+    assert c is not None and c.verdict == "compiler"
+    assert (a.module, a.location) == ("net.act", cm.origin_line("relu"))
+    assert (c.compiles, c.replays) == (4, 3)
+    assert str(c).startswith(COMPILER_SAID.format(root="net (SqrtReluNet)", act="net.act"))

@@ -380,9 +380,10 @@ def _record_calls(
     """Run the captured micro-step eagerly (its forward; with ``grads`` its loss and backward too) and
     keep each module's first call (:func:`recorded`). Cost: one step."""
     model = mon.model
+    called = cap.module if cap.module is not None else model  # a driver's: what training_step called
     with recorded(model, grads) as calls, mon.eager(), _eager():
         if grads:
-            replay_through(mon, cap, model, start)
+            replay_through(mon, cap, called, start)
         else:
             made: dict[int, torch.Tensor] = {}
             apart_from_user((cap.args, cap.kwargs, []), {id(p) for p in model.parameters()}, made)
@@ -390,7 +391,7 @@ def _record_calls(
             with _preserved_state(model, mon.uses_cuda, start):
                 torch.set_rng_state(cap.rng_cpu)
                 with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
-                    model(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
+                    called(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
     return calls
 
 
@@ -594,9 +595,11 @@ def compiler_cause(
     then localise. None (with ``tried`` extended) when the compiled replay is finite too. ``start``:
     the buffers the step wrote, as it began (the first micro-step's replay starts from them)."""
     cap = mon.state.captures[idx]
+    # the module the step called: the model (its compile wrapper), or what a driver's training_step called
+    called = cap.module if cap.module is not None else mon.called
     code = Compiled(
         "the compiled model",
-        lambda: replay_through(mon, cap, mon.called, start),
+        lambda: replay_through(mon, cap, called, start),
         lambda grads: _record_calls(mon, cap, start, grads),
     )
     return compiled_cause(mon, code, replays, tried)

@@ -333,6 +333,15 @@ class PlainLoopDriver:
         if sf is not None:
             self._handles.append(add(sf.install(mon.sentinel, lambda: mon.global_step, mon.uses_cuda)))
 
+    def call_through(self, wrapper: nn.Module) -> None:
+        """The model was compiled after the session began, by a framework (the HF Trainer's
+        ``torch_compile=True``, through accelerate): the root hooks move to the ``torch.compile`` wrapper
+        the loop calls, as for ``watch(torch.compile(model))``, so the step is captured outside compiled
+        code and replayed through it."""
+        self.root = self.mon._called = wrapper
+        self.hook_roots([wrapper])
+        self.guard_module_hooks()
+
     def hook_roots(self, roots: list[nn.Module] | None = None) -> None:
         """Forward hooks on the modules the loop calls (``roots``: a new set, the old hooks removed)."""
         for h in self._root_handles:
