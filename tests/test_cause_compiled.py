@@ -110,6 +110,9 @@ def test_a_compiled_step_function_given_is_replayed_and_the_compiler_named(
 
 
 def test_without_step_fn_nothing_is_replayed_and_the_cause_says_so() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # Dynamo counts the graphs of the whole process (not reset with its caches)
     torch.manual_seed(0)
     model = cm.LogNet()  # NaN eagerly too: only a replay could say whose
     mon = _train(model, _step_fn(model, False, backend="eager"), False, given=False)
