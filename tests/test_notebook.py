@@ -293,8 +293,13 @@ def test_anomalies_frame_names_the_module_of_a_parameter(watched_runs: dict[str,
 def test_a_step_record_shows_in_a_notebook() -> None:
     from torchdebug.events import StepRecord
 
-    ok = StepRecord(step=7, loss=0.25, grad_norm=1.5, lr=(0.001,))._repr_html_()
-    assert '<div class="torchdebug-step"><div style="color:#5d6d7e;font-weight:bold">step 7</div>' in ok
+    record = StepRecord(step=7, loss=0.25, grad_norm=1.5, lr=(0.001,), values={"x": 1.0})
+    assert repr(record) == "<StepRecord step 7  loss=0.25  |g|=1.5  lr=0.001>"  # not every field
+    ok = record._repr_html_()
+    # led by the step's verdict, green: nothing to act on
+    assert ok.startswith(
+        '<div class="torchdebug-step"><div style="color:#1e8449;font-weight:bold">step 7: ok</div>'
+    )
     assert (
         "<th" in ok and "<code>0.25</code>" in ok and "<code>1.5</code>" in ok and "<code>0.001</code>" in ok
     )
@@ -315,10 +320,30 @@ def test_a_step_record_shows_in_a_notebook() -> None:
             RuleEvent(step=20, kind="loss_spike", severity="warning", message="loss 9 is 12 sigmas above")
         ],
     )._repr_html_()
-    assert "color:#c0392b" in bad  # red: an anomaly
+    assert bad.startswith(  # red: the anomaly leads, and what became of the update
+        '<div class="torchdebug-step"><div style="color:#c0392b;font-weight:bold">'
+        "nan born in forward of fc: aten.log at t.py:3 (step 20), update skipped</div>"
+    )
     assert "<code>nan born in forward of fc: aten.log at t.py:3 (step 20)</code>" in bad
     assert "<code>log of negative input</code>" in bad
     assert "<code>loss_spike: loss 9 is 12 sigmas above</code>" in bad and "<code>nan</code>" in bad
+    warned = StepRecord(
+        step=5,
+        events=[
+            RuleEvent("slowdown", 5, "step 3x slower", "warning"),
+            RuleEvent("oom_risk", 5, "93% of device memory", "error"),
+            RuleEvent("lr_change", 5, "lr 0.1 -> 0.01", "info"),
+        ],
+    )._repr_html_()
+    assert warned.startswith(  # the error first, the other warning counted, the info not
+        '<div class="torchdebug-step"><div style="color:#c0392b;font-weight:bold">'
+        "step 5: oom_risk: 93% of device memory; and 1 more</div>"
+    )
+    skipped = StepRecord(step=6, skipped=True, skip_reason="loss spike")._repr_html_()
+    assert skipped.startswith(
+        '<div class="torchdebug-step"><div style="color:#b9770e;font-weight:bold">'
+        "step 6: update skipped (loss spike)</div>"
+    )
 
 
 def test_frames_without_pandas_name_the_fix(run_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
