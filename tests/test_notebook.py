@@ -166,6 +166,9 @@ def test_a_stored_run_leads_with_its_verdict(
     # real watched runs: 140 clean steps; a NaN born at step 3 in blocks.1.act's log (policy="raise")
     with open_run(watched_runs[kind]) as run:
         html = run._repr_html_()
+        assert str(run.verdict()) == text and run.verdict()["level"] == (
+            "ok" if kind == "healthy" else "error"
+        )
     assert html.startswith(
         f'<div class="torchdebug-run"><div style="color:{colour};font-weight:bold">torchdebug run {kind}</div>'
         f"<table>{_row('verdict', text)}{_row('status', 'failed' if kind == 'failed' else 'finished')}"

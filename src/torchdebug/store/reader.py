@@ -272,11 +272,11 @@ class Run:
 
         Cost: the verdict reads the anomaly and event tables whole (a few ms for thousands).
         """
-        from .._verdict import COLOURS, verdict
+        from .._verdict import COLOURS
         from ..events import html_table
 
         s = self.summary()
-        said = verdict(self)
+        said = self.verdict()
         first = self._rows("SELECT data FROM anomalies ORDER BY id LIMIT 1")
         anomalies: Any = s["anomalies"]
         if first:
@@ -872,6 +872,20 @@ class Run:
             **lost,
             "schema_version": self.schema_version,
         }
+
+    def verdict(self) -> dict[str, Any]:
+        """The run's verdict: the sentence ``torchdebug show``, the reports and the dashboard lead
+        with, its level (ok | running | warning | error) and its findings ranked by severity.
+
+        Returns the core's ``judge`` dict (``"text"``, ``"level"``, ``"findings"``, ``"groups"``,
+        ``"anomaly_steps"``, ``"divergences"``); ``str()`` of it is the sentence.
+
+        Example: ``str(open_run(path).verdict()) == "finished: 2000 steps, no anomalies"``.
+        Cost: one read of the anomaly and event tables (a few ms for thousands of records).
+        """
+        from .._verdict import verdict
+
+        return verdict(self)
 
     def _lost(self, db_meta: dict[str, Any]) -> dict[str, Any]:
         """``lost``, ``lost_from_step``, ``write_error``: records the writer could not store.
