@@ -141,6 +141,16 @@ def test_text_report_golden(request: pytest.FixtureRequest, run: Any) -> None:
     _check_golden(request, "small_run.txt", _normalized_text(run, text))
 
 
+def test_a_run_that_raised_on_its_nan_counts_only_the_recorded_norms(watched_runs: dict[str, Path]) -> None:
+    # policy="raise" stopped step 3 before its numbers were written: steps 0..2 hold finite norms
+    with open_run(watched_runs["failed"]) as failed:
+        text = render_report(failed, "text")
+    assert isinstance(text, str)
+    line = next(x for x in text.splitlines() if x.startswith("  grad norm "))
+    assert line.endswith(", NaN/Inf in 0 recorded norms")
+    assert text.index("nan born in forward of blocks.1.act") < text.index(line)
+
+
 def test_json_report_golden(request: pytest.FixtureRequest, run: Any) -> None:
     text = render_report(run, "json")
     assert isinstance(text, str)
