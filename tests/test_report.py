@@ -310,6 +310,52 @@ def test_png_loss_axis_leaves_a_lone_spike_out() -> None:
     assert spikes(lasting) == set() and _robust_ylim(Figure().add_subplot(), lasting) == 0
 
 
+def test_png_leads_with_the_verdict_and_draws_as_the_html_charts(
+    watched_runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    said: list[tuple[str, str]] = []
+    axes: list[Any] = []
+    text, add_subplot = Figure.text, Figure.add_subplot
+
+    def recorded_text(fig: Any, x: float, y: float, s: str, *args: Any, **kw: Any) -> Any:
+        said.append((s, kw.get("color", "")))
+        return text(fig, x, y, s, *args, **kw)
+
+    def kept(fig: Any, *args: Any, **kw: Any) -> Any:
+        axes.append(add_subplot(fig, *args, **kw))
+        return axes[-1]
+
+    monkeypatch.setattr(Figure, "text", recorded_text)
+    monkeypatch.setattr(Figure, "add_subplot", kept)
+    # the failed run: a NaN born at step 3 (policy="raise"); one memory sample, at step 0
+    with open_run(watched_runs["failed"]) as failed:
+        png = render_report(failed, "png")
+    assert isinstance(png, bytes) and png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the suptitle first, then the verdict under it, red (103 characters: one line of up to 140)
+    assert said == [
+        ("PyTorch Debug Analysis: failed", ""),
+        (
+            "failed at step 3: nan born in forward of blocks.1.act (LogAct): aten.log at tests/fixtures/models.py:49",
+            "#c0392b",
+        ),
+    ]
+    mem_ax, marks_ax = axes[3:]
+    # a series of one point is a dot, not an invisible line
+    assert [(len(line.get_xdata()), line.get_marker()) for line in mem_ax.get_lines()] == [
+        (1, "None"),
+        (1, "o"),
+    ]
+    # whole steps, none negative, on every axis (a lone point's axis is padded left of 0)
+    for ax in axes:
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert labels and all(x.isdigit() for x in labels), labels
+    # the markers sit on named lanes, not at a height that reads as a count
+    assert [t.get_text() for t in marks_ax.get_yticklabels()] == ["anomaly", "error", "warning", "info"]
+
+
 def test_png_is_the_analysis_figure(run: Any, tmp_path: Path) -> None:
     png = render_report(run, "png", path=tmp_path / "debug_analysis.png")
     assert isinstance(png, bytes) and png[:8] == b"\x89PNG\r\n\x1a\n"
