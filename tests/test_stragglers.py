@@ -165,6 +165,34 @@ def test_the_runnable_clock_marks_the_forward_before_an_earlier_prepended_pre_ho
     assert seen == [False, True, False]  # the clock's hook is off: nothing marked the forward
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA-event timing")
+def test_on_a_gpu_the_compute_comes_from_cuda_events_read_a_step_late_without_a_sync():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+    clock = StepClock(next(net.parameters()), True)
+    assert clock.timed_by == "cuda"
+    x = torch.randn(512, 256, device="cuda")
+    got = []
+    for _ in range(3):
+        clock.forward_start()
+        loss = net(x).square().mean()
+        clock.backward_start(after_forward=True)
+        loss.backward()
+        clock.backward_end(in_backward=True)
+        torch.cuda.set_sync_debug_mode("error")  # reading the events must not synchronize
+        try:
+            got.append(clock.times(time.perf_counter()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        loss.item()  # the step's one host read (the coordinator's transfer)
+        clock.step_end(time.perf_counter())
+    clock.remove()
+    # the first step has no previous one: its host times; the next ones carry the GPU's spans of the
+    # step before (a forward and a backward of real kernels: both longer than zero)
+    assert all(t[0] > 0 and t[2] > 0 for t in got[1:])
+
+
 # -- two ranks -------------------------------------------------------------------------------------
 def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
