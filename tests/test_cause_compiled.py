@@ -146,6 +146,34 @@ def test_a_nan_the_eager_step_function_makes_is_the_models(backward: bool) -> No
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+def test_with_accumulation_the_failing_micro_steps_call_is_replayed() -> None:
+    torch.manual_seed(0)
+    model = cm.SqrtReluNet()
+    step_fn = _step_fn(model, True, backend="eager")
+    x0, x1, y = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 1)
+    x1[2, 0] = float("nan")  # the second micro-batch's row 2
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        warnings.catch_warnings(),
+        td.watch(model, opt, policy="warn", step_fn=step_fn, config=SENTINEL_ONLY) as mon,
+    ):
+        warnings.filterwarnings("ignore", message=NON_LEAF)
+        warnings.simplefilter("ignore", td.TorchDebugWarning)
+        opt.zero_grad()
+        step_fn(x0, y)
+        step_fn(x1, y)
+        opt.step()
+        mon.step()
+    (a,) = mon.anomalies
+    # the second call's batch, replayed: its input row named (the first call's replay is finite)
+    assert (a.phase, a.micro_step, a.reproducible) == ("input", 1, True)
+    assert a.hint == (
+        "the batch already holds NaN: input #0 (1 NaN, 0 +Inf, 0 -Inf) in row 2 (1 of 4 rows); check the "
+        "data pipeline (those samples)"
+    )
+    assert a.cause is not None and a.cause.verdict == "model"
+
+
 def test_the_step_functions_hook_comes_off_at_exit_also_on_an_exception() -> None:
     torch.manual_seed(0)
     model = cm.SqrtReluNet()
