@@ -37,11 +37,7 @@ for a fixed per-step cost; a step of real size divides the same added cost by it
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +46,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
+
+import _callgrind
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = ("basic", "intermediate", "advanced", "expert")
@@ -201,71 +199,25 @@ def measure_cpu(loops: list[str], variants: list[str], repeats: int, steps: int,
             print(f"| {v} | {m * 1e6:.0f} | {m / plain:.2f}x | {added} |")
 
 
-_SHIM = r"""
-#include <valgrind/callgrind.h>
-void td_window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
-void td_window_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
-void td_zero(void) { CALLGRIND_ZERO_STATS; }
-void td_dump(const char *name) { CALLGRIND_DUMP_STATS_AT(name); }
-"""
-
-
-def _shim() -> Path:
-    """The client-request shim (built once into the system temp folder)."""
-    so = Path(tempfile.gettempdir()) / f"torchdebug-callgrind-dumps-{os.getuid()}.so"
-    if not so.exists():
-        src = so.with_suffix(".c")
-        src.write_text(_SHIM)
-        tmp = so.with_name(f"{so.name}.{os.getpid()}")
-        subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(tmp), str(src)], check=True)
-        os.replace(tmp, so)
-    return so
-
-
 def count(loop: str, variants: list[str], n1: int, n2: int, shim: Path) -> dict[str, dict[str, int]]:
     """Instructions in each variant's window ``[n1, n2)``: ``{variant: {total, main, others}}``."""
-    with tempfile.TemporaryDirectory(prefix="td-cg-") as tmp:
-        out_file = Path(tmp) / "cg.out"
-        cmd = [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            "--separate-threads=yes",
-            f"--callgrind-out-file={out_file}",
-            sys.executable,
-            __file__,
-            "--child",
-            loop,
-            ",".join(variants),
-            f"{n1},{n2},{shim}",
-        ]
-        # a fixed hash seed: string hashing moves a process's count between seeds
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(ROOT / "src"))
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        if out.returncode != 0:
-            raise RuntimeError(f"{loop} failed under valgrind:\n{out.stderr[-3000:]}")
-        got = {v: {"total": 0, "main": 0} for v in variants}
-        for f in sorted(Path(tmp).glob("cg.out*")):
-            text = f.read_text(errors="replace")
-            trigger = re.search(r"^desc: Trigger: Client Request: (\S+)", text, re.M)
-            if trigger is None or trigger.group(1) not in got:
-                continue  # the dump at exit (nothing instrumented since the last window)
-            m = re.search(r"^totals:\s+(\d+)", text, re.M)
-            thread = re.search(r"^thread:\s+(\d+)", text, re.M)
-            n = int(m.group(1)) if m else 0
-            c = got[trigger.group(1)]
-            c["total"] += n
-            if thread is None or int(thread.group(1)) == 1:
-                c["main"] += n
+    dumps = _callgrind.run(__file__, ["--child", loop, ",".join(variants), f"{n1},{n2},{shim}"], loop)
+    got = {v: {"total": 0, "main": 0} for v in variants}
+    for d in dumps:
+        if d.trigger is None or d.trigger not in got:
+            continue  # the dump at exit (nothing instrumented since the last window)
+        c = got[d.trigger]
+        c["total"] += d.instructions
+        if d.thread == 1:
+            c["main"] += d.instructions
     for c in got.values():
         c["others"] = c["total"] - c["main"]
     return got
 
 
 def measure_instructions(loops: list[str], variants: list[str], n1: int, n2: int, jobs: int) -> None:
-    if shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
-        sys.exit("valgrind is not installed: apt-get install valgrind")
-    shim = _shim()
+    _callgrind.require_valgrind()
+    shim = _callgrind.shim()
     n = n2 - n1
     got: dict[str, dict[str, dict[str, int]]] = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
