@@ -662,8 +662,8 @@ class Monitor:
         return "closed" if self._closed else "active"
 
     def verdict(self) -> dict[str, Any]:
-        """The session's verdict, ranked as ``torchdebug show`` ranks a run's: ``"text"``, ``"level"``,
-        ``"findings"`` (see :func:`torchdebug.session.control.verdict`)."""
+        """The session's verdict, ranked as ``torchdebug show`` ranks a run's: a dict (``"text"``,
+        ``"level"``, ``"findings"``...) whose ``str()`` is its sentence, shown coloured in a notebook."""
         status = "running" if not self._closed else getattr(self, "_end_status", None) or "finished"
         return verdict(status, self.global_step, self.anomalies, self.events)
 
