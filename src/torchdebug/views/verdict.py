@@ -26,7 +26,7 @@ from .._verdict import (
 )
 
 
-def verdict_of(path: Any) -> dict[str, Any]:
+def verdict_of(path: Any) -> RunVerdict:
     """`verdict` of the run folder ``path`` (opened read-only and closed again), or, when it
     cannot be read, ``{"status": "unreadable", "level": "error", "text": "unreadable: <why>"}``.
 
@@ -39,7 +39,7 @@ def verdict_of(path: Any) -> dict[str, Any]:
         with open_run(path) as run:
             return verdict(run)
     except Exception as e:  # a malformed run fails alone, whatever is wrong with it
-        return {"status": "unreadable", "level": "error", "text": f"unreadable: {e}"}
+        return RunVerdict({"status": "unreadable", "level": "error", "text": f"unreadable: {e}"})
 
 
 __all__ = [
