@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -46,25 +43,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import _callgrind
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("plain", "watch", "sentinel", "watch_norun", "watch_steps", "hash")
-_SHIM = r"""
-#include <valgrind/callgrind.h>
-void td_window_start(void) { CALLGRIND_START_INSTRUMENTATION; }
-void td_window_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
-"""
-
-
-def _shim() -> Path:
-    """The client-request shim (built once into the system temp folder)."""
-    so = Path(tempfile.gettempdir()) / f"torchdebug-callgrind-window-{os.getuid()}.so"
-    if not so.exists():
-        src = so.with_suffix(".c")
-        src.write_text(_SHIM)
-        tmp = so.with_name(f"{so.name}.{os.getpid()}")
-        subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(tmp), str(src)], check=True)
-        os.replace(tmp, so)
-    return so
 
 
 def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
@@ -149,37 +131,13 @@ def _hash_child(w: Any, model: Any, opt: Any, batches: list, n1: int, n2: int, l
 def count(workload: str, variant: str, n1: int, n2: int, shim: Path, keep: str = "") -> dict[str, int]:
     """Instructions executed in the window, per thread (``total``, ``main``, ``others``); ``keep``: a
     folder to copy callgrind's files into (``WORKLOAD-VARIANT.cg.out*``) for ``callgrind_annotate``."""
-    with tempfile.TemporaryDirectory(prefix="td-cg-") as tmp:
-        out_file = Path(tmp) / "cg.out"
-        cmd = [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            "--separate-threads=yes",
-            f"--callgrind-out-file={out_file}",
-            sys.executable,
-            __file__,
-            "--child",
-            workload,
-            variant,
-            str(n1),
-            str(n2),
-            str(shim),
-        ]
-        # a fixed hash seed: string hashing decides how often dict lookups collide, which moves a
-        # process's count by ~0.5 M instructions per step between seeds
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(ROOT / "src"))
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        if out.returncode != 0:
-            raise RuntimeError(f"{workload}/{variant} failed under valgrind:\n{out.stderr[-3000:]}")
-        per_thread = []
-        for f in sorted(Path(tmp).glob("cg.out*")):
-            text = f.read_text(errors="replace")
-            m = re.search(r"^totals:\s+(\d+)", text, re.M)
-            thread = re.search(r"^thread:\s+(\d+)", text, re.M)
-            per_thread.append((int(thread.group(1)) if thread else 1, int(m.group(1)) if m else 0))
-            if keep:
-                shutil.copy(f, Path(keep) / f"{workload}-{variant}.{f.name}")
+    dumps = _callgrind.run(
+        __file__,
+        ["--child", workload, variant, str(n1), str(n2), str(shim)],
+        f"{workload}/{variant}",
+        Path(keep) / f"{workload}-{variant}" if keep else None,
+    )
+    per_thread = [(d.thread, d.instructions) for d in dumps]
     main = sum(n for t, n in per_thread if t == 1)
     total = sum(n for _, n in per_thread)
     return {"total": total, "main": main, "others": total - main}
@@ -200,9 +158,8 @@ def main() -> None:
         c = args.child
         child(c[0], c[1], int(c[2]), int(c[3]), c[4])
         return
-    if shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
-        sys.exit("valgrind is not installed: apt-get install valgrind")
-    shim = _shim()
+    _callgrind.require_valgrind()
+    shim = _callgrind.shim()
     n1, n2 = (int(x) for x in args.steps.split(","))
     workloads = [w for w in args.only.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
