@@ -233,6 +233,12 @@ class SlowdownRule:
     ``warning``, also on a busy machine (the message then says the wait too); so is any slowdown
     where the wait is not measured.
 
+    Known limitation: the wait measured is the training thread's. When torch's intra-op threads
+    (OpenMP) share the step, a worker waiting for a CPU leaves the training thread spinning at the
+    barrier, on a CPU: its CPU time and its own part grow with the load (word_language_model's LSTM
+    at load average 15 on 2 CPUs: 76 -> 1024 ms of CPU a step for the same work), and a loaded
+    machine reads as a slowdown of its own work (a warning).
+
     Args:
         factor: how many times the baseline a slow median is (> 1).
         recent: steps in the judged window (odd; the median needs ``recent // 2 + 1`` slow steps).
