@@ -21,6 +21,7 @@ import torch
 import torchdebug as td
 from tests.fixtures.divergence_models import (
     HEALTHY,
+    NOT_LEARNING,
     Case,
     TransformerLM,
     actor_critic,
@@ -220,7 +221,9 @@ def test_the_stored_run_says_where_it_began_to_diverge(tmp_path: Path) -> None:
     assert v["text"].endswith("; diverged at step 0: loss 3.94 -> 1.85e+04 and did not recover")
 
 
-@pytest.mark.parametrize("case", HEALTHY, ids=[c.name for c in HEALTHY])
+# with the Transformer at SGD lr 20 clip 0.25, whose loss stays at 1.35x its first value: a run that
+# does not learn, not a divergence either
+@pytest.mark.parametrize("case", HEALTHY + NOT_LEARNING, ids=[c.name for c in HEALTHY + NOT_LEARNING])
 def test_healthy_training_warns_nothing_of_divergence(case: Case) -> None:
     torch.manual_seed(0)
     model = case.model()

@@ -150,7 +150,7 @@ def test_slowdown_rule_names_the_phase_against_its_finite_baseline(
     )
     (end,) = events[13]
     # the baseline stays frozen through the episode: still 35 ms; 13 - 8 = 5 steps
-    assert end.message == "step time back to normal (35.0 ms) after a slowdown of 5 steps"
+    assert end.message == "step time back to 35.0 ms (median 35.0 ms before) after a slowdown of 5 steps"
     assert end.evidence == {"since": 8, "steps": 5, "step_s": 0.035, "median_s": 0.035}
     assert (rule.count, rule.start, len(rule.baseline)) == (1, None, 7 + 2)  # steps 0..6, then 11 and 12
 

@@ -78,6 +78,56 @@ def test_a_loss_25_to_35_times_its_first_value_is_named_at_step_9() -> None:
     assert [(s, e.kind, e.evidence["since_step"]) for s, e in fired] == [(9, "divergence", 1)]
 
 
+# recorded losses of tests/fixtures/recipe_models.py under td.watch, rounded to 0.01: ResNet-18
+# (width 8) at SGD lr 2.0 momentum 0.9, erratic between 1x and 45x chance; TinyGPT at constant AdamW
+# lr 1.0, 5.5x-19x its first loss from step 1 and still ~5x at step 29. Neither ever NaN.
+RESNET_LR2 = [2.36, 15.18, 13.16, 6.37, 3.35, 3.84, 2.77, 17.64, 6.91, 7.23, 45.0, 7.77, 3.5, 9.84, 5.14]
+RESNET_LR2 += [28.23, 36.12, 3.6, 12.26, 27.64, 26.47, 5.56, 2.73, 2.29, 78.19, 40.76, 4.24, 14.98, 30.25]
+GPT_LR1 = [5.55, 30.59, 45.1, 68.86, 99.26, 106.48, 67.37, 56.63, 60.15, 49.35, 46.72, 47.23, 58.18]
+GPT_LR1 += [44.17, 45.35, 52.9, 53.96, 48.62, 45.59, 34.56, 35.09, 28.0, 20.6, 27.69, 30.17, 25.25]
+
+
+@pytest.mark.parametrize(
+    "losses, judged, onset, after",
+    [
+        # the median of the last 10 first reaches 4 x 2.36 = 9.44 at step 19: steps 10..19 sorted
+        # 3.5 3.6 5.14 7.77 9.84 | 12.26 27.64 28.23 36.12 45.0, median (9.84 + 12.26) / 2 = 11.05;
+        # the onset is the window's first loss above the bar, 45.0 at step 10. (Steps 9..18: 8.8.)
+        pytest.param(RESNET_LR2, 19, 10, 11.05, id="resnet18-sgd-lr2"),
+        # steps 0..9: median (56.63 + 60.15) / 2 = 58.39, 10.5x 5.55; the first above 22.2 is step 1
+        pytest.param(GPT_LR1, 9, 1, 58.39, id="gpt-adamw-lr1"),
+    ],
+)
+def test_a_jump_in_the_first_steps_that_stays_is_a_divergence(
+    losses: list[float], judged: int, onset: int, after: float
+) -> None:
+    rule = DivergenceRule()
+    fired = [(s, e) for s, v in enumerate(losses) if (e := rule.update(s, v)) is not None]
+    assert [(s, e.kind, e.step, e.evidence["since_step"]) for s, e in fired] == [
+        (judged, "divergence", onset, onset)
+    ]
+    e = fired[0][1]
+    assert e.evidence["after"] == pytest.approx(after) and e.evidence["before"] == losses[0]
+    assert e.message.startswith(f"loss diverged from the start: {after:.3g} (median of the last 10 steps)")
+    # neither reaches 20x with 8 of 10 above it: the test before this one was silent on both
+    assert _feed(DivergenceRule(early_factor=1e9), losses) == []
+
+
+def test_the_early_jump_is_not_judged_with_several_optimizers() -> None:
+    # a GAN's loss is the mean of objectives that pull against each other: the same series, silent
+    rule = DivergenceRule()
+    rule.several = True
+    assert _feed(rule, RESNET_LR2) == [] and rule.count == 0
+
+
+@pytest.mark.parametrize("rise", [1.7, 3.9])
+def test_a_loss_under_4x_its_first_value_is_not_an_early_divergence(rise: float) -> None:
+    # 1.7x: the most a healthy run of the benchmark's models reached (a Transformer at SGD lr 20 with
+    # clip 0.25); 3.9x: just under the bar, every loss
+    losses = [1.0] + [rise] * 100
+    assert _feed(DivergenceRule(), losses) == []
+
+
 def test_a_loss_that_changes_sign_is_not_judged_from_its_first_value() -> None:
     # an actor-critic's loss: 0.05 at first, then around 0 (negative half the time), with swings to 2.5
     rng = random.Random(3)

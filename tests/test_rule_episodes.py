@@ -421,7 +421,7 @@ def test_a_busy_machine_is_information_and_own_work_a_warning() -> None:
     assert "because the training thread waited 10.0 ms a step for a CPU (0.0 ms before)" in said
     assert "it used 2.0 ms of CPU a step (2.0 ms before)" in said
     assert said.endswith(
-        "other processes are taking the machine's CPUs (load average 7.9 on 2 CPUs); nothing in this training changed"
+        "other processes are taking the machine's CPUs (load average 7.9 on 2 CPUs), not this training's own work"
     )
     assert (events[0].evidence["load_1min"], events[0].evidence["cpus"]) == (7.9, 2)
     # its own work: the 10 ms are CPU time of this process (a slower kernel), no wait: a warning

@@ -61,6 +61,18 @@ class DivergenceRule:
     never once a loss was zero or negative (a policy-gradient or GAN loss changes sign: its first
     value is no scale).
 
+    A jump in the first steps that stays: when the median of the three losses after the first is at
+    least ``early_factor`` (4) times the first (the jump), a median of the last ``start_recent``
+    losses at least ``early_factor`` times the first, within the first ``early_horizon`` losses, is
+    a divergence too (it stayed), the median alone being the test: a too-high rate makes the loss
+    erratic, 1x to 45x chance from step to step, as ResNet-18 at SGD lr 2.0 does. Healthy runs of
+    real models stay under 1.7x their first loss there (benchmarks/rule_margins.py, ``start``): a
+    loss starts near chance and training brings it down; asking for the jump at once keeps a loss
+    that first came down, or a converged loss whose first batch happened to be its easiest, to the
+    level test. Not judged when the session has several optimizers
+    (``several``: a GAN's or a two-optimizer actor-critic's loss is the mean of objectives that pull
+    against each other; a GAN's generator loss rising several times its first value is healthy).
+
     Non-finite losses are skipped (the NaN/Inf sentinel reports them).
 
     Cost per step: one insert into a sorted window (O(window)) and a median of ``recent`` values.
@@ -86,6 +98,8 @@ class DivergenceRule:
         start_factor: float = 20.0,
         start_recent: int = 10,
         start_horizon: int = 200,
+        early_factor: float = 4.0,
+        early_horizon: int = 50,
     ) -> None:
         if recent < 2 or window < recent:
             raise ValueError(f"need recent >= 2 and window >= recent, got recent={recent}, window={window}")
@@ -101,6 +115,9 @@ class DivergenceRule:
         self.start_factor = float(start_factor)
         self.start_recent = min(int(start_recent), recent)
         self.start_horizon = int(start_horizon)
+        self.early_factor, self.early_horizon = float(early_factor), int(early_horizon)
+        self.several = False  # the session has several optimizers: no early-jump test (set by its owner)
+        self.jumped = False  # the three losses after the first: median >= early_factor x the first
         self.seen = 0  # finite losses fed
         self.signed = False  # a loss <= 0 was seen: the first loss is no scale
         self.first = math.nan  # the first finite loss
@@ -122,6 +139,9 @@ class DivergenceRule:
             self.signed = True
         if self.first != self.first:  # NaN: not set yet
             self.first = loss
+        elif self.seen == 4:  # the jump: the median of the three losses after the first (and this one)
+            after = sorted([loss, *(v for _, v in itertools.islice(reversed(self.recent), 2))])
+            self.jumped = after[1] >= self.early_factor * self.first
         if self.start is None:
             self._first.append(loss)
             if len(self._first) == self.recent.maxlen:
@@ -191,15 +211,16 @@ class DivergenceRule:
         )
 
     def _from_start(self, step: int) -> RuleEvent | None:
-        """The recent losses sit at least ``start_factor`` x the first loss: diverged from the start."""
-        bar = self.start_factor * self.first
+        """The recent losses sit at least ``start_factor`` x the first loss, or their median
+        ``early_factor`` x within ``early_horizon`` losses: diverged from the start."""
         last = list(itertools.islice(reversed(self.recent), self.start_recent))[::-1]
-        above = [s for s, v in last if v >= bar]
-        if len(above) < self.share * len(last):
-            return None
         now = statistics.median(v for _, v in last)
-        if now < bar:
-            return None
+        bar = self.early_factor * self.first
+        if not self.jumped or self.several or self.seen > self.early_horizon or now < bar:
+            bar = self.start_factor * self.first
+            if now < bar or sum(v >= bar for _, v in last) < self.share * len(last):
+                return None
+        above = [s for s, v in last if v >= bar]
         self.active = True
         # ends when the recent median is back under half-way to the bar
         self.before, self.threshold, self.since = self.first, bar - self.first, above[0]
@@ -333,8 +354,8 @@ class NormShiftRule:
 
 
 # The growth rule's thresholds, measured on tiny real models (benchmarks/divergence_margins.py; the
-# margins are in docs/reading.md): healthy runs never grow faster than 2.4x a step on this estimator nor
-# more than 13x over a window while reaching a new high, diverging ones 8-1000x a step, 300x-1e7x.
+# margins are in docs/reading.md): healthy runs never grow faster than 2.9x a step on this estimator nor
+# more than 13.5x over a window while reaching a new high, diverging ones 8-1000x a step, 300x-1e7x.
 GROWTH_WINDOW = 4  # steps in the robust slope: judged from the 4th finite value on (step 3)
 GROWTH_RATE = 3.0  # the window's robust growth rate must be at least 3x a step ...
 GROWTH_ORDERS = 2.0  # ... and its last value 10**2 = 100x its first

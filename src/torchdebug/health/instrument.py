@@ -1064,6 +1064,8 @@ class GradientHealth:
                 event = rule.update(step, loss)
                 if event is not None:
                     self._emit(mon, event)
+            # several optimizers (a GAN): the loss is a mean of objectives that pull against each other
+            self.divergence.several = len(mon.optimizers) > 1
             event = self.divergence.update(step, loss)
             if event is not None:
                 self._emit_episode(mon, "level", event, self.growth.active)
