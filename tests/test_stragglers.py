@@ -1,10 +1,9 @@
 """The straggler verdict: which rank is slow, in which phase (data, forward, backward), and what it costs.
 
 The rule's arithmetic on hand-made times first; then 2 gloo ranks (DDP and FSDP2) with a delay
-injected on rank 1 in data loading, in the forward, or in the backward (a busy-wait op), and a
-zero-delay control that must stay silent; under FSDP2 the rule cannot see the gap and must stay silent. Asserts name the rank and the phase, never a duration
-beyond "the injected delay is named".
-"""
+injected on rank 1 in data loading (a sleep), in the forward or in the backward (a busy-wait op; under
+DDP the forward sleeps), and a zero-delay control that must stay silent. Asserts name the rank and the
+phase, never a duration beyond "the injected delay is named"."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from torch import nn
 
 import torchdebug as td
 from torchdebug.health.stragglers import RankTimes, StragglerRule
+from torchdebug.session.steptimes import StepClock
 from torchdebug.store import open_run
 
 from .test_distributed import _batch, _local, run_pairs, wrapped_net
@@ -135,7 +135,71 @@ def test_a_gap_that_costs_the_step_little_is_not_a_straggler():
     assert all(rule.update(t) is None for _ in range(30))
 
 
+def test_the_runnable_clock_marks_the_forward_before_an_earlier_prepended_pre_hook():
+    # FSDP2 puts its pre-forward (the root's all-gather, where a fast rank waits) first; the clock's
+    # mark must come before it, so that wait counts as the forward's, never as the rank's data time
+    net = nn.Linear(2, 2)
+    seen: list[bool] = []
+    clock = StepClock(None, True, root=None)
+    assert clock.timed_by == "wall"  # without a root: host wall times, as under DDP
+    clock.remove()
+    net.register_forward_pre_hook(lambda m, args: seen.append(clock.t_forward is not None), prepend=True)
+    clock = StepClock(None, True, root=net)
+    assert clock.timed_by == "runnable"
+    with torch.no_grad():
+        net(torch.ones(1, 2))  # no micro-step: an evaluation forward
+    assert seen == [False] and clock.t_forward is None
+    loss = net(torch.ones(1, 2)).sum()
+    assert seen == [False, True]
+    clock.forward_start()  # the session's own mark, after FSDP2's: it keeps the earlier one
+    first = clock.t_forward
+    clock.backward_start(after_forward=True)
+    loss.backward()
+    clock.backward_end(in_backward=True)
+    assert clock.t_forward == first
+    fwd, _data, bwd, wait, *_ = clock.times(time.perf_counter())
+    assert fwd >= 0 and bwd >= 0 and wait >= 0
+    clock.step_end(time.perf_counter())
+    clock.remove()
+    net(torch.ones(1, 2))
+    assert seen == [False, True, False]  # the clock's hook is off: nothing marked the forward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA-event timing")
+def test_on_a_gpu_the_compute_comes_from_cuda_events_read_a_step_late_without_a_sync():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+    clock = StepClock(next(net.parameters()), True)
+    assert clock.timed_by == "cuda"
+    x = torch.randn(512, 256, device="cuda")
+    got = []
+    for _ in range(3):
+        clock.forward_start()
+        loss = net(x).square().mean()
+        clock.backward_start(after_forward=True)
+        loss.backward()
+        clock.backward_end(in_backward=True)
+        torch.cuda.set_sync_debug_mode("error")  # reading the events must not synchronize
+        try:
+            got.append(clock.times(time.perf_counter()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        loss.item()  # the step's one host read (the coordinator's transfer)
+        clock.step_end(time.perf_counter())
+    clock.remove()
+    # the first step has no previous one: its host times; the next ones carry the GPU's spans of the
+    # step before (a forward and a backward of real kernels: both longer than zero)
+    assert all(t[0] > 0 and t[2] > 0 for t in got[1:])
+
+
 # -- two ranks -------------------------------------------------------------------------------------
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class _BusyBackward(torch.autograd.Function):
     """Identity whose backward busy-waits ``seconds`` (an op that is slow on one rank)."""
 
@@ -146,9 +210,7 @@ class _BusyBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        end = time.perf_counter() + ctx.seconds
-        while time.perf_counter() < end:
-            pass
+        _spin(ctx.seconds)
         return g, None
 
 
@@ -159,6 +221,8 @@ def _straggler_scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     where = sc.get("where")
     if where == "backward":  # fc1's output's gradient is slow: between fc2's gradients and fc1's
         net.fc1.register_forward_hook(lambda m, args, out: _BusyBackward.apply(out, delay))
+    if where == "forward_spin":  # fc1's forward busy-waits (compute, where Net.delay_s sleeps)
+        net.fc1.register_forward_pre_hook(lambda m, args: _spin(delay))
     cfg = td.DebugConfig(run_dir=str(out / "runs" / name))
     with td.watch(model, opt, config=cfg) as mon:
         run_dir = str(mon.run_dir)
@@ -195,6 +259,8 @@ SCENARIOS = {
     "forward": {"where": "forward"},
     "backward": {"where": "backward"},
     "fsdp_control": {"where": None, "fsdp": True},
+    "fsdp_data": {"where": "data", "fsdp": True},
+    "fsdp_forward": {"where": "forward_spin", "fsdp": True},
     "fsdp_backward": {"where": "backward", "fsdp": True},
 }
 
@@ -206,36 +272,38 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
 @TIMEOUT
 @pytest.mark.parametrize(
-    ("scenario", "kind", "phase"),
-    [("data", "data", "data"), ("forward", "compute", "forward"), ("backward", "compute", "backward")],
+    ("scenario", "kind", "phase", "timed_by"),
+    [
+        ("data", "data", "data", "wall"),
+        ("forward", "compute", "forward", "wall"),
+        ("backward", "compute", "backward", "wall"),
+        # FSDP2: the fast rank waits in every layer's all-gather and reduce-scatter, inside its own
+        # forward and backward; its thread is blocked there, not runnable, so its runnable time is small
+        ("fsdp_data", "data", "data", "runnable"),
+        ("fsdp_forward", "compute", "forward", "runnable"),
+        ("fsdp_backward", "compute", "backward", "runnable"),
+    ],
 )
-def test_the_delayed_rank_and_phase_are_named_on_every_rank_once(runs, scenario, kind, phase):
+def test_the_delayed_rank_and_phase_are_named_on_every_rank_once(runs, scenario, kind, phase, timed_by):
     r0, r1 = runs[scenario]
     for r in (r0, r1):
         (ev,) = r["events"]  # one episode, recorded by both ranks
+        assert ev["severity"] == "warning"
         e = ev["evidence"]
-        assert (e["rank"], e["kind"], e["phase"]) == (1, kind, phase)
+        assert (e["rank"], e["kind"], e["phase"], e["timed_by"]) == (1, kind, phase, timed_by)
         assert ev["message"].startswith("rank 1 is the straggler: its step work takes ")
         assert e["speedup"] > 1.0
     assert r0["events"] == r1["events"]  # the same decision and the same numbers on both ranks
 
 
 @TIMEOUT
-def test_equal_ranks_make_no_straggler_warning(runs):
+@pytest.mark.parametrize("scenario", ["control", "fsdp_control"])
+def test_equal_ranks_make_no_straggler_warning(runs, scenario):
     # on a machine loaded by other processes one rank may wait for a CPU: that is said as information
     # (kind "contended"), never as a warning about the rank's own work
-    for r in runs["control"]:
+    for r in runs[scenario]:
         assert [e for e in r["events"] if e["evidence"]["kind"] != "contended"] == []
         assert all(e["severity"] == "info" for e in r["events"])
-
-
-@TIMEOUT
-def test_fsdp2_names_no_straggler_rather_than_a_wrong_one(runs):
-    # under FSDP2 every layer's all-gather and reduce-scatter make the fast rank wait inside its own
-    # forward and backward, which host clocks cannot tell from work: the known limit (docs/distributed.md)
-    # is silence, never a wrong rank
-    for name in ("fsdp_control", "fsdp_backward"):
-        assert runs[name][0]["events"] == [] and runs[name][1]["events"] == []
 
 
 @TIMEOUT

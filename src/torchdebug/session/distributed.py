@@ -246,8 +246,9 @@ class Coordinator:
         self._verdict: tuple[int, bool] | None = None  # (step, decision) of the exact round
         self._exact: list[list[float]] = []
         self._phase = "data"
-        # the straggler rule's times: only when there are ranks to compare
-        self.clock = StepClock(next((p for p in mon.params if p.requires_grad), None), self.collective)
+        # the straggler rule's times: only when there are ranks to compare (FSDP2: runnable times)
+        first = next((p for p in mon.params if p.requires_grad), None)
+        self.clock = StepClock(first, self.collective, mon.model if self.sharded else None)
         self._last_done = time.monotonic()
         self._last_step: int | None = None
         self._durations: deque[float] = deque(maxlen=200)
@@ -573,7 +574,8 @@ class Coordinator:
         now = time.perf_counter()
         if self.collective and len(mon.transfer.readout.dist) > max(_TIME_ROWS) * self.world:
             # on every rank: the same numbers, the same decision
-            ev = straggler_event(self._stragglers, lambda f: self._row(mon, _ROWS[f]), int(record.step))
+            row = lambda f: self._row(mon, _ROWS[f])  # noqa: E731
+            ev = straggler_event(self._stragglers, row, int(record.step), self.clock.timed_by)
             if ev is not None:
                 mon.emit(ev)
         hashes = self.hashes
