@@ -110,6 +110,9 @@ def test_a_compiled_step_function_given_is_replayed_and_the_compiler_named(
 
 
 def test_without_step_fn_nothing_is_replayed_and_the_cause_says_so() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # Dynamo counts the graphs of the whole process (not reset with its caches)
     torch.manual_seed(0)
     model = cm.LogNet()  # NaN eagerly too: only a replay could say whose
     mon = _train(model, _step_fn(model, False, backend="eager"), False, given=False)
@@ -141,6 +144,34 @@ def test_a_nan_the_eager_step_function_makes_is_the_models(backward: bool) -> No
     assert (c.replays, c.compiles) == (1, 0)
     # the replays put back what each run of the step function changed, and the update was skipped
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_with_accumulation_the_failing_micro_steps_call_is_replayed() -> None:
+    torch.manual_seed(0)
+    model = cm.SqrtReluNet()
+    step_fn = _step_fn(model, True, backend="eager")
+    x0, x1, y = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 1)
+    x1[2, 0] = float("nan")  # the second micro-batch's row 2
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        warnings.catch_warnings(),
+        td.watch(model, opt, policy="warn", step_fn=step_fn, config=SENTINEL_ONLY) as mon,
+    ):
+        warnings.filterwarnings("ignore", message=NON_LEAF)
+        warnings.simplefilter("ignore", td.TorchDebugWarning)
+        opt.zero_grad()
+        step_fn(x0, y)
+        step_fn(x1, y)
+        opt.step()
+        mon.step()
+    (a,) = mon.anomalies
+    # the second call's batch, replayed: its input row named (the first call's replay is finite)
+    assert (a.phase, a.micro_step, a.reproducible) == ("input", 1, True)
+    assert a.hint == (
+        "the batch already holds NaN: input #0 (1 NaN, 0 +Inf, 0 -Inf) in row 2 (1 of 4 rows); check the "
+        "data pipeline (those samples)"
+    )
+    assert a.cause is not None and a.cause.verdict == "model"
 
 
 def test_the_step_functions_hook_comes_off_at_exit_also_on_an_exception() -> None:

@@ -219,3 +219,44 @@ def test_norms_read_in_one_go_equal_the_reference_and_the_clip_shares_are_worked
     assert list(shares) == top
     assert shares[top[0]] == pytest.approx(sq[top[0]] / sum(sq.values()), rel=1e-4)
     assert not any(k.startswith(("_gnorm", "health.ratio")) for k in rec.values)  # no key per parameter
+
+
+@pytest.mark.parametrize(
+    ("items", "sizes", "values"),
+    [
+        # an ordinary step: 0-d items only (one stack), a loss, a gradient total, a bool flag and a
+        # count promoted to floats as cat promotes them
+        (
+            [
+                ("_loss", torch.tensor(1.5)),
+                ("_mtot", torch.tensor(-2.0)),
+                ("_mbad", torch.tensor(True)),
+                ("n", torch.tensor(3)),
+            ],
+            [1, 1, 1, 1],
+            [1.5, -2.0, 1.0, 3.0],
+        ),
+        # a detail step: a 1-d item among the 0-d ones (cat)
+        (
+            [
+                ("_loss", torch.tensor(0.25)),
+                ("_gnorm", torch.tensor([3.0, 4.0])),
+                ("_mbad", torch.tensor(False)),
+            ],
+            [1, 2, 1],
+            [0.25, 3.0, 4.0, 0.0],
+        ),
+        ([("_loss", torch.tensor(7.0))], [1], [7.0]),  # one item: a view, no copy
+        ([("_mbad", torch.tensor(True)), ("_mbad", torch.tensor(False))], [1, 1], [1.0, 0.0]),  # flags only
+    ],
+    ids=["zero-d", "with-a-vector", "one", "flags-only"],
+)
+def test_the_reads_items_flatten_in_order_with_floats(
+    items: list[tuple[str, torch.Tensor]], sizes: list[int], values: list[float]
+) -> None:
+    from torchdebug._tensors import flat_items
+
+    got_sizes, flat = flat_items(items)
+    assert got_sizes == sizes
+    assert flat.is_floating_point() and flat.dim() == 1
+    assert flat.tolist() == values

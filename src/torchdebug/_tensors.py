@@ -153,6 +153,10 @@ def all_present(tensors: list[Any]) -> bool:
 in_functorch_transform: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
+# ``torch._utils._flatten_dense_tensors`` without its Python frame (every step: the gradients' copy)
+_flatten: Callable[..., torch.Tensor] = torch._C._nn.flatten_dense_tensors
+
+
 def _getter(idx: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     """``f(seq) -> tuple(seq[i] for i in idx)`` in C (``itemgetter`` returns a bare item for one index)."""
     if len(idx) == 1:
@@ -249,7 +253,7 @@ class Plan:
         if not self.small:
             return None
         small = self.small_get(tensors)
-        flat = torch._utils._flatten_dense_tensors(small)  # type: ignore[attr-defined]  # one copy
+        flat = _flatten(small)  # one copy
         if flat.numel() != self.small_total:
             raise ValueError("tensor sizes changed since the plan was built")
         return flat
@@ -414,14 +418,24 @@ class Reduced:
 
 def flat_items(items: Items) -> tuple[list[int], torch.Tensor]:
     """The items' numbers as one flat float tensor on the first item's device (FSDP2 DTensors: this
-    rank's shard) and each item's size: two torch calls for the usual handful of 0-d and 1-d items."""
-    ts = [local(t) for _, t in items]
+    rank's shard) and each item's size: one torch call for an ordinary step's 0-d items (``stack``),
+    two for a handful of 0-d and 1-d items."""
+    dtensor = dtensor_type()  # (``local`` inlined: one lookup for the items, not one each)
+    ts = [
+        t if dtensor is None or not isinstance(t, dtensor) else t._local_tensor  # type: ignore[attr-defined]
+        for _, t in items
+    ]
     sizes = [t.numel() for t in ts]
     with torch.no_grad():  # the result never needs a graph (the items are read, not differentiated)
         dev = ts[0].device
         if any([t.dim() > 1 or t.device != dev for t in ts]):
             ts = [t.reshape(-1).to(dev) for t in ts]
-        flat = torch.cat(torch.atleast_1d(ts)) if len(ts) > 1 else ts[0].reshape(-1)  # cat promotes dtypes
+        if len(ts) == 1:
+            flat = ts[0].reshape(-1)
+        elif not any([t.dim() for t in ts]):  # every item 0-d (an ordinary step): no view per item
+            flat = torch.stack(ts)  # stack promotes dtypes as cat does
+        else:
+            flat = torch.cat(torch.atleast_1d(ts))  # cat promotes dtypes
         if not flat.is_floating_point():  # flags only (bool) or counts: read as floats
             flat = flat.float()
     return sizes, flat

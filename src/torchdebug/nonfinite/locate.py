@@ -1233,6 +1233,9 @@ def _eager() -> contextlib.AbstractContextManager[Any]:
 
 
 # -- replay of a captured step (used by watch) -------------------------------------------------------
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 @dataclass
 class StepCapture:
     """What the sentinel keeps of one micro-step so it can be replayed exactly (references, no copies)."""
@@ -1257,12 +1260,15 @@ class StepCapture:
 
     @staticmethod
     def take(args: tuple, kwargs: dict, uses_cuda: bool) -> StepCapture:
-        autocast = {}
-        for dev in ("cpu", "cuda"):
-            try:
-                autocast[dev] = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-            except Exception:  # older torch or no such backend
-                continue
+        autocast: dict[str, tuple[bool, torch.dtype]] = {}
+        # no autocast region anywhere (one read of the thread's dispatch keys, every micro-step): the
+        # replay enters none, as it would from every device's state read as disabled
+        if _any_autocast():
+            for dev in ("cpu", "cuda"):
+                try:
+                    autocast[dev] = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+                except Exception:  # older torch or no such backend
+                    continue
         rng_cuda = None
         if uses_cuda and torch.cuda.is_available():
             rng_cuda = torch.cuda.get_rng_state_all()

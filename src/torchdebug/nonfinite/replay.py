@@ -184,7 +184,10 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
         if call is not None and mon.config.replay and replayable:
             return step_fn_anomaly(mon, flag, call, micro, losses_bad)
         why = "the failing micro-step was not captured"
-        if cause.dynamo_compiled() and flag.step_fn is None:
+        # no forward of the step seen, the model not compiled itself, and Dynamo compiled code: the
+        # forward ran inside a compiled function (nothing was replayed, so nothing is claimed)
+        uncaptured = not mon.state.captures and flag.step_fn is None and not mon.compiled
+        if uncaptured and cause.dynamo_compiled():
             found = cause.uncaptured_cause()
             a = symptom_anomaly(mon, micro, losses_bad, why=why)
             return dataclasses.replace(a, cause=found, hint=f"{a.hint}; {cause.STEP_FN_HINT}")

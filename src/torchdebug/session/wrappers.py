@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .distributed import split_ddp
+
+if TYPE_CHECKING:
+    from .protocol import Session
 
 
 class DDPGroup:
@@ -59,7 +62,7 @@ def _compiled_orig(module: nn.Module) -> nn.Module | None:
     return orig if type(module).__name__ == "OptimizedModule" and isinstance(orig, nn.Module) else None
 
 
-def compiled_later(mon: Any, called: nn.Module) -> bool:
+def compiled_later(mon: Session, called: nn.Module) -> bool:
     """``called``, the module a framework's step calls, is a ``torch.compile`` wrapper of the one model
     the session watches, made after the session began: from now on the session calls through it
     (:meth:`PlainLoopDriver.call_through`). True when it switched. Cost: two identity tests."""
