@@ -20,6 +20,8 @@ import math
 import sqlite3
 from collections.abc import Iterable, Iterator
 
+from . import _batch
+
 #: Bucket widths in steps, finest first: powers of 2, so for any chart of ``nb`` buckets one level
 #: has between nb/2 and nb buckets over the range and is read as it is, one rollup row per chart
 #: bucket, with no regrouping. The finest level costs one rollup row per 16 raw rows; all levels
@@ -87,6 +89,15 @@ ON CONFLICT (metric_id, level, bucket) DO UPDATE SET
     nan_wall = CASE WHEN excluded.nan_step < nan_step OR nan_step IS NULL
                     THEN excluded.nan_wall ELSE nan_wall END
 """
+
+
+def _split(sql: str) -> tuple[str, str]:
+    """An upsert's ``INSERT INTO t(...)`` and its ``ON CONFLICT`` clause, for multi-row statements."""
+    head, rest = sql.split("\nVALUES ", 1)
+    return head.strip(), rest.split("\n", 1)[1].strip()
+
+
+_HEAD, _TAIL = _split(UPSERT)
 
 # One aggregate, as a list for in-place updates:
 # [count, nan_count, first_step, last_step, sum, min_value, min_step, min_wall,
@@ -195,13 +206,14 @@ def _aggregated(
 
 
 def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
-    """Fold raw rows into ``metric_rollup`` inside the caller's transaction (one executemany).
+    """Fold raw rows into ``metric_rollup`` inside the caller's transaction (multi-row upserts,
+    ``_batch.insert``).
 
     Cost: one upsert (~3.5 µs) per (metric, level, bucket) the rows touch, so at least one per metric
     and level per commit: a commit holding one step of 1000 metrics spends ~35 ms here (the raw
     rows take ~2 ms); a commit holding many steps of few metrics adds ~0.8 µs per raw row.
     """
-    conn.executemany(UPSERT, _aggregated(rows))
+    _batch.insert(conn, _HEAD, _aggregated(rows), _TAIL)
 
 
 def write_points(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:
@@ -209,7 +221,7 @@ def write_points(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float 
     for rows that are one point per metric (a detail step's per-parameter numbers), the same upserts
     :func:`write` makes, built as one list per call. The ``UPSERT``
     merges each into the stored bucket, so two points of a metric in one call are still right."""
-    conn.executemany(UPSERT, list(_point_rows(rows)))
+    _batch.insert(conn, _HEAD, _point_rows(rows), _TAIL)
 
 
 def _point_rows(rows: Iterable[tuple[int, int, float | None, float]]) -> Iterator[tuple[object, ...]]:
@@ -302,6 +314,7 @@ CREATE TABLE finite_rollup (
 """
 
 TIMING_UPSERT = UPSERT.replace("metric_rollup", "timing_rollup").replace("metric_id", "phase")
+_TIMING_HEAD, _TIMING_TAIL = _split(TIMING_UPSERT)
 
 
 def timing_rows(
@@ -336,9 +349,7 @@ def write_timings(
     ~3 µs, 0.2 upserts). Writing benchmarks/store_scale.py's default-level mix costs ~85 µs of CPU
     per step in all, ~12 µs of it for timing rollups (medians of 4 runs of 20k steps, loaded VM).
     """
-    params = aggregate(timing_rows(samples), TIMING_LEVELS)
-    if params:
-        conn.executemany(TIMING_UPSERT, params)
+    _batch.insert(conn, _TIMING_HEAD, _aggregated(timing_rows(samples), TIMING_LEVELS), _TIMING_TAIL)
 
 
 def backfill_timings(conn: sqlite3.Connection, chunk: int = 200_000) -> None:

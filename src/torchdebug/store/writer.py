@@ -28,7 +28,7 @@ from typing import Any
 from .._errors import RunStoreError, TorchDebugWarning
 from .._version import __version__
 from ..events import SEVERITIES, RuleEvent, plain
-from . import _compact, _rollup, _validate, _vectors
+from . import _batch, _compact, _rollup, _validate, _vectors
 from ._schema import SCHEMA_VERSION, acquire_writer_lock, open_for_writing, release_writer_lock
 
 STATUSES = ("running", "finished", "failed")
@@ -353,9 +353,9 @@ class _Core:
                 top = max([r[1] for r in rows] + [rec[2] for rec in vectors])
                 if top > self.max_step:
                     self.max_step = top
-                insert = "INSERT INTO scalars(metric_id, step, value, wall_time) VALUES (?, ?, ?, ?)"
                 if rows:
-                    conn.executemany(insert, rows)
+                    # multi-row statements: one bind and one step per statement, not per row
+                    _batch.insert(conn, "INSERT INTO scalars(metric_id, step, value, wall_time)", rows)
                     # Same transaction as the raw rows: a crash keeps both or neither, so rollups never
                     # disagree with the rows they summarize. Cost: ~1 µs per row here, off the training thread.
                     _rollup.write(conn, rows)
@@ -375,13 +375,9 @@ class _Core:
                     "INSERT INTO tensor_stats(step, wall_time, name, data) VALUES (?, ?, ?, ?)", stats
                 )
             if memory:
-                conn.executemany(
-                    "INSERT INTO memory(step, wall_time, key, value) VALUES (?, ?, ?, ?)", memory
-                )
+                _batch.insert(conn, "INSERT INTO memory(step, wall_time, key, value)", memory)
             if timings:
-                conn.executemany(
-                    "INSERT INTO timings(step, wall_time, phase, seconds) VALUES (?, ?, ?, ?)", timings
-                )
+                _batch.insert(conn, "INSERT INTO timings(step, wall_time, phase, seconds)", timings)
                 # rolled up in the same transaction, as scalars are (one upsert per phase and bucket)
                 _rollup.write_timings(conn, timing_samples)
             for rec in high:
@@ -989,7 +985,8 @@ def create_run(
         flush_interval: the most seconds between commits (a killed process loses at most these).
         commit_steps: steps between commits: the writer thread commits when a record of a step this
             many past the last wake-up arrives (at most every 0.25 s), so a loop commits once per
-            ``commit_steps`` steps (~5 M instructions each on a small model) whatever the host's speed.
+            ``commit_steps`` steps, or less often when they take under 0.25 s (a commit of 32 steps
+            of the 10-tensor MLP's records: ~9.5 M instructions on the writer thread).
         keep_recent: steps at the end of the run kept at full resolution (default 20,000); older
             per-step rows are compacted into rollups except near events and anomalies (see the
             architecture doc's run store contract). None: never compact.
