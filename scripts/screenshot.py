@@ -1,6 +1,6 @@
 """Refresh docs/report.png: the HTML report of a real `torchdebug demo` run, shot in headless Chromium.
 
-Usage: python scripts/screenshot.py [--out docs/report.png] [--width 1100] [--height 760]
+Usage: python scripts/screenshot.py [--out docs/report.png] [--width 1100] [--height 1420]
 Needs the report and dev extras (plotly, playwright) and a Chromium (bash scripts/ensure_browser.sh,
 or CHROMIUM=/path/to/chromium). The demo runs in a temporary folder; only the PNG is kept.
 """
@@ -22,7 +22,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "report.png"))
     ap.add_argument("--width", type=int, default=1100)
-    ap.add_argument("--height", type=int, default=760, help="the top of the page: the run and its anomaly")
+    ap.add_argument(
+        "--height",
+        type=int,
+        default=1420,
+        help="the top of the page, in its order: the verdict, its anomaly card, the tiles, the first chart",
+    )
     args = ap.parse_args()
 
     import torch

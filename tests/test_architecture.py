@@ -19,7 +19,8 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and (ROOT / parts[1]).is_dir():
         return parts[1]
-    return "core"  # the small shared core: _config, _errors, events, stats, _frames, _trees, _robust
+    # the small shared core: _config, _errors, events, stats, _verdict, _frames, _trees, _robust
+    return "core"
 
 
 def _imports() -> dict[str, set[str]]:

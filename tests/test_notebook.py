@@ -141,6 +141,111 @@ def test_run_repr_and_html(run_path: Path) -> None:
     assert "<code>gradient_explosion 1, note 1</code>" in html
 
 
+def _row(key: str, value: object) -> str:
+    return (
+        f'<tr><th style="text-align:left;padding-right:1em">{key}</th>'
+        f'<td style="text-align:left"><code>{value}</code></td></tr>'
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "colour", "text"),
+    [
+        ("healthy", "#1e8449", "finished: 140 steps, no anomalies"),
+        (
+            "failed",
+            "#c0392b",
+            "failed at step 3: nan born in forward of blocks.1.act (LogAct): aten.log at tests/fixtures/models.py:49",
+        ),
+    ],
+    ids=["healthy-green", "nan-red"],
+)
+def test_a_stored_run_leads_with_its_verdict(
+    watched_runs: dict[str, Path], kind: str, colour: str, text: str
+) -> None:
+    # real watched runs: 140 clean steps; a NaN born at step 3 in blocks.1.act's log (policy="raise")
+    with open_run(watched_runs[kind]) as run:
+        html = run._repr_html_()
+        assert str(run.verdict()) == text and run.verdict()["level"] == (
+            "ok" if kind == "healthy" else "error"
+        )
+    assert html.startswith(
+        f'<div class="torchdebug-run"><div style="color:{colour};font-weight:bold">torchdebug run {kind}</div>'
+        f"<table>{_row('verdict', text)}{_row('status', 'failed' if kind == 'failed' else 'finished')}"
+    )
+
+
+def test_a_diverged_run_leads_with_its_divergence(watched_runs: dict[str, Path], tmp_path: Path) -> None:
+    from torchdebug.views.verdict import verdict
+
+    # the real diverged run: amber, and the same sentence as `torchdebug show`
+    with open_run(watched_runs["diverged"]) as run:
+        said, html = verdict(run), run._repr_html_()
+    assert said["text"].startswith("finished, but diverged at step 10")
+    assert html.startswith(
+        '<div class="torchdebug-run"><div style="color:#b9770e;font-weight:bold">torchdebug run diverged</div>'
+        f"<table>{_row('verdict', said['text'].replace('->', '-&gt;'))}"
+    )
+    # a written one, for the exact words: loss 0.5 -> 12 from step 8, never back
+    w = create_run(root=tmp_path, name="div")
+    for step in range(12):
+        w.log_scalars(step, {"loss": 0.5 if step < 8 else 12.0})
+    w.log_rule_event(
+        RuleEvent(
+            "divergence",
+            10,
+            "loss diverged",
+            "warning",
+            evidence={"metric": "loss", "before": 0.5, "after": 12.0, "since_step": 8},
+        )
+    )
+    w.close("finished")
+    with open_run(w.path) as run:
+        html = run._repr_html_()
+    assert html.startswith(
+        '<div class="torchdebug-run"><div style="color:#b9770e;font-weight:bold">torchdebug run div</div>'
+        f"<table>{_row('verdict', 'finished, but diverged at step 8: loss 0.5 -&gt; 12 and did not recover')}"
+    )
+
+
+def test_the_verdict_reads_as_its_sentence_in_a_notebook() -> None:
+    from torchdebug.views.verdict import judge
+
+    nan = {
+        "summary": "nan born in forward of fc2 (Linear): aten.addmm at train.py:42 (step 6)",
+        "kind": "nan",
+        "phase": "forward",
+        "module": "fc2",
+        "op": "aten.addmm",
+        "location": "train.py:42",
+        "step": 6,
+    }
+    slow = {"kind": "slowdown", "step": 2, "severity": "warning", "message": "step 3x slower"}
+    v = judge("failed", steps=7, last_step=6, anomalies=[nan], events=[slow, dict(slow, step=4)])
+    # still the plain dict every view reads, and its sentence
+    assert isinstance(v, dict) and v["level"] == "error"
+    assert str(v) == (
+        "failed at step 6: nan born in forward of fc2 (Linear): aten.addmm at train.py:42; also 2 slowdown"
+    )
+    assert v._repr_html_() == (
+        '<div class="torchdebug-verdict"><div style="color:#c0392b;font-weight:bold">'
+        "failed at step 6: nan born in forward of fc2 (Linear): aten.addmm at train.py:42; also 2 slowdown</div>"
+        "<table>"
+        + _row(
+            "nan",
+            "non-finite values at step 6: nan born in forward of fc2 (Linear): aten.addmm at train.py:42",
+        )
+        + _row("slowdown x2", "slowdown at step 2: step 3x slower")
+        + _row("slowdown x2", "slowdown at step 4: step 3x slower")
+        + "</table></div>"
+    )
+    healthy = judge("finished", steps=3, last_step=2, anomalies=[], events=[])
+    assert healthy._repr_html_() == (
+        '<div class="torchdebug-verdict"><div style="color:#1e8449;font-weight:bold">'
+        "finished: 3 steps, no anomalies</div><table></table></div>"
+    )
+
+
 def test_metrics_frame_is_one_row_per_step(run_path: Path) -> None:
     with open_run(run_path) as run:
         frame = run.metrics_frame()
@@ -191,8 +296,13 @@ def test_anomalies_frame_names_the_module_of_a_parameter(watched_runs: dict[str,
 def test_a_step_record_shows_in_a_notebook() -> None:
     from torchdebug.events import StepRecord
 
-    ok = StepRecord(step=7, loss=0.25, grad_norm=1.5, lr=(0.001,))._repr_html_()
-    assert '<div class="torchdebug-step"><div style="color:#5d6d7e;font-weight:bold">step 7</div>' in ok
+    record = StepRecord(step=7, loss=0.25, grad_norm=1.5, lr=(0.001,), values={"x": 1.0})
+    assert repr(record) == "<StepRecord step 7  loss=0.25  |g|=1.5  lr=0.001>"  # not every field
+    ok = record._repr_html_()
+    # led by the step's verdict, green: nothing to act on
+    assert ok.startswith(
+        '<div class="torchdebug-step"><div style="color:#1e8449;font-weight:bold">step 7: ok</div>'
+    )
     assert (
         "<th" in ok and "<code>0.25</code>" in ok and "<code>1.5</code>" in ok and "<code>0.001</code>" in ok
     )
@@ -213,10 +323,30 @@ def test_a_step_record_shows_in_a_notebook() -> None:
             RuleEvent(step=20, kind="loss_spike", severity="warning", message="loss 9 is 12 sigmas above")
         ],
     )._repr_html_()
-    assert "color:#c0392b" in bad  # red: an anomaly
+    assert bad.startswith(  # red: the anomaly leads, and what became of the update
+        '<div class="torchdebug-step"><div style="color:#c0392b;font-weight:bold">'
+        "nan born in forward of fc: aten.log at t.py:3 (step 20), update skipped</div>"
+    )
     assert "<code>nan born in forward of fc: aten.log at t.py:3 (step 20)</code>" in bad
     assert "<code>log of negative input</code>" in bad
     assert "<code>loss_spike: loss 9 is 12 sigmas above</code>" in bad and "<code>nan</code>" in bad
+    warned = StepRecord(
+        step=5,
+        events=[
+            RuleEvent("slowdown", 5, "step 3x slower", "warning"),
+            RuleEvent("oom_risk", 5, "93% of device memory", "error"),
+            RuleEvent("lr_change", 5, "lr 0.1 -> 0.01", "info"),
+        ],
+    )._repr_html_()
+    assert warned.startswith(  # the error first, the other warning counted, the info not
+        '<div class="torchdebug-step"><div style="color:#c0392b;font-weight:bold">'
+        "step 5: oom_risk: 93% of device memory; and 1 more</div>"
+    )
+    skipped = StepRecord(step=6, skipped=True, skip_reason="loss spike")._repr_html_()
+    assert skipped.startswith(
+        '<div class="torchdebug-step"><div style="color:#b9770e;font-weight:bold">'
+        "step 6: update skipped (loss spike)</div>"
+    )
 
 
 def test_frames_without_pandas_name_the_fix(run_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

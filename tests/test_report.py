@@ -141,6 +141,16 @@ def test_text_report_golden(request: pytest.FixtureRequest, run: Any) -> None:
     _check_golden(request, "small_run.txt", _normalized_text(run, text))
 
 
+def test_a_run_that_raised_on_its_nan_counts_only_the_recorded_norms(watched_runs: dict[str, Path]) -> None:
+    # policy="raise" stopped step 3 before its numbers were written: steps 0..2 hold finite norms
+    with open_run(watched_runs["failed"]) as failed:
+        text = render_report(failed, "text")
+    assert isinstance(text, str)
+    line = next(x for x in text.splitlines() if x.startswith("  grad norm "))
+    assert line.endswith(", NaN/Inf in 0 recorded norms")
+    assert text.index("nan born in forward of blocks.1.act") < text.index(line)
+
+
 def test_json_report_golden(request: pytest.FixtureRequest, run: Any) -> None:
     text = render_report(run, "json")
     assert isinstance(text, str)
@@ -298,6 +308,52 @@ def test_png_loss_axis_leaves_a_lone_spike_out() -> None:
     # a level that lasts (a divergence, 30 steps at 500) is data, not a spike: the axis is matplotlib's
     lasting = [2.0] * 70 + [500.0] * 30
     assert spikes(lasting) == set() and _robust_ylim(Figure().add_subplot(), lasting) == 0
+
+
+def test_png_leads_with_the_verdict_and_draws_as_the_html_charts(
+    watched_runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    said: list[tuple[str, str]] = []
+    axes: list[Any] = []
+    text, add_subplot = Figure.text, Figure.add_subplot
+
+    def recorded_text(fig: Any, x: float, y: float, s: str, *args: Any, **kw: Any) -> Any:
+        said.append((s, kw.get("color", "")))
+        return text(fig, x, y, s, *args, **kw)
+
+    def kept(fig: Any, *args: Any, **kw: Any) -> Any:
+        axes.append(add_subplot(fig, *args, **kw))
+        return axes[-1]
+
+    monkeypatch.setattr(Figure, "text", recorded_text)
+    monkeypatch.setattr(Figure, "add_subplot", kept)
+    # the failed run: a NaN born at step 3 (policy="raise"); one memory sample, at step 0
+    with open_run(watched_runs["failed"]) as failed:
+        png = render_report(failed, "png")
+    assert isinstance(png, bytes) and png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the suptitle first, then the verdict under it, red (103 characters: one line of up to 140)
+    assert said == [
+        ("PyTorch Debug Analysis: failed", ""),
+        (
+            "failed at step 3: nan born in forward of blocks.1.act (LogAct): aten.log at tests/fixtures/models.py:49",
+            "#c0392b",
+        ),
+    ]
+    mem_ax, marks_ax = axes[3:]
+    # a series of one point is a dot, not an invisible line
+    assert [(len(line.get_xdata()), line.get_marker()) for line in mem_ax.get_lines()] == [
+        (1, "None"),
+        (1, "o"),
+    ]
+    # whole steps, none negative, on every axis (a lone point's axis is padded left of 0)
+    for ax in axes:
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert labels and all(x.isdigit() for x in labels), labels
+    # the markers sit on named lanes, not at a height that reads as a count
+    assert [t.get_text() for t in marks_ax.get_yticklabels()] == ["anomaly", "error", "warning", "info"]
 
 
 def test_png_is_the_analysis_figure(run: Any, tmp_path: Path) -> None:

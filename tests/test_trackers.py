@@ -672,3 +672,13 @@ def test_export_without_the_trackers_setup_is_a_configuration_error(
     assert done.stderr.count("\n") == 1 and "internal error" not in done.stderr
     assert done.stderr.startswith(f"torchdebug: error: the {to!r} tracker could not start: ")
     assert fix in done.stderr
+    if to == "mlflow":  # the second fix is offered only where it applies: mlflow-skinny alone
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        try:
+            distribution("mlflow")
+            skinny = False
+        except PackageNotFoundError:
+            skinny = True
+        offered = "or pip install mlflow (the full package) for MLflow 3's local SQLite store" in done.stderr
+        assert offered == skinny, done.stderr

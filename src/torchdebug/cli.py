@@ -4,9 +4,10 @@ Exit codes (every command; ``torchdebug --help`` lists them):
 
 - 0: done (for ``run``: the script finished and no NaN/Inf was found);
 - 1: failed: a run folder that cannot be read, a missing extra, a bad file, a setup problem
-  (``ConfigError``: e.g. ``export --to wandb`` without a login) (for ``run``: the training script
-  itself raised or exited non-zero);
-- 2: usage error (an unknown option, a bad value);
+  (``ConfigError``: e.g. ``export --to wandb`` without a login, ``--to mlflow`` without a tracking
+  server; ``serve`` on a port another program holds) (for ``run``: the training script itself
+  raised or exited non-zero);
+- 2: usage error (an unknown option, a bad value: ``report -o x.pdf``, no format writes a PDF);
 - 3: ``run`` only: a NaN/Inf was found (``policy="raise"`` stopped the script; under ``warn`` or
   ``skip`` it went on and the anomalies were recorded);
 - 4: torchdebug itself failed (an internal error: a bug to report, with ``--debug``'s traceback).
@@ -68,9 +69,10 @@ EXIT_NONFINITE = 3
 EXIT_INTERNAL = 4
 
 _EXIT_CODES = (
-    "exit codes: 0 done; 1 failed (unreadable run, missing extra; for 'run': the script itself "
-    "failed); 2 usage error; 3 'run' found a NaN/Inf; 4 torchdebug itself failed (a bug: rerun "
-    "with --debug and report it). NO_COLOR=1 turns colour off."
+    "exit codes: 0 done; 1 failed (unreadable run, missing extra, a setup problem: a busy port, a "
+    "tracker without its login or URI; for 'run': the script itself failed); 2 usage error (a bad "
+    "option or value, a report name like x.pdf); 3 'run' found a NaN/Inf; 4 torchdebug itself "
+    "failed (a bug: rerun with --debug and report it). NO_COLOR=1 turns colour off."
 )
 
 #: Modules that add subcommands through ``register(subparsers)``, in ``--help`` order.

@@ -47,7 +47,7 @@ def _plain(value: Any) -> Any:
 
 
 # Severity colours of the notebook views (_repr_html_), the same red/amber/grey as the reports'.
-_HTML_COLOUR = {"error": "#c0392b", "warning": "#b9770e", "info": "#5d6d7e"}
+_HTML_COLOUR = {"error": "#c0392b", "warning": "#b9770e", "info": "#5d6d7e", "ok": "#1e8449"}
 
 
 def html_table(title: str, colour: str, rows: Sequence[tuple[str, Any]], css_class: str) -> str:
@@ -388,8 +388,9 @@ class StepRecord:
         return "  ".join(parts)
 
     def _repr_html_(self) -> str:
-        """The step in a notebook: its numbers, the skip, the anomaly's origin and the rule events;
-        the title is red with an anomaly, amber when skipped or warned, grey otherwise."""
+        """The step in a notebook: led by the step in one line (red with an anomaly, amber when
+        skipped or warned, green otherwise), then its numbers, the skip, the anomaly's origin and
+        the rule events."""
         rows: list[tuple[str, Any]] = []
         for name, value in (("loss", self.loss), ("grad norm", self.grad_norm), ("loss scale", self.scale)):
             if value is not None:
@@ -407,9 +408,32 @@ class StepRecord:
             if self.anomaly.hint:
                 rows.append(("hint", self.anomaly.hint))
         rows += [(f"{e.severity}", f"{e.kind}: {e.message}") for e in self.events]
-        loud = any(e.severity in ("warning", "error") for e in self.events)
-        level = "error" if self.anomaly is not None else "warning" if self.skipped or loud else "info"
-        return html_table(f"step {self.step}", _HTML_COLOUR[level], rows, "torchdebug-step")
+        level, said = self._said()
+        return html_table(said, _HTML_COLOUR[level], rows, "torchdebug-step")
+
+    def _said(self) -> tuple[str, str]:
+        """The step in one line and its level (what its notebook view leads with, in that colour):
+        ``("ok", "step 7: ok")``; an anomaly (``"error"``): its summary, and ``, update skipped``
+        when the policy skipped it; a skipped update (``"warning"``); else the most severe rule event
+        (``"step 5: gradient_explosion: ..."``, ``; and 2 more`` when there are others)."""
+        if self.anomaly is not None:
+            return "error", self.anomaly.summary() + (", update skipped" if self.skipped else "")
+        if self.skipped:
+            return "warning", f"step {self.step}: update skipped" + (
+                f" ({self.skip_reason})" if self.skip_reason else ""
+            )
+        loud = sorted(
+            (e for e in self.events if e.severity in ("warning", "error")),
+            key=lambda e: e.severity != "error",  # errors first, then in the order they fired
+        )
+        if loud:
+            more = f"; and {len(loud) - 1} more" if len(loud) > 1 else ""
+            return loud[0].severity, f"step {self.step}: {loud[0].kind}: {loud[0].message}{more}"
+        return "ok", f"step {self.step}: ok"
+
+    def __repr__(self) -> str:
+        text = str(self)
+        return f"<StepRecord {text if len(text) <= 160 else text[:157] + '...'}>"
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

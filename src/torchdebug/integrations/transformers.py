@@ -38,6 +38,7 @@ from torch import nn
 
 from .._tensors import unwrap_optimizer
 from ..session.monitor import Monitor
+from ..session.wrappers import compiled_later
 from ..sinks import Finding
 from ._report import run_end, step_findings, tagged
 from ._session import check_watch_kwargs, close_session, open_session
@@ -182,6 +183,8 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
             if mon is not None:
                 # references only; a copy because user code pops keys (a per-token weight) from it
                 mon.batch = dict(inputs) if isinstance(inputs, dict) else inputs
+                if model is not mon.called:  # torch_compile=True: a wrapper made after on_train_begin
+                    compiled_later(mon, model)
             return method(model, inputs, *args, **kwargs)
 
         return compute_loss

@@ -192,6 +192,27 @@ def unknown_cause(tried: list[str], replays: int, compiles: int = 0) -> Cause:
 
 
 # -- compiler --------------------------------------------------------------------------------------
+STEP_FN_HINT = (
+    "a forward inside a torch.compile'd function runs none of torchdebug's hooks: pass that function "
+    "as td.watch(..., step_fn=step_fn) to replay the step through it"
+)
+
+
+def dynamo_compiled() -> bool:
+    """Dynamo has compiled a graph in this process (only asked on the rare path, where it is imported)."""
+    return "torch._dynamo" in sys.modules and _graphs() > 0
+
+
+def uncaptured_cause() -> Cause:
+    """The step's forward was never seen (no capture) while Dynamo compiles code in this process: the
+    model ran inside a compiled function, most likely; nothing was replayed, so nothing is claimed."""
+    n = _graphs()
+    why = (
+        "the step's forward was not captured (torchdebug's hooks do not run inside compiled code, and "
+        f"Dynamo compiled {n} graph{'s' if n != 1 else ''} in this process), so neither an eager replay "
+        "nor one through the compiled code was tried"
+    )
+    return Cause(verdict="unknown", evidence=f"nothing was replayed: {why}", tried=(f"no replay: {why}",))
 
 
 def compiled_inside(model: nn.Module) -> bool:
@@ -292,7 +313,8 @@ def replay_through(
 
 @dataclasses.dataclass
 class _Call:
-    """One module's first call in the eager step: its inputs (copies), RNG state and call site."""
+    """One module's first call in the eager step: its inputs (copies), RNG state and call site, and
+    (when the backward was recorded) the gradient each tensor of its output received."""
 
     name: str
     module: nn.Module
@@ -301,6 +323,7 @@ class _Call:
     rng: torch.Tensor
     site: str | None
     order: int
+    grad_out: list[torch.Tensor | None] | None = None
 
 
 def _copy(x: Any) -> Any:
@@ -311,13 +334,13 @@ def _copy(x: Any) -> Any:
     return map_tensors(x, one)
 
 
-def _record_calls(
-    mon: SessionView, cap: StepCapture, start: Mapping[int, torch.Tensor] | None
-) -> list[_Call]:
-    """Run the captured forward eagerly and keep each module's inputs of its first call. Cost: one
-    forward and a copy of every module's inputs (the step's activations, once)."""
-    model = mon.model
+@contextlib.contextmanager
+def recorded(model: nn.Module, grads: bool) -> Iterator[list[_Call]]:
+    """While the step runs eagerly inside: each module's inputs of its first call (and, with ``grads``,
+    the gradient its output received in the step's backward), in the order they ran. Cost: a copy of
+    every module's inputs (the step's activations, once) and of the gradients at their outputs."""
     calls: dict[nn.Module, _Call] = {}
+    out: list[_Call] = []
     # a torch.compile wrapper held as a submodule is its ``_orig_mod``'s twin: that one is tried
     names = {m: n for n, m in model.named_modules() if type(m).__name__ != "OptimizedModule"}
 
@@ -326,19 +349,50 @@ def _record_calls(
             site = user_location(sys._getframe(1))
             calls[m] = _Call(names[m], m, _copy(args), _copy(kwargs), torch.get_rng_state(), site, len(calls))
 
+    def keep(c: _Call, i: int, g: torch.Tensor) -> None:
+        assert c.grad_out is not None
+        c.grad_out[i] = g.detach().clone()
+
+    def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        c = calls.get(m)
+        if c is None or c.grad_out is not None:
+            return  # not watched, or not its first call
+        leaves = tensor_leaves(output)
+        c.grad_out = [None] * len(leaves)
+        for i, t in enumerate(leaves):
+            if t.requires_grad:
+                t.register_hook(functools.partial(keep, c, i))
+
     handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in names]
-    made: dict[int, torch.Tensor] = {}
-    apart_from_user((cap.args, cap.kwargs, []), {id(p) for p in model.parameters()}, made)
-    sub = lambda t: made.get(id(t), t)  # noqa: E731
+    if grads:
+        handles += [m.register_forward_hook(post, with_kwargs=True) for m in names]
     try:
-        with _preserved_state(model, mon.uses_cuda, start), mon.eager(), _eager():
-            torch.set_rng_state(cap.rng_cpu)
-            with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
-                model(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
+        yield out
     finally:
         for h in handles:
             h.remove()
-    return sorted(calls.values(), key=lambda c: c.order)
+        out.extend(sorted(calls.values(), key=lambda c: c.order))
+
+
+def _record_calls(
+    mon: SessionView, cap: StepCapture, start: Mapping[int, torch.Tensor] | None, grads: bool = False
+) -> list[_Call]:
+    """Run the captured micro-step eagerly (its forward; with ``grads`` its loss and backward too) and
+    keep each module's first call (:func:`recorded`). Cost: one step."""
+    model = mon.model
+    called = cap.module if cap.module is not None else model  # a driver's: what training_step called
+    with recorded(model, grads) as calls, mon.eager(), _eager():
+        if grads:
+            replay_through(mon, cap, called, start)
+        else:
+            made: dict[int, torch.Tensor] = {}
+            apart_from_user((cap.args, cap.kwargs, []), {id(p) for p in model.parameters()}, made)
+            sub = lambda t: made.get(id(t), t)  # noqa: E731
+            with _preserved_state(model, mon.uses_cuda, start):
+                torch.set_rng_state(cap.rng_cpu)
+                with torch.set_grad_enabled(cap.grad_enabled), _autocast(cap.autocast):
+                    called(*map_tensors(cap.args, sub), **map_tensors(cap.kwargs, sub))
+    return calls
 
 
 def _order(calls: list[_Call]) -> list[_Call]:
@@ -415,30 +469,56 @@ class _Try:
     lines: list[str]
 
 
-def _try(c: _Call, budget: Budget, mon: SessionView) -> _Try | None:
-    """Run ``c.module`` eagerly and compiled from the same inputs and RNG state (None: it failed)."""
-    traces: list[str] = []
-    try:
-        with _preserved_state(mon.model, mon.uses_cuda), _faithful():
-            torch.set_rng_state(c.rng)
-            with mon.eager(), _eager():
-                eager = c.module(*_copy(c.args), **_copy(c.kwargs))
-            torch.set_rng_state(c.rng)
-            with budget.counting():
-                compiled = torch.compile(_fresh(c.module), backend=_inductor(traces))(
-                    *_copy(c.args), **_copy(c.kwargs)
-                )
-    except Exception:
-        return None
+def _grads(out: Any, c: _Call, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The gradients of ``c.module``'s inputs and parameters from the gradient its output received in
+    the step (``c.grad_out``); [] when none was recorded."""
+    pairs = [
+        (t, g)
+        for t, g in zip(tensor_leaves(out), c.grad_out or [])
+        if g is not None and t.requires_grad and t.shape == g.shape
+    ]
+    wrt = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad]
+    wrt += [p for p in c.module.parameters() if p.requires_grad]
+    if not pairs or not wrt:
+        return []
+    got = torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    return [g for g in got if g is not None]
+
+
+def _differs(eager: list[torch.Tensor], compiled: list[torch.Tensor]) -> float:
     diff = 0.0
-    for e, k in zip(tensor_leaves(eager), tensor_leaves(compiled)):
+    for e, k in zip(eager, compiled):
         if e.is_floating_point() and e.shape == k.shape:
             both = torch.isfinite(e) & torch.isfinite(k)
             if bool(both.any()):
                 e_, k_ = e.detach()[both].double(), k.detach()[both].double()
                 scale = max(float(e_.abs().max()), 1e-12)
                 diff = max(diff, float((e_ - k_).abs().max()) / scale)
-    return _Try(c, _nonfinite(eager), _nonfinite(compiled), diff, _user_lines(traces))
+    return diff
+
+
+def _try(c: _Call, budget: Budget, mon: SessionView, backward: bool = False) -> _Try | None:
+    """Run ``c.module`` eagerly and compiled from the same inputs and RNG state (with ``backward``, each
+    also backward from the gradient its output received in the step); None: it failed."""
+    traces: list[str] = []
+    try:
+        with _preserved_state(mon.model, mon.uses_cuda), _faithful():
+            torch.set_rng_state(c.rng)
+            ea, ek = _copy(c.args), _copy(c.kwargs)
+            with mon.eager(), _eager():
+                eager = tensor_leaves(c.module(*ea, **ek))
+                eg = _grads(eager, c, ea, ek) if backward else []
+            torch.set_rng_state(c.rng)
+            ka, kk = _copy(c.args), _copy(c.kwargs)
+            with budget.counting():
+                compiled = tensor_leaves(
+                    torch.compile(_fresh(c.module), backend=_inductor(traces))(*ka, **kk)
+                )
+                kg = _grads(compiled, c, ka, kk) if backward else []
+    except Exception:
+        return None
+    diff = _differs(eager + eg, compiled + kg)
+    return _Try(c, _nonfinite(eager + eg), _nonfinite(compiled + kg), diff, _user_lines(traces))
 
 
 # compiled and eager outputs differ: more than rounding (relative to the output's largest value)
@@ -455,11 +535,11 @@ def _where(t: _Try) -> str | None:
 
 
 def localise(
-    mon: SessionView, cap: StepCapture, budget: Budget, start: Mapping[int, torch.Tensor] | None = None
+    mon: SessionView, calls: list[_Call], budget: Budget, backward: bool = False
 ) -> tuple[_Try | None, _Try | None, list[str]]:
-    """(the first candidate whose compiled output is non-finite while its eager output is finite, the
-    first leaf inside it whose compiled output differs from eager, notes on what was tried)."""
-    calls = _record_calls(mon, cap, start)
+    """(the first candidate whose compiled output (with ``backward``: or its gradients) is non-finite
+    while its eager one is finite, the leaf inside it whose compiled output differs most from eager,
+    notes on what was tried)."""
     tried: list[_Try] = []
     notes: list[str] = []
     failed = 0
@@ -469,7 +549,7 @@ def localise(
                 f"stopped after {len(tried)} of {len(calls)} modules: cause_budget of {budget.seconds:g} s spent"
             )
             break
-        t = _try(c, budget, mon)
+        t = _try(c, budget, mon, backward)
         if t is None:
             failed += 1
             continue
@@ -493,6 +573,17 @@ def localise(
     return None, None, notes
 
 
+@dataclasses.dataclass
+class Compiled:
+    """The compiled code a step ran, as the compiler's search sees it: ``what`` it is in words (``"the
+    compiled model"``), ``replay()`` re-runs the failing micro-step through it (what came out
+    non-finite, or None) and ``record(grads)`` runs the step eagerly keeping each module's first call."""
+
+    what: str
+    replay: Callable[[], str | None]
+    record: Callable[[bool], list[_Call]]
+
+
 def compiler_cause(
     mon: SessionView,
     idx: int,
@@ -503,46 +594,68 @@ def compiler_cause(
     """The model runs compiled and the eager replay was finite: replay through the compiled callable,
     then localise. None (with ``tried`` extended) when the compiled replay is finite too. ``start``:
     the buffers the step wrote, as it began (the first micro-step's replay starts from them)."""
-    call = mon.called
     cap = mon.state.captures[idx]
+    # the module the step called: the model (its compile wrapper), or what a driver's training_step called
+    called = cap.module if cap.module is not None else mon.called
+    code = Compiled(
+        "the compiled model",
+        lambda: replay_through(mon, cap, called, start),
+        lambda grads: _record_calls(mon, cap, start, grads),
+    )
+    return compiled_cause(mon, code, replays, tried)
+
+
+def compiled_cause(mon: SessionView, code: Compiled, replays: int, tried: list[str]) -> Cause | None:
+    """The eager replays were finite: replay through ``code``; non-finite there, the compiler's fault,
+    localised to the first module whose compiled forward (or, when only the gradients went non-finite,
+    whose compiled backward) is non-finite from its eager inputs. None (``tried`` extended) when the
+    compiled replay is finite too."""
     budget = Budget(mon.config.cause_budget)
     with budget.counting():
-        what = replay_through(mon, cap, call, start)
+        what = code.replay()
     replays += 1
     if what is None:
-        tried.append(f"a replay through the compiled model: finite ({budget.compiles} compiles)")
+        tried.append(f"a replay through {code.what}: finite ({budget.compiles} compiles)")
         return None
-    confirm = f"replayed through the compiled model, {what} went non-finite; the eager replays were finite"
-    tried.append(f"a replay through the compiled model: {what} non-finite")
+    confirm = f"replayed through {code.what}, {what} went non-finite; the eager replays were finite"
+    tried.append(f"a replay through {code.what}: {what} non-finite")
+    backward = what.startswith("the gradients")  # the forward (and the loss) compiled finite
     bisect: str | None = None
     try:
-        hit, suspect, notes = localise(mon, cap, budget, start)
+        hit, suspect, notes = localise(mon, code.record(backward), budget, backward)
     except Exception as exc:  # the verdict stands on the replay; only the module stays unnamed
         hit, suspect, notes = None, None, [f"localising it failed ({exc!r})"]
     if hit is not None and mon.config.compiler_bisect:
         if budget.left():
-            bisect, note = bisect_compiler(hit.call, mon, budget)
+            bisect, note = bisect_compiler(hit.call, mon, budget, backward)
         else:
             note = f"CompilerBisector not run: cause_budget of {budget.seconds:g} s spent"
         if note:
             notes.append(note)
     where = suspect if suspect is not None else hit
+    alone = (
+        "compiled alone from the step's eager inputs and the gradient its output received"
+        if backward
+        else "compiled alone from the step's eager inputs"
+    )
     if hit is None:
         evidence = (
-            f"{confirm}; no module compiled alone from its eager inputs went non-finite "
+            f"{confirm}; no module {alone} went non-finite{' in its forward or backward' if backward else ''} "
             f"({'; '.join(notes) or 'every module tried'})"
         )
         module = location = None
     else:
         assert where is not None
-        evidence = (
-            f"{confirm}; compiled alone from the step's eager inputs, {_label(hit.call)} made NaN/Inf "
-            f"while its eager output is finite"
+        made = (
+            "'s backward made NaN/Inf while its eager gradients are finite"
+            if backward
+            else " made NaN/Inf while its eager output is finite"
         )
+        evidence = f"{confirm}; {alone}, {_label(hit.call)}{made}"
         if suspect is not None:
             evidence += (
-                f"; inside it, {_label(suspect.call)}'s compiled output differs from eager (by up to "
-                f"{suspect.diff:.3g} of its largest value)"
+                f"; inside it, {_label(suspect.call)}'s compiled {'gradients differ' if backward else 'output differs'} "
+                f"from eager (by up to {suspect.diff:.3g} of its largest value)"
             )
         if notes:
             evidence += f" ({'; '.join(notes)})"
@@ -562,7 +675,9 @@ def compiler_cause(
     )
 
 
-def bisect_compiler(c: _Call, mon: SessionView, budget: Budget) -> tuple[str | None, str]:
+def bisect_compiler(
+    c: _Call, mon: SessionView, budget: Budget, backward: bool = False
+) -> tuple[str | None, str]:
     """``CompilerBisector`` with the module's compiled call from its eager inputs as the test: the
     backend, subsystem and pass (or lowering) that makes it non-finite, e.g. ``inductor / lowerings /
     relu``, and a note when it named nothing. Cost: one compile per bisection step (about 20 for a
@@ -575,10 +690,12 @@ def bisect_compiler(c: _Call, mon: SessionView, budget: Budget) -> tuple[str | N
         with _preserved_state(mon.model, mon.uses_cuda), _faithful(), budget.counting():
             torch.set_rng_state(c.rng)
             try:
-                out = torch.compile(_fresh(c.module), backend="inductor")(*_copy(c.args), **_copy(c.kwargs))
+                args, kwargs = _copy(c.args), _copy(c.kwargs)
+                out = tensor_leaves(torch.compile(_fresh(c.module), backend="inductor")(*args, **kwargs))
+                grads = _grads(out, c, args, kwargs) if backward else []
             except Exception:
                 return False
-        return not _nonfinite(out)
+        return not _nonfinite(out + grads)
 
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the bisector narrates each step on stdout

@@ -38,6 +38,7 @@ from .locate import (
     user_storages,
     writes_apart,
 )
+from .stepfn import CompiledStep, compiled_code, replay_eager
 
 
 class Replaying(Protocol):
@@ -48,6 +49,7 @@ class Replaying(Protocol):
     replaying: bool
     buffers: WrittenBuffers
     replica: cause.ReplicaCheck | None
+    step_fn: CompiledStep | None
 
 
 def optimizer_anomaly(
@@ -178,8 +180,51 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
             "call mon.update_starting() before it"
         )
     elif first_replay:
+        call = flag.step_fn.call_at(mon.global_step, idx) if flag.step_fn is not None else None
+        if call is not None and mon.config.replay and replayable:
+            return step_fn_anomaly(mon, flag, call, micro, losses_bad)
         why = "the failing micro-step was not captured"
+        if cause.dynamo_compiled() and flag.step_fn is None:
+            found = cause.uncaptured_cause()
+            a = symptom_anomaly(mon, micro, losses_bad, why=why)
+            return dataclasses.replace(a, cause=found, hint=f"{a.hint}; {cause.STEP_FN_HINT}")
     return symptom_anomaly(mon, micro, losses_bad, why=why)
+
+
+def step_fn_anomaly(
+    mon: SessionView, flag: Replaying, call: Any, micro: int | None, losses_bad: list[int]
+) -> Anomaly:
+    """The failing step ran inside the compiled step function given as ``watch(step_fn=...)``: its
+    original replayed eagerly under the tracer (twice when finite), then through the compiled function
+    (the compiler's fault, localised), else unknown with what was tried."""
+    sf = flag.step_fn
+    assert sf is not None
+    mon.counters["replays"] += 1
+    flag.replaying = True
+    try:
+        for replays in (1, 2):
+            a, _ = replay_eager(mon, sf, call, micro)
+            if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
+                return consequence(mon, a, mon.anomalies[0])
+            if a is not None:
+                return dataclasses.replace(a, reproducible=True, cause=cause.model_cause(a, replays))
+        tried = [cause.EAGER_TRIED]
+        found: Cause | None = None
+        try:
+            found = cause.compiled_cause(mon, compiled_code(mon, sf, call), 2, tried)
+        except Exception as exc:
+            tried.append(f"a replay through the compiled step function failed ({exc!r})")
+        if found is not None:
+            return compiler_anomaly(mon, micro, losses_bad, found)
+        found = cause.unknown_cause(tried, replays=3)
+        return symptom_anomaly(mon, micro, losses_bad, reproduced=False, found=found)
+    except Exception as exc:
+        mon.warn_once(
+            "replay", f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only"
+        )
+        return symptom_anomaly(mon, micro, losses_bad, why="the replay failed")
+    finally:
+        flag.replaying = False
 
 
 def _replay_once(
@@ -253,7 +298,8 @@ def compiler_anomaly(mon: SessionView, micro: int | None, losses_bad: list[int],
     mod = mon.model.get_submodule(module) if module else mon.model
     seen = "the loss" if losses_bad else "the gradients"
     return Anomaly(
-        phase=Phase.FORWARD.value if found.module is not None or losses_bad else Phase.BACKWARD.value,
+        # the loss non-finite: the forward made it; only the gradients: the backward (searched as such)
+        phase=Phase.FORWARD.value if losses_bad else Phase.BACKWARD.value,
         module=module,
         op=None,
         location=found.location,

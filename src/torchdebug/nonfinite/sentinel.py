@@ -64,6 +64,7 @@ from .edits import EditCheck, item_numbers, lift_mode
 from .ledger import UpdateLedger, nonfinite_params
 from .locate import FORWARD, FORWARD_NO_GRAD, LossTape, StepCapture
 from .startup import loaded_anomaly
+from .stepfn import CompiledStep
 
 _MAX_CAPTURES = 64  # micro-steps kept per step for replay (references only)
 _MAX_TAPE = 64  # torch calls and model forwards recorded per micro-step (as the loss tape's limit)
@@ -86,6 +87,7 @@ class Sentinel:
         # several ranks: the distributed coordinator's replay of a step on another rank (whose fault:
         # a rank's hardware), asked when every replay on this rank came out finite
         self.replica: ReplicaCheck | None = None
+        self.step_fn: CompiledStep | None = None  # watch(step_fn=...): the compiled step function's calls
         self.manual = False  # the loop updates by hand (no optimizer object): checked at each backward end
         # check at the end of every backward(), also with an optimizer (the seed facades' step blocks:
         # a NaN raises out of backward() as torch.autograd.detect_anomaly did); costs a second read

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._config import DebugConfig, DebugLevel
+from .._verdict import COLOURS, judge
 from ..events import Anomaly, RuleEvent, html_table, rule_counts, training_summary
 
 
@@ -111,14 +112,12 @@ def describe_html(
         ),
         ("run folder", run_dir if run_dir is not None else "none"),
     ]
-    level = said["level"]
-    colour = "#c0392b" if level == "error" else ("#b9770e" if level == "warning" else "#1e8449")
-    return html_table(f"torchdebug watch of {model}", colour, rows, "torchdebug-monitor")
+    return html_table(f"torchdebug watch of {model}", COLOURS[said["level"]], rows, "torchdebug-monitor")
 
 
 def verdict(status: str, step: int, anomalies: list[Anomaly], events: Iterable[RuleEvent]) -> dict[str, Any]:
     """A session's verdict, ranked as ``torchdebug show`` ranks a run's (the same function,
-    :func:`torchdebug.views.verdict.judge`, over the session's anomalies and rule events).
+    ``torchdebug._verdict.judge``, over the session's anomalies and rule events).
 
     Returns:
         ``judge``'s dict: ``"text"`` (one sentence: ``"running: step 12, no anomalies so far"``,
@@ -135,7 +134,6 @@ def verdict(status: str, step: int, anomalies: list[Anomaly], events: Iterable[R
         >>> mon.verdict()["text"]
         'finished: 2 steps, no anomalies'
     """
-    from ..views.verdict import judge
 
     found = [{**a.to_dict(), "step": a.step} for a in anomalies]
     said = [

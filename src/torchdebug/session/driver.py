@@ -68,7 +68,19 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
                 m.stepper.backward_done()
 
     wrapper.__torchdebug_wrapper__ = True  # type: ignore[attr-defined]
+    _not_traced(wrapper)
     return wrapper
+
+
+def _not_traced(fn: Callable[..., Any]) -> None:
+    """Dynamo runs ``fn`` (and what it calls) as plain Python, never tracing it: a ``loss.backward()``
+    inside a ``torch.compile``'d step function is a graph break after which Dynamo would otherwise try
+    to compile this wrapper's own frame (graph breaks in it and a warning about ``threading``). Marked
+    on the code object once: nothing per call (``torch.compiler.disable`` would add a wrapper)."""
+    with contextlib.suppress(Exception):  # a torch without frame strategies: traced as before
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 def _sessions_of(loss: Any) -> list[Session]:
@@ -317,6 +329,18 @@ class PlainLoopDriver:
         add = mon.installs.hook
         self.hook_roots()
         self._handles.append(add(optimizer_hooks(self._opt_pre, self._opt_post)))
+        sf = mon.sentinel.step_fn  # watch(step_fn=...): its calls kept, as no forward hook runs inside it
+        if sf is not None:
+            self._handles.append(add(sf.install(mon.sentinel, lambda: mon.global_step, mon.uses_cuda)))
+
+    def call_through(self, wrapper: nn.Module) -> None:
+        """The model was compiled after the session began, by a framework (the HF Trainer's
+        ``torch_compile=True``, through accelerate): the root hooks move to the ``torch.compile`` wrapper
+        the loop calls, as for ``watch(torch.compile(model))``, so the step is captured outside compiled
+        code and replayed through it."""
+        self.root = self.mon._called = wrapper
+        self.hook_roots([wrapper])
+        self.guard_module_hooks()
 
     def hook_roots(self, roots: list[nn.Module] | None = None) -> None:
         """Forward hooks on the modules the loop calls (``roots``: a new set, the old hooks removed)."""

@@ -60,6 +60,7 @@ from .._step import Instrument, StepPhase, StepState
 from ..events import Anomaly, RuleEvent, StepRecord
 from ..nonfinite.hyperparams import HyperparameterCheck
 from ..nonfinite.sentinel import Sentinel
+from ..nonfinite.stepfn import CompiledStep
 from . import distributed as _distributed
 from . import runtime
 from .control import Controls, describe, describe_html, verdict
@@ -317,8 +318,7 @@ class Monitor:
     @property
     def compiled(self) -> bool:
         """True while the model (or one of several) runs under ``torch.compile`` (a wrapper, or
-        ``model.compile()`` in place): per-module instruments stand down (their hooks would see nothing
-        inside it)."""
+        ``model.compile()`` in place): per-module instruments stand down (their hooks see nothing in it)."""
         return is_compiled([self._called, *(self.roots or {}).values()])
 
     def accepts_backward(self) -> bool:
@@ -662,8 +662,8 @@ class Monitor:
         return "closed" if self._closed else "active"
 
     def verdict(self) -> dict[str, Any]:
-        """The session's verdict, ranked as ``torchdebug show`` ranks a run's: ``"text"``, ``"level"``,
-        ``"findings"`` (see :func:`torchdebug.session.control.verdict`)."""
+        """The session's verdict, ranked as ``torchdebug show`` ranks a run's: a dict (``"text"``,
+        ``"level"``, ``"findings"``...) whose ``str()`` is its sentence, shown coloured in a notebook."""
         status = "running" if not self._closed else getattr(self, "_end_status", None) or "finished"
         return verdict(status, self.global_step, self.anomalies, self.events)
 
@@ -703,6 +703,7 @@ def watch(
     announce: bool | None = None,
     sync: str | None = None,
     on_spike: str | None = None,
+    step_fn: Any = None,
 ) -> Monitor:
     """Watch a training loop: the always-on NaN/Inf sentinel plus the instruments the config switches on.
 
@@ -767,6 +768,12 @@ def watch(
             or ``unknown``, each with its numbers), ``"rollback"`` (also restore the last snapshot
             before the spike, taken every ``config.snapshot_every`` steps, and go on with the next
             batch; ``mon.rollbacks``), ``"raise"`` (``LossSpikeError``) or ``"off"``. See docs/spikes.md.
+        step_fn: the ``torch.compile``'d step function the loop calls (``step_fn =
+            torch.compile(train_step)``, the model's forward inside it), when the model itself is not
+            compiled. Inside compiled code no module hook runs, so without it the failing step cannot
+            be replayed; with it, each call's arguments are kept (references and the RNG state, as the
+            forward's capture in a plain loop) and the first anomaly is replayed eagerly and through
+            the compiled function: ``anomaly.cause`` says ``model`` or ``compiler`` (docs/reading.md).
 
     Raises:
         NonFiniteError: (policy "raise") at the first check point after a NaN/Inf, with ``.anomaly``
@@ -789,7 +796,8 @@ def watch(
                 optimizer.zero_grad(); loss.backward(); optimizer.step()
                 mon.step()
     """
-    return Monitor(
+    compiled_step = CompiledStep.of(step_fn) if step_fn is not None else None  # ConfigError naming the fix
+    mon = Monitor(
         model,
         optimizer,
         policy=policy,
@@ -805,3 +813,5 @@ def watch(
         sync=sync,
         on_spike=on_spike,
     )
+    mon.sentinel.step_fn = compiled_step
+    return mon

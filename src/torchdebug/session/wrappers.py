@@ -59,6 +59,16 @@ def _compiled_orig(module: nn.Module) -> nn.Module | None:
     return orig if type(module).__name__ == "OptimizedModule" and isinstance(orig, nn.Module) else None
 
 
+def compiled_later(mon: Any, called: nn.Module) -> bool:
+    """``called``, the module a framework's step calls, is a ``torch.compile`` wrapper of the one model
+    the session watches, made after the session began: from now on the session calls through it
+    (:meth:`PlainLoopDriver.call_through`). True when it switched. Cost: two identity tests."""
+    if called is mon.called or mon.roots is not None or _compiled_orig(called) is not mon.model:
+        return False
+    mon._plain.call_through(called)
+    return True
+
+
 def is_compiled(modules: Iterable[nn.Module]) -> bool:
     """True when one of ``modules`` runs under ``torch.compile`` (a wrapper, or ``model.compile()``)."""
     return any(

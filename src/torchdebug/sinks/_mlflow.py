@@ -54,6 +54,21 @@ def _key(name: str) -> str:
     return _UNSAFE.sub("_", name)
 
 
+def _local_store_hint() -> str:
+    """The second fix, only when it applies: mlflow-skinny (the ``[mlflow]`` extra) has no local
+    SQLite store, MLflow 3's default tracking URI; the full ``mlflow`` package has one."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("mlflow")
+    except PackageNotFoundError:
+        return (
+            ", or pip install mlflow (the full package) for MLflow 3's local SQLite store: "
+            "torchdebug[mlflow] installs mlflow-skinny, which has none"
+        )
+    return ""
+
+
 class MlflowSink(Sink):
     """Sends the run to MLflow: into the active run when there is one (or ``run_id=``), else a run it
     starts (``mlflow.start_run(run_name=<run name>)`` in the tracking URI and experiment the MLflow
@@ -112,8 +127,7 @@ class MlflowSink(Sink):
         except Exception as exc:  # e.g. mlflow-skinny has no local SQLite store (MLflow 3's default)
             raise RuntimeError(
                 f"MLflow could not start a run at {uri!r} ({exc}); set "
-                "MLFLOW_TRACKING_URI to your tracking server, or pip install mlflow for the local "
-                "SQLite store"
+                f"MLFLOW_TRACKING_URI to your tracking server{_local_store_hint()}"
             ) from exc
 
     def scalars(self, rec: Scalars) -> None:

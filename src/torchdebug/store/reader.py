@@ -267,10 +267,16 @@ class Run:
         )
 
     def _repr_html_(self) -> str:
-        """The run in a notebook: status, steps, the first anomaly, the events by kind, the folder."""
+        """The run in a notebook: its verdict first (the sentence ``torchdebug show`` leads with, in
+        its level's colour), then status, steps, the first anomaly, the events by kind, the folder.
+
+        Cost: the verdict reads the anomaly and event tables whole (a few ms for thousands).
+        """
+        from .._verdict import COLOURS
         from ..events import html_table
 
         s = self.summary()
+        said = self.verdict()
         first = self._rows("SELECT data FROM anomalies ORDER BY id LIMIT 1")
         anomalies: Any = s["anomalies"]
         if first:
@@ -278,6 +284,7 @@ class Run:
             anomalies = f"{s['anomalies']}, first: {doc.get('summary') or doc.get('kind', 'anomaly')}"
         events = ", ".join(f"{k} {n}" for k, n in sorted(s["events"].items())) or "none"
         rows: list[tuple[str, Any]] = [
+            ("verdict", said["text"]),
             ("status", s["status"] + (", incomplete: records were lost" if s["lost"] else "")),
             ("steps", s["steps"]),
             ("anomalies", anomalies),
@@ -285,9 +292,7 @@ class Run:
             ("rank", f"{self.rank} of ranks {', '.join(map(str, s['ranks']))}"),
             ("folder", self.path),
         ]
-        bad = s["status"] in ("failed", "crashed") or s["anomalies"]
-        colour = "#c0392b" if bad else ("#b9770e" if s["status"] == "running" else "#1e8449")
-        return html_table(f"torchdebug run {self.name}", colour, rows, "torchdebug-run")
+        return html_table(f"torchdebug run {self.name}", COLOURS[said["level"]], rows, "torchdebug-run")
 
     # -- pandas ------------------------------------------------------------------------------------
 
@@ -867,6 +872,20 @@ class Run:
             **lost,
             "schema_version": self.schema_version,
         }
+
+    def verdict(self) -> dict[str, Any]:
+        """The run's verdict: the sentence ``torchdebug show``, the reports and the dashboard lead
+        with, its level (ok | running | warning | error) and its findings ranked by severity.
+
+        Returns the core's ``judge`` dict (``"text"``, ``"level"``, ``"findings"``, ``"groups"``,
+        ``"anomaly_steps"``, ``"divergences"``); ``str()`` of it is the sentence.
+
+        Example: ``str(open_run(path).verdict()) == "finished: 2000 steps, no anomalies"``.
+        Cost: one read of the anomaly and event tables (a few ms for thousands of records).
+        """
+        from .._verdict import verdict
+
+        return verdict(self)
 
     def _lost(self, db_meta: dict[str, Any]) -> dict[str, Any]:
         """``lost``, ``lost_from_step``, ``write_error``: records the writer could not store.

@@ -117,9 +117,10 @@ def render_report(run: Any, format: str = "text", path: str | os.PathLike[str] |
                 import matplotlib  # noqa: F401
             except ImportError as e:
                 raise ImportError(f"the PNG report needs matplotlib: {REPORT_EXTRA}") from e
+            from ..verdict import verdict
             from ._png import render_png
 
-            out = render_png(collect_data(r), title=r.name)
+            out = render_png(collect_data(r), title=r.name, verdict=verdict(r))
     if path is not None:
         p = Path(path)
         if isinstance(out, bytes):

@@ -1,4 +1,6 @@
-"""The seed's ``debug_analysis.png`` (loss, gradient norm, step time, memory, anomalies) via matplotlib Agg."""
+"""The seed's ``debug_analysis.png`` (loss, gradient norm, step time, memory, anomalies) via matplotlib Agg,
+led by the run's verdict and drawn as the HTML charts are: lone points visible, whole non-negative
+step ticks, markers on labelled lanes."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ..._verdict import COLOURS
 from ._format import is_finite
 
 
@@ -55,15 +58,46 @@ def _robust_ylim(ax: Any, ys: list[float]) -> int:
     return len(out)
 
 
-def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
+def _line(ax: Any, xs: list[int], ys: list[float], *args: Any, **kw: Any) -> None:
+    """``ax.plot`` that also draws the points no segment joins (a series of one point, or a finite
+    value between two gaps): a line plot alone would show nothing for them."""
+    (line,) = ax.plot(xs, ys, *args, **kw)
+    alone = [
+        i
+        for i, y in enumerate(ys)
+        if is_finite(y)
+        and (i == 0 or not is_finite(ys[i - 1]))
+        and (i == len(ys) - 1 or not is_finite(ys[i + 1]))
+    ]
+    if alone:
+        ax.plot([xs[i] for i in alone], [ys[i] for i in alone], "o", color=line.get_color(), ms=4)
+
+
+def _step_axis(ax: Any) -> None:
+    """Steps are whole and never negative: integer ticks, and no label left of step 0 (a lone
+    point's axis is padded on both sides)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.0f}" if x >= 0 else ""))
+
+
+def render_png(
+    data: Mapping[str, Any], title: str, dpi: int = 150, verdict: Mapping[str, Any] | None = None
+) -> bytes:
     """PNG bytes of the analysis figure from ``collect_data``'s dict: loss and gradient norm on top,
-    step time, memory and anomalies below.
+    step time, memory and anomalies below; ``verdict`` (the run's, ``judge``'s dict): its sentence
+    under the title, in its level's colour, as every view leads with it.
 
     The loss axis leaves lone spikes out, as the HTML report's default does (one spike must not
     flatten the curve); the title says how many are off the axis. Non-finite gradient norms are drawn
-    as red crosses on the top edge (a line plot would drop them). Uses ``matplotlib.figure.Figure``
-    with the Agg canvas directly: no pyplot, no global state, safe from any thread. Cost: about 0.3 s.
+    as red crosses on the top edge (a line plot would drop them); a point no segment joins is drawn
+    as a dot; step ticks are whole and not negative; anomalies and events sit on named lanes. Uses
+    ``matplotlib.figure.Figure`` with the Agg canvas directly: no pyplot, no global state, safe from
+    any thread. Cost: about 0.3 s.
     """
+    import textwrap
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -72,16 +106,25 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
     grid = fig.add_gridspec(2, 6)
     loss_ax, norm_ax = fig.add_subplot(grid[0, :3]), fig.add_subplot(grid[0, 3:])
     time_ax, mem_ax, anomaly_ax = (fig.add_subplot(grid[1, 2 * k : 2 * k + 2]) for k in range(3))
-    fig.suptitle(f"PyTorch Debug Analysis: {title}", fontsize=16)
+    top = 1.0
+    if verdict and verdict.get("text"):
+        said = textwrap.shorten(str(verdict["text"]), 300, placeholder=" ...")
+        lines = textwrap.wrap(said, 140)
+        fig.suptitle(f"PyTorch Debug Analysis: {title}", fontsize=16, y=0.995)
+        colour = COLOURS.get(str(verdict.get("level")), COLOURS["warning"])
+        fig.text(
+            0.5, 0.955, "\n".join(lines), ha="center", va="top", fontsize=12, color=colour, weight="bold"
+        )
+        top = 0.93 - 0.02 * (len(lines) - 1)
+    else:
+        fig.suptitle(f"PyTorch Debug Analysis: {title}", fontsize=16)
     timings, memory, series = data["timings"], data["memory"], data["series"]
 
     ax = loss_ax
     loss_title = "Loss"
     if "loss" in series:
         xs, ys = _finite(series["loss"])
-        ax.plot(xs, ys, color="tab:blue", label="loss")
-        if len(xs) == 1:
-            ax.plot(xs, ys, "o", color="tab:blue")  # a lone point is drawn, not lost
+        _line(ax, xs, ys, color="tab:blue", label="loss")
         off = _robust_ylim(ax, ys)
         if off:
             loss_title += f" ({off} spike{'s' if off != 1 else ''} off the axis)"
@@ -89,10 +132,10 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
 
     ax = time_ax
     if "total" in timings:
-        ax.plot(*_finite(timings["total"]), "b-", label="step")
+        _line(ax, *_finite(timings["total"]), "b-", label="step")
     for phase, color in (("forward", "tab:green"), ("backward", "tab:orange"), ("data", "tab:gray")):
         if phase in timings:
-            ax.plot(*_finite(timings[phase]), color=color, lw=0.8, label=phase)
+            _line(ax, *_finite(timings[phase]), color=color, lw=0.8, label=phase)
     ax.set(title="Execution Time", xlabel="step", ylabel="Time (seconds)")
 
     ax = mem_ax
@@ -104,14 +147,14 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
         ("cuda_peak", "k:"),
     ):
         if key in memory:
-            ax.plot(*_finite(memory[key], mib), style, label=key)
+            _line(ax, *_finite(memory[key], mib), style, label=key)
     ax.set(title="Memory Usage", xlabel="step", ylabel="Memory (MiB)")
 
     ax = norm_ax
     if "grad_norm" in series:
         g = series["grad_norm"]
         xs, ys = _finite(g)
-        ax.plot(xs, ys, color="orange", label="grad_norm")
+        _line(ax, xs, ys, color="orange", label="grad_norm")
         fin = [v for v in ys if is_finite(v)]
         if fin and min(fin) > 0:
             ax.set_yscale("log")
@@ -128,27 +171,29 @@ def render_png(data: Mapping[str, Any], title: str, dpi: int = 150) -> bytes:
             )
     ax.set(title="Gradient Norm", xlabel="step", ylabel="Gradient Norm")
 
-    ax = anomaly_ax
+    ax = anomaly_ax  # one lane per kind of marker, named on the y axis: a lane's height is no value
     an = [a["step"] for a in data["anomalies"] if isinstance(a.get("step"), int)]
     if an:
-        ax.scatter(an, [1.0] * len(an), color="red", alpha=0.8, marker="x", s=80, label="anomaly")
+        ax.scatter(an, [4] * len(an), color="red", alpha=0.8, marker="x", s=80, label="anomaly")
     for sev, y, color in (
-        ("error", 0.75, "darkred"),
-        ("warning", 0.5, "darkorange"),
-        ("info", 0.25, "steelblue"),
+        ("error", 3, "darkred"),
+        ("warning", 2, "darkorange"),
+        ("info", 1, "steelblue"),
     ):
         ev = [
             e["step"] for e in data["events"] if e.get("severity") == sev and isinstance(e.get("step"), int)
         ]
         if ev:
             ax.scatter(ev, [y] * len(ev), color=color, alpha=0.8, label=f"{sev} event")
-    ax.set(title="Anomaly Detection", xlabel="step", ylabel="Anomalies / events", ylim=(0, 1.15))
+    ax.set_yticks([4, 3, 2, 1], labels=["anomaly", "error", "warning", "info"])
+    ax.set(title="Anomalies and rule events", xlabel="step", ylim=(0.5, 4.5))
 
     for ax in fig.axes:
         ax.grid(True)
+        _step_axis(ax)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, top))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()

@@ -74,7 +74,8 @@ def render_text(report: Mapping[str, Any]) -> str:
         f"  RSS                  mean {fmt_bytes(mem['average_memory_usage'])}, max {fmt_bytes(mem['max_memory_usage'])}",
         f"  CUDA allocated       mean {fmt_bytes(mem['average_gpu_memory'])}, max {fmt_bytes(mem['max_gpu_memory'])}",
         f"  grad norm            mean {fmt_num(grad['average_gradient_norm'])}, max {fmt_num(grad['max_gradient_norm'])}, "
-        f"non-finite steps {grad['nonfinite_gradient_steps']}",
+        # the recorded norms only: a step that raised on its NaN wrote none (the anomaly above says it)
+        f"NaN/Inf in {grad['nonfinite_gradient_steps']} recorded norm{'' if grad['nonfinite_gradient_steps'] == 1 else 's'}",
     ]
     tbp = report["operation_breakdown"]["time_by_phase"]
     if tbp:
