@@ -30,7 +30,13 @@ it: ``watch`` itself now commits by the step count alone, so it is counted once 
 names), ``hash`` (the plain loop plus the work
 ``parameter_hash_every=1`` adds to each DDP rank's step, ``session.replica.ReplicaHash``: the hash of
 every parameter for the step's all-reduce, its check, and the hash after the update; one process, so
-the all-reduce itself, which it rides in, is not counted). Workloads: ``tests/fixtures/launch_models.py``
+the all-reduce itself, which it rides in, is not counted), ``straggler`` and ``straggler_runnable``
+(the plain loop plus the straggler timing each rank of a multi-rank run adds to its step,
+``session.steptimes``: the clock's marks and hook, its times for the step's vector, the rule over two
+equal columns; ``straggler`` as under DDP, host wall times and the first parameter's
+post-accumulate-grad hook; ``straggler_runnable`` as under FSDP2, the root's forward pre-hook and a
+schedstat read at each boundary. In one process ``watch()`` has no coordinator, so no timing: these
+count what it adds to a rank, without the all-reduce it rides in). Workloads: ``tests/fixtures/launch_models.py``
 plus ``many2000`` (2,000 parameter tensors; ``--steps 20,21`` counts its detail step alone).
 
 Instructions are not time (a memory-bound copy costs more per instruction than Python does), but
@@ -57,7 +63,18 @@ from typing import Any
 import _callgrind
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("plain", "watch", "sentinel", "watch_norun", "watch_steps", "hash")
+VARIANTS = (
+    "plain",
+    "watch",
+    "sentinel",
+    "watch_norun",
+    "watch_steps",
+    "hash",
+    "straggler",
+    "straggler_runnable",
+    "straggler_only",
+    "straggler_runnable_only",
+)
 #: Variants counted as another: the name kept for scripts, the count shared.
 ALIASES = {"watch_steps": "watch"}
 
@@ -92,6 +109,10 @@ def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
         return
     if variant == "hash":
         _hash_child(w, model, opt, batches, n1, n2, lib)
+        return
+    if variant.startswith("straggler"):
+        runnable, only = "runnable" in variant, variant.endswith("_only")
+        _straggler_child(w, model, opt, batches, n1, n2, lib, runnable, only)
         return
     config = td.DebugConfig(mode="anomaly_detection") if variant == "sentinel" else td.DebugConfig()  # type: ignore[arg-type]
     run = False if variant.endswith("_norun") else tempfile.mkdtemp(prefix="td-instr-")
@@ -141,6 +162,53 @@ def _hash_child(w: Any, model: Any, opt: Any, batches: list, n1: int, n2: int, l
         hashes.check(view, i, 2)  # type: ignore[arg-type]
         hashes.after_update(view, i + 1)  # type: ignore[arg-type]
     lib.td_window_stop()
+
+
+def _straggler_child(
+    w: Any, model: Any, opt: Any, batches: list, n1: int, n2: int, lib: Any, runnable: bool, only: bool
+) -> None:
+    """The plain loop plus the straggler timing of a rank of two (``runnable``: as under FSDP2).
+    ``only``: counted only inside the timing's calls (the hook's call from inside the forward or the
+    backward is not), so the whole step's process-to-process noise does not hide them."""
+    import time
+
+    import torch
+
+    from torchdebug.health.stragglers import StragglerRule
+    from torchdebug.session.steptimes import FIELDS, StepClock, straggler_event
+
+    first = next(p for p in model.parameters() if p.requires_grad)
+    clock = StepClock(first, True, root=model if runnable else None)
+    rule = StragglerRule(2)
+    for i in range(n2):
+        if i == n1 and not only:
+            lib.td_window_start()
+        # ``only``: the window opens around each of the timing's calls (int: a no-op elsewhere)
+        on, off = (lib.td_window_start, lib.td_window_stop) if only and i >= n1 else (int, int)
+        x, y = batches[i % 4]
+        on()
+        clock.forward_start()  # the coordinator's call (under FSDP2 after the clock's own pre-hook)
+        off()
+        loss = w.loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        on()
+        clock.backward_start(True)
+        off()
+        loss.backward()
+        on()
+        clock.backward_end(True)
+        off()
+        if w.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        on()
+        t = clock.times(time.perf_counter())  # this rank's column of the step's vector
+        # the all-reduced rows: rank 1's column the same as rank 0's (a healthy run, no episode)
+        straggler_event(rule, lambda f, t=t: [t[FIELDS.index(f)]] * 2, i, clock.timed_by)
+        clock.step_end(time.perf_counter())
+        off()
+    lib.td_window_stop()
+    clock.remove()
 
 
 def count(workload: str, variant: str, n1: int, n2: int, shim: Path, keep: str = "") -> dict[str, int]:

@@ -195,8 +195,10 @@ def test_on_a_gpu_the_compute_comes_from_cuda_events_read_a_step_late_without_a_
 
 # -- two ranks -------------------------------------------------------------------------------------
 def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Busy work of ``seconds`` of this thread's CPU time: a fixed amount of compute, which a loaded
+    machine stretches in wall time as it stretches the other ranks' own work."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
@@ -217,7 +219,7 @@ class _BusyBackward(torch.autograd.Function):
 def _straggler_scenario(rank: int, out: Path, name: str, sc: dict) -> dict:
     net, model = wrapped_net(bool(sc.get("fsdp")))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    delay = DELAY_S if rank == 1 else 0.0
+    delay = sc.get("delay", DELAY_S) if rank == 1 else 0.0
     where = sc.get("where")
     if where == "backward":  # fc1's output's gradient is slow: between fc2's gradients and fc1's
         net.fc1.register_forward_hook(lambda m, args, out: _BusyBackward.apply(out, delay))
@@ -259,7 +261,9 @@ SCENARIOS = {
     "forward": {"where": "forward"},
     "backward": {"where": "backward"},
     "fsdp_control": {"where": None, "fsdp": True},
-    "fsdp_data": {"where": "data", "fsdp": True},
+    # FSDP2's per-layer hooks make the tiny model's own work several times DDP's, and a loaded host's
+    # run-queue waits stretch it further (its runnable time), where a sleep stays as long: a longer one
+    "fsdp_data": {"where": "data", "fsdp": True, "delay": 0.2},
     "fsdp_forward": {"where": "forward_spin", "fsdp": True},
     "fsdp_backward": {"where": "backward", "fsdp": True},
 }
