@@ -72,15 +72,15 @@ def browser() -> Iterator[Any]:
 @pytest.fixture
 def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """``[n]``: calls so far of the flatten with which the session's gradient measure copies every
-    small gradient (``torch._utils._flatten_dense_tensors``)."""
-    import torch
+    small gradient (torch's ``flatten_dense_tensors``, called by ``torchdebug._tensors``)."""
+    from torchdebug import _tensors
 
     calls = [0]
-    orig = torch._utils._flatten_dense_tensors  # type: ignore[attr-defined]
+    orig = _tensors._flatten
 
     def counted(tensors: list[Any]) -> Any:
         calls[0] += 1
         return orig(tensors)
 
-    monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", counted)
+    monkeypatch.setattr(_tensors, "_flatten", counted)
     return calls

@@ -307,7 +307,7 @@ class Plan:
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Every tensor copied into one flat buffer (one call): a snapshot :meth:`segment_norms` reads."""
         with torch.no_grad():
-            return torch._utils._flatten_dense_tensors(list(tensors))  # type: ignore[attr-defined]
+            return _flatten(list(tensors))
 
     def segment_norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-tensor L2 norms (float32) of a buffer laid out as :meth:`flatten` lays the list out."""
