@@ -416,8 +416,9 @@ def _signal_worker(rank: int, port: int, out: str) -> None:
                         time.sleep(0.05)
                     os.kill(pids[1], signal.SIGUSR1)
                 if step == SIGNAL_STEP and rank == 1:
-                    ready.write_text("")
                     deadline = time.monotonic() + 60.0
+                    # created in this frame (no library frame around it): the signal may land from here on
+                    os.close(os.open(ready, os.O_CREAT | os.O_WRONLY))  # ready for the signal
                     while not flight.exists():  # the watchdog thread writes it
                         assert time.monotonic() < deadline
                         time.sleep(0.05)  # polled
@@ -471,7 +472,11 @@ def test_sigusr1_writes_the_flight_record_now_and_training_finishes(tmp_path):
     backward = f"test_hangs.py:{_line('loss.backward()  # signalled')} in _signal_worker"
     reduces = [(e["op"], e["sizes"], e["where"]) for e in rec["entries"] if e["op"] == "all_reduce"]
     assert reduces == [("all_reduce", [[49]], backward), ("all_reduce", [[22]], backward)] * 2
-    polling = {_line("while not flight.exists()"), _line("time.sleep(0.05)  # polled")}
+    polling = {
+        _line("os.close(os.open(ready"),  # the signal can land as soon as the file exists
+        _line("while not flight.exists()"),
+        _line("time.sleep(0.05)  # polled"),
+    }
     assert rec["where"] in {f"test_hangs.py:{n} in _signal_worker" for n in polling}  # rank 1 waits there
     assert r1["others"] == ["flight_rank1.json"]  # only the signalled rank wrote one
     assert r1["user_handler_calls"] == [signal.SIGUSR1]  # chained: the user's handler ran too
