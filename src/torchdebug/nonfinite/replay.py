@@ -181,7 +181,7 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
         )
     elif first_replay:
         call = flag.step_fn.call_at(mon.global_step, idx) if flag.step_fn is not None else None
-        if call is not None and mon.config.replay and replayable:
+        if call is not None:  # (replay on, and replayable: the branches above)
             return step_fn_anomaly(mon, flag, call, micro, losses_bad)
         why = "the failing micro-step was not captured"
         # no forward of the step seen, the model not compiled itself, and Dynamo compiled code: the

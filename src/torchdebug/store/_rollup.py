@@ -124,25 +124,19 @@ def _merge(into: _Agg, a: _Agg) -> None:
         into[11:13] = a[11:13]
 
 
-def aggregate(
+def _aggregated(
     rows: Iterable[tuple[int | str, int, float | None, float]], levels: tuple[int, ...] = LEVELS
-) -> list[tuple[object, ...]]:
-    """Rollup rows (``UPSERT`` parameters) of every level for raw rows ``(metric_id, step, value, wall)``.
+) -> Iterator[tuple[object, ...]]:
+    """Rollup rows (``UPSERT`` parameters) of every level for raw rows ``(metric_id, step, value, wall)``,
+    one level at a time, each row made as it is consumed: a commit of many metrics keeps two levels'
+    aggregates alive, not every level and every output row (fewer live objects for the garbage
+    collector to walk, whichever thread it runs on).
 
     ``levels``: the bucket widths, powers of 2, finest first (``LEVELS``; timings use ``TIMING_LEVELS``).
 
     ``value`` NaN or None (a NaN read back from SQLite) counts as NaN. Cost: about 1 µs per raw row
     (one dict update at the finest level; coarser levels are merged from the finest aggregates).
     """
-    return list(_aggregated(rows, levels))
-
-
-def _aggregated(
-    rows: Iterable[tuple[int | str, int, float | None, float]], levels: tuple[int, ...] = LEVELS
-) -> Iterator[tuple[object, ...]]:
-    """:func:`aggregate` one level at a time, each row made as it is consumed: a commit of many metrics
-    keeps two levels' aggregates alive, not every level and every output row (fewer live objects for
-    the garbage collector to walk, whichever thread it runs on)."""
     finest: dict[tuple[int | str, int], _Agg] = {}
     get = finest.get
     shifts = _SHIFTS if levels is LEVELS else tuple(level.bit_length() - 1 for level in levels)
