@@ -24,12 +24,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .events import html_table
+from .events import SEVERITY_COLOURS, html_table
 
 LEVELS = ("ok", "running", "warning", "error")
-#: What each level is coloured in a notebook: the reports' green, amber and red (a run still going
-#: with nothing found is green: nothing to act on yet).
-COLOURS = {"ok": "#1e8449", "running": "#1e8449", "warning": "#b9770e", "error": "#c0392b"}
+#: What each level is coloured in a notebook: the reports' green, amber and red from
+#: ``events.SEVERITY_COLOURS`` (a run still going with nothing found is green: nothing to act on yet).
+COLOURS = {level: SEVERITY_COLOURS["ok" if level == "running" else level] for level in LEVELS}
 DIVERGENCE = "divergence"
 DIVERGENCE_END = "divergence_end"
 # Anomaly.summary()'s trailing "(step 7)" or "(step 7, born on rank 1 of 2)": the step goes, the rank stays

@@ -47,7 +47,7 @@ def _plain(value: Any) -> Any:
 
 
 # Severity colours of the notebook views (_repr_html_), the same red/amber/grey as the reports'.
-_HTML_COLOUR = {"error": "#c0392b", "warning": "#b9770e", "info": "#5d6d7e", "ok": "#1e8449"}
+SEVERITY_COLOURS = {"error": "#c0392b", "warning": "#b9770e", "info": "#5d6d7e", "ok": "#1e8449"}
 
 
 def html_table(title: str, colour: str, rows: Sequence[tuple[str, Any]], css_class: str) -> str:
@@ -291,7 +291,7 @@ class Anomaly:
             rows.append(("cause", str(self.cause)))
         if self.hint:
             rows.append(("hint", self.hint))
-        return html_table(self.summary(), _HTML_COLOUR["error"], rows, "torchdebug-anomaly")
+        return html_table(self.summary(), SEVERITY_COLOURS["error"], rows, "torchdebug-anomaly")
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -348,7 +348,7 @@ class RuleEvent:
         if self.modules:
             rows.append(("modules", ", ".join(self.modules)))
         rows.append(("message", self.message))
-        colour = _HTML_COLOUR.get(self.severity, _HTML_COLOUR["info"])
+        colour = SEVERITY_COLOURS.get(self.severity, SEVERITY_COLOURS["info"])
         return html_table(f"{self.severity}: {self.kind}", colour, rows, "torchdebug-event")
 
     def to_dict(self) -> dict[str, Any]:
@@ -409,7 +409,7 @@ class StepRecord:
                 rows.append(("hint", self.anomaly.hint))
         rows += [(f"{e.severity}", f"{e.kind}: {e.message}") for e in self.events]
         level, said = self._said()
-        return html_table(said, _HTML_COLOUR[level], rows, "torchdebug-step")
+        return html_table(said, SEVERITY_COLOURS[level], rows, "torchdebug-step")
 
     def _said(self) -> tuple[str, str]:
         """The step in one line and its level (what its notebook view leads with, in that colour):
