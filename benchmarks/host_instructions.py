@@ -37,7 +37,8 @@ equal columns; ``straggler`` as under DDP, host wall times and the first paramet
 post-accumulate-grad hook; ``straggler_runnable`` as under FSDP2, the root's forward pre-hook and a
 schedstat read at each boundary. In one process ``watch()`` has no coordinator, so no timing: these
 count what it adds to a rank, without the all-reduce it rides in). Workloads: ``tests/fixtures/launch_models.py``
-plus ``many2000`` (2,000 parameter tensors; ``--steps 20,21`` counts its detail step alone).
+plus ``many2000`` (2,000 parameter tensors; ``--steps 20,21`` counts its detail step alone) and
+``mlp_heavy`` (MLP 784-1024-1024-10, batch 128, from ``benchmarks/store_cost.py``: compute-heavier).
 
 Instructions are not time (a memory-bound copy costs more per instruction than Python does), but
 torchdebug's host work on these proxies is mostly Python and small kernels, where they track each
@@ -93,6 +94,10 @@ def child(workload: str, variant: str, n1: int, n2: int, shim: str) -> None:
     lib = ctypes.CDLL(shim)
     if workload == "many2000":
         w = dataclasses.replace(WORKLOADS["many5000"], build=lambda: many_tensors(2000))
+    elif workload == "mlp_heavy":  # MLP 784-1024-1024-10, batch 128: compute-heavier (store_cost.py)
+        from store_cost import EXTRA
+
+        w = EXTRA["mlp_heavy"]
     else:
         w = WORKLOADS[workload]
     g = torch.Generator().manual_seed(0)
@@ -228,7 +233,9 @@ def count(workload: str, variant: str, n1: int, n2: int, shim: Path, keep: str =
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="gpt2", help="workloads, comma-separated (launch_models.py, many2000)")
+    ap.add_argument(
+        "--only", default="gpt2", help="workloads, comma-separated (launch_models.py, many2000, mlp_heavy)"
+    )
     ap.add_argument("--variants", default="plain,watch,watch_norun")
     ap.add_argument(
         "--steps",

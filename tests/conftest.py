@@ -71,15 +71,17 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``[n]``: calls so far of the flatten with which the session's gradient measure copies every
-    small gradient (torch's ``flatten_dense_tensors``, called by ``torchdebug._tensors``)."""
+    """``[n, elements]``: calls so far of the flatten with which ``torchdebug._tensors`` copies tensors
+    (torch's ``flatten_dense_tensors``: the gradient measure's copy of every small gradient, the
+    update ratio's snapshot of the weights), and the elements they copied."""
     from torchdebug import _tensors
 
-    calls = [0]
+    calls = [0, 0]
     orig = _tensors._flatten
 
     def counted(tensors: list[Any]) -> Any:
         calls[0] += 1
+        calls[1] += sum(t.numel() for t in tensors)
         return orig(tensors)
 
     monkeypatch.setattr(_tensors, "_flatten", counted)

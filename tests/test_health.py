@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -379,6 +380,27 @@ def test_update_ratio_of_a_big_tensor_matches_the_real_update(tmp_path) -> None:
         assert run.series(f"weight_norm/{name}").values[-1] == pytest.approx(
             torch.linalg.vector_norm(w).item()
         )
+
+
+def test_a_detail_step_copies_the_weights_once_and_no_step_copies_a_big_gradient(copies) -> None:  # type: ignore[no-untyped-def]
+    # 2.weight is 256 x 256 = 65,536 elements (big: reduced in place, never copied); the small
+    # tensors: 0.weight 8 x 256 + 0.bias 256 + 2.bias 256 + 4.weight 256 x 2 + 4.bias 2 = 3,074 elements;
+    # every weight: 3,074 + 65,536 = 68,610
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(hm.D_IN, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, hm.D_OUT)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    marks: list[tuple[int, int]] = []
+    with watch(model, opt, run=False) as mon:  # the default: detail steps 0 and 10
+        hm.train(mon, model, opt, 12, before_step=lambda step: marks.append((copies[0], copies[1])))
+    per_step = [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(marks)]  # steps 0-10
+    # an ordinary step copies the small gradients once (the gradient check), nothing else
+    assert per_step[1:10] == [(1, 3_074)] * 9
+    # a detail step: the small gradients, the sentinel's probe of the small weights, the update ratio's
+    # snapshot of every weight before the update and its copy of the small weights after it
+    # (3 x 3,074 + 68,610 = 77,832: the big weight is copied once, for the snapshot)
+    assert per_step[0] == per_step[10] == (4, 77_832)
 
 
 def test_explosion_named_at_the_fault_step_and_layer() -> None:

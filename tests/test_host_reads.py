@@ -83,30 +83,42 @@ def test_plan_norms_and_sums_match_one_call_per_tensor() -> None:
     ref_sums = torch.stack([t.double().sum().float() for t in ts])
     torch.testing.assert_close(plan.norms(ts), ref_norms, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plan.sums(ts), ref_sums, rtol=1e-4, atol=1e-3)
-    flat = plan.flatten(ts)
-    assert flat.numel() == sum(t.numel() for t in ts)
-    torch.testing.assert_close(plan.segment_norms(flat), ref_norms, rtol=1e-5, atol=1e-6)
 
 
-def test_plan_segment_norms_read_big_tensors_alone() -> None:
+def test_plan_update_norms_are_the_change_and_the_weights_now_with_one_copy(copies: list[int]) -> None:
     ts = _mixed()
     plan = Plan.build(ts)
     assert plan is not None
-    # runs of small tensors (one segment_reduce each) and each big tensor alone (one dot), list order:
-    # 15 | SMALL + 1 | 0 + 7 | 40,000 | SMALL elements
-    got = [(off, k, None if n is None else n.tolist()) for off, k, n in plan.spans]
-    assert got == [
-        (0, 15, [15]),
-        (15, SMALL + 1, None),
-        (SMALL + 16, 7, [0, 7]),
-        (SMALL + 23, 40_000, None),
-        (SMALL + 40_023, SMALL, [SMALL]),
-    ]
-    flat = plan.flatten(ts)
-    flat[SMALL + 16 + 3] = math.nan  # the float64 tensor's fourth value
-    norms = plan.segment_norms(flat).tolist()
-    assert [i for i, x in enumerate(norms) if not math.isfinite(x)] == [3]
-    assert norms[2] == 0.0
+    before = [t.clone() for t in ts]
+    snap = plan.snapshot(ts)  # one copy: the small tensors first (list order), then the big ones
+    assert copies == [1, sum(t.numel() for t in ts)]
+    small = [0, 2, 3, 5]  # 15 | 0 | 7 | SMALL elements; big: 1, 4 (SMALL + 1, 40,000)
+    # (float64: torch.cat promotes to the float64 tensor's dtype)
+    assert torch.equal(snap, torch.cat([ts[i].reshape(-1).double() for i in [*small, 1, 4]]))
+    g = torch.Generator().manual_seed(1)
+    for t in ts:
+        t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype), alpha=0.01)  # the "update"
+    delta, weight = plan.update_norms(snap, ts)
+    # one more copy, of the small tensors only: 15 + 0 + 7 + SMALL elements
+    assert copies == [2, sum(t.numel() for t in ts) + 22 + SMALL]
+    ref_delta = torch.stack([torch.linalg.vector_norm((a - b).double()).float() for a, b in zip(ts, before)])
+    ref_weight = torch.stack([torch.linalg.vector_norm(t.double()).float() for t in ts])
+    torch.testing.assert_close(delta, ref_delta, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-5, atol=1e-6)
+    assert delta[2].item() == weight[2].item() == 0.0  # the empty tensor
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 4, 5], ids=["small", "big", "float64", "big-2d", "small-edge"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_plan_update_norms_flag_exactly_the_non_finite_tensor(k: int, value: float) -> None:
+    ts = _mixed()
+    plan = Plan.build(ts)
+    assert plan is not None
+    snap = plan.snapshot(ts)
+    ts[k].view(-1)[2] = value  # the update wrote a NaN/Inf into tensor k
+    delta, weight = (x.tolist() for x in plan.update_norms(snap, ts))
+    assert [i for i, x in enumerate(delta) if not math.isfinite(x)] == [k]
+    assert [i for i, x in enumerate(weight) if not math.isfinite(x)] == [k]
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 4, 5], ids=["small", "big", "float64", "big-2d", "small-edge"])

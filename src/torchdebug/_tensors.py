@@ -212,21 +212,22 @@ class Plan:
             inverse[i] = j
         self.empty = self.n - len(self.small) - len(stacked) - len(self.big)
         self.inverse = None if order == list(range(self.n)) else torch.tensor(inverse, dtype=torch.long)
-        self.lengths_all = torch.tensor(numel, dtype=torch.long, device=self.device)
-        # segment_norms' pieces of a flat buffer in list order, (offset, numel, lengths): each run
-        # of small tensors one segment_reduce (a scalar loop over its elements), each big tensor one
-        # BLAS dot (lengths None): ~10x faster than segment_reduce over 1 M elements
-        self.spans: list[tuple[int, int, torch.Tensor | None]] = []
-        off = i = 0
-        while i < self.n:
-            j = i + 1
-            if numel[i] <= SMALL:
-                while j < self.n and numel[j] <= SMALL:
-                    j += 1
-            k = sum(numel[i:j])
-            big = numel[i] > SMALL
-            self.spans.append((off, k, None if big else torch.tensor(numel[i:j], dtype=torch.long)))
-            off, i = off + k, j
+        # the update ratio's snapshot (snapshot, update_norms): every tensor up to SMALL elements first,
+        # in list order (one segment_reduce over them), then the big ones (a dot each)
+        snap_small = [i for i, k in enumerate(numel) if k <= SMALL]
+        self.snap_small = len(snap_small)
+        self.snap_small_get = _getter(snap_small)
+        self.snap_get = _getter(snap_small + self.big)
+        self.snap_small_total = sum(numel[i] for i in snap_small)
+        self.snap_lengths = torch.tensor([numel[i] for i in snap_small], dtype=torch.long)
+        self.big_numel = [numel[i] for i in self.big]
+        snap_order = snap_small + self.big
+        snap_inverse = [0] * self.n
+        for j, i in enumerate(snap_order):
+            snap_inverse[i] = j
+        self.snap_inverse = (
+            None if snap_order == list(range(self.n)) else torch.tensor(snap_inverse, dtype=torch.long)
+        )
 
     @staticmethod
     def build(tensors: Sequence[torch.Tensor]) -> Plan | None:
@@ -304,25 +305,44 @@ class Plan:
         (or, rarely, a sum of finite values overflows: callers confirm exactly); no host sync."""
         return self.reduce(tensors, square=False).total.reshape(1)
 
-    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Every tensor copied into one flat buffer (one call): a snapshot :meth:`segment_norms` reads."""
+    def snapshot(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every tensor copied into one flat buffer (one call): the small ones first, then the big ones.
+        The weights before an update, which :meth:`update_norms` turns into the update's norms."""
         with torch.no_grad():
-            return _flatten(list(tensors))
+            return _flatten(self.snap_get(tensors))
 
-    def segment_norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-tensor L2 norms (float32) of a buffer laid out as :meth:`flatten` lays the list out."""
+    def update_norms(
+        self, snap: torch.Tensor, tensors: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor L2 norms (float32, list order) of each tensor's change since :meth:`snapshot` took
+        ``snap``, and of the tensors now; no host sync. ``snap`` is overwritten with the change: the
+        update's norms cost one copy of the tensors in all, the snapshot's (and a copy of the small
+        tensors, which one segment_reduce reads). Each big tensor: one in-place subtraction and two BLAS
+        dots, no copy. A float32 sum of squares can overflow: non-finite entries are not proof."""
         with torch.no_grad():
-            f = flat.float()
-            if not self.cpu:
-                return torch.segment_reduce(f * f, "sum", lengths=self.lengths_all).sqrt()
-            parts = []
-            for off, k, lengths in self.spans:  # 2 x (big tensors) + 1 pieces at most
-                v = f.narrow(0, off, k)
-                if lengths is None:
-                    parts.append(torch.dot(v, v).reshape(1))
-                else:
-                    parts.append(torch.segment_reduce(v * v, "sum", lengths=lengths))
-            return (torch.cat(parts) if len(parts) > 1 else parts[0]).sqrt()
+            delta: list[torch.Tensor] = []
+            weight: list[torch.Tensor] = []
+            k = self.snap_small_total
+            if self.snap_small:
+                now = _flatten(self.snap_small_get(tensors))  # one copy, of the small tensors only
+                if now.numel() != k:
+                    raise ValueError("tensor sizes changed since the plan was built")
+                d = snap.narrow(0, 0, k).sub_(now).float()
+                now = now.float()
+                delta.append(torch.segment_reduce(d * d, "sum", lengths=self.snap_lengths))
+                weight.append(torch.segment_reduce(now * now, "sum", lengths=self.snap_lengths))
+            if self.big:
+                views = snap.narrow(0, k, snap.numel() - k).split(self.big_numel)
+                for v, t in zip(views, self.big_get(tensors), strict=True):  # the big tensors: a few
+                    v = v.sub_(t.reshape(-1)).float()
+                    t = t.reshape(-1).float()
+                    delta.append(torch.dot(v, v).reshape(1))
+                    weight.append(torch.dot(t, t).reshape(1))
+            d2 = torch.cat(delta) if len(delta) > 1 else delta[0]
+            w2 = torch.cat(weight) if len(weight) > 1 else weight[0]
+            if self.snap_inverse is not None:
+                d2, w2 = d2.index_select(0, self.snap_inverse), w2.index_select(0, self.snap_inverse)
+            return d2.sqrt(), w2.sqrt()
 
     def reduce(self, tensors: Sequence[torch.Tensor], square: bool) -> Reduced:
         """The list reduced for the step's read: one float32 total on the device now (the sum of every

@@ -19,7 +19,7 @@ from torch import nn
 
 from .._robust import MAD_TO_SIGMA, RunningMedian, Streak
 from .._step import SessionView, StepPhase
-from .._tensors import foreach_norms  # the hot path (fused), the general one for odd tensors
+from .._tensors import Plan, foreach_norms  # the hot path (fused), the general one for odd tensors
 from ..events import RuleEvent, training_summary
 from .divergence import KIND as DIVERGENCE
 from .divergence import DivergenceRule, GrowthRule, NormShiftRule
@@ -894,8 +894,10 @@ class GradientHealth:
         self.clip_on_spike: float | None = cfg.clip_on_spike
         self._synced_step: int | None = None  # the step whose transfer already ran (collect was called)
         self._judged_step: int | None = None  # the step the explosion rule already judged
-        self._before: Any = None  # weights before a detail step's update (a flat copy, or a list)
+        # weights before a detail step's update: (plan, its flat copy) on the CPU, else (params, a copy each)
+        self._before: tuple[Any, Any] | None = None
         self._before_step: int | None = None  # the step ``_before`` was copied at
+        self._updated = False  # an update ran since ``_before`` was copied (its ratio is still to work out)
         self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (step, ratios, weight norms)
         self._handed: dict[str, Any] = {}  # what this step's collect calls handed to the transfer
         self._clip: tuple[torch.Tensor, float, float] | None = None
@@ -913,7 +915,7 @@ class GradientHealth:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._before = None
+        self._before, self._updated = None, False
 
     # ----------------------------------------------------------------- clip_grad_norm_ wrapping
 
@@ -973,14 +975,17 @@ class GradientHealth:
         # several updates in a step (several optimizers): one copy before the first, so the ratio after
         # the last covers every update of the step
         if self.details and mon.due(self.every) and mon.params and self._before_step != step:
+            self._update_ratio(mon)  # an earlier step's, not read yet
             plan = _plan(mon)
-            self._before_step = step
-            with torch.no_grad():  # detail steps only: one copy of the weights
-                # CPU: one flat buffer, its per-tensor norms by segment_reduce later. Elsewhere a fused
-                # copy (a kernel per chunk of tensors) and the fused norm: segment_reduce on CUDA waits
-                # for the device (a hidden sync, ~5 ms a detail step on an H100's GPT-2 small)
-                cpu = plan is not None and plan.cpu
-                self._before = plan.flatten(mon.params) if cpu else torch._foreach_mul(list(mon.params), 1.0)
+            self._before_step, self._updated = step, False
+            with torch.no_grad():  # detail steps only: the update ratio's one copy of the weights
+                # CPU: one flat buffer (one call). Elsewhere a fused copy (a kernel per chunk of tensors)
+                # and later the fused norm: segment_reduce on CUDA waits for the device (a hidden sync,
+                # ~5 ms a detail step on an H100's GPT-2 small)
+                if plan is not None and plan.cpu:
+                    self._before = (plan, plan.snapshot(mon.params))
+                else:
+                    self._before = (mon.params, torch._foreach_mul(list(mon.params), 1.0))
 
     def after_optimizer_step(self, mon: SessionView) -> None:
         if mon.due(self.every) and mon.optimizers:
@@ -988,23 +993,33 @@ class GradientHealth:
             # (several updates in a step: the last one's probe covers every optimizer's state)
             probe = self._optstate.probe(mon)
             self._state_probe = None if probe is None else (mon.global_step, probe)
-        before = self._before
-        if before is None or self._before_step != mon.global_step:
+        if self._before is not None and self._before_step == mon.global_step:
+            # the ratio is worked out when it is read, after the step's last update (several optimizers
+            # each end an update here): then the snapshot itself can become the change, no second copy
+            self._updated = True
+
+    def _update_ratio(self, mon: SessionView) -> None:
+        """The snapshot of the weights turned into the update's ratios and the weight norms (``_pending``,
+        device tensors read with the step's numbers); dropped when no update ran since it was taken."""
+        before, updated = self._before, self._updated
+        self._before, self._updated = None, False
+        if before is None or not updated:
             return
         with torch.no_grad():
-            if isinstance(before, torch.Tensor):  # the plan's flat copy: a few torch calls in all
-                plan = _plan(mon)
-                now = plan.flatten(mon.params)  # type: ignore[union-attr]
-                # not into the snapshot's buffer: with several optimizers each one's update ends here,
-                # and the ratio after the last must still start from the weights before the first
-                delta = plan.segment_norms(now - before)  # type: ignore[union-attr]
-                weight = plan.segment_norms(now)  # type: ignore[union-attr]
+            if isinstance(before[0], Plan):  # the plan's flat copy: a few torch calls in all
+                plan, snap = before
+                if _plan(mon) is not plan:
+                    return  # the parameter list changed since the copy: no ratio for that step
+                delta, weight = plan.update_norms(snap, mon.params)  # snap becomes the change
             else:
-                params = list(mon.params)
-                delta = foreach_norms(list(torch._foreach_sub(params, before)))
-                weight = foreach_norms(params)
+                params, snap = before
+                if params is not mon.params or len(params) != len(snap):
+                    return  # the parameter list changed since the copy: no ratio for that step
+                params = list(params)
+                torch._foreach_sub_(snap, params)  # in place: the copy becomes the change
+                delta, weight = foreach_norms(snap), foreach_norms(params)
             ratio = delta / weight.clamp_min(torch.finfo(torch.float32).tiny)
-        self._pending = (mon.global_step, ratio, weight)
+        self._pending = (self._before_step, ratio, weight)  # type: ignore[assignment]
 
     # ----------------------------------------------------------------- the step's transfer
 
@@ -1024,10 +1039,12 @@ class GradientHealth:
             self._clip = None
             out["health.clip_total"] = total.reshape(())
             self._handed["clip"] = (max_norm, norm_type)
-        if self._pending is not None and mon.state.phase != StepPhase.UPDATE:
+        if self._updated and mon.state.phase != StepPhase.UPDATE:
             # (not in the read before a later update of the same step: the ratios then are not final)
+            self._update_ratio(mon)
+        if self._pending is not None and mon.state.phase != StepPhase.UPDATE:
             step, ratio, weight = self._pending
-            self._pending = self._before = None
+            self._pending = None
             out["health.ratio"] = ratio  # read as one list each (the transfer's VECTORS)
             out["health.weight"] = weight
             self._handed["update"] = (step, len(ratio))
@@ -1047,6 +1064,8 @@ class GradientHealth:
     def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         step = int(record.step)
         handed, self._handed = self._handed, {}
+        if self._before is not None and self._before_step is not None and self._before_step <= step:
+            self._update_ratio(mon)  # a step that ended unread (its ratio goes with a later read)
         self.counters["total_steps"] += 1
         loss = values.get("loss")
         norm = values.get("grad_norm")
@@ -1291,6 +1310,7 @@ class GradientHealth:
         self._early_stopping(mon, mon.global_step)
 
     def on_exit(self, mon: SessionView) -> None:
+        self._update_ratio(mon)
         pending, self._pending = self._pending, None
         if pending is None:
             return
