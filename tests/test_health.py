@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from torchdebug._robust import MAD_TO_SIGMA, RunningMedian, Streak
+from torchdebug._tensors import Plan
 from torchdebug.health.instrument import (
     AmpScaleRule,
     DeadUnitRule,
@@ -380,6 +381,56 @@ def test_update_ratio_of_a_big_tensor_matches_the_real_update(tmp_path) -> None:
         assert run.series(f"weight_norm/{name}").values[-1] == pytest.approx(
             torch.linalg.vector_norm(w).item()
         )
+
+
+def test_update_ratio_covers_an_edit_of_the_weights_after_the_update(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a WGAN critic's loop: the weights are clamped after the update, before the step ends; the ratio
+    # is the weights' change over the step, clamp included
+    torch.manual_seed(0)
+    model = hm.HealthyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with watch(model, opt, config=CFG, run=tmp_path) as mon:
+        for step, (x, y) in enumerate(hm.batches(6)):
+            if step == 5:
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.05, 0.05)
+            mon.step()
+    run = open_run(mon.run_dir)
+    w = model.inp.weight.detach()
+    expected = (torch.linalg.vector_norm(w - before["inp.weight"]) / torch.linalg.vector_norm(w)).item()
+    assert run.series("update_ratio/inp.weight").steps == [0, 5]
+    assert run.series("update_ratio/inp.weight").values[-1] == pytest.approx(expected, rel=1e-5)
+    assert w.abs().max().item() == pytest.approx(0.05)  # the clamp bit: the change is not the update's alone
+
+
+class ComplexGain(nn.Module):
+    """A complex gain after a linear layer: a complex parameter, which no reduction plan takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hm.D_IN, hm.D_OUT)
+        self.z = nn.Parameter(torch.randn(hm.D_OUT, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * self.z).abs()
+
+
+def test_update_ratio_of_a_list_no_plan_takes_matches_the_real_update(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the general path: a copy per tensor before the update, the change subtracted into it in place
+    torch.manual_seed(0)
+    model = ComplexGain()
+    assert Plan.build(list(model.parameters())) is None
+    run, snap = _six_steps_with_a_snapshot_before_the_last(model, tmp_path)
+    for name in ("lin.weight", "lin.bias", "z"):
+        w = model.get_parameter(name).detach()
+        expected = (torch.linalg.vector_norm(w - snap[name]) / torch.linalg.vector_norm(w)).item()
+        assert run.series(f"update_ratio/{name}").steps == [0, 5]
+        assert run.series(f"update_ratio/{name}").values[-1] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_detail_step_copies_the_weights_once_and_no_step_copies_a_big_gradient(copies) -> None:  # type: ignore[no-untyped-def]

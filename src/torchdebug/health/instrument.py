@@ -1000,7 +1000,9 @@ class GradientHealth:
 
     def _update_ratio(self, mon: SessionView) -> None:
         """The snapshot of the weights turned into the update's ratios and the weight norms (``_pending``,
-        device tensors read with the step's numbers); dropped when no update ran since it was taken."""
+        device tensors read with the step's numbers); dropped when no update ran since it was taken.
+        Worked out at the step's read after its last update, so the change is the weights' over the
+        step: every optimizer's update, and an edit of the weights after it (a WGAN's clamp) too."""
         before, updated = self._before, self._updated
         self._before, self._updated = None, False
         if before is None or not updated:
