@@ -49,7 +49,10 @@ def _samples(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.rand(4, generator=g) + 0.1, torch.rand(1, generator=g)) for _ in range(n)]
 
 
-def _lightning(rank: int, out: Path) -> dict[str, Any]:
+def _lightning(rank: int, out: Path, own_forward: bool = False) -> dict[str, Any]:
+    """``own_forward``: ``training_step`` calls ``self(x)`` (the LightningModule's forward), else
+    ``self.net(x)``: under DDP both run inside the strategy's call of ``training_step`` through the
+    wrapper's forward."""
     import lightning.pytorch as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -62,9 +65,12 @@ def _lightning(rank: int, out: Path) -> dict[str, Any]:
             torch.manual_seed(0)
             self.net = Mlp()
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
+            return nn.functional.mse_loss(self(x) if own_forward else self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -86,7 +92,7 @@ def _lightning(rank: int, out: Path) -> dict[str, Any]:
                 self.flip.__exit__(None, None, None)
                 self.on = False
 
-    cb = TorchDebugCallback(run=out / "runs" / "lightning", policy="warn")
+    cb = TorchDebugCallback(run=out / "runs" / f"lightning{'_self' * own_forward}", policy="warn")
     fault = Fault()
     trainer = quiet_trainer(
         [cb, fault],
@@ -204,7 +210,12 @@ def _result(mon: td.Monitor) -> dict[str, Any]:
     }
 
 
-RUNS = {"lightning": _lightning, "hf": _hf, "script": _script}
+RUNS = {
+    "lightning": _lightning,
+    "lightning_self": lambda rank, out: _lightning(rank, out, own_forward=True),
+    "hf": _hf,
+    "script": _script,
+}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -258,12 +269,17 @@ def _check(cause: dict[str, Any], want: dict[str, Any], host: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_lightning_ddp_names_rank1s_persistent_fault_as_hardware(runs: list[dict[str, Any]]) -> None:
-    r0, r1 = (r["lightning"] for r in runs)
+@pytest.mark.parametrize("run", ["lightning", "lightning_self"], ids=["self.net(x)", "self(x)"])
+def test_lightning_ddp_names_rank1s_persistent_fault_as_hardware(
+    runs: list[dict[str, Any]], run: str
+) -> None:
+    r0, r1 = (r[run] for r in runs)
     assert r1["flips"] > 0 and r0["flips"] == 0
     for r in (r0, r1):
         (a,) = r["anomalies"]  # the fault step is the last one
         assert (a["step"], a["rank"], a["reproducible"]) == (FAULT_STEP, 1, True)
+        # the origin the replay traced (the first matrix product), named as in the LightningModule
+        assert (a["module"], a["op"]) == ("net", "aten.mm")
         _check(a["cause"], PERSISTENT, runs[1]["host"])
         assert a["cause"]["evidence"].startswith(f"persistent fault on rank 1 (cpu on {runs[1]['host']})")
         assert "  cause     hardware: persistent fault on rank 1" in r["block"]
