@@ -283,6 +283,10 @@ def test_lightning_ddp_names_rank1s_persistent_fault_as_hardware(
         _check(a["cause"], PERSISTENT, runs[1]["host"])
         assert a["cause"]["evidence"].startswith(f"persistent fault on rank 1 (cpu on {runs[1]['host']})")
         assert "  cause     hardware: persistent fault on rank 1" in r["block"]
+        assert a["hint"].endswith(
+            f"; rank 1's device (cpu on {runs[1]['host']}) is at fault, not the model: the same micro-step "
+            "is finite on another rank; check that device (or leave it out) and resume from the last checkpoint"
+        )
         # one hidden all-reduce per step (the DDP path: the session knew the framework's wrapper), and
         # on the rare path the exact verdicts' all-reduce; the cross-rank replay's two are the cause's
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 1}
@@ -300,6 +304,11 @@ def test_hf_trainer_ddp_calls_rank1s_one_off_fault_transient(runs: list[dict[str
         _check(a["cause"], TRANSIENT, runs[1]["host"])
         assert a["cause"]["evidence"].startswith("transient: the step held nan on rank 1 (cpu on ")
         assert "hardware" not in r["block"]
+        # the hint says what the replays across ranks found, no longer asking for one
+        assert a["hint"].endswith(
+            "or loss code the replay did not capture; replayed rank 1's micro-step (its batch, RNG state "
+            "and loss code, the same weights) on rank 1 and on rank 0: finite on both"
+        )
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 1}
 
 
