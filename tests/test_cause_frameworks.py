@@ -159,7 +159,6 @@ def test_hf_trainer_gives_the_verdict(outcome: str, tmp_path: Any) -> None:
 
 SCRIPT = """\
 import torch
-from tests.fixtures import cause_models as cm
 from tests.test_cause_frameworks import _case
 
 net, xs, fault = _case({outcome!r})

@@ -231,6 +231,28 @@ def test_the_diverged_rank_is_named_by_majority_else_by_a_write_outside_its_upda
     assert got == named and why.startswith(how)
 
 
+@pytest.mark.parametrize(
+    ("hint", "verdict", "said"),
+    [
+        (
+            "not reproducible: ...; a replay on another rank tells a faulty rank apart",
+            "unknown",
+            "not reproducible: ...; T",
+        ),
+        (
+            "mm produced NaN",
+            "hardware",
+            "mm produced NaN; rank 1's device (cpu on h) is at fault, not the model",
+        ),
+        ("log of negative input", None, "log of negative input"),  # software: the origin's hint stands
+    ],
+    ids=["transient", "hardware", "software"],
+)
+def test_the_hint_says_what_the_replays_across_ranks_found(hint, verdict, said):
+    got = replica._hint(hint, verdict, "T", {"rank": 1, "device": "cpu", "host": "h"})
+    assert got.startswith(said) and "tells a faulty rank apart" not in got
+
+
 def test_a_cause_travels_between_ranks_as_a_dict():
     c = td.Anomaly(phase="forward", module="m", op="aten.mm", location=None, kind="nan", step=3, rank=1)
     cause = replica.Cause("hardware", "persistent fault", ("a", "b"), replays=3, rank=1, collectives=2)
