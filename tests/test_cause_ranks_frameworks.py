@@ -291,6 +291,9 @@ def test_lightning_ddp_names_rank1s_persistent_fault_as_hardware(
         # on the rare path the exact verdicts' all-reduce; the cross-rank replay's two are the cause's
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 1}
     assert r0["anomalies"][0]["cause"] == r1["anomalies"][0]["cause"]
+    for r in (r0, r1):  # the healthy step 0 warned about nothing; the fault step once (policy="warn")
+        (w,) = r["warnings"]
+        assert w.endswith("(step 1, born on rank 1 of 2) (policy='warn': training goes on)"), w
 
 
 @pytest.mark.slow
@@ -310,6 +313,10 @@ def test_hf_trainer_ddp_calls_rank1s_one_off_fault_transient(runs: list[dict[str
             "and loss code, the same weights) on rank 1 and on rank 0: finite on both"
         )
         assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 1}
+        # nothing at the healthy step 0; at step 1 the anomaly (policy="warn") and HF's clipping rule
+        anomaly, clip = r["warnings"]
+        assert anomaly.endswith("(step 1, on rank 1 of 2) (policy='warn': training goes on)")
+        assert clip.startswith("torchdebug: error: step 1: clip_nonfinite [net]")
 
 
 @pytest.mark.slow
