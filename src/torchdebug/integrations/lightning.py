@@ -13,6 +13,10 @@ Lightning 2.x hook order this callback relies on (lightning/pytorch, 2.6):
 - manual optimization: ``LightningOptimizer.step`` -> ``strategy.optimizer_step`` -> the same
   precision plugin path (core/optimizer.py:146-156), so ``on_before_optimizer_step`` fires there too.
 - ``on_train_batch_end`` comes after the batch's optimizer step (loops/training_epoch_loop.py:350-374).
+- ``strategy.setup`` (DDP's wrapper around the LightningModule, ``strategy.model``) runs before
+  ``on_fit_start`` (trainer/trainer.py:1053-1057); with a wrapper, ``strategy.training_step`` calls
+  ``training_step`` through the wrapper's forward, patching the module's ``forward`` for that call
+  (``_ForwardRedirection``, strategies/strategy.py:388-390, 602-643).
 - an exception in ``fit`` calls ``on_exception`` and re-raises (trainer/call.py:67-78), then each
   logger's ``finalize("failed")`` (call.py:83); after ``on_fit_end`` the teardown finalizes the
   loggers with "success" (call.py:149), so the verdict reaches them before they close.
