@@ -1003,9 +1003,9 @@ class GradientHealth:
         device tensors read with the step's numbers); dropped when no update ran since it was taken.
         Worked out at the step's read after its last update, so the change is the weights' over the
         step: every optimizer's update, and an edit of the weights after it (a WGAN's clamp) too."""
-        before, updated = self._before, self._updated
+        before, updated, step = self._before, self._updated, self._before_step
         self._before, self._updated = None, False
-        if before is None or not updated:
+        if before is None or not updated or step is None:
             return
         with torch.no_grad():
             if isinstance(before[0], Plan):  # the plan's flat copy: a few torch calls in all
@@ -1021,7 +1021,7 @@ class GradientHealth:
                 torch._foreach_sub_(snap, params)  # in place: the copy becomes the change
                 delta, weight = foreach_norms(snap), foreach_norms(params)
             ratio = delta / weight.clamp_min(torch.finfo(torch.float32).tiny)
-        self._pending = (self._before_step, ratio, weight)  # type: ignore[assignment]
+        self._pending = (step, ratio, weight)
 
     # ----------------------------------------------------------------- the step's transfer
 
