@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -82,6 +82,7 @@ class _StepMarks:
     wait: float = math.nan  # the training thread's seconds waiting for a CPU (Linux run-queue delay)
     loader: float = 0.0  # seconds inside DataLoader iterators' __next__ during the step
     loader_calls: int = 0
+    machine: MachineReading | None = None  # the contention counters at the step's end (on a schedule)
 
 
 class RunQueueClock:
@@ -132,6 +133,94 @@ class RunQueueClock:
             self._fd = None
 
 
+class MachineReading(NamedTuple):
+    """The machine's contention counters at one moment (cumulative; NaN: not readable here).
+
+    ``wall``: the timing clock's mark when read (seconds). ``wait``: seconds this process's threads
+    have spent ready to run but waiting for a CPU, summed over its live threads (the kernel's
+    run-queue delay). ``pressure``: seconds in which some task of the machine waited for a CPU
+    (Linux PSI, ``/proc/pressure/cpu``, "some"). ``steal`` and ``ticks``: the CPUs' time taken by
+    the hypervisor, and all their time, in clock ticks (``/proc/stat``).
+    """
+
+    wall: float
+    wait: float = math.nan
+    pressure: float = math.nan
+    steal: float = math.nan
+    ticks: float = math.nan
+
+
+# what ContentionReader.sources names, said in a slowdown event's evidence ("contention_read")
+CONTENTION_SOURCES = {
+    "wait": "this process's threads' wait for a CPU (/proc/self/task/*/schedstat)",
+    "pressure": "CPU pressure (/proc/pressure/cpu)",
+    "steal": "steal time (/proc/stat)",
+}
+
+
+class ContentionReader:
+    """Reads :class:`MachineReading` from ``/proc`` (or ``root``, a folder laid out like it): the
+    run-queue delay of each of this process's threads (``self/task/*/schedstat``), CPU pressure
+    (``pressure/cpu``) and steal (``stat``). Where a file is missing (macOS, a kernel without PSI,
+    a container) its field is NaN and :attr:`sources` does not name it.
+
+    Cost: one ``pread`` per thread and two more, about 10 µs for a few threads: the timing
+    instrument reads it on a schedule (every ``contention_every_s`` of steps), not every step.
+
+    Example:
+        >>> r = ContentionReader("/nonexistent").read(1.0)
+        >>> (r.wall, math.isnan(r.wait))
+        (1.0, True)
+    """
+
+    def __init__(self, root: str = "/proc") -> None:
+        import os
+
+        self.root = root
+        self._tasks = os.path.join(root, "self", "task")
+        self._pressure = os.path.join(root, "pressure", "cpu")
+        self._stat = os.path.join(root, "stat")
+        first = self.read(0.0)
+        self.sources = tuple(
+            k
+            for k, v in (("wait", first.wait), ("pressure", first.pressure), ("steal", first.steal))
+            if v == v
+        )
+
+    def read(self, wall: float) -> MachineReading:
+        """The counters now, ``wall`` the caller's clock. One Python call, no helpers: it runs
+        inside the step (on a schedule) and the ordinary step's call budget is pinned."""
+        import os
+
+        wait = pressure = steal = ticks = math.nan
+        try:
+            total = 0
+            for tid in os.listdir(self._tasks):
+                try:
+                    fd = os.open(f"{self._tasks}/{tid}/schedstat", os.O_RDONLY)
+                except OSError:  # the thread ended since the listing
+                    continue
+                try:
+                    total += int(os.pread(fd, 128, 0).split()[1])
+                finally:
+                    os.close(fd)
+            wait = total / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open(self._pressure, "rb") as f:  # "some avg10=.. avg60=.. avg300=.. total=<µs>"
+                pressure = int(f.readline().rsplit(b"total=", 1)[1]) / 1e6
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open(self._stat, "rb") as f:  # "cpu  user nice system idle iowait irq softirq steal ..."
+                fields = [int(x) for x in f.readline().split()[1:9]]
+            steal, ticks = float(fields[7]), float(sum(fields))
+        except (OSError, ValueError, IndexError):
+            pass
+        return MachineReading(wall, wait, pressure, steal, ticks)
+
+
 def machine_load() -> tuple[float, int]:
     """(load average over the last minute, CPU count): how busy the machine is, for the slowdown rule.
 
@@ -161,6 +250,8 @@ class StepTiming:
     # seconds spent inside DataLoader iterators' __next__, and how many batches they gave, this step
     loader: float = 0.0
     loader_calls: int = 0
+    # the machine's contention counters read at this step's end; None on the steps between readings
+    machine: MachineReading | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -220,24 +311,36 @@ class SlowdownRule:
     steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` event when an episode starts (naming the phase whose median grew
     most), one ``slowdown_end`` info event when it ends, with its length in steps.
 
-    This process's work or a busy machine: when the steps carry the training thread's wait for a CPU
-    (``StepTiming.wait``, the kernel's run-queue delay) and this process's CPU time
-    (``StepTiming.cpu``), the rule splits the rise of the median step. When the wait grew by at least
-    half of it and the work did not grow, the process was ready to run and other processes had the
-    CPUs: that ``slowdown`` is information (severity ``info``, with the wait, the CPU time a step
-    used and the machine's load average), not a warning. The work grew when the CPU time a step grew
-    ``factor`` times and the step's own part (wall time minus the wait) carries at least its share
-    of the rise (half its share of the step before, and at least a tenth): a contended CPU alone
-    stretches the same work's CPU time too (up to 1.8x measured), but then the wait carries nearly
-    all of the rise. A slowdown of its own work (more CPU time, a sleep, I/O, a lock) is a
-    ``warning``, also on a busy machine (the message then says the wait too); so is any slowdown
-    where the wait is not measured.
+    This process's work or a busy machine, from the machine's readings: when some steps carry a
+    :class:`MachineReading` (``StepTiming.machine``: this process's threads' summed wait for a CPU,
+    CPU pressure, steal; the timing instrument reads them on a schedule), the rule compares the
+    slow steps' span of readings with the span before them. The share of a step lost to waiting
+    (the threads' wait per second of wall time plus the steal share, at most 1) gives the time lost
+    per step; the rest is the step's own part. When the time lost grew by at least half of the rise
+    and the own part did not grow ``factor`` times with at least its share of the rise (half its
+    share of the step before, and at least a tenth), the ``slowdown`` is information (severity
+    ``info``) with the numbers read; otherwise a ``warning``, which also says the numbers ("the
+    machine is busy too" when both grew). The threads' summed wait, not the training thread's, is
+    what counts: with torch's intra-op threads (OpenMP) a worker waiting for a CPU leaves the
+    training thread spinning at the barrier, on a CPU (word_language_model's LSTM beside 13 busy
+    processes on 2 CPUs: 7 ms of CPU a step became up to 1034 ms for the same work), so neither the CPU
+    time nor the training thread's own wait tells the work from the machine.
 
-    Known limitation: the wait measured is the training thread's. When torch's intra-op threads
-    (OpenMP) share the step, a worker waiting for a CPU leaves the training thread spinning at the
-    barrier, on a CPU: its CPU time and its own part grow with the load (word_language_model's LSTM
-    at load average 15 on 2 CPUs: 76 -> 1024 ms of CPU a step for the same work), and a loaded
-    machine reads as a slowdown of its own work (a warning).
+    Without readings (not Linux, CUDA, too few before the slow steps): when the steps carry the
+    training thread's wait for a CPU (``StepTiming.wait``) and this process's CPU time
+    (``StepTiming.cpu``), the rule splits the rise of the median step the same way with them: a
+    wait that grew by at least half of the rise while the CPU time did not grow ``factor`` times
+    (or the step's own part did not carry its share) is information; any other slowdown, and any
+    where the wait is not measured, is a ``warning`` (saying so when a reader found nothing).
+
+    Known limitations:
+        - A machine that stays saturated while the work grows: with every thread waiting most of the
+          time before and after, the own part cannot be told from the wait, and the slowdown reads
+          as contention (information).
+        - The wait counted is this process's threads'; DataLoader worker processes are other
+          processes: a step slowed by its own workers crowding the CPUs reads as contention.
+        - CPU pressure is the machine's (or the container's, where ``/proc`` is the container's):
+          said, never decisive.
 
     Args:
         factor: how many times the baseline a slow median is (> 1).
@@ -248,6 +351,8 @@ class SlowdownRule:
         min_duration_s: seconds of slow steps (after the median turned) before it is an episode.
         load: the machine's (load average over 1 minute, CPU count), said with a contended slowdown;
             None: not said.
+        read: what the timing instrument's :class:`ContentionReader` can read (its ``sources``);
+            ``()``: nothing, said in a warning; None: no reader (the rule used on its own).
 
     Example:
         >>> rule = SlowdownRule(recent=3, min_baseline=5, min_duration_s=0.1)
@@ -267,6 +372,7 @@ class SlowdownRule:
         mads: float = 5.0,
         min_duration_s: float = 0.5,
         load: Callable[[], tuple[float, int]] | None = None,
+        read: tuple[str, ...] | None = None,
     ) -> None:
         if factor <= 1:
             raise ValueError(f"factor must be > 1, got {factor}")
@@ -276,6 +382,10 @@ class SlowdownRule:
         self.min_baseline = int(min_baseline)
         self.min_duration_s = float(min_duration_s)
         self.load = load
+        self.read = read
+        # (step, MachineReading) of the steps that carry one, enough to span the baseline
+        self._machine = deque[tuple[int, MachineReading]](maxlen=int(window) + int(recent) + 2)
+        self._after = -1  # the last step of the previous episode: readings before it are not "before"
         self._cpu = deque[float](maxlen=int(window))  # the baseline steps' CPU seconds
         self._wait = deque[float](maxlen=int(window))  # and their seconds waiting for a CPU
         self._totals = deque[float](maxlen=int(window))  # and their wall seconds (paired with _wait)
@@ -300,9 +410,18 @@ class SlowdownRule:
     def _judge(self, med: float, base: float, said: str, evidence: dict[str, Any]) -> tuple[str, str]:
         """The episode's severity and message: ``info`` when waiting for a CPU explains the slowdown
         and this process's own work did not grow, else ``warning`` (see the class docstring)."""
+        judged = self._judge_machine(med, base, said, evidence)
+        if judged is not None:
+            return judged
         recent = self.recent
         wait_now = [r.wait for r in recent if math.isfinite(r.wait)]
         if len(wait_now) < len(recent) or len(self._wait) < self.min_baseline:
+            if self.read == ():  # a reader was there and found nothing to read
+                evidence["contention_read"] = []
+                said += (
+                    "; whether other processes took the CPUs is not known here (none of "
+                    "/proc/self/task/*/schedstat, /proc/pressure/cpu, /proc/stat could be read)"
+                )
             return "warning", said  # the wait for a CPU not measured (not Linux, CUDA)
         rise = med - base
         wait_med, wait_base = _median(wait_now), _median(list(self._wait))
@@ -340,6 +459,102 @@ class SlowdownRule:
             said += f"; {cpu + ' and ' if cpu else 'it '}{queue}: the machine is busy too{self._load_text(evidence)}"
         return "warning", said
 
+    def _spans(self) -> tuple[tuple[int, int, MachineReading, MachineReading], ...] | None:
+        """(first step, last step, reading before, reading after) of the slow steps and of the steps
+        before them, from the readings kept; None where they do not give both spans."""
+        start = self.start if self.start is not None else 0
+        xs = [x for x in self._machine if x[0] > self._after]
+        # a reading is taken at the end of its step: the one at step start - 1 opens the slow steps
+        before = [x for x in xs if x[0] <= start - 1]
+        if len(before) < 2:
+            return None
+        c, d = before[0], before[-1]
+        b = xs[-1]
+        a = next((x for x in xs if x[0] >= start - 1), b)
+        if a is b:  # one reading since the slow steps began: the span opens with the last one before
+            a = d
+        if b[0] <= a[0]:
+            return None
+        return (a[0] + 1, b[0], a[1], b[1]), (c[0] + 1, d[0], c[1], d[1])
+
+    def _judge_machine(
+        self, med: float, base: float, said: str, evidence: dict[str, Any]
+    ) -> tuple[str, str] | None:
+        """The verdict from the machine's readings (:class:`MachineReading`), over the slow steps
+        against the steps before; None where the readings do not span both, or the threads' wait
+        was not read. See the class docstring."""
+        spans = self._spans()
+        if spans is None:
+            return None
+        rates: list[tuple[float, float, float]] = []  # (threads' wait, pressure, steal) per second
+        for _, _, x, y in spans:
+            dw, dt = y.wall - x.wall, y.ticks - x.ticks
+            if dw <= 0:
+                return None
+            rates.append(
+                (
+                    max(0.0, y.wait - x.wait) / dw,  # a thread that ended takes its count with it
+                    (y.pressure - x.pressure) / dw,
+                    (y.steal - x.steal) / dt if dt > 0 else math.nan,
+                )
+            )
+        (w_now, p_now, s_now), (w_before, p_before, s_before) = rates
+        if not (math.isfinite(w_now) and math.isfinite(w_before)):
+            return None
+        (a, b, _, _), (c, d, _, _) = spans
+        # the share of a step lost to waiting for a CPU (any of this process's threads, or the
+        # hypervisor's steal), capped at the whole step: the threads' waits overlap
+        lost_now = min(1.0, w_now + (s_now if math.isfinite(s_now) else 0.0))
+        lost_before = min(1.0, w_before + (s_before if math.isfinite(s_before) else 0.0))
+        rise = med - base
+        lost = lost_now * med - lost_before * base  # the added time lost to waiting, about
+        own, own_base = med * (1.0 - lost_now), base * (1.0 - lost_before)
+        evidence.update(
+            threads_wait_share=w_now,
+            threads_wait_share_before=w_before,
+            cpu_pressure=p_now,
+            cpu_pressure_before=p_before,
+            steal_share=s_now,
+            steal_share_before=s_before,
+            measured_steps=[a, b],
+            before_steps=[c, d],
+            contention_read=[CONTENTION_SOURCES.get(k, k) for k in self.read or ()],
+        )
+        facts = (
+            f"over steps {a}-{b} this process's threads waited for a CPU {w_now:.0%} of the time "
+            f"(summed over its threads; {w_before:.0%} over steps {c}-{d})"
+        )
+        if math.isfinite(p_now) and math.isfinite(p_before):
+            facts += f", CPU pressure {p_now:.0%} (some task waiting for a CPU; {p_before:.0%} before)"
+        if math.isfinite(s_now) and math.isfinite(s_before) and max(s_now, s_before) >= 0.005:
+            facts += f", steal {s_now:.0%} of the CPUs' time ({s_before:.0%} before)"
+        cpu_now = [r.cpu for r in self.recent if math.isfinite(r.cpu)]
+        if len(cpu_now) == len(self.recent) and len(self._cpu) >= self.min_baseline:
+            cpu_med, cpu_base = _median(cpu_now), _median(list(self._cpu))
+            evidence.update(cpu_s=cpu_med, cpu_median_s=cpu_base)
+            facts += f"; it used {cpu_med * 1e3:.1f} ms of CPU a step ({cpu_base * 1e3:.1f} ms before)"
+        # the rest of a step can shrink (fewer spins, fewer cache misses): at most all of the rise
+        part = f"about {min(1.0, max(0.0, lost) / rise):.0%} of the added time"
+        # Contended: the time lost to waiting grew by at least half the rise. Its own work grew: the
+        # rest of the step grew factor x and carries its share of the rise (see _judge). Neither
+        # the CPU time nor the training thread's own wait decides here: with torch's intra-op
+        # threads a worker waiting for a CPU leaves the others spinning at the barrier, on a CPU
+        contended = lost >= 0.5 * rise
+        work = own > self.factor * own_base and own - own_base >= max(
+            self.min_s, max(0.5 * own_base / base, 0.1) * rise
+        )
+        if contended and not work:
+            said = (
+                f"steps took {med / base:.1f}x longer since about step {self.start} (median "
+                f"{med * 1e3:.1f} ms, {base * 1e3:.1f} ms before) while the machine's CPUs were "
+                f"contended{self._load_text(evidence)}: {facts}; waiting for a CPU accounts for {part} "
+                f"(the rest of a step: about {own_base * 1e3:.1f} -> {own * 1e3:.1f} ms)"
+            )
+            return "info", said
+        if contended:
+            return "warning", f"{said}; {facts}: the machine is busy too{self._load_text(evidence)}"
+        return "warning", f"{said}; {facts}: waiting for a CPU accounts for {part}"
+
     def update(self, t: StepTiming) -> list[RuleEvent]:
         """Feed one step's timing; the episode's start or end event, or nothing."""
         if len(self.recent) == self.recent.maxlen and self.start is None and self._pending is None:
@@ -355,6 +570,8 @@ class SlowdownRule:
                 self._wait.append(old.wait)
                 self._totals.append(old.total)
         self.recent.append(t)
+        if t.machine is not None:
+            self._machine.append((t.step, t.machine))
         if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
             return []
         med = _median([r.total for r in self.recent])
@@ -399,6 +616,7 @@ class SlowdownRule:
             self._pending = None
         if not slow and self.start is not None:
             start, self.start = self.start, None
+            self._after = t.step
             return [
                 RuleEvent(
                     kind="slowdown_end",
@@ -435,10 +653,12 @@ class TimingInstrument:
     steps before and above their jitter (a few slow steps, such as a gc pause, are not a slowdown;
     nor is a rise under ``min_slowdown_s``, the jitter of sub-millisecond steps); it names the phase
     that grew, and "slowdown_end" (info) says how long it lasted. Each rule fires once per episode. The first ``warmup``
-    steps (lazy init, allocator warm-up) are not fed to the rules. A slowdown that the training
-    thread's wait for a CPU explains (``wait_clock``, default the kernel's run-queue delay on Linux)
-    is a busy machine, said as information with the CPU time a step used (``cpu_clock``) and the
-    machine's ``load``, not a warning.
+    steps (lazy init, allocator warm-up) are not fed to the rules. A slowdown that waiting for a CPU
+    explains is a busy machine, said as information, not a warning: ``contention`` (default a
+    :class:`ContentionReader` on ``/proc``) is read at the end of steps 0, 1, 2, 4, 8, ... and every
+    ``contention_every_s`` (this process's threads' wait for a CPU, CPU pressure, steal); where it
+    cannot read, the training thread's wait (``wait_clock``, the kernel's run-queue delay on Linux)
+    and the CPU time a step used (``cpu_clock``) decide. ``load``: the machine's load average, said.
 
     Attributes:
         history: the last ``window`` :class:`StepTiming`.
@@ -462,8 +682,17 @@ class TimingInstrument:
         cpu_clock: Callable[[], float] = time.process_time,
         wait_clock: Callable[[], float] | None = None,
         load: Callable[[], tuple[float, int]] | None = machine_load,
+        contention: ContentionReader | None = None,
+        contention_every_s: float = 0.25,
     ) -> None:
         self.window = window
+        # the machine's contention counters (this process's threads' wait for a CPU, CPU pressure,
+        # steal), read at a step's end once every contention_every_s (None: a ContentionReader on
+        # /proc opened at install). About 10-40 µs a reading: 0.25 s apart, under 0.02% of the time
+        self.contention = contention
+        self.contention_every_s = float(contention_every_s)
+        self._read_machine: Callable[[float], MachineReading] | None = None
+        self._machine_at = -math.inf
         # this process's CPU seconds (all threads): the slowdown rule tells its own work from a busy
         # machine. One clock_gettime(CLOCK_PROCESS_CPUTIME_ID) per step, about 1 µs.
         self.cpu_clock = cpu_clock
@@ -495,11 +724,17 @@ class TimingInstrument:
     def install(self, mon: SessionView) -> None:
         cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
         self._clock = _Clock(cuda)
+        reader = None
+        if not cuda:  # on CUDA the step's time is the device's: the host's contention says little
+            reader = self.contention if self.contention is not None else ContentionReader()
+        self._read_machine = reader.read if reader is not None and reader.sources else None
+        self._machine_at = -math.inf
         self._slowdown = SlowdownRule(
             factor=mon.config.slowdown_factor,
             recent=2 * self._patience - 1,
             min_s=self.min_slowdown_s,
             load=self.load,
+            read=reader.sources if reader is not None else None,
         )
         tps = getattr(mon.config, "tokens_per_step", None)
         self._tokens_per_step = int(tps) if tps else None
@@ -535,14 +770,16 @@ class TimingInstrument:
 
         installs.patch(_BaseDataLoaderIter, "__next__", __next__)
 
-    def _begin(self, step: int) -> None:
+    def _begin(self, step: int, cpu: float = math.nan, wait: float = math.nan) -> None:
+        """Open step ``step``; ``cpu`` and ``wait``: the clocks as the previous step ended (read
+        again only at the first step: one proc-file read a step, not two)."""
         m = self._clock.mark()
         self._cur = _StepMarks(start=m, step=step)
         self._last_mark = m
         if not self._clock.cuda:  # on CUDA the host's CPU time says little about the step's work
-            self._cpu_start = self.cpu_clock()
+            self._cpu_start = cpu if cpu == cpu else self.cpu_clock()
             if self.wait_clock is not None:
-                self._wait_start = self.wait_clock()
+                self._wait_start = wait if wait == wait else self.wait_clock()
 
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
@@ -592,11 +829,22 @@ class TimingInstrument:
             self._commit()  # a step without backward (evaluation under watch): its forward counts
         self._uncommitted = (None, None)
         cur = self._cur
-        cur.end = self._clock.mark()
+        cur.end = end = self._clock.mark()
+        cpu = wait = math.nan
         if not self._clock.cuda:
-            cur.cpu = self.cpu_clock() - self._cpu_start
+            cpu = self.cpu_clock()
+            cur.cpu = cpu - self._cpu_start
             if self.wait_clock is not None:
-                cur.wait = self.wait_clock() - self._wait_start
+                wait = self.wait_clock()
+                cur.wait = wait - self._wait_start
+            read = self._read_machine
+            # on a schedule: every contention_every_s, and at steps 0, 1, 2, 4, 8, ... so that a short
+            # run of fast steps has readings before its slow ones too (one pread per thread, two more)
+            if read is not None and (
+                end - self._machine_at >= self.contention_every_s or not cur.step & (cur.step - 1)
+            ):
+                self._machine_at = end
+                cur.machine = read(end)
         cur.loader, cur.loader_calls = self._loader_s, self._loader_calls
         self._loader_s, self._loader_calls = 0.0, 0
         cur.step = int(getattr(record, "step", cur.step))
@@ -604,7 +852,7 @@ class TimingInstrument:
             cur.tokens = self._tokens_per_step
         self._pending.append(cur)
         self._open.clear()
-        self._begin(cur.step + 1)
+        self._begin(cur.step + 1, cpu, wait)
         self._drain(mon)
 
     def on_exit(self, mon: SessionView) -> None:
@@ -652,6 +900,7 @@ class TimingInstrument:
             wait=m.wait,
             loader=m.loader,
             loader_calls=m.loader_calls,
+            machine=m.machine,
         )
         self.history.append(t)
         writer = mon.writer
