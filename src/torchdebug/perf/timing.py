@@ -178,8 +178,17 @@ class ContentionReader:
 
         self.root = root
         self._tasks = os.path.join(root, "self", "task")
-        self._pressure = os.path.join(root, "pressure", "cpu")
-        self._stat = os.path.join(root, "stat")
+        # the machine's two files stay open (pread at 0 re-reads them); threads come and go: their
+        # files are opened at each reading
+        self._pressure = self._stat = -1
+        try:
+            self._pressure = os.open(os.path.join(root, "pressure", "cpu"), os.O_RDONLY)
+        except OSError:
+            pass
+        try:
+            self._stat = os.open(os.path.join(root, "stat"), os.O_RDONLY)
+        except OSError:
+            pass
         first = self.read(0.0)
         self.sources = tuple(
             k
@@ -207,18 +216,26 @@ class ContentionReader:
             wait = total / 1e9
         except (OSError, ValueError, IndexError):
             pass
-        try:
-            with open(self._pressure, "rb") as f:  # "some avg10=.. avg60=.. avg300=.. total=<µs>"
-                pressure = int(f.readline().rsplit(b"total=", 1)[1]) / 1e6
+        try:  # "some avg10=.. avg60=.. avg300=.. total=<µs>\nfull ..."
+            line = os.pread(self._pressure, 256, 0).split(b"\n", 1)[0]
+            pressure = int(line.rsplit(b"total=", 1)[1]) / 1e6
         except (OSError, ValueError, IndexError):
             pass
-        try:
-            with open(self._stat, "rb") as f:  # "cpu  user nice system idle iowait irq softirq steal ..."
-                fields = [int(x) for x in f.readline().split()[1:9]]
-            steal, ticks = float(fields[7]), float(sum(fields))
+        try:  # "cpu  user nice system idle iowait irq softirq steal guest guest_nice\ncpu0 ..."
+            fields = os.pread(self._stat, 256, 0).split(b"\n", 1)[0].split()[1:9]
+            steal, ticks = float(fields[7]), float(sum(map(int, fields)))
         except (OSError, ValueError, IndexError):
             pass
         return MachineReading(wall, wait, pressure, steal, ticks)
+
+    def close(self) -> None:
+        """Close the machine's files (idempotent)."""
+        import os
+
+        for fd in (self._pressure, self._stat):
+            if fd >= 0:
+                os.close(fd)
+        self._pressure = self._stat = -1
 
 
 def machine_load() -> tuple[float, int]:
@@ -692,6 +709,7 @@ class TimingInstrument:
         self.contention = contention
         self.contention_every_s = float(contention_every_s)
         self._read_machine: Callable[[float], MachineReading] | None = None
+        self._own_reader: ContentionReader | None = None  # opened at install, closed at exit
         self._machine_at = -math.inf
         # this process's CPU seconds (all threads): the slowdown rule tells its own work from a busy
         # machine. One clock_gettime(CLOCK_PROCESS_CPUTIME_ID) per step, about 1 µs.
@@ -725,8 +743,13 @@ class TimingInstrument:
         cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
         self._clock = _Clock(cuda)
         reader = None
+        if self._own_reader is not None:  # installed again (a level change)
+            self._own_reader.close()
+            self._own_reader = None
         if not cuda:  # on CUDA the step's time is the device's: the host's contention says little
-            reader = self.contention if self.contention is not None else ContentionReader()
+            reader = self.contention
+            if reader is None:
+                reader = self._own_reader = ContentionReader()
         self._read_machine = reader.read if reader is not None and reader.sources else None
         self._machine_at = -math.inf
         self._slowdown = SlowdownRule(
@@ -862,6 +885,10 @@ class TimingInstrument:
         if self._run_queue is not None:
             self._run_queue.close()
             self.wait_clock = None
+        if self._own_reader is not None:
+            self._own_reader.close()
+            self._own_reader = None
+        self._read_machine = None
 
     # ---- reading the marks
     def _drain(self, mon: SessionView) -> None:
