@@ -141,6 +141,15 @@ def spinning(step: int) -> Step:
     return Step(0.003, 0.006, 0.0)
 
 
+def saturated(step: int) -> Step:
+    """A machine busy throughout: 10 ms steps in which the two threads wait 12 ms for a CPU between
+    them (more than the wall time: they wait at once), spinning 18 ms of CPU; steps 40-79: more
+    load, 40 ms steps, 44 ms of waits, 70 ms of CPU."""
+    if 40 <= step < 80:
+        return Step(0.040, 0.070, 0.022, worker=0.022, pressure=0.040)
+    return Step(0.010, 0.018, 0.006, worker=0.006, pressure=0.010)
+
+
 def stolen(step: int) -> Step:
     """20 ms steps of CPU; steps 40-79: the hypervisor takes half of the CPUs' time: 40 ms steps of
     the same 20 ms of CPU, and no task waits in the guest's run queue."""
@@ -178,9 +187,23 @@ def stolen(step: int) -> Step:
             "machine's CPUs were contended (load average 7.9 on 2 CPUs): over steps 53-64 this "
             "process's threads waited for a CPU 89% of the time (summed over its threads; 0% over "
             "steps 3-32), CPU pressure 100% (some task waiting for a CPU; 0% before); it used 22.0 ms "
-            "of CPU a step (6.0 ms before); waiting for a CPU accounts for about 100% of the added "
-            "time (the rest of a step: about 3.0 -> 2.0 ms)",
+            "of CPU a step (6.0 ms before); waiting for a CPU accounts for all of the added time "
+            "(the rest of a step: about 3.0 -> 2.0 ms)",
             id="intra-op-worker-waits",
+        ),
+        pytest.param(
+            saturated,
+            # 0.5 s of 40 ms steps from step 44: 13 steps (44-56). Readings before 40: 2, 4, 8, 16, 32;
+            # after: 44 (7 x 10 + 5 x 40 ms >= 0.25 s), 51 (7 x 40 ms). The waits exceed the wall
+            # time before and after (120%, 110%): the whole step counts as lost, 40 - 10 = 30 ms,
+            # all of the rise; the rest of a step is not known, so not said
+            56,
+            "steps took 4.0x longer since about step 40 (median 40.0 ms, 10.0 ms before) while the "
+            "machine's CPUs were contended (load average 7.9 on 2 CPUs): over steps 45-51 this "
+            "process's threads waited for a CPU 110% of the time (summed over its threads; 120% over "
+            "steps 3-32), CPU pressure 100% (some task waiting for a CPU; 100% before); it used 70.0 ms "
+            "of CPU a step (18.0 ms before); waiting for a CPU accounts for all of the added time",
+            id="saturated-machine",
         ),
         pytest.param(
             stolen,
@@ -192,7 +215,7 @@ def stolen(step: int) -> Step:
             "process's threads waited for a CPU 0% of the time (summed over its threads; 0% over "
             "steps 3-32), CPU pressure 0% (some task waiting for a CPU; 0% before), steal 50% of the "
             "CPUs' time (0% before); it used 20.0 ms of CPU a step (20.0 ms before); waiting for a "
-            "CPU accounts for about 100% of the added time (the rest of a step: about 20.0 -> 20.0 ms)",
+            "CPU accounts for all of the added time (the rest of a step: about 20.0 -> 20.0 ms)",
             id="hypervisor-steal",
         ),
     ],

@@ -550,8 +550,19 @@ class SlowdownRule:
             cpu_med, cpu_base = _median(cpu_now), _median(list(self._cpu))
             evidence.update(cpu_s=cpu_med, cpu_median_s=cpu_base)
             facts += f"; it used {cpu_med * 1e3:.1f} ms of CPU a step ({cpu_base * 1e3:.1f} ms before)"
-        # the rest of a step can shrink (fewer spins, fewer cache misses): at most all of the rise
-        part = f"about {min(1.0, max(0.0, lost) / rise):.0%} of the added time"
+        # the rest of a step can shrink (fewer spins, fewer cache misses): the wait can cover more
+        # than the rise. Summed over threads the wait can exceed the wall time: then capped, and the
+        # rest of a step is not known (not said)
+        part = (
+            "all of the added time"
+            if lost >= rise
+            else f"about {max(0.0, lost) / rise:.0%} of the added time"
+        )
+        rest = (
+            f" (the rest of a step: about {own_base * 1e3:.1f} -> {own * 1e3:.1f} ms)"
+            if lost_now < 1.0 and lost_before < 1.0
+            else ""
+        )
         # Contended: the time lost to waiting grew by at least half the rise. Its own work grew: the
         # rest of the step grew factor x and carries its share of the rise (see _judge). Neither
         # the CPU time nor the training thread's own wait decides here: with torch's intra-op
@@ -564,8 +575,8 @@ class SlowdownRule:
             said = (
                 f"steps took {med / base:.1f}x longer since about step {self.start} (median "
                 f"{med * 1e3:.1f} ms, {base * 1e3:.1f} ms before) while the machine's CPUs were "
-                f"contended{self._load_text(evidence)}: {facts}; waiting for a CPU accounts for {part} "
-                f"(the rest of a step: about {own_base * 1e3:.1f} -> {own * 1e3:.1f} ms)"
+                f"contended{self._load_text(evidence)}: {facts}; waiting for a CPU accounts for {part}"
+                f"{rest}"
             )
             return "info", said
         if contended:
