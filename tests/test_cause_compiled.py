@@ -146,6 +146,35 @@ def test_a_nan_the_eager_step_function_makes_is_the_models(backward: bool) -> No
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+def test_a_step_function_replay_that_fails_reports_the_symptom_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchdebug.nonfinite.replay as replay  # the rare path: the replay of a failing step
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("replay machinery broke")
+
+    monkeypatch.setattr(replay, "replay_eager", broken)
+    torch.manual_seed(0)
+    model = cm.LogNet()
+    step_fn = _step_fn(model, False, backend="eager")
+    x, y = torch.randn(16, 4) * 5, torch.randn(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with td.watch(model, opt, policy="warn", step_fn=step_fn, config=SENTINEL_ONLY) as mon:
+            opt.zero_grad()
+            step_fn(x, y).backward()
+            opt.step()
+            mon.step()
+    said = [str(w.message) for w in caught if "replay of the failing step failed" in str(w.message)]
+    assert said == [
+        "torchdebug: replay of the failing step failed (RuntimeError('replay machinery broke')); "
+        "reporting the symptom only"
+    ]
+    (a,) = mon.anomalies
+    assert a.reproducible is None and "the replay failed" in a.hint
+    assert mon.counters["replays"] == 1 and mon.sentinel.replaying is False
+
+
 def test_with_accumulation_the_failing_micro_steps_call_is_replayed() -> None:
     torch.manual_seed(0)
     model = cm.SqrtReluNet()
