@@ -20,6 +20,7 @@ from torch import nn
 import torchdebug as td
 from tests.fixtures import cause_models as cm
 from tests.fixtures.dynamo import fresh_dynamo  # noqa: F401  (autouse: a fresh Dynamo per test)
+from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer
 
 with warnings.catch_warnings():  # Inductor's own import warns about torch.jit (torch's, not ours)
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -336,18 +337,8 @@ def _lightning_fit(net: nn.Module, loader: Any, **cb_kw: Any) -> td.Monitor:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cb = TorchDebugCallback(run=False, policy="warn", config=SENTINEL_ONLY, **cb_kw)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    trainer = quiet_trainer([cb], max_steps=1)
+    with quiet_fit(), warnings.catch_warnings():
         warnings.simplefilter("ignore", td.TorchDebugWarning)  # policy="warn" says it once
         trainer.fit(Lit(), loader)
     assert cb.monitor is not None

@@ -39,6 +39,9 @@ def test_each_phase_of_a_step_is_the_time_spent_in_it_and_a_slow_loader_is_input
     # its backward 1/64 s, the loss outside the forward 1/256 s, the optimizer 1/128 s: 25/256 s in all
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), Ticking(clock, 1 / 128, 1 / 64), nn.ReLU(), nn.Linear(16, 1))
+    # a plain SGD built first: torch then hooks SGD.step as well, and TickingSGD.step's super().step()
+    # runs torch's hook wrapper a second time, nested: still one optimizer phase of 1/128 s a step
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     opt = TickingSGD(model.parameters(), clock, 1 / 128)
     with (
         pytest.warns(TorchDebugWarning, match="input_bound"),

@@ -487,7 +487,7 @@ def symptom_anomaly(
                 + "".join(f"; {t}" for t in found.tried if t != cause.EAGER_TRIED)
                 + ". Nothing tried reproduced it: a nondeterministic kernel or race, a hook or state "
                 "that changed between the step and the replay, or loss code the replay did not capture"
-                + ("; a replay on another rank tells a faulty rank apart" if mon.world_size > 1 else "")
+                + (cause.OTHER_RANK_HINT if mon.world_size > 1 else "")
             )
         else:
             hint = f"not reproducible on this rank: in the step, {observed} held NaN/Inf; {found.evidence}"
