@@ -159,6 +159,8 @@ class ExplosionRule:
         rel = False
         if len(self.history) and not (early and self.seen < EARLY_HISTORY):  # the relative test
             med = self.history.median()
+            if math.log10(norm) <= med and norm <= self.abs_threshold and self.mads >= 0:
+                return None  # the usual answer: at or below the median (z <= 0), no sigma needed
             sigma = self.history._sigma_at(med, abs_floor=LOG_SIGMA_FLOOR)  # the median computed once
             z = (math.log10(norm) - med) / sigma
             ratio = norm / 10**med
@@ -319,6 +321,7 @@ class LossSpikeRule:
         self.history = RunningMedian(window)
         self.active = False
         self.count = 0
+        self.fired_at = (math.nan, math.nan)  # the window's median and sigma the last spike was judged by
 
     def update(self, step: int, loss: float) -> RuleEvent | None:
         """Feed the loss of ``step``; an event at the first step of a spike."""
@@ -328,8 +331,12 @@ class LossSpikeRule:
         z = med = 0.0
         if len(self.history) >= max(self.warmup, 1):
             med = self.history.median()
-            z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
-            fire = z > self.mads and loss - med >= self.min_rise * abs(med)
+            # the rise first (no sigma for the usual answer); then the z-score
+            if loss - med >= self.min_rise * abs(med):
+                z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
+                fire = z > self.mads
+                if fire:  # what the spike guard's report says it was judged by (rare)
+                    self.fired_at = (med, self.history._sigma_at(med, LOSS_REL_FLOOR, 1e-12))
         self.history.push(loss)
         if not fire:
             self.active = False
@@ -479,17 +486,30 @@ class LRRule:
         self.zero: set[int] = set()
         self.bad: set[int] = set()
 
-    def update(self, step: int, lrs: Sequence[float], labels: Sequence[str] | None = None) -> list[RuleEvent]:
-        """Feed the per-group learning rates of ``step`` (``labels``: what to call each; default
-        ``param group <g>``; with several optimizers, which optimizer's group)."""
+    def update(
+        self,
+        step: int,
+        lrs: Sequence[float],
+        labels: Sequence[str] | Callable[[], Sequence[str] | None] | None = None,
+    ) -> list[RuleEvent]:
+        """Feed the per-group learning rates of ``step`` (``labels``: what to call each, or a callable
+        returning them, called only when the rates moved; default ``param group <g>``; with several
+        optimizers, which optimizer's group)."""
+        lrs = tuple(map(float, lrs))
+        prev = self.prev
+        if prev == lrs and not (self.bad or self.zero or True in self.changing):
+            # the usual answer: the same finite rates as the step before, and nothing under way (a
+            # non-finite rate is in ``bad``, so a NaN equal to itself by identity never lands here)
+            self.prev2 = prev
+            return []
         out: list[RuleEvent] = []
+        if callable(labels):
+            labels = labels()
         label = (
             (lambda g: labels[g])
             if labels is not None and len(labels) == len(lrs)
             else (lambda g: f"param group {g}")
         )
-        lrs = tuple(float(x) for x in lrs)
-        prev = self.prev
         if prev is None or len(prev) != len(lrs):
             self.prev, self.prev2, self.changing = lrs, None, [False] * len(lrs)
             prev = None
@@ -891,6 +911,7 @@ class GradientHealth:
         self.amp = AmpScaleRule(cfg.scale_floor, cfg.scale_shrink_steps)
         self.dead = DeadUnitRule(cfg.dead_unit_fraction)
         self.ratio_rule = UpdateRatioRule(cfg.update_ratio_min, cfg.update_ratio_max)
+        self._lrs_seen: Any = None  # the rates the ratio rule last saw (fed again when they move)
         self.clip_on_spike: float | None = cfg.clip_on_spike
         self._synced_step: int | None = None  # the step whose transfer already ran (collect was called)
         self._judged_step: int | None = None  # the step the explosion rule already judged
@@ -1071,8 +1092,11 @@ class GradientHealth:
                 self._emit_episode(mon, "level", event, self.growth.active)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
-        self.ratio_rule.see_lr(record.lr or ())
-        for event in self.lr_rule.update(step, record.lr or (), mon.lr_labels):
+        lrs = record.lr or ()
+        if lrs != self._lrs_seen:  # (a C-level comparison: the rates moved, or the first step)
+            self._lrs_seen = lrs
+            self.ratio_rule.see_lr(lrs)
+        for event in self.lr_rule.update(step, lrs, lambda: mon.lr_labels):
             if event.kind == "lr_nonfinite" and "nonfinite" in mon.config.instruments():
                 continue  # the sentinel named it before the update, as an `optimizer` anomaly
             self._emit(mon, event)

@@ -45,7 +45,7 @@ import torch
 from .._errors import LossSpikeError, TorchDebugWarning
 from .._frames import warn_at_user
 from ..events import RuleEvent
-from ..health.instrument import LOSS_REL_FLOOR, LossSpikeRule, layer_norms, owner
+from ..health.instrument import LossSpikeRule, layer_norms, owner
 from ..health.spikes import Evidence, SpikeReport, attribute
 from . import distributed as _distributed
 from .protocol import Session
@@ -379,14 +379,12 @@ class SpikeGuard:
         loss = self._loss(mon)
         if loss is None or not math.isfinite(loss):
             return
-        hist = self.rule.history
-        med = hist.median()
-        sigma = hist._sigma_at(med, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12) if len(hist) else math.nan
         inc = self._incident
         if inc is not None and (loss <= inc[2] + RECOVERED_SIGMAS * inc[3] or step - inc[0] > RECOVERY):
             inc = self._incident = None  # recovered (or long enough ago to be a new incident)
         if self.rule.update(step, loss) is None:
             return
+        med, sigma = self.rule.fired_at  # the window's median and sigma before this loss joined it
         report = self._forensics(mon, step, loss, med, sigma, before_update, inc)
         if inc is None:
             self._incident = (step, report.cause, med, sigma)

@@ -43,15 +43,29 @@ class Step:
         self.mon = mon
         self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
         self.grads = GradientCheck(mon)  # the gradients measured after backward(), or inside the clip
+        # the instruments that have each method, per method name, for the list they were found in
+        # (``_of``, a copy: a changed ``mon.instruments`` finds them again); no failed getattr a step
+        self._of: list[Any] = []
+        self._having: dict[str, list[Any]] = {}
 
     # -- instrument plumbing ---------------------------------------------------------------------
+    def having(self, method: str) -> list[Any]:
+        """The instruments that have ``method``, in order (a snapshot: one may be switched off while
+        they are called), found again when ``mon.instruments`` changed (the callers inline the lookup)."""
+        instruments = self.mon.instruments
+        if self._of != instruments:
+            self._of, self._having = list(instruments), {}
+        # (an attribute set to None is no such method)
+        got = self._having[method] = [i for i in instruments if getattr(i, method, None) is not None]
+        return got
+
     def each(self, method: str, *args: Any) -> None:
         """Call ``method`` of every instrument that has it; a failing one is switched off."""
         mon = self.mon
-        for inst in list(mon.instruments):
-            fn = getattr(inst, method, None)
-            if fn is None:
-                continue
+        # (``having``, inlined: seven times a step; the list comparison is C-level, by identity)
+        having = self._having.get(method) if self._of == mon.instruments else None
+        for inst in having if having is not None else self.having(method):
+            fn = getattr(inst, method)  # looked up at the call: an instrument may replace its method
             try:
                 fn(mon, *args)
             except (NonFiniteError, LossSpikeError):
@@ -422,12 +436,11 @@ class Step:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
         mon = self.mon
         items: Items = []
-        for inst in list(mon.instruments):
-            fn = getattr(inst, "collect", None)
-            if fn is None:
-                continue  # most instruments hand over nothing (no call, twice a step)
+        having = self._having.get("collect") if self._of == mon.instruments else None
+        # most instruments hand over nothing: no call for them, twice a step
+        for inst in having if having is not None else self.having("collect"):
             try:
-                got = fn(mon) or {}
+                got = inst.collect(mon) or {}
             except (NonFiniteError, LossSpikeError):
                 raise
             except Exception as exc:
