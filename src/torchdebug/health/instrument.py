@@ -157,7 +157,7 @@ class ExplosionRule:
         early = self.seen < self.warmup
         evidence: dict[str, float] = {"grad_norm": norm}
         rel = False
-        if len(self.history) and not (early and self.seen < EARLY_HISTORY):  # the relative test
+        if self.history.n and not (early and self.seen < EARLY_HISTORY):  # the relative test
             med = self.history.median()
             if math.log10(norm) <= med and norm <= self.abs_threshold and self.mads >= 0:
                 return None  # the usual answer: at or below the median (z <= 0), no sigma needed
@@ -192,7 +192,7 @@ class ExplosionRule:
         # what the message says was typical: the median before this norm joins it (read only on the
         # step that fires)
         typical = 10 ** self.history.median() if evidence is not None and len(self.history) else math.nan
-        judged_on = len(self.history)
+        judged_on = self.history.n
         # an exploding norm stays out of the baseline for the first FREEZE steps of its episode, so
         # a run-away growth stays one episode instead of widening the range it is judged against
         frozen = evidence is not None and self._exploding < FREEZE
@@ -329,7 +329,7 @@ class LossSpikeRule:
             return None
         fire = False
         z = med = 0.0
-        if len(self.history) >= max(self.warmup, 1):
+        if self.history.n >= max(self.warmup, 1):
             med = self.history.median()
             # the rise first (no sigma for the usual answer); then the z-score
             if loss - med >= self.min_rise * abs(med):
@@ -1033,13 +1033,21 @@ class GradientHealth:
         self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
         red = mon.transfer.reduced
-        if red is not None and red is not self._per_handed and self.details and mon.due(self.every):
+        every = self.every  # (``mon.due(self.every)``, inlined here and at the step end: every step)
+        if (
+            red is not None
+            and red is not self._per_handed
+            and self.details
+            and every > 0
+            and mon.global_step % every == 0
+        ):
             # detail steps: every parameter's gradient norm, read with the step's numbers (ordinary
             # steps read only their total); again at a later read when a backward came since (several
             # updates in the step), so the step end needs no read of its own
             self._per_handed = red
             out.update(mon.transfer.per_tensor_items())
-        out.update(self._optnorms.items(mon))  # several optimizers: each one's gradient norm
+        if len(mon.optimizers) > 1:  # several optimizers: each one's gradient norm
+            out.update(self._optnorms.items(mon))
         if self._clip is not None:
             total, max_norm, norm_type = self._clip
             self._clip = None
@@ -1110,7 +1118,9 @@ class GradientHealth:
                 self._emit(mon, event)
         if "clip" in handed and "health.clip_total" in values:
             self._clip_insight(mon, step, float(values["health.clip_total"]), handed["clip"], record, scalars)
-        norms_host = mon.grad_norms_host if self.details and mon.due(self.every) else None
+        every = self.every
+        due = every > 0 and mon.global_step % every == 0
+        norms_host = mon.grad_norms_host if self.details and due else None
         if norms_host is not None:
             _log_vector(mon, step, self._detail_names(mon)[3], norms_host)  # host floats, names built once
             if not record.skipped:

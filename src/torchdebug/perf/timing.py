@@ -735,7 +735,7 @@ class TimingInstrument:
         self._data_share.push(share)
         frac = float(getattr(cfg, "input_bound_fraction", 0.3))
         med_share = self._data_share.median()
-        if len(self._data_share) >= min(5, self.window):
+        if self._data_share.n >= min(5, self.window):
             if med_share > frac and not self._input_bound_on:
                 self._input_bound_on = True
                 mon.emit(

@@ -321,7 +321,7 @@ class SpikeGuard:
     def before_optimizer_step(self, mon: Session) -> None:
         step = mon.global_step
         values = mon.transfer.values
-        if self._judged != step and "loss" in values and not mon.sentinel.skipped:
+        if self._judged != step and "loss" in values and not mon.state.skip_reason:  # (``sentinel.skipped``)
             self._judged = step
             self._judge(mon, step, before_update=True)
         if self._lr_left > 0 and mon.optimizer is not None:  # after a rollback: a lower lr for a while
@@ -376,7 +376,11 @@ class SpikeGuard:
         return None if loss is None else float(loss)
 
     def _judge(self, mon: Session, step: int, before_update: bool) -> None:
-        loss = self._loss(mon)
+        if mon.coordinator is None:  # (``_loss``, inlined: every step)
+            got = mon.transfer.values.get("loss")
+            loss = None if got is None else float(got)
+        else:
+            loss = self._loss(mon)
         if loss is None or not math.isfinite(loss):
             return
         inc = self._incident

@@ -211,8 +211,12 @@ class Step:
         if s.tape is not None:
             s.pop_tape()  # the update is not loss code
         # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
-        for o in [opt] if any([opt is o for o in mon.optimizers]) else mon.optimizers:
-            st.lr_used.setdefault(id(o), tuple([float(g.get("lr", math.nan)) for g in o.param_groups]))
+        opts = mon.optimizers
+        if not (len(opts) == 1 and opts[0] is opt):  # (the usual answer: the one optimizer)
+            opts = [opt] if any([opt is o for o in opts]) else opts
+        for o in opts:
+            if id(o) not in st.lr_used:
+                st.lr_used[id(o)] = tuple([float(g.get("lr", math.nan)) for g in o.param_groups])
         mon.hyperparams.stage(opt if opt is not None else mon.optimizer, device_ok=mon._async is None)
         if mon._async is None or not mon._async.update_starting(opt):
             # several models or optimizers: each update is read and checked before it runs
@@ -463,7 +467,14 @@ class Step:
         """The step's record; its scalars go to the store (``lr``, ``time_s``: kept from the step end)."""
         mon, st = self.mon, self.state
         now = time.perf_counter()
-        v = {k: x for k, x in st.transfer.values.items() if not k.startswith("_")}
+        # the record's values and the store's scalars in one pass (no comprehension frames: every step)
+        v: dict[str, float] = {}
+        scalars: dict[str, float] = {}
+        for k, x in st.transfer.values.items():
+            if not k.startswith("_"):
+                v[k] = x
+                if k in _SCALARS or k.startswith("grad_norm/"):  # (optnorms.py)
+                    scalars[k] = x
         if lr is None:
             lr = mon.models.step_lrs(st.lr_used)
         record = StepRecord(
@@ -480,7 +491,6 @@ class Step:
             anomaly=st.step_anomaly,
             events=st.events,
         )
-        scalars = {k: x for k, x in v.items() if k in _SCALARS or k.startswith("grad_norm/")}  # optnorms.py
         scalars["skipped"] = 1.0 if st.skip_reason else 0.0
         for name, x in zip(mon.models.lr_names(), lr):
             scalars[name] = x
