@@ -344,7 +344,7 @@ class SpikeGuard:
         if self._judged != step and not record.skipped and values.get("loss") is not None:
             self._judged = step
             self._judge(mon, step, before_update=False)
-        lrs = tuple(float(x) for x in record.lr) if record.lr else ()
+        lrs = tuple(map(float, record.lr)) if record.lr else ()
         self.history.append((step, lrs, values.get("grad_norm"), mon.transfer.norms_later()))
         vectors = mon.transfer.vectors
         ratio = vectors.get("health.ratio")

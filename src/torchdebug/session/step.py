@@ -379,7 +379,12 @@ class Step:
             items += mon.hyperparams.items()
         items += self.collect()
         transfer.synced = True
-        if any([t.is_meta for _, t in items]):
+        meta = False
+        for _, t in items:  # (no comprehension frame: every step)
+            if t.is_meta:
+                meta = True
+                break
+        if meta:
             # a model on the meta device computes shapes only: there are no values to read or check
             items = [(k, t) for k, t in items if not t.is_meta]
             mon.warn_once(
