@@ -159,12 +159,13 @@ class ExplosionRule:
         rel = False
         if self.history.n and not (early and self.seen < EARLY_HISTORY):  # the relative test
             med = self.history.median()
-            if math.log10(norm) <= med and norm <= self.abs_threshold and self.mads >= 0:
-                return None  # the usual answer: at or below the median (z <= 0), no sigma needed
+            ratio = norm / 10**med
+            least = EARLY_RATIO if early else self.min_ratio
+            if ratio < least and norm <= self.abs_threshold:
+                return None  # the usual answer: under the ratio the relative test needs, no sigma needed
             sigma = self.history._sigma_at(med, abs_floor=LOG_SIGMA_FLOOR)  # the median computed once
             z = (math.log10(norm) - med) / sigma
-            ratio = norm / 10**med
-            rel = z > self.mads and ratio >= (EARLY_RATIO if early else self.min_ratio)
+            rel = z > self.mads and ratio >= least
             evidence.update(median=10**med, mads=z, ratio=ratio, threshold=10 ** (med + self.mads * sigma))
         if rel or norm > self.abs_threshold:
             evidence["abs_threshold"] = self.abs_threshold
@@ -924,6 +925,12 @@ class GradientHealth:
         self._act_armed = False
         self._act_step: int | None = None
         self._step_had_anomaly = False
+        # the forward's start arms the activation capture: without one no call a step (the session's
+        # dispatch skips a method set to None)
+        if self.activations:
+            self.__dict__.pop("on_forward_start", None)
+        else:
+            self.__dict__["on_forward_start"] = None
         if self.activations:
             for mod in mon.model.modules():
                 if next(iter(mod.children()), None) is None:

@@ -295,6 +295,14 @@ class SpikeGuard:
                 )
             )
             self.mode = "warn"
+        # the snapshot (at a step's first forward) and the lowered lr (around the update) serve the
+        # rollback alone: without it those boundaries call nothing here (the session's dispatch skips a
+        # method set to None)
+        for method in ("on_forward_start", "after_optimizer_step"):
+            if self.mode == "rollback":
+                self.__dict__.pop(method, None)
+            else:
+                self.__dict__[method] = None
 
     def on_forward_start(
         self, mon: Session, module: Any = None, args: Any = None, kwargs: Any = None
