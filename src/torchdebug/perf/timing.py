@@ -714,7 +714,18 @@ class TimingInstrument:
         self.history.append(t)
         writer = mon.writer
         if writer is not None:
-            writer.log_timing(t.step, t.as_log())
+            # (``t.as_log()``, inlined: every step)
+            writer.log_timing(
+                t.step,
+                {
+                    "data": data,
+                    "forward": forward,
+                    "backward": backward,
+                    "optimizer": optimizer,
+                    "other": other,
+                    "step": total,
+                },
+            )
             thr = {}
             if total > 0:  # (``samples_per_s`` and ``tokens_per_s``, inlined: every step)
                 if t.samples:
