@@ -95,7 +95,17 @@ class Step:
             return
         if s.tape is not None:
             s.pop_tape()
-        self.first_forward(module, args, kwargs, outside)
+        if st.phase is StepPhase.FORWARD:
+            return  # a later forward call in the micro-step: not a boundary
+        # (``first_forward``, inlined: every step)
+        if mon._async is not None:
+            mon._async.resolve(block=False)  # the last step's numbers, copied by now (may raise)
+        st = self.state  # (resolve may have put the state back)
+        st.phase = StepPhase.FORWARD
+        s.on_forward_start(st, mon, module, args, kwargs)
+        self.each("on_forward_start", module, args, kwargs)
+        if outside or mon._called is not mon.model:
+            mon._plain.guard_module_hooks()  # compiled: hooks an instrument added just now
 
     def first_forward(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         mon = self.mon
