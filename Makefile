@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q -c constraints.txt
 
-.PHONY: demo test lint bench install-dev clean
+.PHONY: demo test test-fast lint bench install-dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,9 @@ demo: $(VENV)/.core
 test: $(VENV)/.dev
 	bash scripts/ensure_browser.sh || true
 	$(BIN)/python -m pytest -q
+
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks

@@ -20,6 +20,7 @@ from torch import nn
 import torchdebug as td
 from tests.fixtures import cause_models as cm
 from tests.fixtures.dynamo import fresh_dynamo  # noqa: F401  (autouse: a fresh Dynamo per test)
+from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer
 
 with warnings.catch_warnings():  # Inductor's own import warns about torch.jit (torch's, not ours)
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -211,19 +212,9 @@ def test_lightning_run_names_the_kernel_and_every_view_shows_it(tmp_path: Any, c
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cb = TorchDebugCallback(run=tmp_path, policy="warn")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
+    trainer = quiet_trainer([cb], max_steps=1)
     loader = torch.utils.data.DataLoader([torch.randn(5, 8) for _ in range(2)], batch_size=2)  # (2, 5, 8)
-    with cm.bad_flash_kernel(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    with cm.bad_flash_kernel(), quiet_fit(), warnings.catch_warnings():
         warnings.simplefilter("ignore", td.TorchDebugWarning)  # policy="warn" says it once
         trainer.fit(Lit(), loader)
     (a,) = cb.monitor.anomalies

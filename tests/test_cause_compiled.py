@@ -20,6 +20,7 @@ from torch import nn
 import torchdebug as td
 from tests.fixtures import cause_models as cm
 from tests.fixtures.dynamo import fresh_dynamo  # noqa: F401  (autouse: a fresh Dynamo per test)
+from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer
 
 with warnings.catch_warnings():  # Inductor's own import warns about torch.jit (torch's, not ours)
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -144,6 +145,35 @@ def test_a_nan_the_eager_step_function_makes_is_the_models(backward: bool) -> No
     assert (c.replays, c.compiles) == (1, 0)
     # the replays put back what each run of the step function changed, and the update was skipped
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_step_function_replay_that_fails_reports_the_symptom_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchdebug.nonfinite.replay as replay  # the rare path: the replay of a failing step
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("replay machinery broke")
+
+    monkeypatch.setattr(replay, "replay_eager", broken)
+    torch.manual_seed(0)
+    model = cm.LogNet()
+    step_fn = _step_fn(model, False, backend="eager")
+    x, y = torch.randn(16, 4) * 5, torch.randn(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with td.watch(model, opt, policy="warn", step_fn=step_fn, config=SENTINEL_ONLY) as mon:
+            opt.zero_grad()
+            step_fn(x, y).backward()
+            opt.step()
+            mon.step()
+    said = [str(w.message) for w in caught if "replay of the failing step failed" in str(w.message)]
+    assert said == [
+        "torchdebug: replay of the failing step failed (RuntimeError('replay machinery broke')); "
+        "reporting the symptom only"
+    ]
+    (a,) = mon.anomalies
+    assert a.reproducible is None and "the replay failed" in a.hint
+    assert mon.counters["replays"] == 1 and mon.sentinel.replaying is False
 
 
 def test_with_accumulation_the_failing_micro_steps_call_is_replayed() -> None:
@@ -307,18 +337,8 @@ def _lightning_fit(net: nn.Module, loader: Any, **cb_kw: Any) -> td.Monitor:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cb = TorchDebugCallback(run=False, policy="warn", config=SENTINEL_ONLY, **cb_kw)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    trainer = quiet_trainer([cb], max_steps=1)
+    with quiet_fit(), warnings.catch_warnings():
         warnings.simplefilter("ignore", td.TorchDebugWarning)  # policy="warn" says it once
         trainer.fit(Lit(), loader)
     assert cb.monitor is not None

@@ -144,6 +144,7 @@ def test_a_persistent_fault_on_rank1_is_named_hardware_with_its_host_and_device(
         assert "came out finite on rank 0" in c["evidence"]
         assert c["tried"][-1].endswith("on rank 1: nan; on rank 0: finite")
         assert "  cause     hardware: persistent fault on rank 1" in r["block"]
+        assert f"; rank 1's device (cpu on {r1['host']}) is at fault, not the model" in a["hint"]
     assert r0["anomaly"]["cause"] == r1["anomaly"]["cause"]  # every rank reached the same verdict
     with open_run(r0["run_dir"], rank=0) as rec:  # stored with its cause
         (stored,) = rec.anomalies()
@@ -165,7 +166,8 @@ def test_a_one_off_fault_is_transient_and_names_no_hardware(runs):
         assert c["evidence"].startswith("transient: the step held nan on rank 1 (cpu on ")
         assert "finite when replayed on rank 1 and on rank 0" in c["evidence"]
         assert c["tried"][-1].endswith("on rank 1 and on rank 0: finite on both")
-        assert "hardware" not in c["evidence"]
+        assert "hardware" not in c["evidence"] and "hardware" not in a["hint"]
+        assert a["hint"].endswith("on rank 1 and on rank 0: finite on both")  # not "a replay ... tells"
     assert r0["anomaly"]["cause"] == r1["anomaly"]["cause"]
 
 
@@ -227,6 +229,28 @@ def test_the_parameter_hash_is_equal_for_equal_weights_and_moves_with_one_elemen
 def test_the_diverged_rank_is_named_by_majority_else_by_a_write_outside_its_update(hashes, moved, named, how):
     got, why = replica._odd_ones(hashes, moved)
     assert got == named and why.startswith(how)
+
+
+@pytest.mark.parametrize(
+    ("hint", "verdict", "said"),
+    [
+        (
+            "not reproducible: ...; a replay on another rank tells a faulty rank apart",
+            "unknown",
+            "not reproducible: ...; T",
+        ),
+        (
+            "mm produced NaN",
+            "hardware",
+            "mm produced NaN; rank 1's device (cpu on h) is at fault, not the model",
+        ),
+        ("log of negative input", None, "log of negative input"),  # software: the origin's hint stands
+    ],
+    ids=["transient", "hardware", "software"],
+)
+def test_the_hint_says_what_the_replays_across_ranks_found(hint, verdict, said):
+    got = replica._hint(hint, verdict, "T", {"rank": 1, "device": "cpu", "host": "h"})
+    assert got.startswith(said) and "tells a faulty rank apart" not in got
 
 
 def test_a_cause_travels_between_ranks_as_a_dict():

@@ -18,6 +18,7 @@ from torch import nn
 L = pytest.importorskip("lightning.pytorch")
 
 import torchdebug as td  # noqa: E402
+from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer  # noqa: E402
 from tests.fixtures.models import origin_line  # noqa: E402
 from torchdebug.integrations.lightning import TorchDebugCallback  # noqa: E402
 
@@ -101,25 +102,9 @@ def batches(n: int, fault: str | None = None) -> list[tuple[torch.Tensor, ...]]:
 
 def fit(lit: Lit, cb: TorchDebugCallback, n: int = 5, fault: str | None = None, **trainer_kw: object) -> None:
     torch.manual_seed(0)
-    trainer_kw.setdefault("logger", False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-        **trainer_kw,
-    )
+    trainer = quiet_trainer([cb], devices=1, max_epochs=1, **trainer_kw)
     loader = torch.utils.data.DataLoader(batches(n, fault), batch_size=None)
-    with warnings.catch_warnings():
-        # Lightning's advice for real data loaders on a list of 5 batches (a PossibleUserWarning)
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        # Lightning 2.6's own pytree helper on torch 2.13 (lightning/pytorch/utilities/_pytree.py:21)
-        warnings.filterwarnings(
-            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-        )
+    with quiet_fit():
         trainer.fit(lit, loader)
 
 

@@ -18,6 +18,7 @@ L = pytest.importorskip("lightning.pytorch")
 import torchdebug as td  # noqa: E402
 from tests.fixtures import gan_script  # noqa: E402
 from tests.fixtures.gan_script import Discriminator, Generator  # noqa: E402
+from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer  # noqa: E402
 from tests.fixtures.models import origin_line  # noqa: E402
 from torchdebug.integrations.lightning import TorchDebugCallback  # noqa: E402
 from torchdebug.store import open_run  # noqa: E402
@@ -86,23 +87,8 @@ class GAN(L.LightningModule):
 def fit(gan: GAN, cb: TorchDebugCallback, n: int = 4) -> None:
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(5, 6, generator=gen), torch.randn(5, 4, generator=gen)) for _ in range(n)]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    with warnings.catch_warnings():
-        # Lightning's advice for real data loaders on a list of 4 batches (a PossibleUserWarning)
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        # Lightning 2.6's own pytree helper on torch 2.13 (lightning/pytorch/utilities/_pytree.py:21)
-        warnings.filterwarnings(
-            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-        )
+    trainer = quiet_trainer([cb], devices=1, max_epochs=1)
+    with quiet_fit():
         trainer.fit(gan, torch.utils.data.DataLoader(data, batch_size=None))
 
 

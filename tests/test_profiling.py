@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 
 import pytest
 import torch
 from torch import nn
 
-from tests.fixtures.memory_models import sleepy_batches
-from torchdebug.perf.profiling import debug_performance, monitor_resources, profile, profile_model_performance
+from tests.fixtures.memory_models import HandClock, sleepy_batches
+from torchdebug.perf import timing
+from torchdebug.perf.profiling import (
+    _union_length,
+    debug_performance,
+    monitor_resources,
+    profile,
+    profile_model_performance,
+)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> HandClock:
+    """perf/'s host clock, moved by hand: the data and wall times are exact, whatever the load."""
+    hand = HandClock()
+    monkeypatch.setattr(timing, "host_clock", hand)
+    return hand
 
 
 def _model() -> nn.Module:
@@ -21,10 +35,12 @@ def _model() -> nn.Module:
     )
 
 
-def _step_fn(model):
+def _step_fn(model, clock: HandClock | None = None):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(x):
+        if clock is not None:
+            clock.advance(1 / 16)  # the step's compute, on the hand clock
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -32,18 +48,16 @@ def _step_fn(model):
     return step
 
 
-def test_profile_summary_data_share_modules_and_trace(tmp_path):
+def test_profile_summary_data_share_modules_and_trace(tmp_path, clock):
     model = _model()
-    sleep = 0.02
-    s = profile(model, _step_fn(model), sleepy_batches(6, sleep), steps=4, run_dir=tmp_path)
+    batches = sleepy_batches(6, 1 / 16, sleep=clock.advance)
+    s = profile(model, _step_fn(model, clock), batches, steps=4, run_dir=tmp_path)
     assert s.steps == 4
-    # the four profiled steps each waited `sleep` in the iterator: at least that, and not the step's
-    # compute (a sleep overshoots by milliseconds on a loaded machine: the upper bound leaves 2x)
-    assert 4 * sleep <= s.data_s <= 2 * 4 * sleep
-    assert s.data_fraction == pytest.approx(s.data_s / s.wall_s)
+    # the four profiled steps each waited 1/16 s in the iterator and computed 1/16 s on the hand clock
+    assert (s.data_s, s.wall_s, s.data_fraction) == (4 / 16, 8 / 16, 0.5)
+    # the idle share sets the profiler's op ranges (real time) against the wall: the union it takes
+    # is pinned below on known ranges; here only its bounds
     assert 0 <= s.cpu_idle_fraction <= 1 and s.gpu_idle_fraction is None
-    # idle includes the sleep: at least the data share (minus the profiler's own bookkeeping)
-    assert s.cpu_idle_fraction >= 0.8 * s.data_fraction
     names = {o.name for o in s.top_ops}
     assert "aten::addmm" in names
     mods = {m.module: m for m in s.top_modules}
@@ -82,13 +96,19 @@ def test_short_iterator_and_bad_arguments():
         profile(model, _step_fn(model), [], steps=0)
 
 
-def test_seed_helpers():
-    with debug_performance("nap", slow_threshold_s=0.005) as rec:
-        time.sleep(0.01)
-    assert rec.elapsed_s >= 0.01 and rec.slow
+def test_the_union_of_op_ranges_counts_overlaps_once():
+    # [0, 4) and [2, 6) overlap in [2, 4): 6; [3, 5) inside them; [8, 9) apart: 6 + 1 = 7
+    assert _union_length([(8.0, 9.0), (0.0, 4.0), (3.0, 5.0), (2.0, 6.0)]) == 7.0
+    assert _union_length([]) == 0.0
+
+
+def test_seed_helpers(clock):
+    with debug_performance("nap", slow_threshold_s=1 / 128) as rec:
+        clock.advance(1 / 64)
+    assert (rec.elapsed_s, rec.slow) == (1 / 64, True)
     with debug_performance("quick") as rec:
         pass
-    assert not rec.slow and "quick" in str(rec)
+    assert (rec.elapsed_s, rec.slow) == (0.0, False) and "quick" in str(rec)
     model = _model()
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(5)]

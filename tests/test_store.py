@@ -697,15 +697,38 @@ def test_run_object_api(finished_run: Path) -> None:
 # -- cost and indexes --------------------------------------------------------------------------------
 
 
-def test_log_scalar_costs_well_under_20_microseconds(tmp_path: Path) -> None:
+def test_log_scalar_is_three_python_calls_and_no_io_on_the_callers_thread(tmp_path: Path) -> None:
+    # its cost (about 0.4 µs measured on 2 CPU cores) is counted, not timed: the training thread runs
+    # log_scalar, _put_low and _new_step (a new step each call) and never SQLite; the writer thread
+    # (not traced: setprofile is per thread) commits
+    import torchdebug.store.writer as writer_module
+
     w = create_run(root=tmp_path, name="cost")
-    n = 20_000
-    t0 = time.perf_counter()
-    for step in range(n):
-        w.log_scalar("loss", step, 0.5)
-    per_call = (time.perf_counter() - t0) / n
+    src = str(Path(writer_module.__file__).parent.parent)
+    calls: list[str] = []
+    sqlite_calls: list[str] = []
+
+    def prof(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(src):
+            calls.append(frame.f_code.co_name)
+        elif event == "c_call" and type(getattr(arg, "__self__", None)) in (
+            sqlite3.Connection,
+            sqlite3.Cursor,
+        ):
+            sqlite_calls.append(arg.__name__)
+
+    n = 1000
+    sys.setprofile(prof)
+    try:
+        for step in range(n):
+            w.log_scalar("loss", step, 0.5)
+    finally:
+        sys.setprofile(None)
     w.close()
-    assert per_call < 20e-6, f"{per_call * 1e6:.2f} µs per call"  # measured ~0.4 µs on 2 CPU cores
+    assert calls == ["log_scalar", "_new_step", "_put_low"] * n
+    assert sqlite_calls == []
+    with open_run(w.path) as run:
+        assert run.series("loss").steps == list(range(n))
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.fixtures import health_models as hm
+from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer
 from tests.fixtures.models import origin_line
 from tests.test_trackers import CFG, EXPLODE_AT, NAN_AT, STEPS, FaultyNet, finished_verdict
 from torchdebug.store import open_run
@@ -84,19 +85,8 @@ def test_lightning_loggers_get_scalars_findings_and_the_verdict(tmp_path: Path) 
     cb = TorchDebugCallback(config=CFG, run=tmp_path / "runs")
     csv_logger = CSVLogger(tmp_path / "csv", name="", version=0)
     tb_logger = TensorBoardLogger(tmp_path / "tb", name="", version=0, default_hp_metric=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=[csv_logger, tb_logger],
-        log_every_n_steps=2,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    trainer = quiet_trainer([cb], max_epochs=1, logger=[csv_logger, tb_logger], log_every_n_steps=2)
+    with quiet_fit(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module="torchdebug")  # the run's own findings
         warnings.filterwarnings("ignore", message="torchdebug", category=Warning)
         trainer.fit(Lit(), torch.utils.data.DataLoader(list(hm.batches(STEPS)), batch_size=None))

@@ -15,6 +15,7 @@ instruments enter contexts only on the thread that runs them to the end, so this
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -145,13 +146,52 @@ _OPT_RELAY: list[Any] = []  # torch's handles of the two relays, while any hook 
 _OPT_IDS = iter(range(1 << 62))
 
 
-def _relay(kind: str) -> Any:
-    def relay(opt: Any, args: Any, kwargs: Any) -> None:
-        for fn in list(_OPT_HOOKS[kind].values()):  # a hook added while they run waits for the next
-            fn(opt, args, kwargs)
+# An optimizer subclass whose ``step`` calls ``super().step()`` runs torch's hook wrapper twice when
+# the parent class was also instantiated (torch patches ``step`` per class, on its first instance):
+# the global hooks would see one update as two, nested. The relays pass only the outermost call of
+# each optimizer: the pre relay keeps torch's wrapper frame of that call, and a nested call is one
+# whose caller chain holds it (walked only while one is kept: a dict read on an ordinary step).
+_OUTER: dict[int, Any] = {}  # id(optimizer) -> torch's wrapper frame of its outermost step call
+_NESTED: dict[int, int] = {}  # id(optimizer) -> nested calls open inside it
+_NEST_DEPTH = 16  # frames walked up from a nested wrapper: subclass layers, decorators
 
-    relay.__module__ = __name__  # torchdebug's own (``is_ours``)
-    return relay
+
+def _nested_in_outer(opt: Any) -> bool:
+    outer = _OUTER.get(id(opt))
+    if outer is None:
+        return False
+    f = sys._getframe(3)  # relay <- torch's wrapper <- its caller: a subclass's step, or the user
+    for _ in range(_NEST_DEPTH):
+        if f is None:
+            break
+        if f is outer:
+            return True
+        f = f.f_back
+    return False  # the kept call raised before its post-hooks: it is over
+
+
+def _pre_relay(opt: Any, args: Any, kwargs: Any) -> None:
+    key = id(opt)
+    if key in _OUTER and _nested_in_outer(opt):
+        _NESTED[key] = _NESTED.get(key, 0) + 1
+        return
+    _OUTER[key] = sys._getframe(1)
+    _NESTED.pop(key, None)
+    for fn in list(_OPT_HOOKS["pre"].values()):  # a hook added while they run waits for the next
+        fn(opt, args, kwargs)
+
+
+def _post_relay(opt: Any, args: Any, kwargs: Any) -> None:
+    key = id(opt)
+    if _NESTED.get(key):
+        _NESTED[key] -= 1
+        return
+    _OUTER.pop(key, None)
+    for fn in list(_OPT_HOOKS["post"].values()):
+        fn(opt, args, kwargs)
+
+
+_pre_relay.__module__ = _post_relay.__module__ = __name__  # torchdebug's own (``is_ours``)
 
 
 class _OptimizerHooks:
@@ -167,6 +207,8 @@ class _OptimizerHooks:
             for h in _OPT_RELAY:
                 h.remove()
             _OPT_RELAY.clear()
+            _OUTER.clear()
+            _NESTED.clear()
 
 
 def optimizer_hooks(pre: Any, post: Any) -> _OptimizerHooks:
@@ -180,6 +222,6 @@ def optimizer_hooks(pre: Any, post: Any) -> _OptimizerHooks:
     key = next(_OPT_IDS)
     _OPT_HOOKS["pre"][key], _OPT_HOOKS["post"][key] = pre, post
     if not _OPT_RELAY:
-        _OPT_RELAY.append(register_optimizer_step_pre_hook(_relay("pre")))
-        _OPT_RELAY.append(register_optimizer_step_post_hook(_relay("post")))
+        _OPT_RELAY.append(register_optimizer_step_pre_hook(_pre_relay))
+        _OPT_RELAY.append(register_optimizer_step_post_hook(_post_relay))
     return _OptimizerHooks(key)

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..session.monitor import Monitor, watch
 from ..session.options import POLICIES
+from ..session.wrappers import framework_ddp
 
 _FRAMEWORK_OWNED = ("model", "optimizer")
 
@@ -31,13 +32,22 @@ def check_watch_kwargs(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def open_session(
-    model: nn.Module | dict[str, nn.Module], driver: str, kwargs: dict[str, Any], name: str | None = None
+    model: nn.Module | dict[str, nn.Module],
+    driver: str,
+    kwargs: dict[str, Any],
+    name: str | None = None,
+    wrapper: Any = None,
 ) -> Monitor:
     """Start watch() on ``model`` (or several models by name) with ``driver`` owning the step protocol;
-    ``name``: the run's name unless the options give one (several models would be named "moduledict")."""
+    ``name``: the run's name unless the options give one (several models would be named "moduledict");
+    ``wrapper``: what the framework calls, which may be a ``DistributedDataParallel`` around ``model``
+    (:func:`~torchdebug.session.wrappers.framework_ddp`)."""
     mon = watch(model, **kwargs)
     if name is not None and mon.config.run_name is None:
         mon.config = mon.config.replace(run_name=name.lower())
+    if mon._ddp is None and isinstance(model, nn.Module):
+        # the coordinator (made at __enter__) takes it as if watch() had been given DDP(model)
+        mon._ddp = framework_ddp(wrapper, mon.model)
     mon.driver = driver  # the plain-loop optimizer hooks stand down; the callback calls update_*()
     mon.__enter__()
     return mon

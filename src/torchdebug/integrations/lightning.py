@@ -13,6 +13,10 @@ Lightning 2.x hook order this callback relies on (lightning/pytorch, 2.6):
 - manual optimization: ``LightningOptimizer.step`` -> ``strategy.optimizer_step`` -> the same
   precision plugin path (core/optimizer.py:146-156), so ``on_before_optimizer_step`` fires there too.
 - ``on_train_batch_end`` comes after the batch's optimizer step (loops/training_epoch_loop.py:350-374).
+- ``strategy.setup`` (DDP's wrapper around the LightningModule, ``strategy.model``) runs before
+  ``on_fit_start`` (trainer/trainer.py:1053-1057); with a wrapper, ``strategy.training_step`` calls
+  ``training_step`` through the wrapper's forward, patching the module's ``forward`` for that call
+  (``_ForwardRedirection``, strategies/strategy.py:388-390, 602-643).
 - an exception in ``fit`` calls ``on_exception`` and re-raises (trainer/call.py:67-78), then each
   logger's ``finalize("failed")`` (call.py:83); after ``on_fit_end`` the teardown finalizes the
   loggers with "success" (call.py:149), so the verdict reaches them before they close.
@@ -109,7 +113,8 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         close_session(self.monitor, None)  # a previous fit that ended without our hooks
         models = _models(pl_module, trainer.optimizers)
         name = type(pl_module).__name__ if isinstance(models, dict) else None
-        self.monitor = open_session(models, "lightning", self.watch_kwargs, name)
+        # strategy.setup (DDP's wrapper around the module) ran before on_fit_start (trainer.py:1053-1057)
+        self.monitor = open_session(models, "lightning", self.watch_kwargs, name, trainer.strategy.model)
         self._stepped = False
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed": known from step 0
         if scaler is not None and self.monitor.scaler is None:
@@ -118,8 +123,10 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
             raw = unwrap_optimizer(opt)
             self.monitor.owns_optimizer(raw)  # adopt it: the skipped-step rules know an optimizer exists
             self._handles.append(raw.register_step_post_hook(self._after_update))
-        if self.monitor.roots is None:
-            self._find_entry(pl_module)  # several models: each one's forward is already a root
+        if self.monitor.roots is None:  # several models: each one's forward is already a root
+            if trainer.strategy.model is not pl_module:  # DDP ...: training_step runs as its forward
+                self._hook_root(pl_module)
+            self._find_entry(pl_module)
         self._open_loggers(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -243,14 +250,44 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
                 self._forward(mon, record)
 
     # -- which module training_step calls --------------------------------------------------------
+    def _hook_root(self, pl_module: nn.Module) -> None:
+        """The session's root hooks on the LightningModule, minus the call that is ``training_step``.
+
+        A strategy that wraps the module (DDP) calls ``training_step`` through the wrapper's forward:
+        it patches the module's ``forward`` to run ``training_step`` and calls the wrapper
+        (``_ForwardRedirection``, strategies/strategy.py:602-643). That call is the training step, not
+        a forward: the forward is the module it calls (found as without a wrapper), or ``self(x)``
+        inside it (whose ``forward`` is the class's again by then, so these hooks see it)."""
+        mon = self.monitor
+        assert mon is not None
+        mon._plain.hook_roots([])  # the session's own root hooks would capture the redirected call
+        skipped: list[bool] = []
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            skipped.append(_redirected(mod))
+            if not skipped[-1]:
+                mon.stepper.forward_started(mod, args, kwargs)
+
+        def post(mod: nn.Module, args: tuple, out: Any) -> None:
+            if skipped and not skipped.pop():
+                mon.stepper.forward_done(mod, args, out)
+
+        self._handles.append(pl_module.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(pl_module.register_forward_hook(post))
+
     def _find_entry(self, pl_module: nn.Module) -> None:
         """Hook the module ``training_step`` calls first: the LightningModule itself (``self(x)``, the
         session's own hooks) or a submodule (``self.model(x)``, which the root's hooks never see)."""
 
+        redirected: list[bool] = []
+
         def root_pre(mod: nn.Module, args: Any) -> None:
-            self._root_depth += 1
+            redirected.append(_redirected(mod))  # the wrapper's call of training_step: not a forward
+            self._root_depth += not redirected[-1]
 
         def root_post(mod: nn.Module, args: Any, out: Any) -> None:
+            if redirected and redirected.pop():
+                return
             self._root_depth -= 1
             if self._in_batch and torch.is_grad_enabled():
                 self._stop_finding()  # self(x): the session's root hooks capture it
@@ -276,6 +313,13 @@ class TorchDebugCallback(Callback):  # type: ignore[misc]
         for h in self._finding:
             h.remove()
         self._finding.clear()
+
+
+def _redirected(pl_module: nn.Module) -> bool:
+    """This call of the LightningModule is a strategy's redirection of ``training_step`` through its
+    wrapper (its ``forward`` patched on the instance by ``_ForwardRedirection`` for this call)."""
+    fwd = vars(pl_module).get("forward")
+    return fwd is not None and "_ForwardRedirection" in getattr(fwd, "__qualname__", "")
 
 
 def _models(pl_module: nn.Module, optimizers: list[Any]) -> nn.Module | dict[str, nn.Module]:

@@ -137,11 +137,13 @@ class TorchDebugCallback(TrainerCallback):  # type: ignore[misc]
         close_session(self.monitor, None)  # a previous train() that ended without on_train_end
         self._unlogged = []
         model: nn.Module = kwargs["model"]
-        self.monitor = mon = open_session(model, "transformers", self.watch_kwargs)
+        trainer = self._trainer = _find_trainer()
+        # model_wrapped: DDP(model) under several ranks, prepared before on_train_begin (trainer.py:1615, 1781)
+        wrapped = getattr(trainer, "model_wrapped", None)
+        self.monitor = mon = open_session(model, "transformers", self.watch_kwargs, wrapper=wrapped)
         opt = kwargs.get("optimizer")
         if opt is not None:
             mon.owns_optimizer(unwrap_optimizer(opt))  # adopt it: the skipped-step rules know it
-        trainer = self._trainer = _find_trainer()
         if trainer is None:
             return
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)

@@ -52,6 +52,9 @@ from .locate import (
 ReplicaCheck = Callable[[SessionView, int], "Cause | None"]
 
 EAGER_TRIED = "two eager replays of the step (same batch, weights, buffers and RNG): finite"
+# the end of a one-rank "not reproducible" hint with several ranks; the cross-rank replay replaces it
+# with what it found (session/replica.py)
+OTHER_RANK_HINT = "; a replay on another rank tells a faulty rank apart"
 
 # -- model / kernel backend ------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -138,39 +139,7 @@ def step_anomaly(mon: SessionView, flag: Replaying, late: bool = False) -> Anoma
     first_replay = mon.counters["replays"] == 0
     replayable = not (late and mon.state.params is Found.PARAMETERS)
     if mon.config.replay and first_replay and replayable and idx < len(mon.state.captures):
-        mon.counters["replays"] += 1
-        flag.replaying = True
-        try:
-            # A fault that does not come back when the step is re-run is information (a one-off
-            # fault, a nondeterministic kernel, compiled code, state that changed): a second replay
-            # confirms it.
-            for replays in (1, 2):
-                a, tracer = _replay_once(mon, flag, idx, micro)
-                if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
-                    return consequence(mon, a, mon.anomalies[0])
-                if a is not None:
-                    found = _reproduced_cause(mon, flag, idx, micro, a, replays)
-                    hint = a.hint
-                    if found.verdict == "kernel_backend":
-                        hint = (
-                            f"{hint}; {cause.backend_remedy(found)}" if hint else cause.backend_remedy(found)
-                        )
-                    return dataclasses.replace(a, reproducible=True, cause=found, hint=hint)
-            if mon.state.measure is Measure.AFTER_EDIT and mon.state.edit_bad and not losses_bad:
-                # measured after code changed the gradients, and backward() is clean when re-run: that
-                # code made them non-finite
-                return gradient_edit_anomaly(mon, micro)
-            a = _unreproduced(mon, flag, idx, micro, losses_bad)
-            gap = replay_gap(mon.state.captures[idx], tracer)
-            return dataclasses.replace(a, hint=f"{a.hint}; {gap}") if gap else a
-        except Exception as exc:
-            mon.warn_once(
-                "replay",
-                f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only",
-            )
-            return symptom_anomaly(mon, micro, losses_bad, why="the replay failed")
-        finally:
-            flag.replaying = False
+        return _guarded(mon, flag, micro, losses_bad, lambda: _replay_step(mon, flag, idx, micro, losses_bad))
     why = "only the first anomaly of a session is replayed"
     if not mon.config.replay:
         why = "replay is off (config.replay=False)"
@@ -202,25 +171,18 @@ def step_fn_anomaly(
     (the compiler's fault, localised), else unknown with what was tried."""
     sf = flag.step_fn
     assert sf is not None
+    return _guarded(mon, flag, micro, losses_bad, lambda: _replay_step_fn(mon, sf, call, micro, losses_bad))
+
+
+def _guarded(
+    mon: SessionView, flag: Replaying, micro: int | None, losses_bad: list[int], replay: Callable[[], Anomaly]
+) -> Anomaly:
+    """``replay()`` run as the session's replay: counted, with ``flag.replaying`` up while it runs
+    (also when it raises); a replay that fails is said once and the step's symptom reported."""
     mon.counters["replays"] += 1
     flag.replaying = True
     try:
-        for replays in (1, 2):
-            a, _ = replay_eager(mon, sf, call, micro)
-            if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
-                return consequence(mon, a, mon.anomalies[0])
-            if a is not None:
-                return dataclasses.replace(a, reproducible=True, cause=cause.model_cause(a, replays))
-        tried = [cause.EAGER_TRIED]
-        found: Cause | None = None
-        try:
-            found = cause.compiled_cause(mon, compiled_code(mon, sf, call), 2, tried)
-        except Exception as exc:
-            tried.append(f"a replay through the compiled step function failed ({exc!r})")
-        if found is not None:
-            return compiler_anomaly(mon, micro, losses_bad, found)
-        found = cause.unknown_cause(tried, replays=3)
-        return symptom_anomaly(mon, micro, losses_bad, reproduced=False, found=found)
+        return replay()
     except Exception as exc:
         mon.warn_once(
             "replay", f"torchdebug: replay of the failing step failed ({exc!r}); reporting the symptom only"
@@ -228,6 +190,53 @@ def step_fn_anomaly(
         return symptom_anomaly(mon, micro, losses_bad, why="the replay failed")
     finally:
         flag.replaying = False
+
+
+def _replay_step(
+    mon: SessionView, flag: Replaying, idx: int, micro: int | None, losses_bad: list[int]
+) -> Anomaly:
+    """Micro-step ``idx`` replayed eagerly to its origin (:func:`step_anomaly`'s replay)."""
+    # A fault that does not come back when the step is re-run is information (a one-off fault, a
+    # nondeterministic kernel, compiled code, state that changed): a second replay confirms it.
+    for replays in (1, 2):
+        a, tracer = _replay_once(mon, flag, idx, micro)
+        if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
+            return consequence(mon, a, mon.anomalies[0])
+        if a is not None:
+            found = _reproduced_cause(mon, flag, idx, micro, a, replays)
+            hint = a.hint
+            if found.verdict == "kernel_backend":
+                hint = f"{hint}; {cause.backend_remedy(found)}" if hint else cause.backend_remedy(found)
+            return dataclasses.replace(a, reproducible=True, cause=found, hint=hint)
+    if mon.state.measure is Measure.AFTER_EDIT and mon.state.edit_bad and not losses_bad:
+        # measured after code changed the gradients, and backward() is clean when re-run: that code
+        # made them non-finite
+        return gradient_edit_anomaly(mon, micro)
+    a = _unreproduced(mon, flag, idx, micro, losses_bad)
+    gap = replay_gap(mon.state.captures[idx], tracer)
+    return dataclasses.replace(a, hint=f"{a.hint}; {gap}") if gap else a
+
+
+def _replay_step_fn(
+    mon: SessionView, sf: CompiledStep, call: Any, micro: int | None, losses_bad: list[int]
+) -> Anomaly:
+    """The compiled step function's call replayed (:func:`step_fn_anomaly`'s replay)."""
+    for replays in (1, 2):
+        a, _ = replay_eager(mon, sf, call, micro)
+        if a is not None and a.phase == Phase.PARAMETER.value and mon.anomalies:
+            return consequence(mon, a, mon.anomalies[0])
+        if a is not None:
+            return dataclasses.replace(a, reproducible=True, cause=cause.model_cause(a, replays))
+    tried = [cause.EAGER_TRIED]
+    found: Cause | None = None
+    try:
+        found = cause.compiled_cause(mon, compiled_code(mon, sf, call), 2, tried)
+    except Exception as exc:
+        tried.append(f"a replay through the compiled step function failed ({exc!r})")
+    if found is not None:
+        return compiler_anomaly(mon, micro, losses_bad, found)
+    found = cause.unknown_cause(tried, replays=3)
+    return symptom_anomaly(mon, micro, losses_bad, reproduced=False, found=found)
 
 
 def _replay_once(
@@ -478,7 +487,7 @@ def symptom_anomaly(
                 + "".join(f"; {t}" for t in found.tried if t != cause.EAGER_TRIED)
                 + ". Nothing tried reproduced it: a nondeterministic kernel or race, a hook or state "
                 "that changed between the step and the replay, or loss code the replay did not capture"
-                + ("; a replay on another rank tells a faulty rank apart" if mon.world_size > 1 else "")
+                + (cause.OTHER_RANK_HINT if mon.world_size > 1 else "")
             )
         else:
             hint = f"not reproducible on this rank: in the step, {observed} held NaN/Inf; {found.evidence}"

@@ -6,7 +6,6 @@ import contextlib
 import gzip
 import json
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ import psutil
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, schedule
+
+from . import timing
 
 _MODULE_PREFIX = "module::"
 DEFAULT_TRACE_BUDGET = 50 * 1024 * 1024  # bytes on disk
@@ -291,6 +292,7 @@ def profile(
     active_end = 0.0
     done_active = 0
     sched = schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
+    clock = timing.host_clock  # the data and wall times: perf/'s one host clock
     with (
         _ModuleRanges(model),
         torch.profiler.profile(
@@ -305,7 +307,7 @@ def profile(
     ):
         for i in range(total):
             active = i >= wait + warmup
-            t0 = time.perf_counter()
+            t0 = clock()
             if active and active_start is None:
                 active_start = t0
             try:
@@ -313,14 +315,14 @@ def profile(
             except StopIteration:
                 notes.append(f"the batches ran out after {i} of {total} iterations")
                 break
-            t1 = time.perf_counter()
+            t1 = clock()
             step_fn(batch)
             if cuda:
                 torch.cuda.synchronize()  # profiled steps only: attribute GPU time to its own step
             if active:
                 data_s += t1 - t0
                 done_active += 1
-                active_end = time.perf_counter()
+                active_end = clock()
             with _warnings_not_errors():
                 prof.step()
     wall = (active_end - active_start) if active_start is not None and done_active else 0.0
@@ -440,13 +442,14 @@ def debug_performance(
     rec = PerformanceRecord(operation)
     if sync:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    clock = timing.host_clock
+    t0 = clock()
     try:
         yield rec
     finally:
         if sync:
             torch.cuda.synchronize()
-        rec.elapsed_s = time.perf_counter() - t0
+        rec.elapsed_s = clock() - t0
         rec.slow = rec.elapsed_s > slow_threshold_s
 
 

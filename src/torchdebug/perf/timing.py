@@ -21,6 +21,11 @@ from ._gradhooks import when_all_grads
 
 PHASES = ("data", "forward", "backward", "optimizer", "other", "step")
 
+# perf/'s one host clock (seconds): every CPU mark and DataLoader batch time below, profile()'s data
+# and wall times. Looked up when a clock is built (an instrument's install, a ModuleTimer, a profile):
+# a test replaces it with a clock it advances by hand and asserts exact spans. Only read, never waited on.
+host_clock: Callable[[], float] = time.perf_counter
+
 
 def batch_size_and_tokens(args: Any, kwargs: Any = None) -> tuple[int | None, int | None]:
     """Batch size (dim 0 of the first tensor argument) and, for an integer (B, T) tensor, tokens B*T.
@@ -46,12 +51,12 @@ def batch_size_and_tokens(args: Any, kwargs: Any = None) -> tuple[int | None, in
 
 
 class _Clock:
-    """Marks on the host (perf_counter) and, on CUDA, CUDA events read one step later (no extra sync)."""
+    """Marks on the host (``host_clock``) and, on CUDA, CUDA events read one step later (no extra sync)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         # several marks a step: on the host the builtin clock itself (no Python frame per mark)
-        self.mark: Callable[[], Any] = self._event if cuda else time.perf_counter
+        self.mark: Callable[[], Any] = self._event if cuda else host_clock
 
     @staticmethod
     def _event() -> Any:
@@ -69,7 +74,7 @@ class _Clock:
 
 
 class _StepMarks:
-    """One step's marks. On the host each phase's seconds are summed as it is marked (perf_counter
+    """One step's marks. On the host each phase's seconds are summed as it is marked (``host_clock``
     differences, no pair kept); on CUDA the phases' event pairs are kept in ``spans`` and read once the
     events completed."""
 
@@ -448,7 +453,7 @@ class TimingInstrument:
     Phases: data wait (from the end of the previous ``mon.step()``, or of the previous micro-step's
     backward, to the model's first forward), forward (the model's root forward), backward
     (``loss.backward()``), optimizer (its ``step``), other (the rest: loss, user code, the monitor).
-    On CPU the marks are ``time.perf_counter``; on CUDA they are CUDA events, recorded only and read
+    On CPU the marks are ``host_clock`` (``time.perf_counter``); on CUDA they are CUDA events, recorded only and read
     with ``elapsed_time`` at a later step once they have completed, so timing adds no sync (the
     breakdown of step N is logged when it is ready, usually at step N+1).
 
@@ -553,7 +558,7 @@ class TimingInstrument:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
         original = _BaseDataLoaderIter.__next__
-        clock = time.perf_counter
+        clock = host_clock
         me = self
 
         def __next__(it: Any) -> Any:
@@ -692,7 +697,7 @@ class TimingInstrument:
             backward = sum([el(a, b) for a, b in spans["backward"]])
             optimizer = sum([el(a, b) for a, b in spans["optimizer"]])
             total = el(m.start, m.end)
-        else:  # perf_counter marks: summed as they were marked
+        else:  # host_clock marks: summed as they were marked
             data, forward, backward, optimizer = m.data, m.forward, m.backward, m.optimizer
             total = m.end - m.start
         other = max(0.0, total - sum((data, forward, backward, optimizer)))

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..events import Anomaly, Cause, RuleEvent
+from ..nonfinite.cause import OTHER_RANK_HINT
 from ..nonfinite.locate import StepCapture, replay_capture
 from .protocol import Session
 
@@ -141,7 +142,10 @@ def _cause(
     software: bool = False,
     **where: Any,
 ) -> Anomaly:
-    """``a`` with its cause: ``verdict`` (None: keep the replay path's, adding what was tried here)."""
+    """``a`` with its cause: ``verdict`` (None: keep the replay path's, adding what was tried here), and
+    its hint saying what the replays across ranks found (they ran unless ``evidence`` is empty)."""
+    if evidence:
+        a = dataclasses.replace(a, hint=_hint(a.hint, verdict, tried, where))
     old = a.cause
     if verdict is None and old is not None:
         c = dataclasses.replace(
@@ -165,6 +169,23 @@ def _cause(
         **where,
     )
     return dataclasses.replace(a, cause=c)
+
+
+def _hint(hint: str, verdict: str | None, tried: str, where: dict[str, Any]) -> str:
+    """The anomaly's hint once the ranks' replays ran: no longer asking for a replay on another rank;
+    a faulty rank's device named with what to do; a transient fault with what was replayed where."""
+    if not hint.endswith(OTHER_RANK_HINT) and verdict != "hardware":
+        return hint
+    hint = hint.removesuffix(OTHER_RANK_HINT)
+    if verdict == "hardware":
+        said = (
+            f"rank {where['rank']}'s device ({where['device']} on {where['host']}) is at fault, not the model: "
+            "the same micro-step is finite on another rank; check that device (or leave it out) and "
+            "resume from the last checkpoint"
+        )
+    else:
+        said = tried
+    return f"{hint}; {said}" if hint else said
 
 
 def _local_replays(a: Anomaly) -> int:

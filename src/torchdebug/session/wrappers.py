@@ -79,6 +79,19 @@ def is_compiled(modules: Iterable[nn.Module]) -> bool:
     )
 
 
+def framework_ddp(wrapper: Any, model: nn.Module) -> Any:
+    """``wrapper`` when it is the ``DistributedDataParallel`` a framework put around the model the
+    session watches (Lightning's ``strategy.model``, which wraps the LightningModule in its own
+    forward wrapper; the HF Trainer's ``model_wrapped``): it holds exactly the model's parameters.
+    Else None. With it the coordinator knows the replicas are equal (the hardware leg of a cause, the
+    parameter hash) and runs its replays under ``no_sync``. Cost: one walk over the parameters, once."""
+    ddp, _ = split_ddp(wrapper) if isinstance(wrapper, nn.Module) else (None, None)
+    if ddp is None:
+        return None
+    mine = {id(p) for p in model.parameters()}
+    return ddp if mine and {id(p) for p in ddp.parameters()} == mine else None
+
+
 def split_models(
     model: nn.Module, roots: dict[str, nn.Module] | None
 ) -> tuple[Any, nn.Module, dict[str, nn.Module] | None]:
