@@ -6,7 +6,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -73,21 +73,47 @@ class _Clock:
         return float(b - a)
 
 
-@dataclass
 class _StepMarks:
-    start: Any = None  # end of the previous step
-    spans: dict[str, list[tuple[Any, Any]]] = field(
-        default_factory=lambda: {"data": [], "forward": [], "backward": [], "optimizer": []}
+    """One step's marks. On the host each phase's seconds are summed as it is marked (``host_clock``
+    differences, no pair kept); on CUDA the phases' event pairs are kept in ``spans`` and read once the
+    events completed."""
+
+    __slots__ = (
+        "backs",
+        "backward",
+        "cpu",
+        "data",
+        "end",
+        "forward",
+        "loader",
+        "loader_calls",
+        "machine",
+        "optimizer",
+        "samples",
+        "spans",
+        "start",
+        "step",
+        "tokens",
+        "wait",
     )
-    end: Any = None
-    samples: int = 0
-    tokens: int = 0
-    step: int = 0
-    cpu: float = math.nan  # this process's CPU seconds over the step (host clock only)
-    wait: float = math.nan  # the training thread's seconds waiting for a CPU (Linux run-queue delay)
-    loader: float = 0.0  # seconds inside DataLoader iterators' __next__ during the step
-    loader_calls: int = 0
-    machine: MachineReading | None = None  # the contention counters at the step's end (on a schedule)
+
+    def __init__(self, start: Any = None, step: int = 0, cuda: bool = False) -> None:
+        self.start = start  # end of the previous step
+        self.spans: dict[str, list[tuple[Any, Any]]] | None = (
+            {"data": [], "forward": [], "backward": [], "optimizer": []} if cuda else None
+        )
+        self.data = self.forward = self.backward = self.optimizer = 0.0  # host: seconds
+        self.backs = 0  # backward spans marked
+        self.end: Any = None
+        self.samples = self.tokens = 0
+        self.step = step
+        self.cpu = math.nan  # this process's CPU seconds over the step (host clock only)
+        self.wait = math.nan  # the training thread's seconds waiting for a CPU (Linux run-queue delay)
+        self.loader = 0.0  # seconds inside DataLoader iterators' __next__ during the step
+        self.loader_calls = 0
+        self.machine: MachineReading | None = (
+            None  # the contention counters at the step's end (on a schedule)
+        )
 
 
 class RunQueueClock:
@@ -313,10 +339,6 @@ class StepTiming:
         return d
 
 
-def _never(step: int) -> bool:
-    return False
-
-
 _RULE_PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
@@ -413,11 +435,17 @@ class SlowdownRule:
         self._totals = deque[float](maxlen=int(window))  # and their wall seconds (paired with _wait)
         self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
         self.recent: deque[StepTiming] = deque(maxlen=int(recent))
+        self._recent_totals = deque[float](maxlen=int(recent))  # their wall seconds
         self.baseline = RunningMedian(int(window))
-        # the phases' baselines are read only when an episode starts: kept in arrival order, sorted then
-        self._phases = {k: deque[float](maxlen=int(window)) for k in _RULE_PHASES}
+        self._pushed = 0  # len(self.baseline), counted: no Python call per step
+        # the baseline's steps: their phases are read only when an episode starts
+        self._base = deque[StepTiming](maxlen=int(window))
         self.start: int | None = None  # first step of the current episode
         self.count = 0  # episodes
+
+    def _phases(self) -> dict[str, list[float]]:
+        """Each phase's finite seconds over the baseline's steps (NaN/Inf would poison a median)."""
+        return {k: [x for r in self._base if math.isfinite(x := float(getattr(r, k)))] for k in _RULE_PHASES}
 
     def _load_text(self, evidence: dict[str, Any]) -> str:
         if self.load is None:
@@ -592,25 +620,28 @@ class SlowdownRule:
         """Feed one step's timing; the episode's start or end event, or nothing."""
         if len(self.recent) == self.recent.maxlen and self.start is None and self._pending is None:
             old = self.recent[0]  # leaves the recent window: part of the normal from now on
-            self.baseline.push(old.total)
-            for k, m in self._phases.items():
-                x = float(getattr(old, k))
-                if math.isfinite(x):  # as RunningMedian.push: NaN/Inf would poison the window
-                    m.append(x)
+            if self.baseline.push(old.total):
+                self._pushed = min(self._pushed + 1, self.baseline.window)
+            self._base.append(old)  # its phases, read when an episode starts
             if math.isfinite(old.cpu):
                 self._cpu.append(old.cpu)
             if math.isfinite(old.wait):
                 self._wait.append(old.wait)
                 self._totals.append(old.total)
         self.recent.append(t)
+        self._recent_totals.append(t.total)
         if t.machine is not None:
             self._machine.append((t.step, t.machine))
-        if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
+        if len(self.recent) < (self.recent.maxlen or 1) or self._pushed < self.min_baseline:
             return []
-        med = _median([r.total for r in self.recent])
+        totals = sorted(self._recent_totals)  # (``_median``, inlined: every step)
+        n = len(totals)
+        med = totals[n // 2] if n % 2 else 0.5 * (totals[n // 2 - 1] + totals[n // 2])
         base = self.baseline.median()
-        sigma = self.baseline._sigma_at(base)  # the median computed once
-        slow = med > self.factor * base and med - base >= max(self.min_s, self.mads * sigma)
+        # the baseline's sigma only when the median is slow by the factor (the median computed once)
+        slow = med > self.factor * base and med - base >= max(
+            self.min_s, self.mads * self.baseline._sigma_at(base)
+        )
         if slow and self.start is None:
             turned, slow_s = self._pending or (t.step, 0.0)
             slow_s += t.total
@@ -621,8 +652,8 @@ class SlowdownRule:
             self.start = turned - len(self.recent) // 2  # the median turned: about half the window ago
             self.count += 1
             grown = {
-                k: _median([getattr(r, k) for r in self.recent]) - (_median(list(m)) if m else math.nan)
-                for k, m in self._phases.items()
+                k: _median([getattr(r, k) for r in self.recent]) - (_median(m) if m else math.nan)
+                for k, m in self._phases().items()
             }
             phase = max(grown, key=lambda k: grown[k])
             now = _median([getattr(r, phase) for r in self.recent])
@@ -753,6 +784,9 @@ class TimingInstrument:
         self._last_mark: Any = None
         self._tokens_per_step: int | None = None
         self._uncommitted: tuple[int | None, int | None] = (None, None)
+        # the instruments' ``costly_step`` methods, found again when the instrument list changes
+        self._costly_of: list[Any] = []
+        self._costly: list[Callable[[int], bool]] = []
 
     # ---- protocol
     def install(self, mon: SessionView) -> None:
@@ -809,21 +843,23 @@ class TimingInstrument:
 
         installs.patch(_BaseDataLoaderIter, "__next__", __next__)
 
-    def _begin(self, step: int, cpu: float = math.nan, wait: float = math.nan) -> None:
-        """Open step ``step``; ``cpu`` and ``wait``: the clocks as the previous step ended (read
-        again only at the first step: one proc-file read a step, not two)."""
+    def _begin(self, step: int) -> None:
         m = self._clock.mark()
-        self._cur = _StepMarks(start=m, step=step)
+        self._cur = _StepMarks(m, step, self._clock.cuda)
         self._last_mark = m
         if not self._clock.cuda:  # on CUDA the host's CPU time says little about the step's work
-            self._cpu_start = cpu if cpu == cpu else self.cpu_clock()
+            self._cpu_start = self.cpu_clock()
             if self.wait_clock is not None:
-                self._wait_start = wait if wait == wait else self.wait_clock()
+                self._wait_start = self.wait_clock()
 
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
         if self._uncommitted == (None, None):
-            self._cur.spans["data"].append((self._last_mark, m))
+            cur = self._cur
+            if cur.spans is None:
+                cur.data += m - self._last_mark
+            else:
+                cur.spans["data"].append((self._last_mark, m))
         # else: the previous forward of this micro-step never reached backward (it failed and is
         # being retried): the time since is wasted work ("other"), not data wait
         self._open["forward"] = m
@@ -834,7 +870,11 @@ class TimingInstrument:
     def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         start = self._open.pop("forward", None)
         if start is not None:
-            self._cur.spans["forward"].append((start, self._clock.mark()))
+            cur, m = self._cur, self._clock.mark()
+            if cur.spans is None:
+                cur.forward += m - start
+            else:
+                cur.spans["forward"].append((start, m))
 
     def on_backward_start(self, mon: SessionView, loss: Any) -> None:
         self._open["backward"] = self._clock.mark()
@@ -848,11 +888,21 @@ class TimingInstrument:
         self._uncommitted = (None, None)
 
     def on_backward_end(self, mon: SessionView) -> None:
-        self._commit()
+        cur = self._cur
+        b, tok = self._uncommitted  # (``_commit``, inlined: every backward)
+        if b is not None:
+            cur.samples += b
+        if tok is not None:
+            cur.tokens += tok
+        self._uncommitted = (None, None)
         start = self._open.pop("backward", None)
         if start is not None:
             m = self._clock.mark()
-            self._cur.spans["backward"].append((start, m))
+            cur.backs += 1
+            if cur.spans is None:
+                cur.backward += m - start
+            else:
+                cur.spans["backward"].append((start, m))
             self._last_mark = m  # the next micro-step's data wait starts here
 
     def before_optimizer_step(self, mon: SessionView) -> None:
@@ -861,21 +911,33 @@ class TimingInstrument:
     def after_optimizer_step(self, mon: SessionView) -> None:
         start = self._open.pop("optimizer", None)
         if start is not None:
-            self._cur.spans["optimizer"].append((start, self._clock.mark()))
+            cur, m = self._cur, self._clock.mark()
+            if cur.spans is None:
+                cur.optimizer += m - start
+            else:
+                cur.spans["optimizer"].append((start, m))
 
     def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
-        if not self._cur.spans["backward"]:
+        cur = self._cur
+        if not cur.backs:
             self._commit()  # a step without backward (evaluation under watch): its forward counts
         self._uncommitted = (None, None)
-        cur = self._cur
-        cur.end = end = self._clock.mark()
-        cpu = wait = math.nan
-        if not self._clock.cuda:
+        end = cur.end = self._clock.mark()
+        cuda = self._clock.cuda
+        if not cuda:
+            # each clock read once: this step's end is the next one's start
             cpu = self.cpu_clock()
-            cur.cpu = cpu - self._cpu_start
+            cur.cpu, self._cpu_start = cpu - self._cpu_start, cpu
             if self.wait_clock is not None:
                 wait = self.wait_clock()
-                cur.wait = wait - self._wait_start
+                cur.wait, self._wait_start = wait - self._wait_start, wait
+        cur.loader, cur.loader_calls = self._loader_s, self._loader_calls
+        self._loader_s, self._loader_calls = 0.0, 0
+        cur.step = int(getattr(record, "step", cur.step))
+        if self._tokens_per_step:
+            cur.tokens = self._tokens_per_step
+        self._open.clear()
+        if not cuda:
             read = self._read_machine
             # on a schedule: every contention_every_s, and at steps 0, 1, 2, 4, 8, ... so that a short
             # run of fast steps has readings before its slow ones too (one pread per thread, two more)
@@ -884,15 +946,14 @@ class TimingInstrument:
             ):
                 self._machine_at = end
                 cur.machine = read(end)
-        cur.loader, cur.loader_calls = self._loader_s, self._loader_calls
-        self._loader_s, self._loader_calls = 0.0, 0
-        cur.step = int(getattr(record, "step", cur.step))
-        if self._tokens_per_step:
-            cur.tokens = self._tokens_per_step
-        self._pending.append(cur)
-        self._open.clear()
-        self._begin(cur.step + 1, cpu, wait)
-        self._drain(mon)
+        # the next step starts at this one's end mark (``_begin``'s work, without reading the clocks again)
+        self._cur = _StepMarks(end, cur.step + 1, cuda)
+        self._last_mark = end
+        if cuda:  # CUDA events: read once they completed, usually a step later
+            self._pending.append(cur)
+            self._drain(mon)
+        else:
+            self._finish(mon, cur)
 
     def on_exit(self, mon: SessionView) -> None:
         if self._clock.cuda and self._pending:
@@ -913,20 +974,16 @@ class TimingInstrument:
             self._finish(mon, pending.popleft())
 
     def _finish(self, mon: SessionView, m: _StepMarks) -> None:
-        c = self._clock
         spans = m.spans
-        if c.cuda:
-            el = c.elapsed
+        if spans is not None:  # CUDA events
+            el = self._clock.elapsed
             data = sum([el(a, b) for a, b in spans["data"]])
             forward = sum([el(a, b) for a, b in spans["forward"]])
             backward = sum([el(a, b) for a, b in spans["backward"]])
             optimizer = sum([el(a, b) for a, b in spans["optimizer"]])
             total = el(m.start, m.end)
-        else:  # host_clock marks: elapsed is b - a
-            data = sum([b - a for a, b in spans["data"]])
-            forward = sum([b - a for a, b in spans["forward"]])
-            backward = sum([b - a for a, b in spans["backward"]])
-            optimizer = sum([b - a for a, b in spans["optimizer"]])
+        else:  # host_clock marks: summed as they were marked
+            data, forward, backward, optimizer = m.data, m.forward, m.backward, m.optimizer
             total = m.end - m.start
         other = max(0.0, total - sum((data, forward, backward, optimizer)))
         t = StepTiming(
@@ -948,14 +1005,24 @@ class TimingInstrument:
         self.history.append(t)
         writer = mon.writer
         if writer is not None:
-            writer.log_timing(t.step, t.as_log())
+            # (``t.as_log()``, inlined: every step)
+            writer.log_timing(
+                t.step,
+                {
+                    "data": data,
+                    "forward": forward,
+                    "backward": backward,
+                    "optimizer": optimizer,
+                    "other": other,
+                    "step": total,
+                },
+            )
             thr = {}
-            per_s = t.samples_per_s
-            if per_s is not None:
-                thr["throughput/samples_per_s"] = per_s
-            per_s = t.tokens_per_s
-            if per_s is not None:
-                thr["throughput/tokens_per_s"] = per_s
+            if total > 0:  # (``samples_per_s`` and ``tokens_per_s``, inlined: every step)
+                if t.samples:
+                    thr["throughput/samples_per_s"] = t.samples / total
+                if t.tokens:
+                    thr["throughput/tokens_per_s"] = t.tokens / total
             if thr:
                 writer.log_scalars(t.step, thr)
         self._rules(mon, t)
@@ -970,7 +1037,7 @@ class TimingInstrument:
         self._data_share.push(share)
         frac = float(getattr(cfg, "input_bound_fraction", 0.3))
         med_share = self._data_share.median()
-        if len(self._data_share) >= min(5, self.window):
+        if self._data_share.n >= min(5, self.window):
             if med_share > frac and not self._input_bound_on:
                 self._input_bound_on = True
                 mon.emit(
@@ -993,8 +1060,11 @@ class TimingInstrument:
                 )
             elif med_share <= frac:
                 self._input_bound_on = False
-        for inst in mon.instruments:
-            if getattr(inst, "costly_step", _never)(t.step):
+        if self._costly_of != mon.instruments:  # (a C-level comparison by identity)
+            self._costly_of = list(mon.instruments)
+            self._costly = [f for i in mon.instruments if (f := getattr(i, "costly_step", None)) is not None]
+        for costly in self._costly:
+            if costly(t.step):
                 return  # the debugger's own expensive step (a leak census): not the user's slowdown
         for event in self._slowdown.update(t):
             mon.emit(event)
