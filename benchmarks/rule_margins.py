@@ -28,10 +28,11 @@ and prints per run (a margin below 1 is inside the rule, 1 fires):
 - ``slow``: the largest median of 9 steps' wall time over the median of the 100 steps before, over
   the slowdown rule's 1.5x (at 1 or more the step time rose: on a loaded machine, the load);
   ``work``: over those slow windows, the largest median CPU time of this process a step over the
-  median before, over 1.5x (the slowdown rule's first test of the process's own work; a contended CPU
-  stretches the same work's CPU time, which is why the rule also asks the step's own part for its
-  share of the rise); ``slow said``: the slowdown events the rule raised, ``i`` information (another
-  process took the CPUs), ``w`` warning;
+  median before, over 1.5x (said in the rule's event, not what decides: a contended CPU stretches the
+  same work's CPU time, and with torch's intra-op threads a worker waiting for a CPU leaves the
+  others spinning, on a CPU; the rule decides by its threads' wait for a CPU, read from /proc);
+  ``slow said``: the slowdown events the rule raised, ``i`` information (waiting for a CPU accounts
+  for the rise), ``w`` warning;
 - ``warned``: the warning events torchdebug raised on the run (a healthy run: none).
 
 The header prints the machine's load average: the numbers are taken on whatever machine runs it,

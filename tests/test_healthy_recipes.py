@@ -25,12 +25,10 @@ def _watched(run, steps: int, **kw):  # type: ignore[no-untyped-def]
         warnings.simplefilter("always")
         run(steps, wrap, **kw)
     (mon,) = wrap.sessions
-    # the slowdown rule reads the real clocks here, and they are not yet a fair judge of a loaded
-    # machine: with torch's two intra-op threads, a thread that waits for a CPU leaves the other
-    # spinning at OpenMP's barrier, on a CPU (word_language_model's LSTM at load average 15: its CPU
-    # time a step 76 -> 1024 ms, its wait 195 -> 2360 ms, the same work). A busy machine that the
-    # training thread's own wait explains is information (test_slowdown_contention.py models it)
-    loud = [(e.kind, e.step) for e in mon.events if e.severity != "info" and e.kind != "slowdown"]
+    # the slowdown rule reads the real clocks and /proc here: on a machine that other processes load
+    # (this suite beside others on 2 CPUs) a slower step is information, not a warning, when its
+    # threads' wait for a CPU explains it (test_slowdown_contention.py models the cases)
+    loud = [(e.kind, e.step) for e in mon.events if e.severity != "info"]
     return mon, loud, [str(w.message) for w in said]
 
 

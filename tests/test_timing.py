@@ -128,8 +128,22 @@ class _NoWait:
         pass
 
 
+class _NoMachine:
+    """A contention reader that can read nothing (macOS, a container): with the wall clock faked,
+    real /proc counters would not match it; the rule judges by the thread's wait alone."""
+
+    sources = ()
+
+    def read(self, wall: float) -> timing.MachineReading:
+        return timing.MachineReading(wall)
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_fast_loop_whose_steps_jitter_by_half_is_neither_input_bound_nor_slow(tmp_path, clock, monkeypatch):
     monkeypatch.setattr(timing, "RunQueueClock", _NoWait)
+    monkeypatch.setattr(timing, "ContentionReader", _NoMachine)
     torch.manual_seed(0)
     tick = Ticking(clock, 1 / 1024)
     model = nn.Sequential(nn.Linear(8, 16), tick, nn.ReLU(), nn.Linear(16, 1))
@@ -152,6 +166,7 @@ def test_a_fast_loop_whose_steps_jitter_by_half_is_neither_input_bound_nor_slow(
 
 def test_slowdown_rule_fires_when_steps_stay_slow(tmp_path, clock, monkeypatch):
     monkeypatch.setattr(timing, "RunQueueClock", _NoWait)
+    monkeypatch.setattr(timing, "ContentionReader", _NoMachine)
     torch.manual_seed(0)
     tick = Ticking(clock, 1 / 1024)
     model = nn.Sequential(nn.Linear(8, 1), tick)

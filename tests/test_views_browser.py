@@ -418,6 +418,15 @@ def test_a_divergence_that_lasts_stays_on_the_axis(browser: Any, reports: dict[s
     assert errors == []
 
 
+# the heatmap's drawn cells (the image's left and right edge) and its step ticks, in SVG pixels
+_HEAT_GEOMETRY_JS = """() => {
+  const svg = document.querySelector('#chart-layers svg'), img = svg.querySelector('image');
+  const ticks = {};
+  svg.querySelectorAll('text.tick.x').forEach(t => { ticks[t.textContent] = +t.getAttribute('x'); });
+  return {left: +img.getAttribute('x'), right: +img.getAttribute('x') + +img.getAttribute('width'), ticks};
+}"""
+
+
 def test_a_gan_heatmap_has_no_blank_column(browser: Any, tmp_path: Path) -> None:
     from tests.fixtures.watched_runs import gan_run
 
@@ -437,6 +446,20 @@ def test_a_gan_heatmap_has_no_blank_column(browser: Any, tmp_path: Path) -> None
     finally:
         page.close()
     assert errors == []
+    # report and dashboard: each column starts at its step, the first at the step-0 tick (not half
+    # a column before it); the last lasts as long as the gap before it: steps 20-30
+    with serve(run.parent, port=0) as h:
+        for url in (path.as_uri(), f"{h.url}/runs/{run.name}"):
+            page, errors = _open(browser, url)
+            try:
+                page.wait_for_selector("#chart-layers svg image")
+                geo = page.evaluate(_HEAT_GEOMETRY_JS)
+            finally:
+                page.close()
+            assert errors == []
+            assert geo["left"] == pytest.approx(geo["ticks"]["0"], abs=0.01)
+            assert geo["right"] == pytest.approx(geo["ticks"]["30"], abs=0.01)
+            assert min(float(t) for t in geo["ticks"]) == 0  # no tick before step 0
 
 
 # --------------------------------------------------------------------------------- weight and network

@@ -28,7 +28,7 @@ class RunningMedian:
         (3.0, 1.0)
     """
 
-    __slots__ = ("_order", "_sorted", "window")
+    __slots__ = ("_order", "_sorted", "n", "window")
 
     def __init__(self, window: int) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -36,6 +36,7 @@ class RunningMedian:
         self.window = window
         self._order: deque[float] = deque()  # arrival order, to know what leaves the window
         self._sorted: list[float] = []  # same values, kept sorted
+        self.n = 0  # len(self), kept by hand: the rules read it every step without a Python call
 
     def __len__(self) -> int:
         return len(self._order)
@@ -45,9 +46,11 @@ class RunningMedian:
         x = float(value)
         if not math.isfinite(x):
             return False
-        if len(self._order) == self.window:
+        if self.n == self.window:
             old = self._order.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
+        else:
+            self.n += 1
         self._order.append(x)
         bisect.insort(self._sorted, x)
         return True
@@ -56,6 +59,7 @@ class RunningMedian:
         """Forget every value."""
         self._order.clear()
         self._sorted.clear()
+        self.n = 0
 
     def values(self) -> list[float]:
         """The kept values, oldest first."""

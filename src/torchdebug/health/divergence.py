@@ -104,6 +104,7 @@ class DivergenceRule:
         if recent < 2 or window < recent:
             raise ValueError(f"need recent >= 2 and window >= recent, got recent={recent}, window={window}")
         self.recent: deque[tuple[int, float]] = deque(maxlen=recent)
+        self._values: deque[float] = deque(maxlen=recent)  # the recent losses alone: their median a step
         self.baseline = RunningMedian(window)
         self.last: deque[float] = deque(maxlen=recent)  # the newest baseline losses: the level just before
         self.mads, self.rel, self.progress, self.share = (
@@ -154,6 +155,7 @@ class DivergenceRule:
                 self._pushed += 1
                 self.last.append(old)
         self.recent.append((step, loss))
+        self._values.append(loss)
         event = None
         # a counter, not len(self.baseline): no Python call per step
         if self.active or self._pushed >= (self.recent.maxlen or 0):
@@ -170,7 +172,7 @@ class DivergenceRule:
 
     def _level(self, step: int) -> RuleEvent | None:
         """The recent median against the baseline's: the episode's start or end, or None."""
-        now = statistics.median(v for _, v in self.recent)
+        now = _median(sorted(self._values))  # (statistics.median's answer, without a generator)
         if self.active:
             if now - self.before < 0.5 * self.threshold:
                 since, self.active = self.since, False
@@ -213,13 +215,16 @@ class DivergenceRule:
     def _from_start(self, step: int) -> RuleEvent | None:
         """The recent losses sit at least ``start_factor`` x the first loss, or their median
         ``early_factor`` x within ``early_horizon`` losses: diverged from the start."""
-        last = list(itertools.islice(reversed(self.recent), self.start_recent))[::-1]
-        now = statistics.median(v for _, v in last)
+        now = _median(sorted(itertools.islice(reversed(self._values), self.start_recent)))
         bar = self.early_factor * self.first
         if not self.jumped or self.several or self.seen > self.early_horizon or now < bar:
             bar = self.start_factor * self.first
-            if now < bar or sum(v >= bar for _, v in last) < self.share * len(last):
+            if now < bar:
+                return None  # the usual answer
+            last = list(itertools.islice(reversed(self.recent), self.start_recent))[::-1]
+            if sum(v >= bar for _, v in last) < self.share * len(last):
                 return None
+        last = list(itertools.islice(reversed(self.recent), self.start_recent))[::-1]
         above = [s for s, v in last if v >= bar]
         self.active = True
         # ends when the recent median is back under half-way to the bar
@@ -289,6 +294,7 @@ class NormShiftRule:
                 f"factor={factor}"
             )
         self.recent: deque[tuple[int, float]] = deque(maxlen=recent)  # (step, log10 norm)
+        self._values: deque[float] = deque(maxlen=recent)  # the log10 norms alone: their median a step
         self.baseline = RunningMedian(window)
         self.orders = math.log10(factor)
         self.factor, self.mads, self.share = float(factor), float(mads), float(share)
@@ -305,10 +311,12 @@ class NormShiftRule:
         if len(self.recent) == self.recent.maxlen and not self.active:
             self.baseline.push(self.recent[0][1])  # frozen while the episode lasts
             self._pushed += 1
-        self.recent.append((step, math.log10(norm)))
+        log = math.log10(norm)
+        self.recent.append((step, log))
+        self._values.append(log)
         if self._pushed < (self.recent.maxlen or 0):  # a counter, not len(): no Python call per step
             return None
-        now = statistics.median(v for _, v in self.recent)
+        now = _median(sorted(self._values))  # (statistics.median's answer, without a generator)
         if self.active:
             if now - self.before >= 0.5 * self.orders:
                 return None
@@ -428,6 +436,12 @@ class _Series:
         low = min(p[1] for p in list(pts)[:-1])
         since, then = next(p for p in reversed(list(pts)[:-1]) if p[1] <= low + CALM)
         return {"since": since, "then": 10**then, "now": 10**last, "rate": 10**slope}
+
+
+def _median(s: list[float]) -> float:
+    """The median of a sorted, non-empty list, as ``statistics.median`` gives it."""
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _fmt_rate(x: float) -> str:

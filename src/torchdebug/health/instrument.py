@@ -157,12 +157,15 @@ class ExplosionRule:
         early = self.seen < self.warmup
         evidence: dict[str, float] = {"grad_norm": norm}
         rel = False
-        if len(self.history) and not (early and self.seen < EARLY_HISTORY):  # the relative test
+        if self.history.n and not (early and self.seen < EARLY_HISTORY):  # the relative test
             med = self.history.median()
+            ratio = norm / 10**med
+            least = EARLY_RATIO if early else self.min_ratio
+            if ratio < least and norm <= self.abs_threshold:
+                return None  # the usual answer: under the ratio the relative test needs, no sigma needed
             sigma = self.history._sigma_at(med, abs_floor=LOG_SIGMA_FLOOR)  # the median computed once
             z = (math.log10(norm) - med) / sigma
-            ratio = norm / 10**med
-            rel = z > self.mads and ratio >= (EARLY_RATIO if early else self.min_ratio)
+            rel = z > self.mads and ratio >= least
             evidence.update(median=10**med, mads=z, ratio=ratio, threshold=10 ** (med + self.mads * sigma))
         if rel or norm > self.abs_threshold:
             evidence["abs_threshold"] = self.abs_threshold
@@ -190,7 +193,7 @@ class ExplosionRule:
         # what the message says was typical: the median before this norm joins it (read only on the
         # step that fires)
         typical = 10 ** self.history.median() if evidence is not None and len(self.history) else math.nan
-        judged_on = len(self.history)
+        judged_on = self.history.n
         # an exploding norm stays out of the baseline for the first FREEZE steps of its episode, so
         # a run-away growth stays one episode instead of widening the range it is judged against
         frozen = evidence is not None and self._exploding < FREEZE
@@ -319,6 +322,7 @@ class LossSpikeRule:
         self.history = RunningMedian(window)
         self.active = False
         self.count = 0
+        self.fired_at = (math.nan, math.nan)  # the window's median and sigma the last spike was judged by
 
     def update(self, step: int, loss: float) -> RuleEvent | None:
         """Feed the loss of ``step``; an event at the first step of a spike."""
@@ -326,10 +330,14 @@ class LossSpikeRule:
             return None
         fire = False
         z = med = 0.0
-        if len(self.history) >= max(self.warmup, 1):
+        if self.history.n >= max(self.warmup, 1):
             med = self.history.median()
-            z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
-            fire = z > self.mads and loss - med >= self.min_rise * abs(med)
+            # the rise first (no sigma for the usual answer); then the z-score
+            if loss - med >= self.min_rise * abs(med):
+                z = self.history._zscore_at(med, loss, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12)
+                fire = z > self.mads
+                if fire:  # what the spike guard's report says it was judged by (rare)
+                    self.fired_at = (med, self.history._sigma_at(med, LOSS_REL_FLOOR, 1e-12))
         self.history.push(loss)
         if not fire:
             self.active = False
@@ -479,17 +487,30 @@ class LRRule:
         self.zero: set[int] = set()
         self.bad: set[int] = set()
 
-    def update(self, step: int, lrs: Sequence[float], labels: Sequence[str] | None = None) -> list[RuleEvent]:
-        """Feed the per-group learning rates of ``step`` (``labels``: what to call each; default
-        ``param group <g>``; with several optimizers, which optimizer's group)."""
+    def update(
+        self,
+        step: int,
+        lrs: Sequence[float],
+        labels: Sequence[str] | Callable[[], Sequence[str] | None] | None = None,
+    ) -> list[RuleEvent]:
+        """Feed the per-group learning rates of ``step`` (``labels``: what to call each, or a callable
+        returning them, called only when the rates moved; default ``param group <g>``; with several
+        optimizers, which optimizer's group)."""
+        lrs = tuple(map(float, lrs))
+        prev = self.prev
+        if prev == lrs and not (self.bad or self.zero or True in self.changing):
+            # the usual answer: the same finite rates as the step before, and nothing under way (a
+            # non-finite rate is in ``bad``, so a NaN equal to itself by identity never lands here)
+            self.prev2 = prev
+            return []
         out: list[RuleEvent] = []
+        if callable(labels):
+            labels = labels()
         label = (
             (lambda g: labels[g])
             if labels is not None and len(labels) == len(lrs)
             else (lambda g: f"param group {g}")
         )
-        lrs = tuple(float(x) for x in lrs)
-        prev = self.prev
         if prev is None or len(prev) != len(lrs):
             self.prev, self.prev2, self.changing = lrs, None, [False] * len(lrs)
             prev = None
@@ -891,6 +912,7 @@ class GradientHealth:
         self.amp = AmpScaleRule(cfg.scale_floor, cfg.scale_shrink_steps)
         self.dead = DeadUnitRule(cfg.dead_unit_fraction)
         self.ratio_rule = UpdateRatioRule(cfg.update_ratio_min, cfg.update_ratio_max)
+        self._lrs_seen: Any = None  # the rates the ratio rule last saw (fed again when they move)
         self.clip_on_spike: float | None = cfg.clip_on_spike
         self._synced_step: int | None = None  # the step whose transfer already ran (collect was called)
         self._judged_step: int | None = None  # the step the explosion rule already judged
@@ -905,6 +927,12 @@ class GradientHealth:
         self._act_armed = False
         self._act_step: int | None = None
         self._step_had_anomaly = False
+        # the forward's start arms the activation capture: without one no call a step (the session's
+        # dispatch skips a method set to None)
+        if self.activations:
+            self.__dict__.pop("on_forward_start", None)
+        else:
+            self.__dict__["on_forward_start"] = None
         if self.activations:
             for mod in mon.model.modules():
                 if next(iter(mod.children()), None) is None:
@@ -1029,13 +1057,21 @@ class GradientHealth:
         self._synced_step = mon.global_step
         out: dict[str, torch.Tensor] = {}
         red = mon.transfer.reduced
-        if red is not None and red is not self._per_handed and self.details and mon.due(self.every):
+        every = self.every  # (``mon.due(self.every)``, inlined here and at the step end: every step)
+        if (
+            red is not None
+            and red is not self._per_handed
+            and self.details
+            and every > 0
+            and mon.global_step % every == 0
+        ):
             # detail steps: every parameter's gradient norm, read with the step's numbers (ordinary
             # steps read only their total); again at a later read when a backward came since (several
             # updates in the step), so the step end needs no read of its own
             self._per_handed = red
             out.update(mon.transfer.per_tensor_items())
-        out.update(self._optnorms.items(mon))  # several optimizers: each one's gradient norm
+        if len(mon.optimizers) > 1:  # several optimizers: each one's gradient norm
+            out.update(self._optnorms.items(mon))
         if self._clip is not None:
             total, max_norm, norm_type = self._clip
             self._clip = None
@@ -1092,8 +1128,11 @@ class GradientHealth:
                 self._emit_episode(mon, "level", event, self.growth.active)
             if not math.isfinite(loss) or self.spike.active:
                 self.counters["loss_anomalies"] += 1
-        self.ratio_rule.see_lr(record.lr or ())
-        for event in self.lr_rule.update(step, record.lr or (), mon.lr_labels):
+        lrs = record.lr or ()
+        if lrs != self._lrs_seen:  # (a C-level comparison: the rates moved, or the first step)
+            self._lrs_seen = lrs
+            self.ratio_rule.see_lr(lrs)
+        for event in self.lr_rule.update(step, lrs, lambda: mon.lr_labels):
             if event.kind == "lr_nonfinite" and "nonfinite" in mon.config.instruments():
                 continue  # the sentinel named it before the update, as an `optimizer` anomaly
             self._emit(mon, event)
@@ -1107,7 +1146,9 @@ class GradientHealth:
                 self._emit(mon, event)
         if "clip" in handed and "health.clip_total" in values:
             self._clip_insight(mon, step, float(values["health.clip_total"]), handed["clip"], record, scalars)
-        norms_host = mon.grad_norms_host if self.details and mon.due(self.every) else None
+        every = self.every
+        due = every > 0 and mon.global_step % every == 0
+        norms_host = mon.grad_norms_host if self.details and due else None
         if norms_host is not None:
             _log_vector(mon, step, self._detail_names(mon)[3], norms_host)  # host floats, names built once
             if not record.skipped:

@@ -684,8 +684,13 @@ class MemoryInstrument:
 
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._phase = "forward"
-        self._batch_shape = _first_shape(args, kwargs)
+        if type(args) is tuple and args and isinstance(args[0], torch.Tensor):  # (``_first_shape``, inlined)
+            self._batch_shape = tuple(args[0].shape)
+        else:
+            self._batch_shape = _first_shape(args, kwargs)
         st = self._leak
+        if st.phase == "idle" or st.phase == "waiting":
+            return  # the usual answer: no leak capture under way
         here = threading.current_thread() is getattr(mon, "thread", threading.current_thread())
         # a function mode lives on the stack of the thread that enters it: only on the session's thread
         if here and st.phase in ("armed", "capturing") and st.capture is not None and not st.mode_entered:
@@ -703,14 +708,19 @@ class MemoryInstrument:
 
     def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
         self._phase = "input"
-        self._stop_capture()
+        if self._leak.capture is not None or self._unpopped:
+            self._stop_capture()
         step = int(getattr(record, "step", getattr(mon, "global_step", 0)))
-        every = int(getattr(mon.config, "memory_every", 50))
-        log_due = mon.due(every)
-        # the leak test samples on its own, denser schedule: a window sized in steps, not in
-        # memory_every-spaced samples, so a leak is found within ~leak_window * leak_every steps
-        leak_due = mon.due(min(every, int(getattr(mon.config, "leak_every", 4))))
-        self._advance_leak(mon, step)
+        cfg, gs = mon.config, mon.global_step
+        every = int(getattr(cfg, "memory_every", 50))
+        # (``mon.due``, inlined: every step) the leak test samples on its own, denser schedule: a
+        # window sized in steps, not in memory_every-spaced samples, so a leak is found within
+        # ~leak_window * leak_every steps
+        log_due = every > 0 and gs % every == 0
+        leak_every = min(every, int(getattr(cfg, "leak_every", 4)))
+        leak_due = leak_every > 0 and gs % leak_every == 0
+        if self._leak.phase != "idle":
+            self._advance_leak(mon, step)
         if log_due or leak_due:
             sample = memory_sample()  # ~10-20 us: a /proc read, mallinfo2, the CUDA allocator's counters
             if log_due and mon.writer is not None:

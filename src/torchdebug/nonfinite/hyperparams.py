@@ -94,7 +94,9 @@ class HyperparameterCheck:
         work for Python floats. ``device_ok``: False under ``sync="async"``, where accelerator tensors
         are not staged (the read comes a step late).
         """
-        opt = unwrap_optimizer(opt)
+        attrs = getattr(opt, "__dict__", None)
+        if attrs is None or "_optimizer" in attrs or "optimizer" in attrs:  # a wrapper (the usual: none)
+            opt = unwrap_optimizer(opt)
         self.opt, self.bad, self.device, self.staged = opt, [], [], None
         groups = getattr(opt, "param_groups", None)
         if not groups:

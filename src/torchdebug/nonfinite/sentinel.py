@@ -281,7 +281,7 @@ class Sentinel:
             return
         cap.outputs = output
         n = 0
-        for i, t in enumerate(tensor_leaves(output)):
+        for i, t in enumerate([output] if isinstance(output, torch.Tensor) else tensor_leaves(output)):
             if t.requires_grad and n < _MAX_OUT_HOOKS:
                 n += 1
                 t.register_hook(functools.partial(_store_grad, weakref.ref(cap), i))

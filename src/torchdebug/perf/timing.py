@@ -6,8 +6,8 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -73,20 +73,47 @@ class _Clock:
         return float(b - a)
 
 
-@dataclass
 class _StepMarks:
-    start: Any = None  # end of the previous step
-    spans: dict[str, list[tuple[Any, Any]]] = field(
-        default_factory=lambda: {"data": [], "forward": [], "backward": [], "optimizer": []}
+    """One step's marks. On the host each phase's seconds are summed as it is marked (``host_clock``
+    differences, no pair kept); on CUDA the phases' event pairs are kept in ``spans`` and read once the
+    events completed."""
+
+    __slots__ = (
+        "backs",
+        "backward",
+        "cpu",
+        "data",
+        "end",
+        "forward",
+        "loader",
+        "loader_calls",
+        "machine",
+        "optimizer",
+        "samples",
+        "spans",
+        "start",
+        "step",
+        "tokens",
+        "wait",
     )
-    end: Any = None
-    samples: int = 0
-    tokens: int = 0
-    step: int = 0
-    cpu: float = math.nan  # this process's CPU seconds over the step (host clock only)
-    wait: float = math.nan  # the training thread's seconds waiting for a CPU (Linux run-queue delay)
-    loader: float = 0.0  # seconds inside DataLoader iterators' __next__ during the step
-    loader_calls: int = 0
+
+    def __init__(self, start: Any = None, step: int = 0, cuda: bool = False) -> None:
+        self.start = start  # end of the previous step
+        self.spans: dict[str, list[tuple[Any, Any]]] | None = (
+            {"data": [], "forward": [], "backward": [], "optimizer": []} if cuda else None
+        )
+        self.data = self.forward = self.backward = self.optimizer = 0.0  # host: seconds
+        self.backs = 0  # backward spans marked
+        self.end: Any = None
+        self.samples = self.tokens = 0
+        self.step = step
+        self.cpu = math.nan  # this process's CPU seconds over the step (host clock only)
+        self.wait = math.nan  # the training thread's seconds waiting for a CPU (Linux run-queue delay)
+        self.loader = 0.0  # seconds inside DataLoader iterators' __next__ during the step
+        self.loader_calls = 0
+        self.machine: MachineReading | None = (
+            None  # the contention counters at the step's end (on a schedule)
+        )
 
 
 class RunQueueClock:
@@ -137,6 +164,111 @@ class RunQueueClock:
             self._fd = None
 
 
+class MachineReading(NamedTuple):
+    """The machine's contention counters at one moment (cumulative; NaN: not readable here).
+
+    ``wall``: the timing clock's mark when read (seconds). ``wait``: seconds this process's threads
+    have spent ready to run but waiting for a CPU, summed over its live threads (the kernel's
+    run-queue delay). ``pressure``: seconds in which some task of the machine waited for a CPU
+    (Linux PSI, ``/proc/pressure/cpu``, "some"). ``steal`` and ``ticks``: the CPUs' time taken by
+    the hypervisor, and all their time, in clock ticks (``/proc/stat``).
+    """
+
+    wall: float
+    wait: float = math.nan
+    pressure: float = math.nan
+    steal: float = math.nan
+    ticks: float = math.nan
+
+
+# what ContentionReader.sources names, said in a slowdown event's evidence ("contention_read")
+CONTENTION_SOURCES = {
+    "wait": "this process's threads' wait for a CPU (/proc/self/task/*/schedstat)",
+    "pressure": "CPU pressure (/proc/pressure/cpu)",
+    "steal": "steal time (/proc/stat)",
+}
+
+
+class ContentionReader:
+    """Reads :class:`MachineReading` from ``/proc`` (or ``root``, a folder laid out like it): the
+    run-queue delay of each of this process's threads (``self/task/*/schedstat``), CPU pressure
+    (``pressure/cpu``) and steal (``stat``). Where a file is missing (macOS, a kernel without PSI,
+    a container) its field is NaN and :attr:`sources` does not name it.
+
+    Cost: one ``pread`` per thread and two more, about 10 µs for a few threads: the timing
+    instrument reads it on a schedule (every ``contention_every_s`` of steps), not every step.
+
+    Example:
+        >>> r = ContentionReader("/nonexistent").read(1.0)
+        >>> (r.wall, math.isnan(r.wait))
+        (1.0, True)
+    """
+
+    def __init__(self, root: str = "/proc") -> None:
+        import os
+
+        self.root = root
+        self._tasks = os.path.join(root, "self", "task")
+        # the machine's two files stay open (pread at 0 re-reads them); threads come and go: their
+        # files are opened at each reading
+        self._pressure = self._stat = -1
+        try:
+            self._pressure = os.open(os.path.join(root, "pressure", "cpu"), os.O_RDONLY)
+        except OSError:
+            pass
+        try:
+            self._stat = os.open(os.path.join(root, "stat"), os.O_RDONLY)
+        except OSError:
+            pass
+        first = self.read(0.0)
+        self.sources = tuple(
+            k
+            for k, v in (("wait", first.wait), ("pressure", first.pressure), ("steal", first.steal))
+            if v == v
+        )
+
+    def read(self, wall: float) -> MachineReading:
+        """The counters now, ``wall`` the caller's clock. One Python call, no helpers: it runs
+        inside the step (on a schedule) and the ordinary step's call budget is pinned."""
+        import os
+
+        wait = pressure = steal = ticks = math.nan
+        try:
+            total = 0
+            for tid in os.listdir(self._tasks):
+                try:
+                    fd = os.open(f"{self._tasks}/{tid}/schedstat", os.O_RDONLY)
+                except OSError:  # the thread ended since the listing
+                    continue
+                try:
+                    total += int(os.pread(fd, 128, 0).split()[1])
+                finally:
+                    os.close(fd)
+            wait = total / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+        try:  # "some avg10=.. avg60=.. avg300=.. total=<µs>\nfull ..."
+            line = os.pread(self._pressure, 256, 0).split(b"\n", 1)[0]
+            pressure = int(line.rsplit(b"total=", 1)[1]) / 1e6
+        except (OSError, ValueError, IndexError):
+            pass
+        try:  # "cpu  user nice system idle iowait irq softirq steal guest guest_nice\ncpu0 ..."
+            fields = os.pread(self._stat, 256, 0).split(b"\n", 1)[0].split()[1:9]
+            steal, ticks = float(fields[7]), float(sum(map(int, fields)))
+        except (OSError, ValueError, IndexError):
+            pass
+        return MachineReading(wall, wait, pressure, steal, ticks)
+
+    def close(self) -> None:
+        """Close the machine's files (idempotent)."""
+        import os
+
+        for fd in (self._pressure, self._stat):
+            if fd >= 0:
+                os.close(fd)
+        self._pressure = self._stat = -1
+
+
 def machine_load() -> tuple[float, int]:
     """(load average over the last minute, CPU count): how busy the machine is, for the slowdown rule.
 
@@ -166,6 +298,8 @@ class StepTiming:
     # seconds spent inside DataLoader iterators' __next__, and how many batches they gave, this step
     loader: float = 0.0
     loader_calls: int = 0
+    # the machine's contention counters read at this step's end; None on the steps between readings
+    machine: MachineReading | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -205,10 +339,6 @@ class StepTiming:
         return d
 
 
-def _never(step: int) -> bool:
-    return False
-
-
 _RULE_PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
@@ -225,24 +355,36 @@ class SlowdownRule:
     steps (a second of machine load on 1 ms steps is a burst, not a slowdown). One ``slowdown`` event when an episode starts (naming the phase whose median grew
     most), one ``slowdown_end`` info event when it ends, with its length in steps.
 
-    This process's work or a busy machine: when the steps carry the training thread's wait for a CPU
-    (``StepTiming.wait``, the kernel's run-queue delay) and this process's CPU time
-    (``StepTiming.cpu``), the rule splits the rise of the median step. When the wait grew by at least
-    half of it and the work did not grow, the process was ready to run and other processes had the
-    CPUs: that ``slowdown`` is information (severity ``info``, with the wait, the CPU time a step
-    used and the machine's load average), not a warning. The work grew when the CPU time a step grew
-    ``factor`` times and the step's own part (wall time minus the wait) carries at least its share
-    of the rise (half its share of the step before, and at least a tenth): a contended CPU alone
-    stretches the same work's CPU time too (up to 1.8x measured), but then the wait carries nearly
-    all of the rise. A slowdown of its own work (more CPU time, a sleep, I/O, a lock) is a
-    ``warning``, also on a busy machine (the message then says the wait too); so is any slowdown
-    where the wait is not measured.
+    This process's work or a busy machine, from the machine's readings: when some steps carry a
+    :class:`MachineReading` (``StepTiming.machine``: this process's threads' summed wait for a CPU,
+    CPU pressure, steal; the timing instrument reads them on a schedule), the rule compares the
+    slow steps' span of readings with the span before them. The share of a step lost to waiting
+    (the threads' wait per second of wall time plus the steal share, at most 1) gives the time lost
+    per step; the rest is the step's own part. When the time lost grew by at least half of the rise
+    and the own part did not grow ``factor`` times with at least its share of the rise (half its
+    share of the step before, and at least a tenth), the ``slowdown`` is information (severity
+    ``info``) with the numbers read; otherwise a ``warning``, which also says the numbers ("the
+    machine is busy too" when both grew). The threads' summed wait, not the training thread's, is
+    what counts: with torch's intra-op threads (OpenMP) a worker waiting for a CPU leaves the
+    training thread spinning at the barrier, on a CPU (word_language_model's LSTM beside 13 busy
+    processes on 2 CPUs: 7 ms of CPU a step became up to 1034 ms for the same work), so neither the CPU
+    time nor the training thread's own wait tells the work from the machine.
 
-    Known limitation: the wait measured is the training thread's. When torch's intra-op threads
-    (OpenMP) share the step, a worker waiting for a CPU leaves the training thread spinning at the
-    barrier, on a CPU: its CPU time and its own part grow with the load (word_language_model's LSTM
-    at load average 15 on 2 CPUs: 76 -> 1024 ms of CPU a step for the same work), and a loaded
-    machine reads as a slowdown of its own work (a warning).
+    Without readings (not Linux, CUDA, too few before the slow steps): when the steps carry the
+    training thread's wait for a CPU (``StepTiming.wait``) and this process's CPU time
+    (``StepTiming.cpu``), the rule splits the rise of the median step the same way with them: a
+    wait that grew by at least half of the rise while the CPU time did not grow ``factor`` times
+    (or the step's own part did not carry its share) is information; any other slowdown, and any
+    where the wait is not measured, is a ``warning`` (saying so when a reader found nothing).
+
+    Known limitations:
+        - A machine that stays saturated while the work grows: with every thread waiting most of the
+          time before and after, the own part cannot be told from the wait, and the slowdown reads
+          as contention (information).
+        - The wait counted is this process's threads'; DataLoader worker processes are other
+          processes: a step slowed by its own workers crowding the CPUs reads as contention.
+        - CPU pressure is the machine's (or the container's, where ``/proc`` is the container's):
+          said, never decisive.
 
     Args:
         factor: how many times the baseline a slow median is (> 1).
@@ -253,6 +395,8 @@ class SlowdownRule:
         min_duration_s: seconds of slow steps (after the median turned) before it is an episode.
         load: the machine's (load average over 1 minute, CPU count), said with a contended slowdown;
             None: not said.
+        read: what the timing instrument's :class:`ContentionReader` can read (its ``sources``);
+            ``()``: nothing, said in a warning; None: no reader (the rule used on its own).
 
     Example:
         >>> rule = SlowdownRule(recent=3, min_baseline=5, min_duration_s=0.1)
@@ -272,6 +416,7 @@ class SlowdownRule:
         mads: float = 5.0,
         min_duration_s: float = 0.5,
         load: Callable[[], tuple[float, int]] | None = None,
+        read: tuple[str, ...] | None = None,
     ) -> None:
         if factor <= 1:
             raise ValueError(f"factor must be > 1, got {factor}")
@@ -281,16 +426,26 @@ class SlowdownRule:
         self.min_baseline = int(min_baseline)
         self.min_duration_s = float(min_duration_s)
         self.load = load
+        self.read = read
+        # (step, MachineReading) of the steps that carry one, enough to span the baseline
+        self._machine = deque[tuple[int, MachineReading]](maxlen=int(window) + int(recent) + 2)
+        self._after = -1  # the last step of the previous episode: readings before it are not "before"
         self._cpu = deque[float](maxlen=int(window))  # the baseline steps' CPU seconds
         self._wait = deque[float](maxlen=int(window))  # and their seconds waiting for a CPU
         self._totals = deque[float](maxlen=int(window))  # and their wall seconds (paired with _wait)
         self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
         self.recent: deque[StepTiming] = deque(maxlen=int(recent))
+        self._recent_totals = deque[float](maxlen=int(recent))  # their wall seconds
         self.baseline = RunningMedian(int(window))
-        # the phases' baselines are read only when an episode starts: kept in arrival order, sorted then
-        self._phases = {k: deque[float](maxlen=int(window)) for k in _RULE_PHASES}
+        self._pushed = 0  # len(self.baseline), counted: no Python call per step
+        # the baseline's steps: their phases are read only when an episode starts
+        self._base = deque[StepTiming](maxlen=int(window))
         self.start: int | None = None  # first step of the current episode
         self.count = 0  # episodes
+
+    def _phases(self) -> dict[str, list[float]]:
+        """Each phase's finite seconds over the baseline's steps (NaN/Inf would poison a median)."""
+        return {k: [x for r in self._base if math.isfinite(x := float(getattr(r, k)))] for k in _RULE_PHASES}
 
     def _load_text(self, evidence: dict[str, Any]) -> str:
         if self.load is None:
@@ -305,9 +460,18 @@ class SlowdownRule:
     def _judge(self, med: float, base: float, said: str, evidence: dict[str, Any]) -> tuple[str, str]:
         """The episode's severity and message: ``info`` when waiting for a CPU explains the slowdown
         and this process's own work did not grow, else ``warning`` (see the class docstring)."""
+        judged = self._judge_machine(med, base, said, evidence)
+        if judged is not None:
+            return judged
         recent = self.recent
         wait_now = [r.wait for r in recent if math.isfinite(r.wait)]
         if len(wait_now) < len(recent) or len(self._wait) < self.min_baseline:
+            if self.read == ():  # a reader was there and found nothing to read
+                evidence["contention_read"] = []
+                said += (
+                    "; whether other processes took the CPUs is not known here (none of "
+                    "/proc/self/task/*/schedstat, /proc/pressure/cpu, /proc/stat could be read)"
+                )
             return "warning", said  # the wait for a CPU not measured (not Linux, CUDA)
         rise = med - base
         wait_med, wait_base = _median(wait_now), _median(list(self._wait))
@@ -345,27 +509,139 @@ class SlowdownRule:
             said += f"; {cpu + ' and ' if cpu else 'it '}{queue}: the machine is busy too{self._load_text(evidence)}"
         return "warning", said
 
+    def _spans(self) -> tuple[tuple[int, int, MachineReading, MachineReading], ...] | None:
+        """(first step, last step, reading before, reading after) of the slow steps and of the steps
+        before them, from the readings kept; None where they do not give both spans."""
+        start = self.start if self.start is not None else 0
+        xs = [x for x in self._machine if x[0] > self._after]
+        # a reading is taken at the end of its step: the one at step start - 1 opens the slow steps
+        before = [x for x in xs if x[0] <= start - 1]
+        if len(before) < 2:
+            return None
+        c, d = before[0], before[-1]
+        b = xs[-1]
+        a = next((x for x in xs if x[0] >= start - 1), b)
+        if a is b:  # one reading since the slow steps began: the span opens with the last one before
+            a = d
+        if b[0] <= a[0]:
+            return None
+        return (a[0] + 1, b[0], a[1], b[1]), (c[0] + 1, d[0], c[1], d[1])
+
+    def _judge_machine(
+        self, med: float, base: float, said: str, evidence: dict[str, Any]
+    ) -> tuple[str, str] | None:
+        """The verdict from the machine's readings (:class:`MachineReading`), over the slow steps
+        against the steps before; None where the readings do not span both, or the threads' wait
+        was not read. See the class docstring."""
+        spans = self._spans()
+        if spans is None:
+            return None
+        rates: list[tuple[float, float, float]] = []  # (threads' wait, pressure, steal) per second
+        for _, _, x, y in spans:
+            dw, dt = y.wall - x.wall, y.ticks - x.ticks
+            if dw <= 0:
+                return None
+            rates.append(
+                (
+                    max(0.0, y.wait - x.wait) / dw,  # a thread that ended takes its count with it
+                    (y.pressure - x.pressure) / dw,
+                    (y.steal - x.steal) / dt if dt > 0 else math.nan,
+                )
+            )
+        (w_now, p_now, s_now), (w_before, p_before, s_before) = rates
+        if not (math.isfinite(w_now) and math.isfinite(w_before)):
+            return None
+        (a, b, _, _), (c, d, _, _) = spans
+        # the share of a step lost to waiting for a CPU (any of this process's threads, or the
+        # hypervisor's steal), capped at the whole step: the threads' waits overlap
+        lost_now = min(1.0, w_now + (s_now if math.isfinite(s_now) else 0.0))
+        lost_before = min(1.0, w_before + (s_before if math.isfinite(s_before) else 0.0))
+        rise = med - base
+        lost = lost_now * med - lost_before * base  # the added time lost to waiting, about
+        own, own_base = med * (1.0 - lost_now), base * (1.0 - lost_before)
+        evidence.update(
+            threads_wait_share=w_now,
+            threads_wait_share_before=w_before,
+            cpu_pressure=p_now,
+            cpu_pressure_before=p_before,
+            steal_share=s_now,
+            steal_share_before=s_before,
+            measured_steps=[a, b],
+            before_steps=[c, d],
+            contention_read=[CONTENTION_SOURCES.get(k, k) for k in self.read or ()],
+        )
+        facts = (
+            f"over steps {a}-{b} this process's threads waited for a CPU {w_now:.0%} of the time "
+            f"(summed over its threads; {w_before:.0%} over steps {c}-{d})"
+        )
+        if math.isfinite(p_now) and math.isfinite(p_before):
+            facts += f", CPU pressure {p_now:.0%} (some task waiting for a CPU; {p_before:.0%} before)"
+        if math.isfinite(s_now) and math.isfinite(s_before) and max(s_now, s_before) >= 0.005:
+            facts += f", steal {s_now:.0%} of the CPUs' time ({s_before:.0%} before)"
+        cpu_now = [r.cpu for r in self.recent if math.isfinite(r.cpu)]
+        if len(cpu_now) == len(self.recent) and len(self._cpu) >= self.min_baseline:
+            cpu_med, cpu_base = _median(cpu_now), _median(list(self._cpu))
+            evidence.update(cpu_s=cpu_med, cpu_median_s=cpu_base)
+            facts += f"; it used {cpu_med * 1e3:.1f} ms of CPU a step ({cpu_base * 1e3:.1f} ms before)"
+        # the rest of a step can shrink (fewer spins, fewer cache misses): the wait can cover more
+        # than the rise. Summed over threads the wait can exceed the wall time: then capped, and the
+        # rest of a step is not known (not said)
+        part = (
+            "all of the added time"
+            if lost >= rise
+            else f"about {max(0.0, lost) / rise:.0%} of the added time"
+        )
+        rest = (
+            f" (the rest of a step: about {own_base * 1e3:.1f} -> {own * 1e3:.1f} ms)"
+            if lost_now < 1.0 and lost_before < 1.0
+            else ""
+        )
+        # Contended: the time lost to waiting grew by at least half the rise. Its own work grew: the
+        # rest of the step grew factor x and carries its share of the rise (see _judge). Neither
+        # the CPU time nor the training thread's own wait decides here: with torch's intra-op
+        # threads a worker waiting for a CPU leaves the others spinning at the barrier, on a CPU
+        contended = lost >= 0.5 * rise
+        work = own > self.factor * own_base and own - own_base >= max(
+            self.min_s, max(0.5 * own_base / base, 0.1) * rise
+        )
+        if contended and not work:
+            said = (
+                f"steps took {med / base:.1f}x longer since about step {self.start} (median "
+                f"{med * 1e3:.1f} ms, {base * 1e3:.1f} ms before) while the machine's CPUs were "
+                f"contended{self._load_text(evidence)}: {facts}; waiting for a CPU accounts for {part}"
+                f"{rest}"
+            )
+            return "info", said
+        if contended:
+            return "warning", f"{said}; {facts}: the machine is busy too{self._load_text(evidence)}"
+        return "warning", f"{said}; {facts}: waiting for a CPU accounts for {part}"
+
     def update(self, t: StepTiming) -> list[RuleEvent]:
         """Feed one step's timing; the episode's start or end event, or nothing."""
         if len(self.recent) == self.recent.maxlen and self.start is None and self._pending is None:
             old = self.recent[0]  # leaves the recent window: part of the normal from now on
-            self.baseline.push(old.total)
-            for k, m in self._phases.items():
-                x = float(getattr(old, k))
-                if math.isfinite(x):  # as RunningMedian.push: NaN/Inf would poison the window
-                    m.append(x)
+            if self.baseline.push(old.total):
+                self._pushed = min(self._pushed + 1, self.baseline.window)
+            self._base.append(old)  # its phases, read when an episode starts
             if math.isfinite(old.cpu):
                 self._cpu.append(old.cpu)
             if math.isfinite(old.wait):
                 self._wait.append(old.wait)
                 self._totals.append(old.total)
         self.recent.append(t)
-        if len(self.recent) < (self.recent.maxlen or 1) or len(self.baseline) < self.min_baseline:
+        self._recent_totals.append(t.total)
+        if t.machine is not None:
+            self._machine.append((t.step, t.machine))
+        if len(self.recent) < (self.recent.maxlen or 1) or self._pushed < self.min_baseline:
             return []
-        med = _median([r.total for r in self.recent])
+        totals = sorted(self._recent_totals)  # (``_median``, inlined: every step)
+        n = len(totals)
+        med = totals[n // 2] if n % 2 else 0.5 * (totals[n // 2 - 1] + totals[n // 2])
         base = self.baseline.median()
-        sigma = self.baseline._sigma_at(base)  # the median computed once
-        slow = med > self.factor * base and med - base >= max(self.min_s, self.mads * sigma)
+        # the baseline's sigma only when the median is slow by the factor (the median computed once)
+        slow = med > self.factor * base and med - base >= max(
+            self.min_s, self.mads * self.baseline._sigma_at(base)
+        )
         if slow and self.start is None:
             turned, slow_s = self._pending or (t.step, 0.0)
             slow_s += t.total
@@ -376,8 +652,8 @@ class SlowdownRule:
             self.start = turned - len(self.recent) // 2  # the median turned: about half the window ago
             self.count += 1
             grown = {
-                k: _median([getattr(r, k) for r in self.recent]) - (_median(list(m)) if m else math.nan)
-                for k, m in self._phases.items()
+                k: _median([getattr(r, k) for r in self.recent]) - (_median(m) if m else math.nan)
+                for k, m in self._phases().items()
             }
             phase = max(grown, key=lambda k: grown[k])
             now = _median([getattr(r, phase) for r in self.recent])
@@ -404,6 +680,7 @@ class SlowdownRule:
             self._pending = None
         if not slow and self.start is not None:
             start, self.start = self.start, None
+            self._after = t.step
             return [
                 RuleEvent(
                     kind="slowdown_end",
@@ -440,10 +717,12 @@ class TimingInstrument:
     steps before and above their jitter (a few slow steps, such as a gc pause, are not a slowdown;
     nor is a rise under ``min_slowdown_s``, the jitter of sub-millisecond steps); it names the phase
     that grew, and "slowdown_end" (info) says how long it lasted. Each rule fires once per episode. The first ``warmup``
-    steps (lazy init, allocator warm-up) are not fed to the rules. A slowdown that the training
-    thread's wait for a CPU explains (``wait_clock``, default the kernel's run-queue delay on Linux)
-    is a busy machine, said as information with the CPU time a step used (``cpu_clock``) and the
-    machine's ``load``, not a warning.
+    steps (lazy init, allocator warm-up) are not fed to the rules. A slowdown that waiting for a CPU
+    explains is a busy machine, said as information, not a warning: ``contention`` (default a
+    :class:`ContentionReader` on ``/proc``) is read at the end of steps 0, 1, 2, 4, 8, ... and every
+    ``contention_every_s`` (this process's threads' wait for a CPU, CPU pressure, steal); where it
+    cannot read, the training thread's wait (``wait_clock``, the kernel's run-queue delay on Linux)
+    and the CPU time a step used (``cpu_clock``) decide. ``load``: the machine's load average, said.
 
     Attributes:
         history: the last ``window`` :class:`StepTiming`.
@@ -467,8 +746,18 @@ class TimingInstrument:
         cpu_clock: Callable[[], float] = time.process_time,
         wait_clock: Callable[[], float] | None = None,
         load: Callable[[], tuple[float, int]] | None = machine_load,
+        contention: ContentionReader | None = None,
+        contention_every_s: float = 0.25,
     ) -> None:
         self.window = window
+        # the machine's contention counters (this process's threads' wait for a CPU, CPU pressure,
+        # steal), read at a step's end once every contention_every_s (None: a ContentionReader on
+        # /proc opened at install). About 10-40 µs a reading: 0.25 s apart, under 0.02% of the time
+        self.contention = contention
+        self.contention_every_s = float(contention_every_s)
+        self._read_machine: Callable[[float], MachineReading] | None = None
+        self._own_reader: ContentionReader | None = None  # opened at install, closed at exit
+        self._machine_at = -math.inf
         # this process's CPU seconds (all threads): the slowdown rule tells its own work from a busy
         # machine. One clock_gettime(CLOCK_PROCESS_CPUTIME_ID) per step, about 1 µs.
         self.cpu_clock = cpu_clock
@@ -495,16 +784,30 @@ class TimingInstrument:
         self._last_mark: Any = None
         self._tokens_per_step: int | None = None
         self._uncommitted: tuple[int | None, int | None] = (None, None)
+        # the instruments' ``costly_step`` methods, found again when the instrument list changes
+        self._costly_of: list[Any] = []
+        self._costly: list[Callable[[int], bool]] = []
 
     # ---- protocol
     def install(self, mon: SessionView) -> None:
         cuda = any(p.is_cuda for p in mon.model.parameters()) and torch.cuda.is_available()
         self._clock = _Clock(cuda)
+        reader = None
+        if self._own_reader is not None:  # installed again (a level change)
+            self._own_reader.close()
+            self._own_reader = None
+        if not cuda:  # on CUDA the step's time is the device's: the host's contention says little
+            reader = self.contention
+            if reader is None:
+                reader = self._own_reader = ContentionReader()
+        self._read_machine = reader.read if reader is not None and reader.sources else None
+        self._machine_at = -math.inf
         self._slowdown = SlowdownRule(
             factor=mon.config.slowdown_factor,
             recent=2 * self._patience - 1,
             min_s=self.min_slowdown_s,
             load=self.load,
+            read=reader.sources if reader is not None else None,
         )
         tps = getattr(mon.config, "tokens_per_step", None)
         self._tokens_per_step = int(tps) if tps else None
@@ -542,7 +845,7 @@ class TimingInstrument:
 
     def _begin(self, step: int) -> None:
         m = self._clock.mark()
-        self._cur = _StepMarks(start=m, step=step)
+        self._cur = _StepMarks(m, step, self._clock.cuda)
         self._last_mark = m
         if not self._clock.cuda:  # on CUDA the host's CPU time says little about the step's work
             self._cpu_start = self.cpu_clock()
@@ -552,7 +855,11 @@ class TimingInstrument:
     def on_forward_start(self, mon: SessionView, module: nn.Module, args: Any, kwargs: Any) -> None:
         m = self._clock.mark()
         if self._uncommitted == (None, None):
-            self._cur.spans["data"].append((self._last_mark, m))
+            cur = self._cur
+            if cur.spans is None:
+                cur.data += m - self._last_mark
+            else:
+                cur.spans["data"].append((self._last_mark, m))
         # else: the previous forward of this micro-step never reached backward (it failed and is
         # being retried): the time since is wasted work ("other"), not data wait
         self._open["forward"] = m
@@ -563,7 +870,11 @@ class TimingInstrument:
     def on_forward_end(self, mon: SessionView, module: nn.Module, output: Any) -> None:
         start = self._open.pop("forward", None)
         if start is not None:
-            self._cur.spans["forward"].append((start, self._clock.mark()))
+            cur, m = self._cur, self._clock.mark()
+            if cur.spans is None:
+                cur.forward += m - start
+            else:
+                cur.spans["forward"].append((start, m))
 
     def on_backward_start(self, mon: SessionView, loss: Any) -> None:
         self._open["backward"] = self._clock.mark()
@@ -577,11 +888,21 @@ class TimingInstrument:
         self._uncommitted = (None, None)
 
     def on_backward_end(self, mon: SessionView) -> None:
-        self._commit()
+        cur = self._cur
+        b, tok = self._uncommitted  # (``_commit``, inlined: every backward)
+        if b is not None:
+            cur.samples += b
+        if tok is not None:
+            cur.tokens += tok
+        self._uncommitted = (None, None)
         start = self._open.pop("backward", None)
         if start is not None:
             m = self._clock.mark()
-            self._cur.spans["backward"].append((start, m))
+            cur.backs += 1
+            if cur.spans is None:
+                cur.backward += m - start
+            else:
+                cur.spans["backward"].append((start, m))
             self._last_mark = m  # the next micro-step's data wait starts here
 
     def before_optimizer_step(self, mon: SessionView) -> None:
@@ -590,27 +911,49 @@ class TimingInstrument:
     def after_optimizer_step(self, mon: SessionView) -> None:
         start = self._open.pop("optimizer", None)
         if start is not None:
-            self._cur.spans["optimizer"].append((start, self._clock.mark()))
+            cur, m = self._cur, self._clock.mark()
+            if cur.spans is None:
+                cur.optimizer += m - start
+            else:
+                cur.spans["optimizer"].append((start, m))
 
     def on_step_end(self, mon: SessionView, record: Any, values: Mapping[str, float]) -> None:
-        if not self._cur.spans["backward"]:
+        cur = self._cur
+        if not cur.backs:
             self._commit()  # a step without backward (evaluation under watch): its forward counts
         self._uncommitted = (None, None)
-        cur = self._cur
-        cur.end = self._clock.mark()
-        if not self._clock.cuda:
-            cur.cpu = self.cpu_clock() - self._cpu_start
+        end = cur.end = self._clock.mark()
+        cuda = self._clock.cuda
+        if not cuda:
+            # each clock read once: this step's end is the next one's start
+            cpu = self.cpu_clock()
+            cur.cpu, self._cpu_start = cpu - self._cpu_start, cpu
             if self.wait_clock is not None:
-                cur.wait = self.wait_clock() - self._wait_start
+                wait = self.wait_clock()
+                cur.wait, self._wait_start = wait - self._wait_start, wait
         cur.loader, cur.loader_calls = self._loader_s, self._loader_calls
         self._loader_s, self._loader_calls = 0.0, 0
         cur.step = int(getattr(record, "step", cur.step))
         if self._tokens_per_step:
             cur.tokens = self._tokens_per_step
-        self._pending.append(cur)
         self._open.clear()
-        self._begin(cur.step + 1)
-        self._drain(mon)
+        if not cuda:
+            read = self._read_machine
+            # on a schedule: every contention_every_s, and at steps 0, 1, 2, 4, 8, ... so that a short
+            # run of fast steps has readings before its slow ones too (one pread per thread, two more)
+            if read is not None and (
+                end - self._machine_at >= self.contention_every_s or not cur.step & (cur.step - 1)
+            ):
+                self._machine_at = end
+                cur.machine = read(end)
+        # the next step starts at this one's end mark (``_begin``'s work, without reading the clocks again)
+        self._cur = _StepMarks(end, cur.step + 1, cuda)
+        self._last_mark = end
+        if cuda:  # CUDA events: read once they completed, usually a step later
+            self._pending.append(cur)
+            self._drain(mon)
+        else:
+            self._finish(mon, cur)
 
     def on_exit(self, mon: SessionView) -> None:
         if self._clock.cuda and self._pending:
@@ -619,6 +962,10 @@ class TimingInstrument:
         if self._run_queue is not None:
             self._run_queue.close()
             self.wait_clock = None
+        if self._own_reader is not None:
+            self._own_reader.close()
+            self._own_reader = None
+        self._read_machine = None
 
     # ---- reading the marks
     def _drain(self, mon: SessionView) -> None:
@@ -627,20 +974,16 @@ class TimingInstrument:
             self._finish(mon, pending.popleft())
 
     def _finish(self, mon: SessionView, m: _StepMarks) -> None:
-        c = self._clock
         spans = m.spans
-        if c.cuda:
-            el = c.elapsed
+        if spans is not None:  # CUDA events
+            el = self._clock.elapsed
             data = sum([el(a, b) for a, b in spans["data"]])
             forward = sum([el(a, b) for a, b in spans["forward"]])
             backward = sum([el(a, b) for a, b in spans["backward"]])
             optimizer = sum([el(a, b) for a, b in spans["optimizer"]])
             total = el(m.start, m.end)
-        else:  # host_clock marks: elapsed is b - a
-            data = sum([b - a for a, b in spans["data"]])
-            forward = sum([b - a for a, b in spans["forward"]])
-            backward = sum([b - a for a, b in spans["backward"]])
-            optimizer = sum([b - a for a, b in spans["optimizer"]])
+        else:  # host_clock marks: summed as they were marked
+            data, forward, backward, optimizer = m.data, m.forward, m.backward, m.optimizer
             total = m.end - m.start
         other = max(0.0, total - sum((data, forward, backward, optimizer)))
         t = StepTiming(
@@ -657,18 +1000,29 @@ class TimingInstrument:
             wait=m.wait,
             loader=m.loader,
             loader_calls=m.loader_calls,
+            machine=m.machine,
         )
         self.history.append(t)
         writer = mon.writer
         if writer is not None:
-            writer.log_timing(t.step, t.as_log())
+            # (``t.as_log()``, inlined: every step)
+            writer.log_timing(
+                t.step,
+                {
+                    "data": data,
+                    "forward": forward,
+                    "backward": backward,
+                    "optimizer": optimizer,
+                    "other": other,
+                    "step": total,
+                },
+            )
             thr = {}
-            per_s = t.samples_per_s
-            if per_s is not None:
-                thr["throughput/samples_per_s"] = per_s
-            per_s = t.tokens_per_s
-            if per_s is not None:
-                thr["throughput/tokens_per_s"] = per_s
+            if total > 0:  # (``samples_per_s`` and ``tokens_per_s``, inlined: every step)
+                if t.samples:
+                    thr["throughput/samples_per_s"] = t.samples / total
+                if t.tokens:
+                    thr["throughput/tokens_per_s"] = t.tokens / total
             if thr:
                 writer.log_scalars(t.step, thr)
         self._rules(mon, t)
@@ -683,7 +1037,7 @@ class TimingInstrument:
         self._data_share.push(share)
         frac = float(getattr(cfg, "input_bound_fraction", 0.3))
         med_share = self._data_share.median()
-        if len(self._data_share) >= min(5, self.window):
+        if self._data_share.n >= min(5, self.window):
             if med_share > frac and not self._input_bound_on:
                 self._input_bound_on = True
                 mon.emit(
@@ -706,8 +1060,11 @@ class TimingInstrument:
                 )
             elif med_share <= frac:
                 self._input_bound_on = False
-        for inst in mon.instruments:
-            if getattr(inst, "costly_step", _never)(t.step):
+        if self._costly_of != mon.instruments:  # (a C-level comparison by identity)
+            self._costly_of = list(mon.instruments)
+            self._costly = [f for i in mon.instruments if (f := getattr(i, "costly_step", None)) is not None]
+        for costly in self._costly:
+            if costly(t.step):
                 return  # the debugger's own expensive step (a leak census): not the user's slowdown
         for event in self._slowdown.update(t):
             mon.emit(event)

@@ -47,8 +47,11 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
         # Tensor.backward calls torch.autograd.backward: only the outermost call counts
         if getattr(_TLS, "in_backward", False):
             mons = []
-        elif len(_ACTIVE) < 2:  # one session (``_sessions_of``'s first answer, inlined: every backward)
-            mons = [m for m in _ACTIVE if not (m.sentinel.replaying or m.closed)]
+        elif len(_ACTIVE) == 1:  # one session (``_sessions_of``'s first answer, inlined: every backward)
+            m = _ACTIVE[0]
+            mons = [] if m.sentinel.replaying or m.closed else [m]
+        elif not _ACTIVE:
+            mons = []
         else:
             mons = _sessions_of(args[0] if args else None)
         if not mons:
@@ -57,7 +60,12 @@ def _backward_wrapper(orig: Callable[..., Any], is_method: bool) -> Callable[...
         loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
         gradient = args[1] if len(args) > 1 else kwargs.get("gradient", kwargs.get("grad_tensors"))
         for m in mons:
-            if m._plain.in_place_roots():  # model.compile() in place (any of several models)
+            roots = m._plain.roots
+            if (  # model.compile() in place (any of several models; ``in_place_roots``, inlined for one)
+                roots[0].__dict__.get("_compiled_call_impl") is not None
+                if len(roots) == 1
+                else m._plain.in_place_roots()
+            ):
                 m._plain.wrap_compiled()
             m.stepper.backward_started(loss, gradient)
         try:
@@ -375,7 +383,11 @@ class PlainLoopDriver:
     # -- optimizer hooks: update starting / done -----------------------------------------------------
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         mon = self.mon
-        if mon.sentinel.replaying or not mon.models.owns_optimizer(opt):
+        models = mon.models
+        # (``owns_optimizer``'s first answer, inlined: every update)
+        if mon.sentinel.replaying or not (
+            (opt is models.bare and opt is not None) or models.owns_optimizer(opt)
+        ):
             return
         if mon.state.update is Update.IN_SCALER:
             mon.sentinel.update_not_skipped(

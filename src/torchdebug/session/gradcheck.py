@@ -78,7 +78,16 @@ class GradientCheck:
                     # what the edit check compares with (its versions, or the watch until the update)
                     self.mon.sentinel.saw_gradients(self.mon.state, every, grads, versions, watched)
                     return
-        self._measure_now(probe, saw=True)
+        # (``_measure_now(probe, saw=True)``, inlined: every backward)
+        mon = self.mon
+        share = mon._coord.grad_share(mon) if mon._coord is not None else None  # DDP: this rank's
+        s = mon.sentinel  # no versions when the watch tells edits apart (``Sentinel.watches_edits``)
+        watched = (
+            s.active and not (s.replaying or s.manual or s.check_each_backward) and s.edits.watches_edits()
+        )
+        idx, grads, versions = t.measure(mon.params, probe=probe, share=share, versions=not watched)
+        if idx:
+            s.saw_gradients(mon.state, idx, grads, versions, watched)
 
     def _may_hold(self) -> bool:
         """The loop may hand its gradient check to the clip: one process, no loss scaler, one model,

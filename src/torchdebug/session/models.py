@@ -56,7 +56,9 @@ class Models:
     def lr_names(self) -> list[str]:
         """The scalar names of :meth:`step_lrs`: ``lr/<group>``; with several optimizers
         ``lr/<model>/<group>`` (the model whose parameters the optimizer steps, else ``opt<k>``)."""
-        shape = tuple([len(o.param_groups) for o in self.optimizers])
+        opts = self.optimizers
+        # (one optimizer, every step: no comprehension)
+        shape = (len(opts[0].param_groups),) if len(opts) == 1 else tuple([len(o.param_groups) for o in opts])
         if self._lr_names[0] != shape:
             if len(self.optimizers) == 1:
                 names = [f"lr/{g}" for g in range(shape[0])]

@@ -45,7 +45,7 @@ import torch
 from .._errors import LossSpikeError, TorchDebugWarning
 from .._frames import warn_at_user
 from ..events import RuleEvent
-from ..health.instrument import LOSS_REL_FLOOR, LossSpikeRule, layer_norms, owner
+from ..health.instrument import LossSpikeRule, layer_norms, owner
 from ..health.spikes import Evidence, SpikeReport, attribute
 from . import distributed as _distributed
 from .protocol import Session
@@ -295,6 +295,14 @@ class SpikeGuard:
                 )
             )
             self.mode = "warn"
+        # the snapshot (at a step's first forward) and the lowered lr (around the update) serve the
+        # rollback alone: without it those boundaries call nothing here (the session's dispatch skips a
+        # method set to None)
+        for method in ("on_forward_start", "after_optimizer_step"):
+            if self.mode == "rollback":
+                self.__dict__.pop(method, None)
+            else:
+                self.__dict__[method] = None
 
     def on_forward_start(
         self, mon: Session, module: Any = None, args: Any = None, kwargs: Any = None
@@ -321,7 +329,7 @@ class SpikeGuard:
     def before_optimizer_step(self, mon: Session) -> None:
         step = mon.global_step
         values = mon.transfer.values
-        if self._judged != step and "loss" in values and not mon.sentinel.skipped:
+        if self._judged != step and "loss" in values and not mon.state.skip_reason:  # (``sentinel.skipped``)
             self._judged = step
             self._judge(mon, step, before_update=True)
         if self._lr_left > 0 and mon.optimizer is not None:  # after a rollback: a lower lr for a while
@@ -344,7 +352,7 @@ class SpikeGuard:
         if self._judged != step and not record.skipped and values.get("loss") is not None:
             self._judged = step
             self._judge(mon, step, before_update=False)
-        lrs = tuple(float(x) for x in record.lr) if record.lr else ()
+        lrs = tuple(map(float, record.lr)) if record.lr else ()
         self.history.append((step, lrs, values.get("grad_norm"), mon.transfer.norms_later()))
         vectors = mon.transfer.vectors
         ratio = vectors.get("health.ratio")
@@ -376,17 +384,19 @@ class SpikeGuard:
         return None if loss is None else float(loss)
 
     def _judge(self, mon: Session, step: int, before_update: bool) -> None:
-        loss = self._loss(mon)
+        if mon.coordinator is None:  # (``_loss``, inlined: every step)
+            got = mon.transfer.values.get("loss")
+            loss = None if got is None else float(got)
+        else:
+            loss = self._loss(mon)
         if loss is None or not math.isfinite(loss):
             return
-        hist = self.rule.history
-        med = hist.median()
-        sigma = hist._sigma_at(med, rel_floor=LOSS_REL_FLOOR, abs_floor=1e-12) if len(hist) else math.nan
         inc = self._incident
         if inc is not None and (loss <= inc[2] + RECOVERED_SIGMAS * inc[3] or step - inc[0] > RECOVERY):
             inc = self._incident = None  # recovered (or long enough ago to be a new incident)
         if self.rule.update(step, loss) is None:
             return
+        med, sigma = self.rule.fired_at  # the window's median and sigma before this loss joined it
         report = self._forensics(mon, step, loss, med, sigma, before_update, inc)
         if inc is None:
             self._incident = (step, report.cause, med, sigma)

@@ -43,15 +43,29 @@ class Step:
         self.mon = mon
         self.state = StepState(Transfer())  # the step now running: its numbers, captures, verdict, phase
         self.grads = GradientCheck(mon)  # the gradients measured after backward(), or inside the clip
+        # the instruments that have each method, per method name, for the list they were found in
+        # (``_of``, a copy: a changed ``mon.instruments`` finds them again); no failed getattr a step
+        self._of: list[Any] = []
+        self._having: dict[str, list[Any]] = {}
 
     # -- instrument plumbing ---------------------------------------------------------------------
+    def having(self, method: str) -> list[Any]:
+        """The instruments that have ``method``, in order (a snapshot: one may be switched off while
+        they are called), found again when ``mon.instruments`` changed (the callers inline the lookup)."""
+        instruments = self.mon.instruments
+        if self._of != instruments:
+            self._of, self._having = list(instruments), {}
+        # (an attribute set to None is no such method)
+        got = self._having[method] = [i for i in instruments if getattr(i, method, None) is not None]
+        return got
+
     def each(self, method: str, *args: Any) -> None:
         """Call ``method`` of every instrument that has it; a failing one is switched off."""
         mon = self.mon
-        for inst in list(mon.instruments):
-            fn = getattr(inst, method, None)
-            if fn is None:
-                continue
+        # (``having``, inlined: seven times a step; the list comparison is C-level, by identity)
+        having = self._having.get(method) if self._of == mon.instruments else None
+        for inst in having if having is not None else self.having(method):
+            fn = getattr(inst, method)  # looked up at the call: an instrument may replace its method
             try:
                 fn(mon, *args)
             except (NonFiniteError, LossSpikeError):
@@ -81,7 +95,17 @@ class Step:
             return
         if s.tape is not None:
             s.pop_tape()
-        self.first_forward(module, args, kwargs, outside)
+        if st.phase is StepPhase.FORWARD:
+            return  # a later forward call in the micro-step: not a boundary
+        # (``first_forward``, inlined: every step)
+        if mon._async is not None:
+            mon._async.resolve(block=False)  # the last step's numbers, copied by now (may raise)
+        st = self.state  # (resolve may have put the state back)
+        st.phase = StepPhase.FORWARD
+        s.on_forward_start(st, mon, module, args, kwargs)
+        self.each("on_forward_start", module, args, kwargs)
+        if outside or mon._called is not mon.model:
+            mon._plain.guard_module_hooks()  # compiled: hooks an instrument added just now
 
     def first_forward(self, module: nn.Module, args: tuple, kwargs: dict, outside: bool = False) -> None:
         mon = self.mon
@@ -197,8 +221,12 @@ class Step:
         if s.tape is not None:
             s.pop_tape()  # the update is not loss code
         # the LR each update uses (a scheduler stepped before mon.step() must not change what is recorded)
-        for o in [opt] if any([opt is o for o in mon.optimizers]) else mon.optimizers:
-            st.lr_used.setdefault(id(o), tuple([float(g.get("lr", math.nan)) for g in o.param_groups]))
+        opts = mon.optimizers
+        if not (len(opts) == 1 and opts[0] is opt):  # (the usual answer: the one optimizer)
+            opts = [opt] if any([opt is o for o in opts]) else opts
+        for o in opts:
+            if id(o) not in st.lr_used:
+                st.lr_used[id(o)] = tuple([float(g.get("lr", math.nan)) for g in o.param_groups])
         mon.hyperparams.stage(opt if opt is not None else mon.optimizer, device_ok=mon._async is None)
         if mon._async is None or not mon._async.update_starting(opt):
             # several models or optimizers: each update is read and checked before it runs
@@ -361,7 +389,12 @@ class Step:
             items += mon.hyperparams.items()
         items += self.collect()
         transfer.synced = True
-        if any([t.is_meta for _, t in items]):
+        meta = False
+        for _, t in items:  # (no comprehension frame: every step)
+            if t.is_meta:
+                meta = True
+                break
+        if meta:
             # a model on the meta device computes shapes only: there are no values to read or check
             items = [(k, t) for k, t in items if not t.is_meta]
             mon.warn_once(
@@ -422,12 +455,11 @@ class Step:
         """The instruments' device numbers; plain numbers they hand over go straight into the values."""
         mon = self.mon
         items: Items = []
-        for inst in list(mon.instruments):
-            fn = getattr(inst, "collect", None)
-            if fn is None:
-                continue  # most instruments hand over nothing (no call, twice a step)
+        having = self._having.get("collect") if self._of == mon.instruments else None
+        # most instruments hand over nothing: no call for them, twice a step
+        for inst in having if having is not None else self.having("collect"):
             try:
-                got = fn(mon) or {}
+                got = inst.collect(mon) or {}
             except (NonFiniteError, LossSpikeError):
                 raise
             except Exception as exc:
@@ -450,7 +482,14 @@ class Step:
         """The step's record; its scalars go to the store (``lr``, ``time_s``: kept from the step end)."""
         mon, st = self.mon, self.state
         now = time.perf_counter()
-        v = {k: x for k, x in st.transfer.values.items() if not k.startswith("_")}
+        # the record's values and the store's scalars in one pass (no comprehension frames: every step)
+        v: dict[str, float] = {}
+        scalars: dict[str, float] = {}
+        for k, x in st.transfer.values.items():
+            if not k.startswith("_"):
+                v[k] = x
+                if k in _SCALARS or k.startswith("grad_norm/"):  # (optnorms.py)
+                    scalars[k] = x
         if lr is None:
             lr = mon.models.step_lrs(st.lr_used)
         record = StepRecord(
@@ -467,7 +506,6 @@ class Step:
             anomaly=st.step_anomaly,
             events=st.events,
         )
-        scalars = {k: x for k, x in v.items() if k in _SCALARS or k.startswith("grad_norm/")}  # optnorms.py
         scalars["skipped"] = 1.0 if st.skip_reason else 0.0
         for name, x in zip(mon.models.lr_names(), lr):
             scalars[name] = x

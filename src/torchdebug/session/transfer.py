@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -188,9 +189,11 @@ class Transfer:
         if self.norms is not None:
             items.append(("_gnorm", self.norms))
         raw = self.micro_raw
-        items += [
-            ("_mtot" if raw[i] else "_mbad", self.micro_bad[i]) for i in range(self.read_micro, len(raw))
-        ]
+        n = len(raw)
+        if n == self.read_micro + 1:  # one micro-step since the last read: no comprehension (every step)
+            items.append(("_mtot" if raw[-1] else "_mbad", self.micro_bad[-1]))
+        elif n > self.read_micro:
+            items += [("_mtot" if raw[i] else "_mbad", self.micro_bad[i]) for i in range(self.read_micro, n)]
         self.read_losses, self.read_micro = len(self.loss_vals), len(self.micro_bad)
         scale_t = self.scale_used
         if scale_t is None and scaler is not None:
@@ -256,7 +259,7 @@ class Transfer:
             return
         sizes, flat = flat_items(items)
         host = flat.tolist()  # the host sync
-        self.unpack([(name, n) for (name, _), n in zip(items, sizes)], host)
+        self.unpack(list(zip(map(itemgetter(0), items), sizes)), host)  # (name, size) each, C-level
 
     def unpack(self, spec: list[tuple[str, int]], host: list[float]) -> None:
         """Numbers read on the host (``spec``: each item's name and size, in order) into the

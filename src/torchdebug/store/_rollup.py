@@ -179,6 +179,10 @@ def _aggregated(
             a[3] = step
     level_aggs = finest
     prev_shift = shift
+    # Each aggregate's parameters, made once and reused by every coarser level it reaches unmerged: a
+    # commit of a few dozen steps is one bucket from level 64 on, so most levels reuse them. Keyed by
+    # id(): every aggregate is made in the pass above and `finest` keeps them all alive until the end.
+    params: dict[int, tuple[object, ...]] = {}
     for level, sh in zip(levels, shifts):
         if sh != prev_shift:
             coarser: dict[tuple[int | str, int], _Agg] = {}
@@ -187,16 +191,20 @@ def _aggregated(
                 k = (mid, b >> down)
                 c = coarser.get(k)
                 if c is None:
-                    coarser[k] = list(a)
+                    coarser[k] = a  # merged into in place below: the finer level is already written
                 else:
                     _merge(c, a)
+                    params.pop(id(c), None)
             level_aggs = coarser
             prev_shift = sh
         for (mid, b), a in level_aggs.items():
-            # a bound NaN is stored as NULL, as a bound None is; sqlite3 binds a float directly but
-            # sends None through its adapter lookup (~3,300 instructions a value: 2 a row, 14% of
-            # the writer thread on the deep MLP)
-            yield (mid, level, b, *[_NAN if x is None else x for x in a])
+            p = params.get(id(a))
+            if p is None:
+                # a bound NaN is stored as NULL, as a bound None is; sqlite3 binds a float directly but
+                # sends None through its adapter lookup (~3,300 instructions a value: 2 a row, 14% of
+                # the writer thread on the deep MLP)
+                p = params[id(a)] = tuple([_NAN if x is None else x for x in a])
+            yield (mid, level, b, *p)
 
 
 def write(conn: sqlite3.Connection, rows: Iterable[tuple[int, int, float | None, float]]) -> None:

@@ -986,7 +986,7 @@ def create_run(
         commit_steps: steps between commits: the writer thread commits when a record of a step this
             many past the last wake-up arrives (at most every 0.25 s), so a loop commits once per
             ``commit_steps`` steps, or less often when they take under 0.25 s (a commit of 32 steps
-            of the 10-tensor MLP's records: ~9.5 M instructions on the writer thread).
+            of the 10-tensor MLP's records: ~8.3 M instructions on the writer thread).
         keep_recent: steps at the end of the run kept at full resolution (default 20,000); older
             per-step rows are compacted into rollups except near events and anomalies (see the
             architecture doc's run store contract). None: never compact.

@@ -11,7 +11,7 @@ Known limitations:
   every parameter.
 - The live dashboard appends new steps to what it drew and asks for a whole re-downsampled copy every
   30 s: until then a chart's one-line summary describes the run as it was at the last full copy, and
-  per-layer heatmap columns added in between are one step wide.
+  per-layer heatmap columns added in between hold one recorded step each, not a bucket of steps.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ def layer_heatmap_figure(data: Mapping[str, Any]) -> dict[str, Any]:
     else:
         ncols = _HEAT_COLUMNS
         width = (hi - lo + 1) / ncols
-        xs = [round(lo + (c + 0.5) * width - 0.5, 3) for c in range(ncols)]
+        xs = [round(lo + c * width, 3) for c in range(ncols)]  # each column's first step
         col = {}
     rows = [n[len("grad_norm/") :] for n in names]
     z: list[list[float | None]] = []

@@ -491,11 +491,25 @@
     var L = 8 + maxLabel + 6, R = 12 + cbw + 6 + cbLabels + 8, T = 8, B = 40;
     var pw = W - L - R, ph = H - T - B;
     if (pw < 40) return;
+    // a column starts at its step (a bucket's first step) and lasts until the next column's; the
+    // last one as long as the gap before it. So the first column starts at the first step's tick,
+    // and columns of uneven gaps (appended live, a detail step off the schedule) stay on the axis
+    var n = cols.length, gap = n > 1 ? cols[n - 1] - cols[n - 2] : 1;
+    var edges = cols.concat([cols[n - 1] + (gap > 0 ? gap : 1)]);
+    var xa = edges[0], xb = edges[n];
+    function colAt(x) { // the column whose [edges[c], edges[c + 1]) holds x
+      var a = 0, b = n - 1;
+      while (a < b) { var m = (a + b + 1) >> 1; if (edges[m] <= x) a = m; else b = m - 1; }
+      return a;
+    }
+    // one canvas pixel per screen pixel across, one per row down
+    var PX = Math.max(1, Math.round(pw)), at = [];
+    for (var px = 0; px < PX; px++) at.push(colAt(xa + (px + 0.5) / PX * (xb - xa)));
     var canvas = document.createElement("canvas");
-    canvas.width = cols.length; canvas.height = rows.length;
-    var ctx = canvas.getContext("2d"), img = ctx.createImageData(cols.length, rows.length);
-    for (var r = 0; r < rows.length; r++) for (var c = 0; c < cols.length; c++) {
-      var v = z[r][c], o = (r * cols.length + c) * 4;
+    canvas.width = PX; canvas.height = rows.length;
+    var ctx = canvas.getContext("2d"), img = ctx.createImageData(PX, rows.length);
+    for (var r = 0; r < rows.length; r++) for (var q = 0; q < PX; q++) {
+      var v = z[r][at[q]], o = (r * PX + q) * 4;
       if (!finite(v)) { img.data[o + 3] = 0; continue; }
       var rgb = viridis((v - lo) / (hi - lo));
       img.data[o] = rgb[0]; img.data[o + 1] = rgb[1]; img.data[o + 2] = rgb[2]; img.data[o + 3] = 255;
@@ -512,12 +526,10 @@
       tx.textContent = label;
       if (label !== name) el("title", {}, tx).textContent = name;
     });
-    var x0 = cols[0], x1 = cols[cols.length - 1], step = cols.length > 1 ? (x1 - x0) / (cols.length - 1) : 1;
-    var xa = x0 - step / 2, xb = x1 + step / 2;
-    var tx2 = linTicks(xa, xb, Math.max(2, Math.floor(pw / (measure(fmtStep(x1)) + 24))), true);
+    var tx2 = linTicks(xa, xb, Math.max(2, Math.floor(pw / (measure(fmtStep(xb)) + 24))), true);
     tx2.forEach(function (v) {
       var x = L + (v - xa) / (xb - xa) * pw;
-      if (x < L || x > L + pw || (v < 0 && x0 >= 0)) return; // no tick before step 0
+      if (x < L || x > L + pw || (v < 0 && xa >= 0)) return; // no tick before step 0
       el("text", { "class": "tick x", x: x, y: T + ph + 15, "text-anchor": "middle" }, svg).textContent = fmtStep(v);
     });
     el("rect", { "class": "frame", x: L, y: T, width: pw, height: ph }, svg);
@@ -534,16 +546,16 @@
     // non-finite cells
     fig.data.slice(1).forEach(function (m) {
       m.x.forEach(function (xv, i) {
-        var ri = rows.indexOf(m.y[i]);
+        var ri = rows.indexOf(m.y[i]), c = colAt(xv);
         if (ri < 0) return;
-        mark(svg, L + (xv - xa) / (xb - xa) * pw, T + (ri + 0.5) * rowH, "x", "#d62728");
+        mark(svg, L + ((edges[c] + edges[c + 1]) / 2 - xa) / (xb - xa) * pw, T + (ri + 0.5) * rowH, "x", "#d62728");
       });
     });
     var tip = h("div", "tip", box); tip.hidden = true;
     var area = el("rect", { x: L, y: T, width: pw, height: ph, fill: "transparent" }, svg);
     area.addEventListener("mousemove", function (ev) {
       var rc = svg.getBoundingClientRect(), px = ev.clientX - rc.left, py = ev.clientY - rc.top;
-      var c = Math.min(cols.length - 1, Math.max(0, Math.floor((px - L) / pw * cols.length)));
+      var c = colAt(xa + Math.min(1, Math.max(0, (px - L) / pw)) * (xb - xa));
       var r = Math.min(rows.length - 1, Math.max(0, Math.floor((py - T) / rowH)));
       var v = z[r][c];
       tip.textContent = rows[r] + ", step \u2248 " + fmtStep(cols[c]) + ": log10 \u2016g\u2016 = " + (finite(v) ? v.toFixed(2) : "none");
