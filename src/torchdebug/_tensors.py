@@ -254,7 +254,7 @@ class Plan:
         if not self.small:
             return None
         small = self.small_get(tensors)
-        flat = _flatten(small)  # one copy
+        flat = _flatten(small)  # one copy (of several; one tensor: a view, read only)
         if flat.numel() != self.small_total:
             raise ValueError("tensor sizes changed since the plan was built")
         return flat
@@ -309,7 +309,10 @@ class Plan:
         """Every tensor copied into one flat buffer (one call): the small ones first, then the big ones.
         The weights before an update, which :meth:`update_norms` turns into the update's norms."""
         with torch.no_grad():
-            return _flatten(self.snap_get(tensors))
+            ts = self.snap_get(tensors)
+            if len(ts) == 1:  # torch's flatten of one tensor is a view of it: update_norms writes here
+                return torch.clone(ts[0], memory_format=torch.contiguous_format).view(-1)
+            return _flatten(ts)
 
     def update_norms(
         self, snap: torch.Tensor, tensors: Sequence[torch.Tensor]
