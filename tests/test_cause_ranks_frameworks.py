@@ -3,13 +3,13 @@ under several processes, and ``torchdebug run`` of a DDP script, each on 2 CPU p
 launched as ``torchrun --nproc_per_node 2`` would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` in the environment; the framework initialises the process group:
 Lightning's ``_init_dist_connection`` and accelerate's ``PartialState`` both use one that is already
-up, so the three runs share one pair of processes).
+up, so the runs share one pair of processes).
 
 Rank 1's device is the dispatch mode of ``tests/test_distributed_replica.py`` flipping a bit of
 ``aten.mm`` outputs from step 1: on every call (persistent) or once (transient). The neighbour-rank
-replay is the coordinator's code whatever drives the step, so one persistent run (Lightning), one
-transient run (HF) and one persistent run (``torchdebug run``) cover each framework's way of handing
-the session its DDP wrapper; the verdict's branches are pinned by the plain-loop tests there.
+replay is the coordinator's code whatever drives the step; a persistent and a transient run under
+Lightning and under HF, and a persistent run under ``torchdebug run``, cover each framework's way of
+handing the session its DDP wrapper; the verdict's branches are pinned by the plain-loop tests there.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ def _samples(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.rand(4, generator=g) + 0.1, torch.rand(1, generator=g)) for _ in range(n)]
 
 
-def _lightning(rank: int, out: Path, own_forward: bool = False) -> dict[str, Any]:
+def _lightning(rank: int, out: Path, own_forward: bool = False, once: bool = False) -> dict[str, Any]:
     """``own_forward``: ``training_step`` calls ``self(x)`` (the LightningModule's forward), else
     ``self.net(x)``: under DDP both run inside the strategy's call of ``training_step`` through the
-    wrapper's forward."""
+    wrapper's forward. ``once``: rank 1's device bad in one matrix product (transient), else in
+    every one from FAULT_STEP on (persistent)."""
     import lightning.pytorch as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -76,10 +77,11 @@ def _lightning(rank: int, out: Path, own_forward: bool = False) -> dict[str, Any
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Fault(L.Callback):  # type: ignore[misc,name-defined]
-        """Rank 1's device bad from FAULT_STEP, for the whole batch: its step, check and replays."""
+        """Rank 1's device bad from FAULT_STEP, for the whole batch: its step, check and replays
+        (``once``: in the first matrix product only)."""
 
         def __init__(self) -> None:
-            self.flip = Flip(once=False)
+            self.flip = Flip(once=once)
             self.on = False
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -92,7 +94,8 @@ def _lightning(rank: int, out: Path, own_forward: bool = False) -> dict[str, Any
                 self.flip.__exit__(None, None, None)
                 self.on = False
 
-    cb = TorchDebugCallback(run=out / "runs" / f"lightning{'_self' * own_forward}", policy="warn")
+    name = f"lightning{'_self' * own_forward}{'_once' * once}"
+    cb = TorchDebugCallback(run=out / "runs" / name, policy="warn")
     fault = Fault()
     trainer = quiet_trainer(
         [cb, fault],
@@ -106,7 +109,9 @@ def _lightning(rank: int, out: Path, own_forward: bool = False) -> dict[str, Any
     return {**_result(cb.monitor), "flips": fault.flip.flips}
 
 
-def _hf(rank: int, out: Path) -> dict[str, Any]:
+def _hf(rank: int, out: Path, once: bool = True) -> dict[str, Any]:
+    """``once``: rank 1's device bad in one matrix product (transient), else in every one from
+    FAULT_STEP on (persistent)."""
     import transformers
 
     from torchdebug.integrations.transformers import TorchDebugCallback
@@ -121,10 +126,10 @@ def _hf(rank: int, out: Path) -> dict[str, Any]:
             return {"loss": nn.functional.mse_loss(self.net(x), y)}
 
     class Fault(transformers.TrainerCallback):  # type: ignore[misc]
-        """Rank 1's device bad once, in FAULT_STEP's first matrix product."""
+        """Rank 1's device bad from FAULT_STEP's first matrix product: once, or on every call."""
 
         def __init__(self) -> None:
-            self.flip = Flip(once=True)
+            self.flip = Flip(once=once)
             self.on = False
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -137,10 +142,10 @@ def _hf(rank: int, out: Path) -> dict[str, Any]:
                 self.flip.__exit__(None, None, None)
                 self.on = False
 
-    cb = TorchDebugCallback(run=out / "runs" / "hf", policy="warn")
+    cb = TorchDebugCallback(run=out / "runs" / ("hf" if once else "hf_persistent"), policy="warn")
     fault = Fault()
     args = transformers.TrainingArguments(
-        output_dir=str(out / "hf"),
+        output_dir=str(out / ("hf" if once else "hf_persistent")),
         use_cpu=True,
         ddp_backend="gloo",
         report_to=[],
@@ -213,7 +218,9 @@ def _result(mon: td.Monitor) -> dict[str, Any]:
 RUNS = {
     "lightning": _lightning,
     "lightning_self": lambda rank, out: _lightning(rank, out, own_forward=True),
+    "lightning_once": lambda rank, out: _lightning(rank, out, once=True),
     "hf": _hf,
+    "hf_persistent": lambda rank, out: _hf(rank, out, once=False),
     "script": _script,
 }
 
@@ -326,3 +333,37 @@ def test_torchdebug_run_of_a_ddp_script_names_rank1s_persistent_fault(runs: list
     for r in (r["script"] for r in runs):
         assert r["code"] == 3  # found a NaN/Inf
         assert f"  cause     hardware: persistent fault on rank 1 (cpu on {host})" in r["err"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_trainer_ddp_names_rank1s_persistent_fault_as_hardware(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = (r["hf_persistent"] for r in runs)
+    assert r1["flips"] > 0 and r0["flips"] == 0
+    host = runs[1]["host"]
+    for r in (r0, r1):
+        (a,) = r["anomalies"]
+        assert (a["step"], a["rank"], a["reproducible"]) == (FAULT_STEP, 1, True)
+        assert (a["module"], a["op"]) == ("net", "aten.mm")
+        _check(a["cause"], PERSISTENT, host)
+        assert f"  cause     hardware: persistent fault on rank 1 (cpu on {host})" in r["block"]
+        assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 1}
+        anomaly, clip = r["warnings"]  # nothing at step 0; at step 1 the anomaly and HF's clipping rule
+        assert anomaly.endswith("(step 1, born on rank 1 of 2) (policy='warn': training goes on)")
+        assert clip.startswith("torchdebug: error: step 1: clip_nonfinite [net]")
+    assert r0["anomalies"][0]["cause"] == r1["anomalies"][0]["cause"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_ddp_calls_rank1s_one_off_fault_transient(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = (r["lightning_once"] for r in runs)
+    assert (r0["flips"], r1["flips"]) == (0, 1)
+    for r in (r0, r1):
+        (a,) = r["anomalies"]
+        assert (a["step"], a["rank"], a["reproducible"]) == (FAULT_STEP, 1, False)
+        _check(a["cause"], TRANSIENT, runs[1]["host"])
+        assert "hardware" not in r["block"]
+        assert r["collectives"] == {"hidden": STEPS, "blocking": 0, "rare": 1}
+        (w,) = r["warnings"]  # the healthy step 0 warned about nothing; the fault step once
+        assert w.endswith("finite on replay (step 1, on rank 1 of 2) (policy='warn': training goes on)"), w
