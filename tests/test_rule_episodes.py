@@ -342,16 +342,17 @@ def test_real_random_label_loop_with_jittery_loader_is_quiet(tmp_path, one_threa
                 opt.step()
                 mon.step()
         kinds = [e.kind for e in mon.events]
+        loud = [e for e in mon.events if e.kind == "slowdown" and e.severity == "warning"]
     # random labels: the loss settles near ln(10) = 2.30 and stays: one plateau, said once (info).
     # Loader jitter of +-0.5 ms on steps of several ms is no slowdown (the recorded-series test above
     # pins that exactly); here the wall clock is real, and a load burst from another process on a
-    # shared machine is a real slowdown: it may be said, but once per episode at most.
+    # shared machine is a real slowdown: it may be said, but once per episode at most, and as a
+    # warning only when the machine's readings do not explain it (else information, no warning).
     assert kinds.count("loss_plateau") == 1
     assert kinds.count("loss_plateau_end") == 0
-    slow = kinds.count("slowdown")
-    assert slow <= 1
+    assert kinds.count("slowdown") <= 1
     assert [str(w.message) for w in record if "slowdown" not in str(w.message)] == []
-    assert len(record) == slow
+    assert len(record) == len(loud)
 
 
 def test_policy_skip_said_once_per_episode_with_the_count(tmp_path) -> None:

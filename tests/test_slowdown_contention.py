@@ -82,9 +82,11 @@ class Clocks:
         (self.root / "stat").write_text(f"cpu  {ticks - steal} 0 0 0 0 0 0 {steal} 0 0\ncpu0 0 0 0 0\n")
 
 
-def _run(tmp: Path, model_of: Callable[[int], Step], steps: int = 100) -> list[tuple[str, int, str, str]]:
+def _run(
+    tmp: Path, model_of: Callable[[int], Step], steps: int = 100, every_s: float | None = None
+) -> list[tuple[str, int, str, str]]:
     """The actor-critic recipe for ``steps`` steps with each step's clocks from ``model_of(step)``;
-    its slowdown events, as (kind, step, severity, message)."""
+    its slowdown events, as (kind, step, severity, message). ``every_s``: the readings' schedule."""
     clocks = Clocks(tmp / "proc")
     sessions = []
 
@@ -102,6 +104,8 @@ def _run(tmp: Path, model_of: Callable[[int], Step], steps: int = 100) -> list[t
             timing._read_machine = reader.read
             timing._slowdown.read = reader.sources
             timing._slowdown.load = lambda: (7.9, 2)
+            if every_s is not None:
+                timing.contention_every_s = every_s
 
             def on_step(loss: float) -> None:
                 clocks.advance(model_of(mon.global_step))
@@ -345,3 +349,26 @@ def test_a_watched_run_reads_the_machine_on_its_schedule_and_closes_the_reader()
     assert {0, 1, 2, 4} <= read <= set(range(6))
     assert timing._own_reader is None and timing._read_machine is None
     assert (reader._pressure, reader._stat) == (-1, -1)  # its files closed at exit
+
+
+def spinning_between_readings(step: int) -> Step:
+    """``spinning``'s slow steps at 140-179, where no reading of the schedule falls: with readings
+    at steps 0, 1, 2, 4, ... 128, 256 only, the slow steps carry none when the rule would judge."""
+    return spinning(step - 100) if 140 <= step < 180 else spinning(0)
+
+
+def test_slow_steps_without_a_reading_get_one_before_the_verdict(tmp_path: Path) -> None:
+    events = _run(tmp_path, spinning_between_readings, steps=220, every_s=math.inf)
+    # 0.5 s of 18 ms steps from the median's turn (step 144) pass at step 171: the rule asks for a
+    # reading then, the instrument takes it at step 172's end, and the verdict comes with it:
+    # contention, as for ``spinning`` with readings in place (the thread's own wait alone: a warning)
+    assert [(k, s, sev) for k, s, sev, _ in events] == [
+        ("slowdown", 172, "info"),
+        ("slowdown_end", 184, "info"),
+    ]
+    # the span from the reading at 128 to the one asked for at 172: 11 fast steps (3 ms, no wait) and
+    # 33 slow ones (18 ms, 4.5 + 11.5 ms waited): 528 of 627 ms = 84%
+    assert (
+        "over steps 129-172 this process's threads waited for a CPU 84% of the time (summed over its "
+        "threads; 0% over steps 3-128)"
+    ) in events[0][3]

@@ -434,6 +434,10 @@ class SlowdownRule:
         self._wait = deque[float](maxlen=int(window))  # and their seconds waiting for a CPU
         self._totals = deque[float](maxlen=int(window))  # and their wall seconds (paired with _wait)
         self._pending: tuple[int, float] | None = None  # (step the median turned, slow seconds since)
+        # no reading since the slow steps began (the schedule's 0.25 s is more than a short episode):
+        # the rule asks the instrument for one at the next step's end and judges a step later, once
+        self.wants_reading = False
+        self._asked = False
         self.recent: deque[StepTiming] = deque(maxlen=int(recent))
         self._recent_totals = deque[float](maxlen=int(recent))  # their wall seconds
         self.baseline = RunningMedian(int(window))
@@ -509,10 +513,14 @@ class SlowdownRule:
             said += f"; {cpu + ' and ' if cpu else 'it '}{queue}: the machine is busy too{self._load_text(evidence)}"
         return "warning", said
 
-    def _spans(self) -> tuple[tuple[int, int, MachineReading, MachineReading], ...] | None:
-        """(first step, last step, reading before, reading after) of the slow steps and of the steps
-        before them, from the readings kept; None where they do not give both spans."""
-        start = self.start if self.start is not None else 0
+    def _spans(
+        self, start: int | None = None
+    ) -> tuple[tuple[int, int, MachineReading, MachineReading], ...] | None:
+        """(first step, last step, reading before, reading after) of the slow steps (from ``start``,
+        else the episode's) and of the steps before them, from the readings kept; None where they do
+        not give both spans."""
+        if start is None:
+            start = self.start if self.start is not None else 0
         xs = [x for x in self._machine if x[0] > self._after]
         # a reading is taken at the end of its step: the one at step start - 1 opens the slow steps
         before = [x for x in xs if x[0] <= start - 1]
@@ -648,7 +656,11 @@ class SlowdownRule:
             if slow_s < self.min_duration_s:  # sustained in time too: a burst of machine load is not
                 self._pending = (turned, slow_s)
                 return []
-            self._pending = None
+            if self.read and not self._asked and self._spans(turned - len(self.recent) // 2) is None:
+                self._asked = self.wants_reading = True  # a reading at this step's successor's end
+                self._pending = (turned, slow_s)
+                return []
+            self._pending, self._asked = None, False
             self.start = turned - len(self.recent) // 2  # the median turned: about half the window ago
             self.count += 1
             grown = {
@@ -677,7 +689,7 @@ class SlowdownRule:
                 RuleEvent(kind="slowdown", step=t.step, message=said, severity=severity, evidence=evidence)
             ]
         if not slow:
-            self._pending = None
+            self._pending, self._asked = None, False
         if not slow and self.start is not None:
             start, self.start = self.start, None
             self._after = t.step
@@ -942,9 +954,11 @@ class TimingInstrument:
             # on a schedule: every contention_every_s, and at steps 0, 1, 2, 4, 8, ... so that a short
             # run of fast steps has readings before its slow ones too (one pread per thread, two more)
             if read is not None and (
-                end - self._machine_at >= self.contention_every_s or not cur.step & (cur.step - 1)
+                end - self._machine_at >= self.contention_every_s
+                or not cur.step & (cur.step - 1)
+                or self._slowdown.wants_reading  # the rule's slow steps carry no reading yet
             ):
-                self._machine_at = end
+                self._machine_at, self._slowdown.wants_reading = end, False
                 cur.machine = read(end)
         # the next step starts at this one's end mark (``_begin``'s work, without reading the clocks again)
         self._cur = _StepMarks(end, cur.step + 1, cuda)
