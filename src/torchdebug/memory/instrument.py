@@ -841,8 +841,11 @@ class MemoryInstrument:
         elif not surv:
             new = []
             category = "untracked" if main.series == "cuda_allocated" else "host_only"
-        # the newer half's rate: the whole window's slope mixes in steps before the leak began
-        per_step = main.recent_slope if math.isfinite(main.recent_slope) else main.slope
+        # the newer half's rate: the whole window's slope mixes in steps before the leak began; where
+        # it is not a growth (the growth stopped), the window's slope, which made the suspicion
+        recent = main.recent_slope
+        per_step = recent if math.isfinite(recent) and recent > 0 else main.slope
+        slowed = math.isfinite(recent) and recent < self.detector.min_bytes_per_step
         tensors = tuple(
             LiveTensor(
                 shape=r.shape,
@@ -862,8 +865,10 @@ class MemoryInstrument:
         site = cap.origin(site_rec) if site_rec is not None else ""
         self._leak = _LeakState()
         self.detector.reset()
-        if not surv and not still_growing:
-            return  # the growth stopped and nothing survived: a warm-up we did not skip, not a leak
+        if not surv and (not still_growing or slowed):
+            # the growth stopped, or its newer half grew slower than the floor, and nothing survived:
+            # allocator noise or a warm-up we did not skip, not a leak
+            return
         rep = LeakReport(
             step=step,
             series=main.series,
