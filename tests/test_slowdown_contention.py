@@ -372,3 +372,25 @@ def test_slow_steps_without_a_reading_get_one_before_the_verdict(tmp_path: Path)
         "over steps 129-172 this process's threads waited for a CPU 84% of the time (summed over its "
         "threads; 0% over steps 3-128)"
     ) in events[0][3]
+
+
+def spinning_twice(step: int) -> Step:
+    """``spinning``'s slow steps at 40-79 and again at 86-125, just after the first episode ends."""
+    return spinning(step - 46) if 86 <= step < 126 else spinning(step if step < 86 else 0)
+
+
+def test_an_episode_soon_after_the_last_is_judged_against_the_steps_before_that_one(tmp_path: Path) -> None:
+    events = _run(tmp_path, spinning_twice, steps=140)
+    # the first episode ends at 84; the second has no reading between them to stand for "before":
+    # the span before the first episode (steps 3-32) does, as the baseline's steps are from then too
+    assert [(k, s, sev) for k, s, sev, _ in events] == [
+        ("slowdown", 71, "info"),
+        ("slowdown_end", 84, "info"),
+        ("slowdown", 117, "info"),
+        ("slowdown_end", 130, "info"),
+    ]
+    # slow steps of 18 ms of which the threads wait 4.5 + 11.5 ms: 16/18 = 89%
+    assert (
+        "over steps 98-111 this process's threads waited for a CPU 89% of the time (summed over its "
+        "threads; 0% over steps 3-32)"
+    ) in events[2][3]

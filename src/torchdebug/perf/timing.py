@@ -430,6 +430,8 @@ class SlowdownRule:
         # (step, MachineReading) of the steps that carry one, enough to span the baseline
         self._machine = deque[tuple[int, MachineReading]](maxlen=int(window) + int(recent) + 2)
         self._after = -1  # the last step of the previous episode: readings before it are not "before"
+        # the (first, last) readings of the span before the last episode judged by readings
+        self._before_span: tuple[tuple[int, MachineReading], tuple[int, MachineReading]] | None = None
         self._cpu = deque[float](maxlen=int(window))  # the baseline steps' CPU seconds
         self._wait = deque[float](maxlen=int(window))  # and their seconds waiting for a CPU
         self._totals = deque[float](maxlen=int(window))  # and their wall seconds (paired with _wait)
@@ -524,13 +526,19 @@ class SlowdownRule:
         xs = [x for x in self._machine if x[0] > self._after]
         # a reading is taken at the end of its step: the one at step start - 1 opens the slow steps
         before = [x for x in xs if x[0] <= start - 1]
-        if len(before) < 2:
+        if len(before) >= 2:
+            c, d = before[0], before[-1]
+            self._before_span = (c, d)
+        elif self._before_span is not None and xs:
+            # an episode soon after the last one: the span before that one, whose steps the baseline
+            # also holds (it is not fed during an episode)
+            c, d = self._before_span
+        else:
             return None
-        c, d = before[0], before[-1]
         b = xs[-1]
         a = next((x for x in xs if x[0] >= start - 1), b)
         if a is b:  # one reading since the slow steps began: the span opens with the last one before
-            a = d
+            a = before[-1] if before else d
         if b[0] <= a[0]:
             return None
         return (a[0] + 1, b[0], a[1], b[1]), (c[0] + 1, d[0], c[1], d[1])
