@@ -20,6 +20,7 @@ from torch import nn
 import torchdebug as td
 from tests.fixtures import cause_models as cm
 from tests.fixtures.dynamo import fresh_dynamo  # noqa: F401  (autouse: a fresh Dynamo per test)
+from tests.fixtures.hf_quiet import quiet_args
 from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer
 
 with warnings.catch_warnings():  # Inductor's own import warns about torch.jit (torch's, not ours)
@@ -383,18 +384,11 @@ def _hf_train(tmp_path: Any, net: nn.Module, **args_kw: Any) -> td.Monitor:
     from torchdebug.integrations.transformers import TorchDebugCallback
 
     cb = TorchDebugCallback(run=False, policy="warn", config=SENTINEL_ONLY)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
+    args = quiet_args(
+        tmp_path / "out",
         per_device_train_batch_size=16,
         max_steps=1,
         learning_rate=0.1,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        remove_unused_columns=False,
         seed=0,
         torch_compile=True,  # accelerate wraps the model in torch.compile after on_train_begin
         **args_kw,

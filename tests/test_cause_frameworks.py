@@ -24,6 +24,7 @@ from torch import nn
 
 import torchdebug as td
 from tests.fixtures import cause_models as cm
+from tests.fixtures.hf_quiet import quiet_args
 from torchdebug.nonfinite.cause import EAGER_TRIED
 
 SENTINEL_ONLY = {"mode": "anomaly_detection", "store": False, "announce": False}
@@ -96,18 +97,11 @@ def _hf(net: nn.Module, xs: list[torch.Tensor], tmp_path: Any) -> td.Monitor:
     from torchdebug.integrations.transformers import TorchDebugCallback
 
     cb = TorchDebugCallback(run=False, policy="warn", config=SENTINEL_ONLY)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
+    args = quiet_args(
+        tmp_path / "out",
         per_device_train_batch_size=len(xs),
         max_steps=1,
         learning_rate=0.1,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        remove_unused_columns=False,
         seed=0,
     )
     data = [{"x": x} for x in xs]

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchdebug as td
+from tests.fixtures.hf_quiet import quiet_args
 from tests.test_distributed import _free_port
 from tests.test_distributed_replica import Flip, Mlp
 
@@ -144,20 +145,13 @@ def _hf(rank: int, out: Path, once: bool = True) -> dict[str, Any]:
 
     cb = TorchDebugCallback(run=out / "runs" / ("hf" if once else "hf_persistent"), policy="warn")
     fault = Fault()
-    args = transformers.TrainingArguments(
-        output_dir=str(out / ("hf" if once else "hf_persistent")),
-        use_cpu=True,
+    args = quiet_args(
+        out / ("hf" if once else "hf_persistent"),
         ddp_backend="gloo",
-        report_to=[],
         per_device_train_batch_size=8,
         max_steps=STEPS,
         learning_rate=0.01,
         optim="sgd",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        remove_unused_columns=False,
         seed=0,
     )
     data = [{"x": x, "y": y} for x, y in _samples(2 * 8 * STEPS)]

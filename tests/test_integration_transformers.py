@@ -21,6 +21,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import torchdebug as td  # noqa: E402
+from tests.fixtures.hf_quiet import quiet_args  # noqa: E402
 from tests.fixtures.models import origin_line  # noqa: E402
 from torchdebug.integrations.transformers import TorchDebugCallback  # noqa: E402
 
@@ -100,18 +101,12 @@ def samples(n_batches: int, fault: str | None) -> list[dict]:
 
 
 def train(tmp_path, cb, fault=None, n=5, callbacks=(), model=None, data=None, **args_kw):
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
+    args = quiet_args(
+        tmp_path / "out",
         per_device_train_batch_size=B,
         max_steps=n // args_kw.get("gradient_accumulation_steps", 1),
         learning_rate=1e-3,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
         train_sampling_strategy="sequential",
-        dataloader_pin_memory=False,
         remove_unused_columns=False,  # loss_weight is not a forward() argument: compute_loss pops it
         seed=0,
         **args_kw,
@@ -193,18 +188,11 @@ def test_clean_gpt2_run(tmp_path):
             return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     cb = TorchDebugCallback(run=tmp_path)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
+    args = quiet_args(
+        tmp_path / "out",
         per_device_train_batch_size=B,
         max_steps=4,
         learning_rate=1e-3,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        remove_unused_columns=False,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -23,6 +23,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.fixtures import health_models as hm
+from tests.fixtures.hf_quiet import quiet_args
 from tests.fixtures.lightning_quiet import quiet_fit, quiet_trainer
 from tests.fixtures.models import origin_line
 from tests.test_trackers import CFG, EXPLODE_AT, NAN_AT, STEPS, FaultyNet, finished_verdict
@@ -150,9 +151,8 @@ def test_hugging_face_report_to_ships_the_findings(tmp_path: Path, monkeypatch: 
 
     data = [{"x": x[i], "y": y[i]} for x, y in hm.batches(STEPS) for i in range(hm.BATCH)]
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
+    args = quiet_args(
+        tmp_path / "out",
         report_to=["tensorboard"],
         per_device_train_batch_size=hm.BATCH,
         max_steps=STEPS,
@@ -160,13 +160,9 @@ def test_hugging_face_report_to_ships_the_findings(tmp_path: Path, monkeypatch: 
         optim="sgd",
         lr_scheduler_type="constant",
         max_grad_norm=0.0,  # no clipping: the explosion reaches the update, as in the plain loop
-        save_strategy="no",
         logging_strategy="steps",
         logging_steps=1,
-        disable_tqdm=True,
         train_sampling_strategy="sequential",
-        dataloader_pin_memory=False,
-        remove_unused_columns=False,
         seed=0,
     )
     cb = TorchDebugCallback(config=CFG, run=tmp_path / "runs")
