@@ -161,9 +161,8 @@ def _nested_in_outer(opt: Any) -> bool:
     outer = _OUTER.get(id(opt))
     if outer is None:
         return False
-    f: FrameType | None = sys._getframe(
-        3
-    )  # relay <- torch's wrapper <- its caller: a subclass's step, or the user
+    # relay <- torch's wrapper <- its caller: a subclass's step, or the user
+    f: FrameType | None = sys._getframe(3)
     for _ in range(_NEST_DEPTH):
         if f is None:
             break

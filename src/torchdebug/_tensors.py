@@ -157,6 +157,17 @@ in_functorch_transform: Callable[[], bool] = torch._C._are_functorch_transforms_
 _flatten: Callable[..., torch.Tensor] = torch._C._nn.flatten_dense_tensors
 
 
+def _inverse(order: list[int]) -> torch.Tensor | None:
+    """The indices that put results laid out in ``order`` (a permutation of the list's positions)
+    back in list order (``index_select``); None when ``order`` is the list's own."""
+    if order == list(range(len(order))):
+        return None
+    inverse = [0] * len(order)
+    for j, i in enumerate(order):
+        inverse[i] = j
+    return torch.tensor(inverse, dtype=torch.long)
+
+
 def _getter(idx: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     """``f(seq) -> tuple(seq[i] for i in idx)`` in C (``itemgetter`` returns a bare item for one index)."""
     if len(idx) == 1:
@@ -207,11 +218,8 @@ class Plan:
         # the per-tensor result in list order: [flattened..., stacked..., big..., zeros for empty
         # tensors] -> order
         order = self.small + stacked + self.big + [i for i, k in enumerate(numel) if k == 0]
-        inverse = [0] * self.n
-        for j, i in enumerate(order):
-            inverse[i] = j
         self.empty = self.n - len(self.small) - len(stacked) - len(self.big)
-        self.inverse = None if order == list(range(self.n)) else torch.tensor(inverse, dtype=torch.long)
+        self.inverse = _inverse(order)
         # the update ratio's snapshot (snapshot, update_norms): every tensor up to SMALL elements first,
         # in list order (one segment_reduce over them), then the big ones (a dot each)
         snap_small = [i for i, k in enumerate(numel) if k <= SMALL]
@@ -221,13 +229,7 @@ class Plan:
         self.snap_small_total = sum(numel[i] for i in snap_small)
         self.snap_lengths = torch.tensor([numel[i] for i in snap_small], dtype=torch.long)
         self.big_numel = [numel[i] for i in self.big]
-        snap_order = snap_small + self.big
-        snap_inverse = [0] * self.n
-        for j, i in enumerate(snap_order):
-            snap_inverse[i] = j
-        self.snap_inverse = (
-            None if snap_order == list(range(self.n)) else torch.tensor(snap_inverse, dtype=torch.long)
-        )
+        self.snap_inverse = _inverse(snap_small + self.big)
 
     @staticmethod
     def build(tensors: Sequence[torch.Tensor]) -> Plan | None:
